@@ -1,0 +1,36 @@
+"""Scheduling kernels: when should data-parallel workers synchronize?
+
+Pure functions over numpy arrays, compiled with Numba; nothing here knows about ranks, tags,
+tensors, mpi4py or torch. The state server (rank 0) calls them with its per-worker tables.
+
+=====================  ===========================================================
+``predict``            lookahead matrix 𝓜 from the latest pushes (ZipLine §4)
+``zipline``            ElasticBSP barrier search, six variants (ZipLine §5)
+``dssp_*``             DSSP server decisions (DSSP Alg. 1) and controller (Alg. 2)
+``ssp_may_continue``   SSP staleness bound (DSSP §I.A)
+``esync_*``            ESync State Server QUERY-STATE (ESync Alg. 2, §4.2)
+``osp_*``              OSP importance ranking and ICS sizing (OSP §4.1, Alg. 1)
+=====================  ===========================================================
+"""
+
+from mpsync.sched.predict import predict, predict_reference, push_intervals
+from mpsync.sched.zipline import (
+    EXACT_VARIANTS,
+    FASTEST_EXACT_VARIANT,
+    ZIPLINE_VARIANTS,
+    ZipLineResult,
+    check_matrix,
+    zipline,
+)
+
+__all__ = [
+    "predict",
+    "predict_reference",
+    "push_intervals",
+    "ZIPLINE_VARIANTS",
+    "EXACT_VARIANTS",
+    "FASTEST_EXACT_VARIANT",
+    "ZipLineResult",
+    "check_matrix",
+    "zipline",
+]

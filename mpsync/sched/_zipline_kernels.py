@@ -1,0 +1,486 @@
+"""Numba kernels behind :func:`mpsync.sched.zipline` (ZipLine paper §5; references in
+:mod:`mpsync.sched.zipline_reference`).
+
+Conventions shared by every kernel:
+
+* ``M`` is float64[n, R], C-contiguous, finite, every row non-decreasing (checked by
+  :func:`_check` before any kernel runs).
+* Ω, the merged timeline of §5.2 Step 1, is ordered by (timestamp, worker id, iteration index):
+  §5.2 sorts equal timestamps by worker id, and within a row equal timestamps keep their index
+  order. :func:`_merge` builds it from the rows, which are already sorted.
+* Every kernel returns ``(z, d, t_sync, candidates)``. ``d`` is always computed as
+  ``max(Z) - min(Z)`` of actual timestamps, so two variants that find the same pair of end
+  points agree bit for bit and the tie rule below is decided on identical floats.
+* Tie rule (§4.2, Thm. 1 and Corollary 1): minimum d, then the earliest t_sync. Scanning Ω from
+  the left and keeping a candidate only when it is strictly better implements it.
+* ``z`` of an exact variant is canonical: for each worker the last predicted push not after
+  t_sync, ``z[p] = max{i : M[p, i] <= t_sync}`` (:func:`_z_at`). Among solutions with the same
+  d and t_sync this is the one in which every worker waits least. Alg. 2 taken literally may
+  return an earlier element for a worker whose push at exactly t_sync comes later in the
+  equal-timestamp order; finishing that tie group is what makes z independent of the scan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpsync.sched._numba import jit
+
+# Status codes of _check; zipline() turns them into ValueError messages.
+OK = 0
+NOT_FINITE = 1
+NOT_SORTED = 2
+
+
+@jit
+def _check(M):
+    """(status, row): the first row that is non-finite or decreasing, else (OK, -1)."""
+    n, R = M.shape
+    for p in range(n):
+        prev = M[p, 0]
+        if not np.isfinite(prev):
+            return NOT_FINITE, p
+        for i in range(1, R):
+            x = M[p, i]
+            if not np.isfinite(x):
+                return NOT_FINITE, p
+            if x < prev:
+                return NOT_SORTED, p
+            prev = x
+    return OK, -1
+
+
+@jit
+def _merge(M):
+    """Ω as two arrays (timestamps, worker ids): a k-way merge of the n sorted rows.
+
+    The k = n runs are merged pairwise, bottom-up, in ceil(log2 n) passes of Rn element moves
+    each: O(Rn log n). Each 2-way merge is stable and its left run always holds the lower worker
+    ids, so equal timestamps come out by worker id and, within a row, by index: exactly the Ω
+    order of §5.2. Speed (this is most of the cost of "window" and "optbs"): every 2-way merge
+    runs from both ends at once (two independent dependency chains per step), branch-free
+    selects, unsigned indices (no negative-index wraparound code).
+    """
+    n, R = M.shape
+    N = n * R
+    src_t = M.copy().reshape(N)
+    src_w = np.empty(N, dtype=np.int32)
+    for p in range(n):
+        for i in range(R):
+            src_w[p * R + i] = p
+    dst_t = np.empty(N, dtype=np.float64)
+    dst_w = np.empty(N, dtype=np.int32)
+    one = np.uint64(1)
+    un = np.uint64(N)
+    width = np.uint64(R)
+    while width < un:
+        lo = np.uint64(0)
+        while lo < un:
+            mid = min(lo + width, un)
+            hi = min(lo + width + width, un)
+            if mid >= hi or src_t[mid - one] <= src_t[mid]:
+                # Nothing to interleave (a lone run, or runs that do not overlap): copy.
+                j = lo
+                while j < hi:
+                    dst_t[j] = src_t[j]
+                    dst_w[j] = src_w[j]
+                    j += one
+                lo = hi
+                continue
+            a = lo  # front cursors: next element of each run
+            b = mid
+            k = lo
+            ae = mid  # back cursors: one past the last unused element of each run
+            be = hi
+            kb = hi
+            while a < mid and b < hi and ae > lo and be > mid and k < kb:
+                ta = src_t[a]
+                tb = src_t[b]
+                c = np.uint64(tb < ta)  # ties take the left run: stable
+                dst_t[k] = tb if c else ta
+                dst_w[k] = src_w[b] if c else src_w[a]
+                b += c
+                a += one - c
+                k += one
+                xa = src_t[ae - one]
+                xb = src_t[be - one]
+                c = np.uint64(xa > xb)  # ties take the right run last: stable
+                kb -= one
+                dst_t[kb] = xa if c else xb
+                dst_w[kb] = src_w[ae - one] if c else src_w[be - one]
+                ae -= c
+                be -= one - c
+            # One run ran out at an end (or the two ends met): finish from the front. If the
+            # ends met on the same slot, both wrote the same element there.
+            while k < kb:
+                if a < mid and (b >= hi or not src_t[b] < src_t[a]):
+                    dst_t[k] = src_t[a]
+                    dst_w[k] = src_w[a]
+                    a += one
+                else:
+                    dst_t[k] = src_t[b]
+                    dst_w[k] = src_w[b]
+                    b += one
+                k += one
+            lo = hi
+        src_t, dst_t = dst_t, src_t
+        src_w, dst_w = dst_w, src_w
+        width = width + width
+    return src_t, src_w
+
+
+@jit
+def _z_at(M, t_sync):
+    """Canonical z: for each row the last index whose timestamp is <= t_sync (binary search)."""
+    n, R = M.shape
+    z = np.empty(n, dtype=np.int64)
+    for p in range(n):
+        lo = 0
+        hi = R
+        while lo < hi:
+            m = (lo + hi) >> 1
+            if M[p, m] <= t_sync:
+                lo = m + 1
+            else:
+                hi = m
+        z[p] = lo - 1
+    return z
+
+
+@jit
+def _basic(M, want_candidates):
+    """ZipLine, Alg. 2 (§5.2): O(Rn^2).
+
+    Z is an unordered array of n (timestamp, worker) slots: finding the slot of the incoming
+    worker and finding min(Z) are both linear scans, as in §5.2 ("the removal or replacement
+    operation of an element costs O(n) ... it takes O(n) to find the element in Z with the
+    earliest timestamp").
+    """
+    n, R = M.shape
+    N = n * R
+    ts, ws = _merge(M)
+    cand = np.empty(N if want_candidates else 0, dtype=np.float64)
+    nc = 0
+    zt = np.empty(n, dtype=np.float64)
+    zw = np.empty(n, dtype=np.int32)
+    size = 0
+    pos = 0
+    t = 0.0
+    # Lines 5-9: fill Z from the left of Ω, replacing an element of the same worker.
+    while size < n:
+        t = ts[pos]
+        w = ws[pos]
+        pos += 1
+        j = 0
+        while j < size and zw[j] != w:
+            j += 1
+        zt[j] = t
+        if j == size:
+            zw[j] = w
+            size += 1
+    mn = zt[0]
+    for j in range(1, n):
+        if zt[j] < mn:
+            mn = zt[j]
+    best_d = t - mn
+    best_t = t
+    if want_candidates:
+        cand[nc] = best_d
+        nc += 1
+    # Lines 13-23: every further element of Ω replaces its worker's element and forms a Z.
+    while pos < N:
+        t = ts[pos]
+        w = ws[pos]
+        pos += 1
+        j = 0
+        while zw[j] != w:
+            j += 1
+        zt[j] = t
+        mn = zt[0]
+        for j in range(1, n):
+            if zt[j] < mn:
+                mn = zt[j]
+        d = t - mn
+        if want_candidates:
+            cand[nc] = d
+            nc += 1
+        if d < best_d:
+            best_d = d
+            best_t = t
+    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+
+
+@jit
+def _opt(M, want_candidates):
+    """ZipLineOpt (§5.3.1): Z kept in arrival order, hence sorted; Thm. 3 pruning.
+
+    Case (i), the oldest element of Z is the incoming worker's: drop it from the front and
+    compute d_Z' = e' - (new oldest) in O(1). Case (ii): by Thm. 3 d_Z' >= d_Z, so d_Z' cannot
+    be a strict improvement and is not evaluated; the worker's old element is found by a linear
+    traversal and removed by shifting the elements after it one slot left, O(n).
+    (With ``want_candidates`` the skipped d_Z' = e' - min(Z') is still recorded, for tests.)
+    """
+    n, R = M.shape
+    N = n * R
+    ts, ws = _merge(M)
+    cand = np.empty(N if want_candidates else 0, dtype=np.float64)
+    nc = 0
+    zt = np.empty(N, dtype=np.float64)
+    zw = np.empty(N, dtype=np.int32)
+    present = np.zeros(n, dtype=np.bool_)
+    head = 0
+    tail = 0
+    size = 0
+    best_d = np.inf
+    best_t = np.inf
+    for pos in range(N):
+        t = ts[pos]
+        w = ws[pos]
+        evaluate = False
+        if not present[w]:
+            present[w] = True
+            size += 1
+            evaluate = size == n  # the first complete Z (end of lines 5-9)
+        elif size == n and zw[head] == w:
+            head += 1  # case (i)
+            evaluate = True
+        else:
+            j = head  # case (ii), or a repeat during the initial fill
+            while zw[j] != w:
+                j += 1
+            for k in range(j + 1, tail):
+                zt[k - 1] = zt[k]
+                zw[k - 1] = zw[k]
+            tail -= 1
+        zt[tail] = t
+        zw[tail] = w
+        tail += 1
+        if size == n:
+            if evaluate:
+                d = t - zt[head]
+                if d < best_d:
+                    best_d = d
+                    best_t = t
+                if want_candidates:
+                    cand[nc] = d
+                    nc += 1
+            elif want_candidates:
+                cand[nc] = t - zt[head]
+                nc += 1
+    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+
+
+@jit
+def _locate(zt, zk, head, tail, t, key):
+    """Position of (t, key) in the sorted slice [head, tail) of (zt, zk), which holds it.
+
+    Branch-free lower bound: the trip count depends only on the length, and the comparison
+    feeds a select, so a search costs ~log2(tail - head) loads and no mispredicted branches.
+    """
+    base = np.uint64(head)
+    length = np.uint64(tail - head)
+    one = np.uint64(1)
+    while length > one:
+        half = length >> one
+        m = base + half
+        x = zt[m - one]
+        lt = (x < t) | ((x == t) & (zk[m - one] < key))
+        base = m if lt else base
+        length -= half
+    x = zt[base]
+    lt = (x < t) | ((x == t) & (zk[base] < key))
+    return np.int64(base) + np.int64(lt)
+
+
+@jit
+def _optbs(M, want_candidates):
+    """ZipLineOptBS (§5.3.2): ZipLineOpt that locates the old element by binary search.
+
+    The incoming element e_i^p tells, through the auxiliary matrix 𝓜, the timestamp of the
+    element it replaces, e_{i-1}^p = M[p, i-1]; Z is sorted, so a binary search on (timestamp,
+    worker, index) finds it in O(log n) even among equal timestamps (the "rare case" of §5.3.2).
+
+    Departure from §5.3.2: the located element is marked dead instead of being removed by
+    shifting its successors. Shifting costs O(n) per case (ii), which the paper's
+    (1-α)·O(Rn log n) bound leaves out; with the §6.1 data α is small (the incoming worker is
+    rarely the oldest in Z), so shifting would make the variant O(Rn^2) in practice. Dead
+    entries keep their keys, so the array stays sorted for the binary search, and the front
+    pointer skips them (amortised O(1)). Candidates, pruning and result are unchanged.
+    """
+    n, R = M.shape
+    N = n * R
+    ts, ws = _merge(M)
+    cand = np.empty(N if want_candidates else 0, dtype=np.float64)
+    nc = 0
+    zt = np.empty(N, dtype=np.float64)
+    zk = np.empty(N, dtype=np.int64)  # p * R + i: orders equal timestamps as Ω does
+    alive = np.zeros(N, dtype=np.bool_)
+    seen = np.zeros(n, dtype=np.int64)  # elements of each row already scanned
+    head = 0
+    tail = 0
+    size = 0
+    best_d = np.inf
+    best_t = np.inf
+    for pos in range(N):
+        t = ts[pos]
+        w = ws[pos]
+        i = seen[w]
+        seen[w] = i + 1
+        key = w * R + i
+        evaluate = False
+        if i == 0:
+            size += 1
+            evaluate = size == n
+        else:
+            old = key - 1
+            if zk[head] == old:
+                j = head  # case (i) once Z is complete
+                evaluate = size == n
+            else:
+                j = _locate(zt, zk, head, tail, M[w, i - 1], old)
+            alive[j] = False
+            if j == head:
+                head += 1
+                while head < tail and not alive[head]:
+                    head += 1
+        zt[tail] = t
+        zk[tail] = key
+        alive[tail] = True
+        tail += 1
+        if size == n:
+            if evaluate:
+                d = t - zt[head]
+                if d < best_d:
+                    best_d = d
+                    best_t = t
+                if want_candidates:
+                    cand[nc] = d
+                    nc += 1
+            elif want_candidates:
+                cand[nc] = t - zt[head]
+                nc += 1
+    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+
+
+@jit
+def _window(M, want_candidates):
+    """k-way merge + two-pointer window: O(Rn log n) merge, O(Rn) scan (mpsync's own variant).
+
+    The right pointer walks Ω; ``count[p]`` is how many elements of worker p lie in the window.
+    Once all n workers are covered, the left pointer moves past every element whose worker is
+    covered again further right. The window then holds, for every worker, its latest element,
+    and its left end is min(Z) of Alg. 2 at the same step, so the candidates are those of Alg. 2
+    in the same order, at O(1) amortised each instead of O(n) (Alg. 2) or O(log n) (OptBS).
+    """
+    n, R = M.shape
+    N = n * R
+    ts, ws = _merge(M)
+    cand = np.empty(N if want_candidates else 0, dtype=np.float64)
+    nc = 0
+    count = np.zeros(n, dtype=np.int32)
+    covered = 0
+    left = 0
+    best_d = np.inf
+    best_t = np.inf
+    for right in range(N):
+        w = ws[right]
+        if count[w] == 0:
+            covered += 1
+        count[w] += 1
+        if covered == n:
+            lw = ws[left]
+            while count[lw] > 1:
+                count[lw] -= 1
+                left += 1
+                lw = ws[left]
+            t = ts[right]
+            d = t - ts[left]
+            if want_candidates:
+                cand[nc] = d
+                nc += 1
+            if d < best_d:
+                best_d = d
+                best_t = t
+    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+
+
+@jit
+def _first_not_before(M, p, e):
+    """Index of the first element of row p that is >= e, or R if none (linear, as in Alg. 1)."""
+    R = M.shape[1]
+    j = 0
+    while j < R and M[p, j] < e:
+        j += 1
+    return j
+
+
+@jit
+def _grid_candidate(M, q, i):
+    """d and t_sync of the candidate around designated element M[q, i] (Alg. 1 line 10), or
+    (inf, inf) when some row has nothing at or after it."""
+    n, R = M.shape
+    e = M[q, i]
+    hi = e
+    for p in range(n):
+        if p == q:
+            continue
+        j = _first_not_before(M, p, e)
+        if j == R:
+            return np.inf, np.inf
+        if M[p, j] > hi:
+            hi = M[p, j]
+    return hi - e, hi
+
+
+@jit
+def _gridscan(M, want_candidates):
+    """GridScan, Alg. 1 (§5.1), a heuristic: O(R^2 n).
+
+    The designated row is the one with the earliest first timestamp (line 4; ties: lowest id).
+    For each of its R elements e, every other row contributes the element "close to" e (line 10)
+    read as its earliest element not before e, so e is min(Z) and d_Z = max(Z) - e. Only R
+    candidates are seen, so the optimum is missed whenever its earliest element lies in another
+    row. Returns the Z it found (not the canonical z of the exact variants).
+    """
+    n, R = M.shape
+    q = 0
+    for p in range(1, n):
+        if M[p, 0] < M[q, 0]:
+            q = p
+    cand = np.empty(R if want_candidates else 0, dtype=np.float64)
+    best_d = np.inf
+    best_t = np.inf
+    best_i = 0
+    for i in range(R):
+        d, t = _grid_candidate(M, q, i)
+        if want_candidates:
+            cand[i] = d
+        if d < best_d or (d == best_d and t < best_t):
+            best_d = d
+            best_t = t
+            best_i = i
+    z = np.empty(n, dtype=np.int64)
+    e = M[q, best_i]
+    for p in range(n):
+        z[p] = best_i if p == q else _first_not_before(M, p, e)
+    return z, best_d, best_t, cand
+
+
+@jit
+def _fullgridscan(M, want_candidates):
+    """FullGridScan (§5.1): GridScan with every row designated in turn (line 4 skipped),
+    Rn candidates, O(R^2 n^2). Exact: the optimum's earliest element is designated once, and
+    the earliest element not before it in every other row is no later than the optimum's."""
+    n, R = M.shape
+    cand = np.empty(n * R if want_candidates else 0, dtype=np.float64)
+    best_d = np.inf
+    best_t = np.inf
+    for q in range(n):
+        for i in range(R):
+            d, t = _grid_candidate(M, q, i)
+            if want_candidates:
+                cand[q * R + i] = d
+            if d < best_d or (d == best_d and t < best_t):
+                best_d = d
+                best_t = t
+    return _z_at(M, best_t), best_d, best_t, cand

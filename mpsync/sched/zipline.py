@@ -1,0 +1,139 @@
+"""ElasticBSP barrier search: the ZipLine family (ZipLine paper §4-§5).
+
+Given the predicted push timestamps 𝓜 (n workers x R future iterations, see
+:func:`mpsync.sched.predict`), find Z*, one element per worker, minimising the waiting time
+d_Z = max(Z) - min(Z) (Problem 1, §4.1); the barrier is imposed at t_sync = max(Z*). Among
+several optima the earliest t_sync wins (§4.2, Thm. 1, Corollary 1).
+
+Variants (``ZIPLINE_VARIANTS``):
+
+``"basic"``         ZipLine, Alg. 2 (§5.2), O(Rn^2).
+``"opt"``           ZipLineOpt (§5.3.1), Thm. 3 pruning, α·O(Rn) + (1-α)·O(Rn^2).
+``"optbs"``         ZipLineOptBS (§5.3.2), auxiliary matrix + binary search.
+``"gridscan"``      GridScan, Alg. 1 (§5.1): a heuristic, R candidates, O(R^2 n).
+``"fullgridscan"``  FullGridScan (§5.1): Rn candidates, O(R^2 n^2), exact.
+``"window"``        k-way merge of the sorted rows + two-pointer window, O(Rn log n); not in the
+                    paper, the fastest exact variant (``FASTEST_EXACT_VARIANT``).
+
+All variants but ``"gridscan"`` are exact and return the same result (same z, d and t_sync).
+The kernels live in :mod:`mpsync.sched._zipline_kernels`; plain-Python references, including
+the brute-force search over all R^n solutions (§5.1 "naive search"), in
+:mod:`mpsync.sched.zipline_reference`.
+
+Departures from the paper, each explained where it is implemented:
+
+* Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by construction, instead of
+  sorting all Rn elements: the same order in O(Rn log n) instead of O(Rn log Rn).
+* ``z`` is canonical (each worker's last push not after t_sync), see ``_zipline_kernels``.
+* ZipLineOptBS marks removed elements dead instead of shifting the array (``_optbs``).
+* GridScan's "close to" (Alg. 1 line 10; the algorithm box is not in the text) is read as
+  "earliest element not before the designated one", which makes FullGridScan exact as Table 3
+  reports.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from mpsync.sched import _zipline_kernels as _k
+
+__all__ = [
+    "ZIPLINE_VARIANTS",
+    "EXACT_VARIANTS",
+    "FASTEST_EXACT_VARIANT",
+    "ZipLineResult",
+    "zipline",
+    "check_matrix",
+]
+
+ZIPLINE_VARIANTS: tuple[str, ...] = ("basic", "opt", "optbs", "gridscan", "fullgridscan", "window")
+EXACT_VARIANTS: tuple[str, ...] = ("basic", "opt", "optbs", "fullgridscan", "window")
+FASTEST_EXACT_VARIANT = "window"
+
+_KERNELS = {
+    "basic": _k._basic,
+    "opt": _k._opt,
+    "optbs": _k._optbs,
+    "gridscan": _k._gridscan,
+    "fullgridscan": _k._fullgridscan,
+    "window": _k._window,
+}
+
+
+class ZipLineResult(NamedTuple):
+    """The barrier chosen by :func:`zipline`.
+
+    z : int64[n]
+        For each worker p, the column of 𝓜 (the future iteration, 0-based) of its element of Z*:
+        worker p runs ``z[p] + 1`` more iterations before the barrier.
+    d : float
+        d_{Z*} = max(Z*) - min(Z*), the waiting time of the first worker to arrive.
+    t_sync : float
+        max(Z*), when to impose the barrier.
+    candidates : float64[k] or None
+        With ``return_candidates=True``: d_Z of every candidate in evaluation order. For
+        ``"basic"``, ``"opt"``, ``"optbs"`` and ``"window"`` this is the sequence of Alg. 2 (the
+        data of Figs. 6-7): the first complete Z, then one Z per remaining element of Ω, so
+        k = Rn - k0 + 1 where k0 is the number of elements taken to fill the first Z (for
+        ``"opt"``/``"optbs"`` the d_Z that Thm. 3 lets them skip are filled in). For
+        ``"gridscan"`` the R candidates of the designated row, for ``"fullgridscan"`` the Rn
+        candidates with designated element M[q, i] at index q*R + i; ``inf`` marks a designated
+        element after which some worker has no push left.
+    """
+
+    z: np.ndarray
+    d: float
+    t_sync: float
+    candidates: np.ndarray | None = None
+
+
+def check_matrix(M) -> np.ndarray:
+    """Validate 𝓜 and return it as a C-contiguous float64 array, or raise ValueError."""
+    if isinstance(M, np.ndarray) and M.dtype == np.float64 and M.flags.c_contiguous:
+        a = M
+    else:
+        try:
+            a = np.ascontiguousarray(M, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"M must be a 2-D array of timestamps: {exc}") from None
+    if a.ndim != 2:
+        raise ValueError(f"M must be 2-D (n workers x R iterations), got {a.ndim}-D shape {a.shape}")
+    n, R = a.shape
+    if n < 1:
+        raise ValueError("M is empty: no workers (n = 0)")
+    if R < 1:
+        raise ValueError(f"M has R = {R}: need at least one predicted iteration per worker")
+    status, row = _k._check(a)
+    if status == _k.NOT_FINITE:
+        raise ValueError(f"M contains NaN or inf (row {row})")
+    if status == _k.NOT_SORTED:
+        raise ValueError(f"row {row} of M is not non-decreasing: predicted pushes must be in time order")
+    return a
+
+
+def zipline(M, variant: str = "optbs", return_candidates: bool = False) -> ZipLineResult:
+    """Find the ElasticBSP barrier over predicted pushes ``M`` (ZipLine paper §4.1, Problem 1).
+
+    Parameters
+    ----------
+    M : float64[n, R]
+        Row p holds worker p's R predicted push timestamps, non-decreasing (n = 1, R = 1 valid).
+    variant : str
+        One of ``ZIPLINE_VARIANTS``; default ``"optbs"`` (the paper's recommendation for
+        n > 100); ``FASTEST_EXACT_VARIANT`` is faster and returns the same result.
+    return_candidates : bool
+        Also return the d_Z of every candidate evaluated (see :class:`ZipLineResult`).
+
+    Raises
+    ------
+    ValueError
+        Unknown variant; M empty, not 2-D, R < 1, containing NaN/inf, or with a decreasing row.
+    """
+    kernel = _KERNELS.get(variant)
+    if kernel is None:
+        raise ValueError(f"unknown ZipLine variant {variant!r}; expected one of {ZIPLINE_VARIANTS}")
+    a = check_matrix(M)
+    z, d, t_sync, cand = kernel(a, bool(return_candidates))
+    return ZipLineResult(z, float(d), float(t_sync), cand if return_candidates else None)
