@@ -13,6 +13,33 @@ tensors, mpi4py or torch. The state server (rank 0) calls them with its per-work
 =====================  ===========================================================
 """
 
+from mpsync.sched.dssp import (
+    dssp_controller,
+    dssp_controller_reference,
+    dssp_fastest,
+    dssp_is_fastest,
+    dssp_on_push,
+    dssp_slowest,
+    ssp_may_continue,
+)
+from mpsync.sched.esync import (
+    esync_delta,
+    esync_query_state,
+    esync_ready,
+    esync_ready_delayed_ack,
+    esync_ready_reference,
+    esync_reset,
+    esync_slowest,
+)
+from mpsync.sched.osp import (
+    OSP_MAX_MODEL_FRACTION,
+    osp_bitmap,
+    osp_bitmap_reference,
+    osp_ics_budget,
+    osp_ics_size,
+    osp_layer_importance,
+    osp_rank,
+)
 from mpsync.sched.predict import predict, predict_reference, push_intervals
 from mpsync.sched.zipline import (
     EXACT_VARIANTS,
@@ -33,4 +60,25 @@ __all__ = [
     "ZipLineResult",
     "check_matrix",
     "zipline",
+    "ssp_may_continue",
+    "dssp_slowest",
+    "dssp_fastest",
+    "dssp_is_fastest",
+    "dssp_controller",
+    "dssp_controller_reference",
+    "dssp_on_push",
+    "esync_slowest",
+    "esync_ready",
+    "esync_ready_reference",
+    "esync_query_state",
+    "esync_reset",
+    "esync_ready_delayed_ack",
+    "esync_delta",
+    "osp_layer_importance",
+    "osp_rank",
+    "osp_ics_budget",
+    "osp_ics_size",
+    "osp_bitmap",
+    "osp_bitmap_reference",
+    "OSP_MAX_MODEL_FRACTION",
 ]

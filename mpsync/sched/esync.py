@@ -1,0 +1,153 @@
+"""ESync State Server: QUERY-STATE (ESync paper Alg. 2) and the delayed-ACK mode (§4.2).
+
+The record table of Alg. 2, "(rank, local_iterations, capability, last_finish_time, ready,
+round)", is kept by the server as five arrays indexed by rank (the index is the rank):
+
+=================  ========  ==================================================================
+``local_iters``    int64     k: local iterations the device has done this round
+``capability``     float64   c: seconds per local iteration (Alg. 1 line 14: its last one)
+``last_finish``    float64   t_e: when its last local iteration finished (server clock, see
+                             below)
+``ready``          bool      told READY this round
+``round_``         int64     communication rounds it has completed (RESET-STATE-SERVER)
+=================  ========  ==================================================================
+
+Clock: Alg. 1 sends the device's own GET-CURRENT-TIME() as t_e and Alg. 2 compares it with the
+server's clock, which assumes synchronized clocks. In mpsync the server stamps t_e itself on
+receipt (DESIGN.md invariant); the kernels only need t_e and ``now`` on one clock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpsync.sched._numba import jit
+
+__all__ = [
+    "esync_slowest",
+    "esync_ready",
+    "esync_ready_reference",
+    "esync_query_state",
+    "esync_reset",
+    "esync_ready_delayed_ack",
+    "esync_delta",
+]
+
+
+@jit
+def _check_table(local_iters, capability, last_finish, ready, round_, p):
+    n = capability.shape[0]
+    if n < 1:
+        raise ValueError("the record table is empty")
+    if (
+        local_iters.shape[0] != n
+        or last_finish.shape[0] != n
+        or ready.shape[0] != n
+        or round_.shape[0] != n
+    ):
+        raise ValueError("record table arrays differ in length")
+    if p < 0 or p >= n:
+        raise ValueError("rank p is out of range")
+
+
+@jit
+def esync_slowest(capability):
+    """FIND-SLOWEST-DEVICE (Alg. 2 line 4): the largest capability c, i.e. the most seconds per
+    iteration (§4.1 orders c_1 >= ... >= c_p, c_1 the slowest); lowest rank among ties."""
+    s = 0
+    for i in range(1, capability.shape[0]):
+        if capability[i] > capability[s]:
+            s = i
+    return s
+
+
+@jit
+def esync_ready(local_iters, capability, last_finish, ready, round_, p, now, eps):
+    """Alg. 2 QUERY-STATE decision: True = READY (aggregate now), False = NOT-READY (train on).
+
+    Pure: the record of the querying rank ``p`` must already hold this query's (k, c, t_e)
+    (Alg. 2 line 3) and nothing is written; :func:`esync_query_state` does both. Lines 4-12:
+
+    * slowest = the rank with the largest capability;
+    * NOT-READY if ``local_iters[p] == 0`` (every device does at least one local iteration) or
+      the slowest has not completed the PULL of the previous aggregation yet, read as
+      ``round_[slowest] < round_[p]`` (it has not been reset into p's round);
+    * rest_time = c_slowest - now + t_e,slowest: time until the slowest device finishes the
+      local iteration it is running;
+    * READY if p is the slowest, or the slowest is already READY, or
+      ``capability[p] + eps > rest_time`` (p cannot finish another iteration in time);
+      otherwise NOT-READY.
+
+    ``eps`` is ESync's ε, "a small constant to avoid boundary error" (0.5 s in the authors'
+    reference code). For the delayed-ACK mode of §4.2 see :func:`esync_ready_delayed_ack`.
+    """
+    _check_table(local_iters, capability, last_finish, ready, round_, p)
+    s = esync_slowest(capability)
+    if local_iters[p] == 0 or round_[s] < round_[p]:
+        return False
+    rest_time = capability[s] - now + last_finish[s]
+    return p == s or ready[s] or capability[p] + eps > rest_time
+
+
+def esync_ready_reference(records, p: int, now: float, eps: float) -> bool:
+    """Plain-Python reference of :func:`esync_ready` over Alg. 2's record tuples
+    ``(rank, local_iterations, capability, last_finish_time, ready, round)``."""
+    slowest = max(records, key=lambda r: (r[2], -r[0]))
+    current = records[p]
+    if current[1] == 0 or slowest[5] < current[5]:
+        return False
+    rest_time = slowest[2] - now + slowest[3]
+    return current[0] == slowest[0] or bool(slowest[4]) or current[2] + eps > rest_time
+
+
+@jit
+def esync_query_state(local_iters, capability, last_finish, ready, round_, p, k, c, t_e, now, eps):
+    """Alg. 2 in full, updating the table in place: record (k, c, t_e) for rank p (line 3),
+    decide (lines 4-9, :func:`esync_ready`), mark p ready when READY (line 10). Returns the
+    decision. ``t_e`` is when p's last local iteration finished, ``now`` the server's clock."""
+    _check_table(local_iters, capability, last_finish, ready, round_, p)
+    local_iters[p] = k
+    capability[p] = c
+    last_finish[p] = t_e
+    ok = esync_ready(local_iters, capability, last_finish, ready, round_, p, now, eps)
+    if ok:
+        ready[p] = True
+    return ok
+
+
+@jit
+def esync_reset(local_iters, last_finish, ready, round_, p, t, t_e):
+    """RESET-STATE-SERVER(r, t, t_e) (Alg. 1 line 25, after p pulled the aggregate of round
+    t - 1): k = 0, not ready, round = t, last finish = t_e. Capability is kept: it is still the
+    best estimate of p's next iteration. (The paper gives no body; this is our reading of it.)
+    """
+    n = ready.shape[0]
+    if p < 0 or p >= n:
+        raise ValueError("rank p is out of range")
+    local_iters[p] = 0
+    ready[p] = False
+    round_[p] = t
+    last_finish[p] = t_e
+
+
+@jit
+def esync_ready_delayed_ack(local_iters, compute_time, rtt, last_finish, ready, round_, p, now, eps):
+    """§4.2 non-blocking mode with delayed ACK: Alg. 2 with c_i redefined as the time to
+    process b samples *plus* the RTT of a state query on device i, so both slow devices and
+    slow links count as slow. Devices keep training on an implicit NOT-READY; only READY is
+    sent (this function returning True). The worker then aborts iteration k + δ and aggregates
+    iterations 1..k + δ - 1, δ from :func:`esync_delta`.
+    """
+    capability = compute_time + rtt
+    return esync_ready(local_iters, capability, last_finish, ready, round_, p, now, eps)
+
+
+@jit
+def esync_delta(compute_time, rtt):
+    """δ of §4.2: δ - 1 is the number of local iterations that fit in one RTT, so
+    δ = floor(rtt / compute_time) + 1 (δ = 1 on a zero-latency link)."""
+    if not compute_time > 0.0:
+        raise ValueError("compute_time must be > 0")
+    if rtt < 0.0:
+        raise ValueError("rtt must be >= 0")
+    return np.int64(np.floor(rtt / compute_time)) + 1
