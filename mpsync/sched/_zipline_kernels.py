@@ -316,6 +316,9 @@ def _optbs(M, want_candidates):
     zk = np.empty(N, dtype=np.int64)  # p * R + i: orders equal timestamps as Ω does
     alive = np.zeros(N, dtype=np.bool_)
     seen = np.zeros(n, dtype=np.int64)  # elements of each row already scanned
+    # M[p, i-1] for each worker's element in Z: the value §5.3.2 reads from 𝓜, kept in an
+    # n-element array that stays in L1 cache (the n x R matrix does not).
+    prev_t = np.empty(n, dtype=np.float64)
     head = 0
     tail = 0
     size = 0
@@ -337,12 +340,13 @@ def _optbs(M, want_candidates):
                 j = head  # case (i) once Z is complete
                 evaluate = size == n
             else:
-                j = _locate(zt, zk, head, tail, M[w, i - 1], old)
+                j = _locate(zt, zk, head, tail, prev_t[w], old)
             alive[j] = False
             if j == head:
                 head += 1
                 while head < tail and not alive[head]:
                     head += 1
+        prev_t[w] = t
         zt[tail] = t
         zk[tail] = key
         alive[tail] = True
