@@ -1,0 +1,14 @@
+"""Benchmarks: a small registry of ``mpsync bench NAME`` commands.
+
+Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int``; each measures
+a baseline in the same run (``np.sort`` for ZipLine, a raw mpi4py ping-pong for the server, raw
+``hvd.allreduce`` / mpi4py ``Allreduce`` for aggregation) and reports medians after warm-up.
+"""
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "zipline": ("mpsync.bench.zipline", "ZipLine variants vs np.sort (ZipLine paper §6.1 data)"),
+    "server": ("mpsync.bench.server", "state-server query latency/throughput vs raw mpi4py ping-pong"),
+    "allreduce": ("mpsync.bench.allreduce", "mpsync aggregation vs raw hvd.allreduce / mpi4py Allreduce"),
+}
+
+__all__ = ["BENCHMARKS"]

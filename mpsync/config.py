@@ -1,0 +1,152 @@
+"""One typed configuration for a synchronization run, validated before anything is launched.
+
+``SyncConfig`` is what ``mpsync.torch.init``, the state server's policies, ``mpsync train`` and
+``mpsync compare`` share.  Validation needs no communicator, so impossible settings are rejected
+on every rank (and before ``mpirun`` starts) with one line that names the setting.
+
+Precedence: explicit arguments (CLI flags, ``init`` keywords) > environment (``MPSYNC_*``) >
+defaults.  Environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ConfigError", "SyncConfig", "POLICIES", "PS_ONLY_POLICIES", "TOPOLOGIES", "BACKENDS",
+    "SERVER_PLACEMENTS", "ZIPLINE_VARIANTS", "parse_float_list",
+]
+
+POLICIES = ("bsp", "asp", "ssp", "dssp", "ebsp", "esync", "osp")
+# Policies that need a central copy of the weights (DESIGN.md invariants): asking for them on the
+# ring is an error, never a silent fallback.
+PS_ONLY_POLICIES = ("asp", "ssp", "dssp")
+# OSP's two-stage sync overlaps a non-blocking allreduce with the next iteration: ring only.
+RING_ONLY_POLICIES = ("osp",)
+TOPOLOGIES = ("ring", "ps")
+BACKENDS = ("horovod", "mpi")
+SERVER_PLACEMENTS = ("dedicated", "colocated")
+ZIPLINE_VARIANTS = ("window", "optbs", "opt", "basic", "gridscan", "fullgridscan")
+
+ENV_PREFIX = "MPSYNC_"
+
+
+class ConfigError(ValueError):
+    """An impossible or unknown setting; the message names the setting."""
+
+
+@dataclass
+class SyncConfig:
+    policy: str = "bsp"
+    topology: str = "ring"
+    backend: str = "mpi"
+    server: str = "dedicated"
+    # SSP threshold s (SSP: a worker may run at most s iterations ahead of the slowest).
+    staleness: int = 3
+    # DSSP range [s_L, s_U] (DSSP paper Alg. 1): s_L is the guaranteed staleness, the controller
+    # grants up to s_U - s_L extra iterations.
+    staleness_low: int = 3
+    staleness_high: int = 15
+    # ElasticBSP: lookahead R (ZipLine paper §4) and the ZipLine variant used by the server.
+    lookahead: int = 15
+    zipline_variant: str = "window"
+    # ESync: global learning rate epsilon of Eq. 8, and slack epsilon of Alg. 2 (seconds).
+    epsilon: float = 1.0
+    esync_slack: float = 0.0
+    esync_delayed_ack: bool = False
+    # OSP: fraction of the model allowed in In-Computation Sync (OSP §4.1.2 caps it at 0.8).
+    osp_ics_max_fraction: float = 0.8
+    # Reliability: a worker silent for this long is taken out of ZipLine/ESync decisions (PS) or
+    # aborts the job (ring); every blocking wait has this deadline.
+    silent_timeout: float = 10.0
+    deadline: float = 60.0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> "SyncConfig":
+        _one_of("policy", self.policy, POLICIES)
+        _one_of("topology", self.topology, TOPOLOGIES)
+        _one_of("backend", self.backend, BACKENDS)
+        _one_of("server", self.server, SERVER_PLACEMENTS)
+        _one_of("zipline_variant", self.zipline_variant, ZIPLINE_VARIANTS)
+        if self.topology == "ring" and self.policy in PS_ONLY_POLICIES:
+            raise ConfigError(
+                f"policy={self.policy!r} needs a central copy of the weights and runs only on "
+                f"topology='ps' (got topology='ring')")
+        if self.topology == "ps" and self.policy in RING_ONLY_POLICIES:
+            raise ConfigError(f"policy={self.policy!r} runs only on topology='ring' (got 'ps')")
+        _int_at_least("staleness", self.staleness, 0)
+        _int_at_least("staleness_low", self.staleness_low, 0)
+        _int_at_least("staleness_high", self.staleness_high, 0)
+        if self.staleness_low > self.staleness_high:
+            raise ConfigError(f"staleness range: s_L={self.staleness_low} > s_U={self.staleness_high}")
+        _int_at_least("lookahead", self.lookahead, 1, what="lookahead R")
+        if not self.epsilon > 0:
+            raise ConfigError(f"epsilon (ESync global learning rate) must be > 0, got {self.epsilon}")
+        if self.esync_slack < 0:
+            raise ConfigError(f"esync_slack must be >= 0 seconds, got {self.esync_slack}")
+        if not 0.0 <= self.osp_ics_max_fraction <= 0.8:
+            raise ConfigError(f"osp_ics_max_fraction must be in [0, 0.8] (OSP §4.1.2), got "
+                              f"{self.osp_ics_max_fraction}")
+        if not self.silent_timeout > 0:
+            raise ConfigError(f"silent_timeout must be > 0 seconds, got {self.silent_timeout}")
+        if not self.deadline > 0:
+            raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
+        return self
+
+    @classmethod
+    def from_options(cls, env: dict | None = None, **options) -> "SyncConfig":
+        """Build from keyword options over ``MPSYNC_*`` environment variables; unknown keys fail."""
+        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        values: dict = {}
+        env = os.environ if env is None else env
+        for name, f in names.items():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _coerce(name, f.type, raw)
+        for key, value in options.items():
+            if key not in names:
+                raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(names))}")
+            values[key] = value
+        return cls(**values).validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_float_list(name: str, text: str, length: int | None = None) -> list[float]:
+    """Parse ``"1,1,2,4"``; the error names ``name``."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{name}: empty list")
+    if length is not None and len(values) != length:
+        raise ConfigError(f"{name}: {len(values)} values for {length} workers ({text!r})")
+    return values
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
+
+
+def _int_at_least(name: str, value, low: int, what: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{what or name} must be an integer >= {low}, got {value!r}")
+
+
+def _coerce(name: str, type_, raw: str):
+    t = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
+    try:
+        if t == "bool":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if t == "int":
+            return int(raw)
+        if t == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}") from None

@@ -1,0 +1,121 @@
+"""Building and running ``mpirun`` command lines.
+
+Launch commands are built by pure functions as argv lists (never one formatted shell string) so
+that they can be tested against expected output and reused by ``mpsync compare``, the
+benchmarks, the job templates and the test harness alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["mpirun_argv", "python_argv", "run_with_deadline", "LaunchResult", "is_root"]
+
+# Environment variables an mpsync rank needs to see on every node.  Open MPI forwards nothing by
+# default to remote nodes, so launchers pass these with ``-x``.
+FORWARDED_ENV = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MPSYNC_*")
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def python_argv(module: str, *args: str, python: str | None = None) -> list[str]:
+    """``python -m module args...`` with the interpreter that runs us (the venv's)."""
+    return [python or sys.executable, "-m", module, *args]
+
+
+def mpirun_argv(
+    nprocs: int,
+    command: list[str],
+    *,
+    oversubscribe: bool = True,
+    allow_run_as_root: bool | None = None,
+    hostfile: str | None = None,
+    forward_env: tuple[str, ...] = (),
+    output_dir: str | None = None,
+    mpirun: str = "mpirun",
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """Return the argv of an Open MPI ``mpirun`` that starts ``command`` on ``nprocs`` ranks.
+
+    - ``--bind-to none``: ranks of a data-parallel job are few and multi-threaded (torch); Open
+      MPI's default core binding would pin several ranks onto one core when oversubscribed.
+    - ``mpi_yield_when_idle``: an oversubscribed rank that busy-polls for a message steals the
+      core from the rank that would send it; yielding keeps 2-core runs fast and fair.
+    - ``allow_run_as_root`` defaults to "only when we are root" (Open MPI refuses root otherwise).
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if not command:
+        raise ValueError("command must not be empty")
+    argv = [mpirun, "-np", str(nprocs), "--bind-to", "none",
+            "--mca", "mpi_yield_when_idle", "1"]
+    if allow_run_as_root is None:
+        allow_run_as_root = is_root()
+    if allow_run_as_root:
+        argv.append("--allow-run-as-root")
+    if oversubscribe:
+        argv.append("--oversubscribe")
+    if hostfile:
+        argv += ["--hostfile", hostfile]
+    for name in forward_env:
+        argv += ["-x", name]
+    if output_dir:
+        argv += ["--output-filename", output_dir]
+    argv += list(extra)
+    return argv + list(command)
+
+
+@dataclass
+class LaunchResult:
+    argv: list[str]
+    returncode: int | None  # None: killed at the deadline
+    stdout: str
+    stderr: str
+    elapsed: float
+    timed_out: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def run_with_deadline(argv: list[str], timeout: float, *, env: dict | None = None,
+                      cwd: str | None = None, stdin=subprocess.DEVNULL) -> LaunchResult:
+    """Run ``argv`` in its own process group; kill the whole group when ``timeout`` passes.
+
+    ``mpirun`` forks one process per rank; killing only ``mpirun`` can leave ranks behind that
+    hold the terminal or a port, so the group is killed (SIGTERM, then SIGKILL).
+    """
+    if shutil.which(argv[0]) is None and not os.path.exists(argv[0]):
+        raise FileNotFoundError(f"{argv[0]!r} not found on PATH (is Open MPI installed? run `make setup`)")
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
+                            env=env, cwd=cwd, start_new_session=True, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return LaunchResult(argv, proc.returncode, out, err, time.monotonic() - start)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        return LaunchResult(argv, None, out, err, time.monotonic() - start, timed_out=True)
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
