@@ -93,6 +93,11 @@ def run_with_deadline(argv: list[str], timeout: float, *, env: dict | None = Non
     """
     if shutil.which(argv[0]) is None and not os.path.exists(argv[0]):
         raise FileNotFoundError(f"{argv[0]!r} not found on PATH (is Open MPI installed? run `make setup`)")
+    if env is None:
+        # Pass Python's copy of the environment explicitly: once this process has called
+        # MPI_Init (e.g. it imported mpi4py), Open MPI has setenv()'d singleton variables into
+        # the C environment, and an mpirun that inherits them fails to start its ranks.
+        env = dict(os.environ)
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
                             env=env, cwd=cwd, start_new_session=True, text=True)
