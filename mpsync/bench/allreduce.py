@@ -1,0 +1,237 @@
+"""``mpsync bench allreduce --np N --json``: mpsync's aggregation against raw Horovod and MPI.
+
+Per buffer size (4 KB .. 256 MB of float32), in one ``mpirun`` job, each measured after a
+warm-up as the median over repeats of the slowest rank's time (a barrier before each repeat):
+
+* ``mpsync_ms``: BSP's data path with the horovod backend (``average_gradients``: pack the
+  gradients of 8 parameter tensors into the fusion buffer, one Horovod allreduce polled with
+  the deadline, unpack);
+* ``mpsync_mpi_ms``: the same with the mpi backend (``Iallreduce`` polled with the deadline);
+* ``mpsync_copy_ms``: ``mpsync_ms`` when the gradients are not inside the fusion buffer (a
+  script that sets them to None each step): pack and unpack copies included;
+* ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
+* ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer.
+
+``--ps`` adds a second job with one extra rank as a dedicated state server and times the PS
+topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights, policy asp)
+at the same sizes (``ps_ms``), next to the ring's ``mpsync_ms`` (ring vs PS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+__all__ = ["add_arguments", "run", "DEFAULT_SIZES"]
+
+KB, MB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--np", type=int, default=2, help="worker ranks (default 2)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated buffer sizes in bytes (default 4 KB..256 MB, x4 steps)")
+    p.add_argument("--max-repeats", type=int, default=30)
+    p.add_argument("--seconds-per-point", type=float, default=1.5,
+                   help="stop repeating a measurement after this long (at least 3 repeats)")
+    p.add_argument("--ps", action="store_true", help="also time the PS topology (push+pull)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--out", default=None, help="write rows.json (and summary) into this dir")
+    p.add_argument("--timeout", type=float, default=1800.0)
+
+
+def _sizes(text: str | None) -> list[int]:
+    if not text:
+        return list(DEFAULT_SIZES)
+    sizes = [int(float(x)) for x in text.split(",") if x.strip()]
+    if not sizes or any(s < 4 for s in sizes):
+        raise SystemExit(f"--sizes: need byte counts >= 4, got {text!r}")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
+
+    if args.np < 1:
+        raise SystemExit(f"--np must be >= 1, got {args.np}")
+    sizes = _sizes(args.sizes)
+    common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
+              "--seconds-per-point", str(args.seconds_per_point)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else [])
+    rows: dict[int, dict] = {s: {"bytes": s} for s in sizes}
+    for mode, nprocs in jobs:
+        argv = mpirun_argv(nprocs, python_argv("mpsync.bench.allreduce", "--child", mode, *common),
+                           forward_env=("OMP_NUM_THREADS", "PYTHONPATH"))
+        res = run_with_deadline(argv, args.timeout, env=env)
+        if res.returncode != 0:
+            sys.stderr.write(res.stdout[-4000:] + res.stderr[-4000:])
+            raise SystemExit(f"bench allreduce ({mode}, np={nprocs}) failed: "
+                             f"{'timeout' if res.timed_out else f'exit {res.returncode}'}")
+        for line in res.stdout.splitlines():
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                rows[row["bytes"]].update(row)
+    table = [dict(rows[s], np=args.np) for s in sizes]
+    for row in table:
+        if row.get("horovod_ms"):
+            row["mpsync_vs_horovod"] = row["mpsync_ms"] / row["horovod_ms"]
+        if row.get("mpi_ms"):
+            row["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
+        if row.get("ps_ms"):
+            row["ps_vs_ring"] = row["ps_ms"] / row["mpsync_ms"]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"rows_np{args.np}.json"), "w") as f:
+            json.dump(table, f, indent=1)
+    if args.json:
+        print(json.dumps(table, indent=1))
+    else:
+        _print_table(table)
+    return 0
+
+
+def _print_table(table: list[dict]) -> None:
+    cols = ["bytes", "mpsync_ms", "horovod_ms", "mpsync_vs_horovod", "mpsync_copy_ms",
+            "mpsync_mpi_ms", "mpi_ms",
+            "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring"]
+    cols = [c for c in cols if any(c in r for r in table)]
+    print("  ".join(f"{c:>17}" for c in cols))
+    for r in table:
+        print("  ".join(f"{r[c]:>17.4g}" if isinstance(r.get(c), float) else f"{r.get(c, ''):>17}"
+                        for c in cols))
+
+
+# -- rank side ---------------------------------------------------------------------------------
+def _timed(comm, methods: dict, max_repeats: int, budget: float) -> dict:
+    """Median over repeats of the slowest rank's time for each ``methods[name]()``, in ms.
+
+    The methods are interleaved (one call of each per repeat, a barrier before each call), so
+    background activity hits all of them alike.  One warm-up round sizes the number of repeats
+    (rank 0's estimate, so all ranks agree).
+    """
+    import numpy as np
+    from mpi4py import MPI
+
+    names = list(methods)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for name in names:
+        methods[name]()
+    once = time.perf_counter() - t0
+    repeats = comm.bcast(int(min(max_repeats, max(3, budget / max(once, 1e-6)))), root=0)
+    times = np.zeros((len(names), repeats))
+    for i in range(repeats):
+        for j, name in enumerate(names):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            methods[name]()
+            times[j, i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}
+
+
+def _ring_child(sizes, max_repeats, budget) -> None:
+    import torch
+    from mpi4py import MPI
+
+    import horovod.torch as hvd
+    from mpsync.torch.backends import HorovodAggregator, MPIAggregator
+    from mpsync.torch.fusion import FusionBuffer
+    from mpsync.torch.strategies import average_gradients
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    hvd.init(comm=world)
+    hvd_agg = HorovodAggregator(hvd, deadline=600.0)
+    mpi_agg = MPIAggregator(world.Dup(), deadline=600.0)
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        raw = torch.ones(n, dtype=torch.float32)
+        arr = raw.numpy()
+        # A "model" of 8 parameters adding up to the same size, gradients filled in.
+        parts = [n // 8 + (1 if i < n % 8 else 0) for i in range(8)]
+        params = [torch.zeros(max(p, 1), dtype=torch.float32) for p in parts if p > 0]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        names = [f"layer{i}.weight" for i in range(len(params))]
+        buf = FusionBuffer(params, names)
+        buf.bind_grads()  # the steady state under DistributedOptimizer (zero-copy fusion)
+        # A script that sets grads to None each step (model.zero_grad()) pays pack + unpack.
+        copy_params = [p.detach().clone() for p in params]
+        for p in copy_params:
+            p.grad = torch.ones_like(p)
+        copy_buf = FusionBuffer(copy_params, names)
+        row = {"bytes": nbytes}
+        row.update(_timed(world, {
+            "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
+            "horovod_ms": lambda: hvd.allreduce_(raw, op=hvd.Average, name="raw"),
+            "mpsync_ms": lambda: average_gradients([buf], hvd_agg),
+            "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
+            "mpsync_copy_ms": lambda: average_gradients([copy_buf], hvd_agg),
+        }, max_repeats, budget))
+        if world.Get_rank() == 0:
+            print("ROW " + json.dumps(row), flush=True)
+        del raw, arr, params, buf, copy_params, copy_buf
+    hvd.shutdown()
+
+
+
+def _ps_child(sizes, max_repeats, budget) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpsync.config import SyncConfig
+    from mpsync.server import StateServer, SyncClient
+
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    is_worker = world.Get_rank() != 0
+    workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
+    for nbytes in sizes:
+        config = SyncConfig(policy="asp", topology="ps", deadline=600.0).validate()
+        if not is_worker:
+            StateServer(control, config, server_rank=0).serve()
+            continue
+        client = SyncClient(control, config, server_rank=0)
+        n = max(1, nbytes // 8)  # the PS exchanges float64
+        weights = np.zeros(n)
+        if workers.Get_rank() == 0:
+            client.ps_init(weights)
+        delta = np.full(n, 1e-6)
+        it = [0]
+
+        def exchange():
+            it[0] += 1
+            client.push(delta, it[0])
+            client.pull(weights, it[0])
+
+        client.pull(weights, 0)
+        ms = _timed(workers, {"ps_ms": exchange}, max_repeats, budget)["ps_ms"]
+        client.shutdown()
+        if workers.Get_rank() == 0:
+            print("ROW " + json.dumps({"bytes": nbytes, "ps_ms": ms}), flush=True)
+
+
+def _child_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", choices=("ring", "ps"))
+    p.add_argument("--sizes")
+    p.add_argument("--max-repeats", type=int)
+    p.add_argument("--seconds-per-point", type=float)
+    a = p.parse_args(argv)
+    fn = _ring_child if a.child == "ring" else _ps_child
+    fn(_sizes(a.sizes), a.max_repeats, a.seconds_per_point)
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        _child_main(sys.argv[1:])
+    else:
+        parser = argparse.ArgumentParser(prog="mpsync bench allreduce")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))

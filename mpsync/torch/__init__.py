@@ -1,0 +1,93 @@
+"""``import mpsync.torch as mps``: Horovod's PyTorch API, with a state server deciding when
+workers synchronize.
+
+A Horovod script changes its import and its ``init`` line::
+
+    import mpsync.torch as mps
+    mps.init(policy="esync", topology="ring", backend="mpi", server="dedicated")
+    model = Net(); opt = torch.optim.SGD(model.parameters(), lr=0.1 * mps.size())
+    opt = mps.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in loader: opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    mps.shutdown()
+
+With ``server="dedicated"`` the rank ``server_rank`` (0) serves inside ``init`` until every
+worker has shut down and then exits, so the rest of the script runs on workers only; ranks,
+sizes and broadcast roots count workers.  ``server="colocated"`` runs the server as a thread
+on rank 0, which trains too.
+"""
+
+from __future__ import annotations
+
+from mpsync.torch import _runtime
+from mpsync.torch._wait import CollectiveTimeout
+from mpsync.torch.broadcast import (
+    allreduce,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from mpsync.torch.optimizer import DistributedOptimizer
+
+__all__ = [
+    "init", "shutdown", "rank", "size", "local_rank", "is_server", "worker_comm",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_object", "allreduce", "stats", "config", "CollectiveTimeout",
+]
+
+
+def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
+         server: str = "dedicated", comm=None, **policy_options) -> None:
+    """Set up the workers, the aggregation backend and the state server (see module doc).
+
+    ``policy_options`` are :class:`mpsync.config.SyncConfig` fields (``staleness``,
+    ``lookahead``, ``epsilon``, ``deadline``, ...) plus ``stats_path`` / ``trace_path`` (where
+    the server writes its stats JSON and Chrome trace) and ``server_rank``.  Invalid settings
+    raise :class:`mpsync.config.ConfigError` on every rank before any communication.
+    """
+    _runtime.init(policy, topology, backend, server, comm, **policy_options)
+
+
+def shutdown() -> None:
+    """Final aggregation so every worker holds the same model; tells the server we are done.
+    Called at interpreter exit if the script does not."""
+    _runtime.shutdown()
+
+
+def rank() -> int:
+    """This worker's rank among the workers (0..size()-1)."""
+    return _runtime.context().worker_rank
+
+
+def size() -> int:
+    """Number of workers (the dedicated server rank does not count)."""
+    return _runtime.context().size
+
+
+def local_rank() -> int:
+    """Rank among the workers on this node."""
+    return _runtime.context().local_rank
+
+
+def is_server() -> bool:
+    """True on a dedicated state-server rank (which never returns from ``init``)."""
+    return _runtime.context().is_server
+
+
+def worker_comm():
+    """The mpi4py communicator of the workers only."""
+    return _runtime.worker_context("worker_comm").workers
+
+
+def config():
+    """The validated :class:`mpsync.config.SyncConfig` of this run."""
+    return _runtime.context().config
+
+
+def stats() -> dict:
+    """``{"server": <state-server stats>, "local": <this worker's counters>}``."""
+    ctx = _runtime.context()
+    server = ctx.server_stats
+    if server is None and ctx.client is not None and not ctx.closed:
+        server = ctx.client.stats()
+    return {"server": server, "local": ctx.counters.as_dict()}

@@ -1,0 +1,222 @@
+"""Process-wide state of ``mpsync.torch``: communicators, backend, control-plane client.
+
+Communicators (all derived from the one passed to ``init``, never COMM_WORLD behind the
+user's back):
+
+* ``control``: a ``Dup()`` shared by the state server and its clients (the contract);
+* ``workers``: the training ranks only (``Split`` without the dedicated server rank);
+  Horovod is initialised on it, so the server never joins a Horovod collective;
+* two more ``Dup()`` s of ``workers``: the mpi backend's collectives, and the notices of
+  :class:`~mpsync.torch._wait.PeerWatch` (kept apart so a probe never matches anything else).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from mpsync.config import ConfigError, SyncConfig
+from mpsync.torch._counters import LocalCounters
+
+__all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
+
+
+@dataclass
+class Context:
+    config: SyncConfig
+    world: object
+    control: object
+    workers: object | None
+    server_rank: int
+    dedicated: bool
+    worker_rank: int
+    world_ranks: list
+    local_rank: int = 0
+    backend: object | None = None
+    client: object | None = None
+    colocated: object | None = None
+    hvd: object | None = None
+    counters: LocalCounters = field(default_factory=LocalCounters)
+    optimizers: list = field(default_factory=list)
+    stats_path: str | None = None
+    trace_path: str | None = None
+    server_stats: dict | None = None
+    closed: bool = False
+
+    @property
+    def is_server(self) -> bool:
+        return self.worker_rank < 0
+
+    @property
+    def size(self) -> int:
+        return len(self.world_ranks)
+
+
+_CONTEXT: Context | None = None
+
+
+def context() -> Context:
+    if _CONTEXT is None:
+        raise RuntimeError("mpsync.torch is not initialised: call mps.init(...) first")
+    return _CONTEXT
+
+
+def worker_context(what: str) -> Context:
+    ctx = context()
+    if ctx.is_server:
+        raise RuntimeError(f"{what} is for worker ranks; this is the state-server rank")
+    if ctx.closed:
+        raise RuntimeError(f"{what}: mps.shutdown() was already called")
+    return ctx
+
+
+def install_abort_hooks(comm, label: str) -> None:
+    """An unhandled exception on this rank (any thread) prints its traceback tagged with the
+    rank and aborts the whole job (issue 8, item 1): the other ranks would otherwise wait for
+    this one until their deadlines pass, or forever inside a blocking collective."""
+    host = socket.gethostname()
+
+    def abort(exc_type, exc, tb) -> None:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        try:
+            sys.stderr.write(f"MPSYNC-RANK-FAILED {label} on {host}: unhandled "
+                             f"{exc_type.__name__}, aborting the job\n{text}")
+            sys.stderr.flush()
+        finally:
+            comm.Abort(1)
+
+    sys.excepthook = abort
+    threading.excepthook = lambda a: abort(a.exc_type, a.exc_value, a.exc_traceback)
+
+
+def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
+         server: str = "dedicated", comm=None, *, stats_path: str | None = None,
+         trace_path: str | None = None, server_rank: int = 0, **policy_options) -> Context:
+    global _CONTEXT
+    if _CONTEXT is not None and not _CONTEXT.closed:
+        raise RuntimeError("mps.init() was already called in this process")
+    # Validation needs no communicator: a bad setting fails identically on every rank.
+    config = SyncConfig.from_options(policy=policy, topology=topology, backend=backend,
+                                     server=server, **policy_options)
+    if config.backend == "horovod" and config.topology == "ring" \
+            and importlib.util.find_spec("horovod") is None:
+        raise ConfigError("backend='horovod' but Horovod is not installed; install it "
+                          "(make setup) or use backend='mpi'")
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD if comm is None else comm
+    size = world.Get_size()
+    rank = world.Get_rank()
+    dedicated = config.server == "dedicated"
+    if dedicated and size < 2:
+        raise ConfigError(f"server='dedicated' needs at least 2 ranks (1 server + workers), "
+                          f"launched with {size}; use server='colocated' or more ranks")
+    if not 0 <= server_rank < size:
+        raise ConfigError(f"server_rank={server_rank} is outside 0..{size - 1}")
+    if config.server == "colocated" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise ConfigError("server='colocated' runs the state server as a thread and needs "
+                          "MPI_THREAD_MULTIPLE; this MPI provides level "
+                          f"{MPI.Query_thread()}; use server='dedicated'")
+    world_ranks = [r for r in range(size) if not (dedicated and r == server_rank)]
+    label = (f"rank {rank} (state server)" if dedicated and rank == server_rank
+             else f"rank {rank} (worker {world_ranks.index(rank)})")
+    install_abort_hooks(world, label)
+
+    control = world.Dup()
+    is_worker = rank in world_ranks
+    workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=rank)
+    ctx = Context(config=config, world=world, control=control,
+                  workers=workers if is_worker else None, server_rank=server_rank,
+                  dedicated=dedicated,
+                  worker_rank=world_ranks.index(rank) if is_worker else -1,
+                  world_ranks=world_ranks, stats_path=stats_path, trace_path=trace_path)
+    _CONTEXT = ctx
+    if not is_worker:
+        _serve_and_exit(ctx)  # never returns
+    ctx.local_rank = workers.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    _start_backend(ctx)
+    _start_control_plane(ctx)
+    atexit.register(_shutdown_at_exit)
+    return ctx
+
+
+def _serve_and_exit(ctx: Context) -> None:
+    from mpsync.server import StateServer
+
+    srv = StateServer(ctx.control, ctx.config, server_rank=ctx.server_rank,
+                      workers=ctx.world_ranks)
+    stats = srv.serve()
+    _write_server_stats(ctx, stats)
+    ctx.server_stats = stats
+    ctx.closed = True
+    # The script body after init() is for workers only (issue 5, item 1).
+    sys.exit(0)
+
+
+def _write_server_stats(ctx: Context, stats: dict) -> None:
+    if not (ctx.stats_path or ctx.trace_path):
+        return
+    from mpsync.server import write_chrome_trace, write_stats_json
+
+    if ctx.stats_path:
+        write_stats_json(stats, ctx.stats_path)
+    if ctx.trace_path:
+        write_chrome_trace(stats, ctx.trace_path)
+
+
+def _start_backend(ctx: Context) -> None:
+    from mpsync.torch._wait import PeerWatch
+    from mpsync.torch.backends import HorovodAggregator, MPIAggregator
+
+    watch = PeerWatch(ctx.workers.Dup(), ctx.world_ranks)
+    if ctx.config.backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init(comm=ctx.workers)
+        if hvd.size() != ctx.workers.Get_size() or hvd.rank() != ctx.worker_rank:
+            raise RuntimeError(f"Horovod initialised as rank {hvd.rank()} of {hvd.size()}, "
+                               f"expected {ctx.worker_rank} of {ctx.workers.Get_size()}")
+        ctx.hvd = hvd
+        ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
+    else:
+        ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
+
+
+def _start_control_plane(ctx: Context) -> None:
+    from mpsync.server import SyncClient, start_colocated
+
+    if not ctx.dedicated and ctx.world.Get_rank() == ctx.server_rank:
+        ctx.colocated = start_colocated(ctx.control, ctx.config, server_rank=ctx.server_rank)
+    ctx.client = SyncClient(ctx.control, ctx.config, server_rank=ctx.server_rank)
+
+
+def shutdown() -> None:
+    """Final aggregation (every worker ends with the same model), then tell the server."""
+    ctx = _CONTEXT
+    if ctx is None or ctx.closed or ctx.is_server:
+        return
+    for opt in ctx.optimizers:
+        if ctx.config.policy != "bsp" or ctx.config.topology != "ring":
+            opt.synchronize()
+        opt.close()
+    if ctx.client is not None:
+        server_stats = ctx.client.stats()
+        ctx.client.shutdown()
+        ctx.server_stats = server_stats
+    if ctx.colocated is not None:
+        final = ctx.colocated.join()
+        ctx.server_stats = final
+        _write_server_stats(ctx, final)
+    ctx.closed = True
+
+
+def _shutdown_at_exit() -> None:
+    # A script that never calls mps.shutdown() still ends: the dedicated server waits for
+    # every worker's shutdown message.  Not reached after an unhandled exception (the abort
+    # hook ends the process first).
+    shutdown()

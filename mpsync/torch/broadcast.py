@@ -1,0 +1,91 @@
+"""Broadcast helpers with Horovod's names: make every worker start from the same model.
+
+Tensors are fused by dtype into one flat buffer per dtype (one broadcast each, not one per
+tensor) and sent over the workers' communicator with the backend's deadline.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from mpsync.torch import _runtime
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce"]
+
+
+def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, dict):
+        items = sorted(params.items())  # same order on every rank
+    else:
+        items = list(params)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in items):
+            raise ValueError("broadcast_parameters takes a state_dict or (name, tensor) pairs, "
+                             "e.g. model.named_parameters()")
+    bad = [n for n, t in items if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"broadcast_parameters: not tensors: {bad[:5]}")
+    return items
+
+
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Copy ``root_rank``'s tensors into every worker's (in place), like Horovod's."""
+    ctx = _runtime.worker_context("broadcast_parameters")
+    _check_root(root_rank, ctx.size)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for _, t in _named_tensors(params):
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, tensors in by_dtype.items():
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors]) if tensors else None
+        if flat is None or flat.numel() == 0:
+            continue
+        ctx.backend.broadcast_(flat, root_rank, "parameters")
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view(t.shape).to(dtype))
+                offset += n
+
+
+def broadcast_object(obj, root_rank: int = 0):
+    """``root_rank``'s picklable object on every worker (torch.save, so tensors travel)."""
+    ctx = _runtime.worker_context("broadcast_object")
+    _check_root(root_rank, ctx.size)
+    data = None
+    if ctx.worker_rank == root_rank:
+        b = io.BytesIO()
+        torch.save(obj, b)
+        data = b.getvalue()
+    data = ctx.backend.broadcast_bytes(data, root_rank, "object")
+    if ctx.worker_rank == root_rank:
+        return obj
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
+    """Load ``root_rank``'s optimizer state (and hyper-parameters) on every worker."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
+    state = broadcast_object(inner.state_dict(), root_rank)
+    if _runtime.context().worker_rank != root_rank:
+        inner.load_state_dict(state)
+
+
+def allreduce(tensor: torch.Tensor, average: bool = True, name: str | None = None) -> torch.Tensor:
+    """A new tensor: the average (or sum) of ``tensor`` over the workers (metrics, like
+    Horovod's ``hvd.allreduce``)."""
+    ctx = _runtime.worker_context("allreduce")
+    out = tensor.detach().clone().contiguous()
+    ctx.backend.allreduce_average_(out, name or "user allreduce")
+    if not average:
+        out.mul_(ctx.size)
+    return out
+
+
+def _check_root(root_rank: int, size: int) -> None:
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise ValueError(f"root_rank must be a worker rank in 0..{size - 1}, got {root_rank!r}")

@@ -1,0 +1,441 @@
+"""What a worker aggregates, per policy, and when (issue 5, items 3-4).
+
+==================  ==========  ============================================================
+strategy            policies    per ``optimizer.step()``
+==================  ==========  ============================================================
+GradientAveraging   bsp         ask the server, average gradients (one fused allreduce), step
+DeltaAveraging      esync,      local step; ask; on SYNC average the model deltas since the
+                    ebsp (ring) last aggregation and apply them to the global model (ESync
+                                Eq. 6-8: w_{t+1} = w_t + ε·mean_i(w^i - w_t))
+ParameterServer     asp, ssp,   local step; ask; on SYNC push the delta since the last pull
+                    dssp, ebsp, (the server applies w += Δ on arrival) and pull the current
+                    esync (ps)  weights under the policy's staleness rule
+TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), In-
+                                Computation Sync of the rest overlapped with the next
+                                iteration, LGP correction (Eq. 6-7) when it lands
+==================  ==========  ============================================================
+
+Every strategy works on :class:`~mpsync.torch.fusion.FusionBuffer` s and an
+:class:`~mpsync.torch.backends.Aggregator`; ``client`` is the control plane's ``SyncClient``
+(``None``: no state server, every step synchronizes, which only makes sense for BSP).
+``synchronize()`` is the final aggregation after which every worker holds the same model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from mpsync.torch._counters import LocalCounters
+from mpsync.torch.backends import Aggregator, Pending
+from mpsync.torch.fusion import FusionBuffer
+
+__all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging", "ParameterServer",
+           "TwoStageSync", "make_strategy"]
+
+
+def _sync_action():
+    from mpsync.server import SYNC
+
+    return SYNC
+
+
+class Strategy:
+    """Common plumbing: the server query, counters, the final identical-model broadcast."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FusionBuffer],
+                 backend: Aggregator | None, client, counters: LocalCounters, config):
+        self.optimizer = optimizer
+        self.buffers = buffers
+        self.backend = backend
+        self.client = client
+        self.counters = counters
+        self.config = config
+        self.iteration = 0   # steps taken by this worker
+        self.round = 0       # aggregations completed
+        self._sync = _sync_action() if client is not None else None
+
+    # -- control plane ------------------------------------------------------------------------
+    def ask(self, compute_time: float):
+        """One report+query round trip (SyncClient.step); returns the Decision or None."""
+        if self.client is None:
+            return None
+        t0 = time.perf_counter()
+        decision = self.client.step(self.iteration, compute_time)
+        t1 = time.perf_counter()
+        self.counters.wait_s += t1 - t0
+        self.counters.event("wait_server", t0, t1)
+        return decision
+
+    def is_sync(self, decision) -> bool:
+        return decision is None or decision.action == self._sync
+
+    def reset(self, aggregation_time: float) -> None:
+        if self.client is not None:
+            t0 = time.perf_counter()
+            self.client.reset(self.round, aggregation_time)
+            self.counters.wait_s += time.perf_counter() - t0
+
+    def _aggregated(self, t0: float, nbytes: int) -> float:
+        t1 = time.perf_counter()
+        self.round += 1
+        self.counters.rounds += 1
+        self.counters.aggregation_s += t1 - t0
+        self.counters.bytes_sent += nbytes
+        self.counters.event("aggregate", t0, t1)
+        return t1 - t0
+
+    def _broadcast_model(self, root: int = 0) -> None:
+        """Make every worker's parameters bitwise equal to worker ``root``'s."""
+        for buf in self.buffers:
+            buf.pack_params()
+            self.backend.broadcast_(buf.flat, root, "final model")
+            buf.unpack_to_params()
+
+    # -- interface ----------------------------------------------------------------------------
+    def step(self, compute_time: float, closure=None):
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Finish anything in flight (no communication is left pending at shutdown)."""
+
+    def zero_grad(self) -> bool:
+        """Zero the gradients the strategy's way; False: let the wrapped optimizer do it."""
+        return False
+
+
+class GradientAveraging(Strategy):
+    """BSP: the gradients are averaged over the workers every iteration, then the wrapped
+    optimizer steps; equal to Horovod's DistributedOptimizer and to single-process SGD on the
+    concatenated batch."""
+
+    _averaged = False
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        for buf in self.buffers:
+            buf.bind_grads()
+
+    def zero_grad(self) -> bool:
+        for buf in self.buffers:
+            buf.zero_bound_grads()
+        return True
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        if not self._averaged:
+            self._average(compute_time)
+        self._averaged = False
+        self.optimizer.step()
+        self.iteration += 1
+        self.counters.iterations += 1
+        return loss
+
+    def _average(self, compute_time: float) -> None:
+        decision = self.ask(compute_time)
+        if not self.is_sync(decision):
+            raise RuntimeError(f"policy bsp: the server answered {decision!r}; BSP synchronizes "
+                               f"every iteration (is the server running another policy?)")
+        t0 = time.perf_counter()
+        nbytes = average_gradients(self.buffers, self.backend)
+        self.reset(self._aggregated(t0, nbytes))
+
+    def synchronize(self) -> None:
+        """Horovod's meaning: average the current gradients now; the next ``step()`` uses them
+        without another allreduce (so gradient clipping can sit between the two)."""
+        if not self._averaged:
+            self._average(0.0)
+            self._averaged = True
+
+
+def average_gradients(buffers: list[FusionBuffer], backend: Aggregator) -> int:
+    """BSP's data path: pack every gradient into the fusion buffer, one averaging collective,
+    unpack.  Returns the bytes contributed.  (``mpsync bench allreduce`` times this.)"""
+    nbytes = 0
+    for buf in buffers:
+        buf.pack_grads()
+        backend.allreduce_average_(buf.flat, "gradients")
+        buf.unpack_to_grads()
+        nbytes += buf.nbytes
+    return nbytes
+
+
+class LocalStepsThenAggregate(Strategy):
+    """A local optimizer step every iteration; aggregate when the server says SYNC."""
+
+    local_steps = 0  # since the last aggregation (ESync's k)
+
+    def _prepare(self) -> None:
+        """Before the first local step (after the user's broadcast_parameters)."""
+
+    def _aggregate(self) -> None:
+        raise NotImplementedError
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        self._prepare()
+        self.optimizer.step()  # ESync Eq. 5: the local update of the replica
+        self.iteration += 1
+        self.local_steps += 1
+        self.counters.iterations += 1
+        if self.is_sync(self.ask(compute_time)):
+            self._aggregate()
+            self.local_steps = 0
+        return loss
+
+
+class DeltaAveraging(LocalStepsThenAggregate):
+    """ESync and ElasticBSP on the ring: local SGD steps, then model-delta averaging.
+
+    ESync Eq. 6-8: Δw^i = w^i - w_t, Δw = mean_i Δw^i, w_{t+1} = w_t + ε·Δw, and every replica
+    restarts from w_{t+1} (Alg. 1 lines 17-22).  ElasticBSP uses the same aggregation with ε = 1
+    once the server's ZipLine barrier is reached.  Memory: one global model copy per buffer
+    (``_global``), reusing the fusion buffer for the delta.
+    """
+
+    def __init__(self, *args, epsilon: float = 1.0, **kw):
+        super().__init__(*args, **kw)
+        self.epsilon = float(epsilon)
+        self._global: list[torch.Tensor] | None = None
+
+    def _snapshot(self) -> None:
+        if self._global is None:  # first step: after the user's broadcast_parameters
+            self._global = [buf.pack_params().clone() for buf in self.buffers]
+
+    _prepare = _snapshot
+
+    def _aggregate(self) -> None:
+        t0 = time.perf_counter()
+        nbytes = 0
+        for buf, w_global in zip(self.buffers, self._global):
+            delta = buf.pack_params()
+            delta.sub_(w_global)                                    # Eq. 6
+            self.backend.allreduce_average_(delta, "model deltas")  # Eq. 7
+            w_global.add_(delta, alpha=self.epsilon)                # Eq. 8
+            buf.unpack_to_params(w_global)
+            nbytes += buf.nbytes
+        self.reset(self._aggregated(t0, nbytes))
+
+    def synchronize(self) -> None:
+        """Final aggregation of whatever local progress is left; all workers must call it."""
+        self._snapshot()
+        self._aggregate()
+        self._broadcast_model()
+
+
+class ParameterServer(LocalStepsThenAggregate):
+    """PS topology: the global weights live on the server (rank 0).
+
+    The worker keeps ``_base``, the weights of its last pull; on SYNC it pushes
+    Δ = w_local - base (its updates since that pull; the server applies w += Δ on arrival) and
+    pulls the current weights, blocking as long as the policy's staleness rule says (SSP, DSSP
+    Alg. 1).  Each worker's updates therefore reach the global model exactly once.
+    """
+
+    def __init__(self, *args, worker_rank: int = 0, **kw):
+        super().__init__(*args, **kw)
+        if len(self.buffers) != 1:
+            raise ValueError("topology='ps' needs all parameters in one dtype, got "
+                             f"{[str(b.dtype) for b in self.buffers]}")
+        self.buf = self.buffers[0]
+        self.worker_rank = worker_rank
+        self._base: np.ndarray | None = None
+        self._wire = np.zeros(self.buf.numel, dtype=np.float64)  # push/pull payload
+        self.version = 0
+
+    def _start(self) -> None:
+        if self._base is not None:
+            return
+        self._base = self.buf.pack_params().to(torch.float64).numpy().copy()
+        if self.worker_rank == 0:
+            self.client.ps_init(self._base)
+        self._pull()
+
+    def _pull(self) -> None:
+        t0 = time.perf_counter()
+        self.version = self.client.pull(self._base, self.iteration)
+        self.buf.flat.copy_(torch.from_numpy(self._base))
+        self.buf.unpack_to_params()
+        self.counters.aggregation_s += time.perf_counter() - t0
+
+    _prepare = _start
+
+    def _aggregate(self) -> None:
+        t0 = time.perf_counter()
+        local = self.buf.pack_params()
+        np.subtract(local.to(torch.float64).numpy(), self._base, out=self._wire)
+        self.client.push(self._wire, self.iteration)
+        self.version = self.client.pull(self._base, self.iteration)
+        self.buf.flat.copy_(torch.from_numpy(self._base))
+        self.buf.unpack_to_params()
+        self.reset(self._aggregated(t0, self._wire.nbytes))
+
+    def synchronize(self) -> None:
+        """Push what is left, wait until every worker has pushed, pull the final weights."""
+        self._start()
+        t0 = time.perf_counter()
+        local = self.buf.pack_params()
+        np.subtract(local.to(torch.float64).numpy(), self._base, out=self._wire)
+        self.client.push(self._wire, self.iteration)
+        self.backend.barrier("final push")
+        self._pull()
+        self._broadcast_model()
+        self._aggregated(t0, self._wire.nbytes)
+
+
+class TwoStageSync(Strategy):
+    """OSP (OSP paper §3-4) on the ring.
+
+    Iteration i, after backward (local gradients G^l):
+
+    1. If the In-Computation Sync of iteration i-1 is in flight, finish it and apply the
+       Local-Gradient-based Parameter correction, Eq. 7: P -= lr·(G^g - G^l) on its layers
+       (the local gradient used in step 3 of i-1 is replaced by the global one).
+    2. Importance I_l = Σ|g·p| per layer (Eq. 4) goes to the server, which returns the Gradient
+       Importance Bitmap for iteration i+1 (§3.2: computed while the worker trains).
+    3. Routine Sync: the layers the bitmap for i marks important are averaged (blocking); the
+       others start a non-blocking allreduce (ICS) that runs during the next forward/backward;
+       the optimizer steps with global gradients on RS layers and local ones on ICS layers
+       (LGP, Eq. 6).
+
+    No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
+    in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
+    correction is the same SGD-shaped term (the optimizer state keeps the local gradient).
+    With the ``mpi`` backend Open MPI progresses a non-blocking collective only inside MPI
+    calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
+    thread.
+    """
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        if len(self.buffers) != 1:
+            raise ValueError("policy='osp' needs all parameters in one dtype, got "
+                             f"{[str(b.dtype) for b in self.buffers]}")
+        self.buf = self.buffers[0]
+        self.n_layers = len(self.buf.layer_names)
+        self.bitmap = np.zeros(self.n_layers, dtype=bool)  # iteration 1: all Routine Sync
+        self._pending: Pending | None = None
+        self._ics_index: torch.Tensor | None = None
+        self._ics_local: torch.Tensor | None = None
+        self._ics_global: torch.Tensor | None = None
+        self._ics_lr: torch.Tensor | None = None
+        self.ics_layers_total = 0
+        self._lr = self._lr_per_element()
+        self._hooks = [p.register_hook(self._progress) for p in self.buf.params
+                       if p.requires_grad]
+
+    def _lr_per_element(self) -> torch.Tensor:
+        lr_of = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                lr_of[id(p)] = group["lr"]
+        lr = torch.empty(self.buf.numel, dtype=self.buf.dtype)
+        for s in self.buf.slots:
+            lr[s.offset:s.offset + s.numel] = lr_of[id(s.param)]
+        return lr
+
+    def _progress(self, grad):
+        if self._pending is not None:
+            self._pending.test()
+        return grad
+
+    def _finish_ics(self) -> None:
+        """Wait for the in-flight ICS and apply the LGP correction (Eq. 7)."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        self._pending.wait()
+        correction = (self._ics_global - self._ics_local).mul_(self._ics_lr)
+        with torch.no_grad():
+            self.buf.pack_params()
+            self.buf.flat.index_add_(0, self._ics_index, correction, alpha=-1.0)
+            self.buf.unpack_to_params()
+        self._pending = None
+        self._ics_local = self._ics_global = self._ics_lr = self._ics_index = None
+        t1 = time.perf_counter()
+        self.counters.aggregation_s += t1 - t0
+        self.counters.event("ics_wait", t0, t1)
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        self._finish_ics()
+        decision = self.ask(compute_time)
+        if not self.is_sync(decision):
+            raise RuntimeError(f"policy osp: the server answered {decision!r}; OSP synchronizes "
+                               f"every iteration")
+        grads = self.buf.pack_grads()
+        bitmap_now = self.bitmap
+        if self.client is not None:
+            t0 = time.perf_counter()
+            p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
+            importance = _layer_importance(grads, p_flat, self.buf.layer_sizes)
+            next_bitmap = np.asarray(self.client.report_importance(importance), dtype=bool)
+            self.counters.wait_s += time.perf_counter() - t0
+            if next_bitmap.shape != (self.n_layers,):
+                raise RuntimeError(f"OSP bitmap from the server has shape {next_bitmap.shape}, "
+                                   f"the model has {self.n_layers} layers")
+        else:
+            next_bitmap = self.bitmap
+        t0 = time.perf_counter()
+        nbytes = self.buf.nbytes
+        if bitmap_now.any():
+            ics_index = self.buf.layer_index(bitmap_now)
+            rs_index = self.buf.layer_index(~bitmap_now)
+            # ICS: start first, so it is in flight during RS as well.
+            self._ics_local = grads.index_select(0, ics_index)
+            self._ics_global = self._ics_local.clone()
+            self._ics_lr = self._lr.index_select(0, ics_index)
+            self._ics_index = ics_index
+            self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
+            if rs_index.numel():
+                rs = grads.index_select(0, rs_index)
+                self.backend.allreduce_average_(rs, "routine sync")
+                grads.index_copy_(0, rs_index, rs)
+            self.ics_layers_total += int(bitmap_now.sum())
+        else:
+            self.backend.allreduce_average_(grads, "routine sync")
+        self.buf.unpack_to_grads()
+        self._aggregated(t0, nbytes)
+        self.optimizer.step()
+        self.bitmap = next_bitmap
+        self.iteration += 1
+        self.counters.iterations += 1
+        return loss
+
+    def synchronize(self) -> None:
+        self._finish_ics()
+        self._broadcast_model()
+
+    def close(self) -> None:
+        self._finish_ics()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _layer_importance(grads: torch.Tensor, params: torch.Tensor, layer_sizes) -> np.ndarray:
+    from mpsync.sched import osp_layer_importance
+
+    return osp_layer_importance(grads.detach().to(torch.float64).numpy(),
+                                params.detach().to(torch.float64).numpy(),
+                                np.asarray(layer_sizes, dtype=np.int64))
+
+
+def make_strategy(config, optimizer, buffers, backend, client, counters, *, worker_rank=0):
+    """The strategy for ``config.policy`` on ``config.topology`` (validated config)."""
+    args = (optimizer, buffers, backend, client, counters, config)
+    if config.topology == "ps":
+        return ParameterServer(*args, worker_rank=worker_rank)
+    if config.policy == "bsp":
+        return GradientAveraging(*args)
+    if config.policy == "osp":
+        return TwoStageSync(*args)
+    if config.policy in ("esync", "ebsp"):
+        eps = config.epsilon if config.policy == "esync" else 1.0
+        return DeltaAveraging(*args, epsilon=eps)
+    raise ValueError(f"policy {config.policy!r} on topology {config.topology!r} is not supported")
