@@ -171,6 +171,184 @@ def bsp_backends_agree() -> None:
         raise AssertionError("backends disagree")
 
 
+# -- ESync / ElasticBSP deltas -------------------------------------------------------------
+def esync_equal_speeds_equals_bsp() -> None:
+    """ESync, equal speeds, plain SGD, ε = 1: every step is an aggregation and the model after
+    each step equals BSP's (single-process SGD on the concatenated batch)."""
+    steps, batch, lr = 8, 4, 0.3
+    _init(policy="esync", backend=_args().get("backend", "mpi"), server="dedicated",
+          epsilon=1.0, esync_slack=0.05, deadline=30)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters())
+    ref_model = _model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=lr)
+    worst = 0.0
+    n, me = mps.size(), mps.rank()
+    for step in range(steps):
+        x, y = _data(n * batch, seed=100 + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[me * batch:(me + 1) * batch]),
+                                          y[me * batch:(me + 1) * batch]).backward()
+        time.sleep(0.03)  # equal speeds, well above timing noise
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref_model(x), y).backward()
+        ref_opt.step()
+        worst = max(worst, _max_rel(_flat(model), _flat(ref_model)))
+    local = mps.stats()["local"]
+    mps.shutdown()
+    _result(rank=me, max_rel=worst, iterations=local["iterations"], rounds=local["rounds"],
+            digest=_digest(_flat(model)))
+
+
+def esync_straggler() -> None:
+    """ESync with worker 0 four times slower: the others take more local steps per round;
+    after shutdown every worker holds the same model."""
+    a = _args()
+    rounds, base = int(a.get("rounds", 6)), float(a.get("iter_time", 0.02))
+    policy = a.get("policy", "esync")
+    _init(policy=policy, topology=a.get("topology", "ring"), backend=a.get("backend", "mpi"),
+          server="dedicated", deadline=60)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    me = mps.rank()
+    slow = 4.0 if me == 0 else 1.0
+    step = 0
+    while opt.strategy.round < rounds:
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(base * slow)  # emulated heterogeneity
+        opt.step()
+        step += 1
+    local = mps.stats()["local"]
+    mps.shutdown()
+    _result(rank=me, slow=slow, iterations=local["iterations"], rounds=opt.strategy.round,
+            digest=_digest(_flat(model)))
+
+
+# -- PS ---------------------------------------------------------------------------------------
+def ps_updates_applied_once() -> None:
+    """PS/ASP: the global model moves by exactly the sum of every worker's updates."""
+    a = _args()
+    steps = int(a.get("steps", 20))
+    _init(policy=a.get("policy", "asp"), topology="ps", backend="mpi", server="dedicated",
+          deadline=30)
+    me, n = mps.rank(), mps.size()
+    model = _model()
+    w0 = _flat(model).clone()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    g = torch.Generator().manual_seed(10 + me)
+    mine = torch.zeros_like(w0)
+    for step in range(steps):
+        grads = []
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) * (me + 1)
+            grads.append(p.grad.reshape(-1))
+        mine -= torch.cat(grads)  # SGD with lr 1: this step's update
+        time.sleep(0.002 * (me + 1))  # unequal speeds: pushes interleave
+        opt.step()
+    total = mps.allreduce(mine, average=False)
+    mps.shutdown()
+    final = _flat(model)
+    err = float((final - (w0 + total)).abs().max() / total.abs().max())
+    _result(rank=me, rel_err=err, iterations=steps, digest=_digest(final), size=n)
+    if err > 1e-9:
+        raise AssertionError(f"global model moved by something else than the pushed updates: {err}")
+
+
+# -- OSP --------------------------------------------------------------------------------------
+def osp_run() -> None:
+    """OSP on the ring.  ``ics=0``: the ICS share is 0 and OSP must equal BSP.  Otherwise the
+    global model must move by exactly -lr x (mean over workers of the sum of their gradients):
+    no gradient dropped, every ICS corrected (LGP, Eq. 7)."""
+    a = _args()
+    steps, batch, lr = int(a.get("steps", 12)), 4, 0.2
+    frac = float(a.get("ics", 0.0))
+    _init(policy="osp", backend=a.get("backend", "mpi"), server="dedicated", deadline=30,
+          osp_ics_max_fraction=frac)
+    me, n = mps.rank(), mps.size()
+    model = _model()
+    w0 = _flat(model).clone()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters())
+    if a.get("force_half"):  # without a server: a fixed bitmap, every other layer in ICS
+        opt.strategy.bitmap = np.arange(opt.strategy.n_layers) % 2 == 1
+    grad_sum = torch.zeros_like(w0)
+    for step in range(steps):
+        x, y = _data(n * batch, seed=100 + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[me * batch:(me + 1) * batch]),
+                                          y[me * batch:(me + 1) * batch]).backward()
+        grad_sum += torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        opt.step()
+    ics_layers = opt.strategy.ics_layers_total
+    opt.synchronize()
+    mean_grads = mps.allreduce(grad_sum)
+    expected = w0 - lr * mean_grads
+    final = _flat(model)
+    conservation = float((final - expected).abs().max() / (lr * mean_grads).abs().max())
+    ref = _reference_sgd(steps, n, batch, lr, 0.0)
+    mps.shutdown()
+    _result(rank=me, ics_layers=ics_layers, conservation=conservation,
+            vs_bsp=_max_rel(final, ref), digest=_digest(final))
+
+
+# -- failures (issue 8, items 1-2) ------------------------------------------------------------
+def _fault(kind: str) -> None:
+    """BSP training on the mpi backend; at step 3 one rank suffers ``kind``.
+
+    Prints ``FAULT <wall time>`` just before the fault so the test can measure the time from
+    the fault to the end of the job.  ``deadline`` (seconds) bounds every collective wait.
+    """
+    a = _args()
+    pids = MPI.COMM_WORLD.allgather(os.getpid())  # before init: the server rank's pid too
+    _init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated",
+          deadline=float(a.get("deadline", 5)))
+    victim = int(a.get("victim", 1))  # a worker rank
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = _data(8)
+    for step in range(10_000):
+        if step == 3:
+            if kind == "raise" and mps.rank() == victim:
+                print(f"FAULT {time.time():.6f}", flush=True)
+                raise RuntimeError(f"deliberate failure on worker {victim}")
+            if kind in ("sigkill", "sigstop") and mps.rank() == victim:
+                print(f"FAULT {time.time():.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
+            if kind == "kill_server" and mps.rank() == 0:
+                print(f"FAULT {time.time():.6f}", flush=True)
+                os.kill(pids[0], signal.SIGKILL)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        time.sleep(0.01)
+    raise AssertionError("training went on for 10,000 steps after the fault")
+
+
+def fail_worker_raises() -> None:
+    _fault("raise")
+
+
+def fail_worker_sigkill() -> None:
+    _fault("sigkill")
+
+
+def fail_worker_sigstop() -> None:
+    _fault("sigstop")
+
+
+def fail_server_killed() -> None:
+    _fault("kill_server")
+
+
 if __name__ == "__main__":
     # Script mode: ``python torch_programs.py NAME key=value ...``; no harness runner, so an
     # exception reaches mpsync's abort hook (installed by mps.init).

@@ -12,6 +12,9 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
 * ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
 * ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer.
 
+``--osp`` adds a job timing BSP and OSP steps (half the layers in In-Computation Sync) on an
+MLP, raw and over an emulated 2 Gbit/s link (OSP's target: faster when communication shows).
+
 ``--ps`` adds a second job with one extra rank as a dedicated state server and times the PS
 topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights, policy asp)
 at the same sizes (``ps_ms``), next to the ring's ``mpsync_ms`` (ring vs PS).
@@ -28,6 +31,7 @@ import time
 __all__ = ["add_arguments", "run", "DEFAULT_SIZES"]
 
 KB, MB = 1 << 10, 1 << 20
+LINK_BANDWIDTH = 2.5e8  # bytes/s of the emulated link in the OSP comparison (2 Gbit/s)
 DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB)
 
 
@@ -39,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds-per-point", type=float, default=1.5,
                    help="stop repeating a measurement after this long (at least 3 repeats)")
     p.add_argument("--ps", action="store_true", help="also time the PS topology (push+pull)")
+    p.add_argument("--osp", action="store_true",
+                   help="also time BSP vs OSP steps (half the layers in In-Computation Sync)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write rows.json (and summary) into this dir")
     p.add_argument("--timeout", type=float, default=1800.0)
@@ -62,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
               "--seconds-per-point", str(args.seconds_per_point)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else [])
+    jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else []) \
+        + ([("osp", args.np)] if args.osp else [])
+    osp: dict = {}
     rows: dict[int, dict] = {s: {"bytes": s} for s in sizes}
     for mode, nprocs in jobs:
         argv = mpirun_argv(nprocs, python_argv("mpsync.bench.allreduce", "--child", mode, *common),
@@ -76,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             if line.startswith("ROW "):
                 row = json.loads(line[4:])
                 rows[row["bytes"]].update(row)
+            elif line.startswith("OSP "):
+                osp = json.loads(line[4:])
     table = [dict(rows[s], np=args.np) for s in sizes]
     for row in table:
         if row.get("horovod_ms"):
@@ -84,14 +94,23 @@ def run(args: argparse.Namespace) -> int:
             row["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
         if row.get("ps_ms"):
             row["ps_vs_ring"] = row["ps_ms"] / row["mpsync_ms"]
+    if osp:
+        osp["np"] = args.np
+        for link in ("raw", "link"):
+            osp[f"osp_vs_bsp_{link}"] = osp[f"osp_{link}_step_ms"] / osp[f"bsp_{link}_step_ms"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"rows_np{args.np}.json"), "w") as f:
             json.dump(table, f, indent=1)
+        if osp:
+            with open(os.path.join(args.out, f"osp_np{args.np}.json"), "w") as f:
+                json.dump(osp, f, indent=1)
     if args.json:
-        print(json.dumps(table, indent=1))
+        print(json.dumps(table if not osp else {"rows": table, "osp": osp}, indent=1))
     else:
         _print_table(table)
+        if osp:
+            print("OSP vs BSP step time:", json.dumps(osp))
     return 0
 
 
@@ -217,14 +236,69 @@ def _ps_child(sizes, max_repeats, budget) -> None:
             print("ROW " + json.dumps({"bytes": nbytes, "ps_ms": ms}), flush=True)
 
 
+def _osp_child(sizes, max_repeats, budget) -> None:
+    """Step time (forward + backward + aggregation + update) of BSP and of OSP with every other
+    layer in In-Computation Sync, on an MLP of 8 Linear(512, 512) layers (8.4 MB of float32
+    gradients), with the raw shared-memory transport and with an emulated 2 Gbit/s link."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from mpsync.config import SyncConfig
+    from mpsync.torch._counters import LocalCounters
+    from mpsync.torch.backends import EmulatedLink, MPIAggregator
+    from mpsync.torch.fusion import group_by_dtype
+    from mpsync.torch.strategies import GradientAveraging, TwoStageSync
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    raw = MPIAggregator(world.Dup(), deadline=600.0)
+    links = {"raw": raw, "link": EmulatedLink(raw, latency=5e-5, bandwidth=LINK_BANDWIDTH)}
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    x, y = torch.randn(64, 512), torch.randn(64, 512)
+    n_steps = max(8, min(max_repeats, 40))
+    row: dict = {"model_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                 "link_bandwidth_Bps": LINK_BANDWIDTH, "link_latency_s": 5e-5}
+    for link_name, agg in links.items():
+        for policy in ("bsp", "osp"):
+            config = SyncConfig(policy=policy, backend="mpi", server="colocated")
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            bufs = group_by_dtype(list(model.named_parameters()))
+            cls = GradientAveraging if policy == "bsp" else TwoStageSync
+            strat = cls(opt, bufs, agg, None, LocalCounters(), config)
+            if policy == "osp":
+                strat.bitmap = np.arange(strat.n_layers) % 2 == 1
+            times = np.zeros(n_steps)
+            for i in range(-3, n_steps):
+                world.Barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                strat.step(0.0)
+                if i >= 0:
+                    times[i] = time.perf_counter() - t0
+            strat.synchronize()
+            strat.close()
+            for buf in bufs:
+                buf.grads_bound = False
+            world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+            row[f"{policy}_{link_name}_step_ms"] = 1e3 * float(np.median(times))
+    if world.Get_rank() == 0:
+        print("OSP " + json.dumps(row), flush=True)
+
+
 def _child_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=("ring", "ps"))
+    p.add_argument("--child", choices=("ring", "ps", "osp"))
     p.add_argument("--sizes")
     p.add_argument("--max-repeats", type=int)
     p.add_argument("--seconds-per-point", type=float)
     a = p.parse_args(argv)
-    fn = _ring_child if a.child == "ring" else _ps_child
+    fn = {"ring": _ring_child, "ps": _ps_child, "osp": _osp_child}[a.child]
     fn(_sizes(a.sizes), a.max_repeats, a.seconds_per_point)
 
 

@@ -20,7 +20,8 @@ import torch
 
 from mpsync.torch._wait import PeerWatch, poll_until_done
 
-__all__ = ["Aggregator", "MPIAggregator", "HorovodAggregator", "Pending", "mpi_dtype_ok"]
+__all__ = ["Aggregator", "MPIAggregator", "HorovodAggregator", "EmulatedLink", "Pending",
+           "mpi_dtype_ok"]
 
 _MPI_DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32, torch.float16)
 
@@ -187,3 +188,43 @@ class HorovodAggregator(Aggregator):
         t = torch.zeros(1)
         handle = self.hvd.allreduce_async_(t, op=self.hvd.Sum, name=f"mpsync.{what}")
         self._pending(handle, label, seq).wait()
+
+
+class EmulatedLink(Aggregator):
+    """Wraps an aggregator so each allreduce takes at least as long as a ring allreduce over a
+    slower network: 2(N-1)/N · bytes / bandwidth + 2(N-1) · latency (the bandwidth-optimal ring
+    algorithm's cost).  For experiments on one machine, where shared memory hides what overlap
+    buys on a real cluster (OSP's In-Computation Sync); never on by default.
+    """
+
+    def __init__(self, inner: Aggregator, *, latency: float = 0.0, bandwidth: float = 0.0):
+        super().__init__(inner.rank, inner.size, inner.deadline, inner.watch)
+        if latency < 0 or bandwidth < 0:
+            raise ValueError(f"emulated link: latency ({latency}) and bandwidth ({bandwidth}) "
+                             f"must be >= 0 (bandwidth 0 = unlimited)")
+        self.inner = inner
+        self.name = f"{inner.name}+link"
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self.poll_sleep, self.poll_spin = 1e-4, 0.0
+
+    def link_time(self, nbytes: int) -> float:
+        n = self.size
+        t = 2 * (n - 1) * self.latency
+        if self.bandwidth > 0:
+            t += 2 * (n - 1) / n * nbytes / self.bandwidth
+        return t
+
+    def start_allreduce_average(self, flat, what="allreduce"):
+        import time
+
+        inner = self.inner.start_allreduce_average(flat, what)
+        ready_at = time.monotonic() + self.link_time(flat.numel() * flat.element_size())
+        return Pending(lambda: inner.test() and time.monotonic() >= ready_at, lambda: None,
+                       inner.what, inner.seq, self)
+
+    def broadcast_(self, flat, root, what="broadcast"):
+        return self.inner.broadcast_(flat, root, what)
+
+    def barrier(self, what="barrier"):
+        self.inner.barrier(what)

@@ -164,15 +164,39 @@ class FusionBuffer:
                 s.param.copy_(v)
 
     # -- layers -------------------------------------------------------------------------------
-    def layer_index(self, layers: np.ndarray) -> torch.Tensor:
-        """Flat positions of the given layers (bool mask over layers), in layout order."""
+    def layer_ranges(self, layers: np.ndarray) -> list[tuple[int, int]]:
+        """[start, end) of the given layers (bool mask over layers) in ``flat``, in order."""
         mask = np.asarray(layers, dtype=bool)
         if mask.shape != (len(self.layer_names),):
             raise ValueError(f"layer mask has shape {mask.shape}, the model has "
                              f"{len(self.layer_names)} layers")
-        pieces = [np.arange(a, b) for (a, b), m in zip(self.layer_bounds, mask) if m]
-        idx = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        return torch.from_numpy(idx.astype(np.int64))
+        return [(int(a), int(b)) for (a, b), m in zip(self.layer_bounds, mask) if m]
+
+    @staticmethod
+    def gather(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The given ranges of ``flat``, concatenated into a new contiguous tensor."""
+        if len(ranges) == 1:
+            a, b = ranges[0]
+            return flat[a:b].clone()
+        return torch.cat([flat[a:b] for a, b in ranges])
+
+    @staticmethod
+    def scatter(src: torch.Tensor, flat: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """Inverse of :meth:`gather`: copy ``src`` back into the ranges of ``flat``."""
+        pos = 0
+        for a, b in ranges:
+            flat[a:b].copy_(src[pos:pos + b - a])
+            pos += b - a
+
+    def slots_in(self, ranges: list[tuple[int, int]]) -> list[tuple[_Slot, int]]:
+        """(slot, position in the gathered tensor) for every parameter inside ``ranges``."""
+        out, pos = [], 0
+        for a, b in ranges:
+            for s in self.slots:
+                if a <= s.offset < b:
+                    out.append((s, pos + s.offset - a))
+            pos += b - a
+        return out
 
 
 def group_by_dtype(named: list[tuple[str, torch.Tensor]]) -> list[FusionBuffer]:

@@ -320,24 +320,17 @@ class TwoStageSync(Strategy):
         self.n_layers = len(self.buf.layer_names)
         self.bitmap = np.zeros(self.n_layers, dtype=bool)  # iteration 1: all Routine Sync
         self._pending: Pending | None = None
-        self._ics_index: torch.Tensor | None = None
+        self._ics_ranges: list | None = None
         self._ics_local: torch.Tensor | None = None
         self._ics_global: torch.Tensor | None = None
-        self._ics_lr: torch.Tensor | None = None
         self.ics_layers_total = 0
-        self._lr = self._lr_per_element()
         self._hooks = [p.register_hook(self._progress) for p in self.buf.params
                        if p.requires_grad]
 
-    def _lr_per_element(self) -> torch.Tensor:
-        lr_of = {}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                lr_of[id(p)] = group["lr"]
-        lr = torch.empty(self.buf.numel, dtype=self.buf.dtype)
-        for s in self.buf.slots:
-            lr[s.offset:s.offset + s.numel] = lr_of[id(s.param)]
-        return lr
+    def _lr_of_params(self) -> dict[int, float]:
+        """Each parameter's current learning rate (read every time: schedulers change it)."""
+        return {id(p): group["lr"] for group in self.optimizer.param_groups
+                for p in group["params"]}
 
     def _progress(self, grad):
         if self._pending is not None:
@@ -345,18 +338,19 @@ class TwoStageSync(Strategy):
         return grad
 
     def _finish_ics(self) -> None:
-        """Wait for the in-flight ICS and apply the LGP correction (Eq. 7)."""
+        """Wait for the in-flight ICS and apply the LGP correction (Eq. 7) on its layers."""
         if self._pending is None:
             return
         t0 = time.perf_counter()
         self._pending.wait()
-        correction = (self._ics_global - self._ics_local).mul_(self._ics_lr)
+        correction = self._ics_global.sub_(self._ics_local)  # G^g - G^l, in place
+        lr_of = self._lr_of_params()
         with torch.no_grad():
-            self.buf.pack_params()
-            self.buf.flat.index_add_(0, self._ics_index, correction, alpha=-1.0)
-            self.buf.unpack_to_params()
+            for slot, pos in self.buf.slots_in(self._ics_ranges):
+                piece = correction[pos:pos + slot.numel].view(slot.param.shape)
+                slot.param.add_(piece, alpha=-lr_of[id(slot.param)])
         self._pending = None
-        self._ics_local = self._ics_global = self._ics_lr = self._ics_index = None
+        self._ics_local = self._ics_global = self._ics_ranges = None
         t1 = time.perf_counter()
         self.counters.aggregation_s += t1 - t0
         self.counters.event("ics_wait", t0, t1)
@@ -384,18 +378,18 @@ class TwoStageSync(Strategy):
         t0 = time.perf_counter()
         nbytes = self.buf.nbytes
         if bitmap_now.any():
-            ics_index = self.buf.layer_index(bitmap_now)
-            rs_index = self.buf.layer_index(~bitmap_now)
-            # ICS: start first, so it is in flight during RS as well.
-            self._ics_local = grads.index_select(0, ics_index)
-            self._ics_global = self._ics_local.clone()
-            self._ics_lr = self._lr.index_select(0, ics_index)
-            self._ics_index = ics_index
-            self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
-            if rs_index.numel():
-                rs = grads.index_select(0, rs_index)
+            ics_ranges = self.buf.layer_ranges(bitmap_now)
+            rs_ranges = self.buf.layer_ranges(~bitmap_now)
+            if rs_ranges:  # Routine Sync first, blocking (§3.1)
+                rs = self.buf.gather(grads, rs_ranges)
                 self.backend.allreduce_average_(rs, "routine sync")
-                grads.index_copy_(0, rs_index, rs)
+                self.buf.scatter(rs, grads, rs_ranges)
+            # In-Computation Sync: in flight until the next step (or synchronize()); the
+            # optimizer meanwhile uses the local gradient of these layers (LGP, Eq. 6).
+            self._ics_local = self.buf.gather(grads, ics_ranges)
+            self._ics_global = self._ics_local.clone()
+            self._ics_ranges = ics_ranges
+            self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
             self.ics_layers_total += int(bitmap_now.sum())
         else:
             self.backend.allreduce_average_(grads, "routine sync")

@@ -1,0 +1,74 @@
+"""No rank hangs the job (issue 8, items 1-2): each fault ends the job non-zero within 30 s and
+the output names the failed rank.
+
+Each program runs as a plain script (not through the harness's runner), so what ends the job
+is mpsync's own machinery: the abort hook installed by ``mps.init``, the collective deadline, or
+Open MPI noticing a dead process.  The time from the fault (printed by the rank just before it)
+to the end of ``mpirun`` is printed for the report (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+PROGRAMS = str(Path(__file__).resolve().parent / "torch_programs.py")
+LIMIT = 30.0  # seconds from the fault to the end of the job (issue 8)
+
+
+def run_fault(name: str, *args: str, np: int = 4):
+    start_wall = time.time()
+    run = run_mpi(PROGRAMS, np=np, args=[name, *args], timeout=90, check=False)
+    end_wall = start_wall + run.elapsed
+    faults = [float(m) for r in run.ranks
+              for m in re.findall(r"^FAULT (\S+)$", run.rank_out(r), flags=re.M)]
+    assert not run.timed_out, run.report()
+    assert run.returncode not in (0, None), run.report()
+    assert len(faults) == 1, run.report()
+    to_abort = end_wall - faults[0]
+    print(f"\n{name}: job ended {to_abort:.2f}s after the fault (exit {run.returncode})")
+    assert to_abort < LIMIT, run.report()
+    return run, to_abort
+
+
+def all_output(run) -> str:
+    return run.stderr + run.stdout + "".join(
+        o.get("stderr", "") + o.get("stdout", "") for o in run.ranks.values())
+
+
+def test_a_worker_that_raises_aborts_the_job_with_its_traceback():
+    run, _ = run_fault("fail_worker_raises", "victim=1")
+    # world rank 2 = worker 1 (rank 0 is the dedicated server)
+    assert run.failed_ranks() == [2], run.report()
+    err = run.rank_err(2)
+    assert "MPSYNC-RANK-FAILED rank 2 (worker 1)" in err
+    assert "Traceback" in err and "deliberate failure on worker 1" in err
+
+
+def test_a_worker_killed_with_sigkill_ends_the_job():
+    run, _ = run_fault("fail_worker_sigkill", "victim=2")
+    text = all_output(run)
+    # Open MPI names the dead process (world rank 3 = worker 2).
+    assert re.search(r"rank 3 .*exited on signal 9", text, flags=re.S), run.report()
+
+
+def test_the_server_rank_killed_ends_the_job():
+    run, _ = run_fault("fail_server_killed")
+    text = all_output(run)
+    assert re.search(r"rank 0 .*exited on signal 9", text, flags=re.S), run.report()
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_a_stopped_worker_is_named_when_the_collective_deadline_passes(backend):
+    run, _ = run_fault("fail_worker_sigstop", "victim=1", "deadline=5", f"backend={backend}")
+    text = all_output(run)
+    # The live workers time out and name the silent one: worker 1 = world rank 2.
+    assert "CollectiveTimeout" in text, run.report()
+    assert "no word from worker 1 (world rank 2)" in text, run.report()
