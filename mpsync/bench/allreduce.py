@@ -6,7 +6,8 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
 * ``mpsync_ms``: BSP's data path with the horovod backend (``average_gradients``: pack the
   gradients of 8 parameter tensors into the fusion buffer, one Horovod allreduce polled with
   the deadline, unpack);
-* ``mpsync_mpi_ms``: the same with the mpi backend (``Iallreduce`` polled with the deadline);
+* ``mpsync_mpi_ms``: the same with the mpi backend (``Iallreduce`` polled with the deadline),
+  measured with ``mpi_ms`` before Horovod starts;
 * ``mpsync_copy_ms``: ``mpsync_ms`` when the gradients are not inside the fusion buffer (a
   script that sets them to None each step): pack and unpack copies included;
 * ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
@@ -39,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, default=2, help="worker ranks (default 2)")
     p.add_argument("--sizes", default=None,
                    help="comma-separated buffer sizes in bytes (default 4 KB..256 MB, x4 steps)")
-    p.add_argument("--max-repeats", type=int, default=30)
-    p.add_argument("--seconds-per-point", type=float, default=1.5,
+    p.add_argument("--max-repeats", type=int, default=100)
+    p.add_argument("--seconds-per-point", type=float, default=2.0,
                    help="stop repeating a measurement after this long (at least 3 repeats)")
     p.add_argument("--ps", action="store_true", help="also time the PS topology (push+pull)")
     p.add_argument("--osp", action="store_true",
@@ -154,50 +155,64 @@ def _timed(comm, methods: dict, max_repeats: int, budget: float) -> dict:
     return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}
 
 
+def _fake_model(nbytes: int, bind: bool):
+    """A "model" of 8 float32 parameters adding up to ``nbytes``, gradients filled in, and its
+    fusion buffer (``bind``: gradients inside the buffer, the steady state under
+    DistributedOptimizer; otherwise a script that sets them to None each step: pack + unpack)."""
+    import torch
+
+    from mpsync.torch.fusion import FusionBuffer
+
+    n = max(1, nbytes // 4)
+    parts = [n // 8 + (1 if i < n % 8 else 0) for i in range(8)]
+    params = [torch.zeros(p, dtype=torch.float32) for p in parts if p > 0]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    buf = FusionBuffer(params, [f"layer{i}.weight" for i in range(len(params))])
+    if bind:
+        buf.bind_grads()
+    return buf
+
+
 def _ring_child(sizes, max_repeats, budget) -> None:
+    """Two phases over all sizes: MPI before Horovod starts (its background thread runs a
+    small allreduce every cycle and would slow every other MPI call down), then Horovod."""
     import torch
     from mpi4py import MPI
 
-    import horovod.torch as hvd
     from mpsync.torch.backends import HorovodAggregator, MPIAggregator
-    from mpsync.torch.fusion import FusionBuffer
     from mpsync.torch.strategies import average_gradients
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
+    mpi_agg = MPIAggregator(world.Dup(), deadline=600.0)
+    rows = {s: {"bytes": s} for s in sizes}
+    for nbytes in sizes:
+        buf = _fake_model(nbytes, bind=True)
+        arr = torch.ones(max(1, nbytes // 4), dtype=torch.float32).numpy()
+        rows[nbytes].update(_timed(world, {
+            "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
+            "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
+        }, max_repeats, budget))
+        del buf, arr
+
+    import horovod.torch as hvd
+
     hvd.init(comm=world)
     hvd_agg = HorovodAggregator(hvd, deadline=600.0)
-    mpi_agg = MPIAggregator(world.Dup(), deadline=600.0)
     for nbytes in sizes:
-        n = max(1, nbytes // 4)
-        raw = torch.ones(n, dtype=torch.float32)
-        arr = raw.numpy()
-        # A "model" of 8 parameters adding up to the same size, gradients filled in.
-        parts = [n // 8 + (1 if i < n % 8 else 0) for i in range(8)]
-        params = [torch.zeros(max(p, 1), dtype=torch.float32) for p in parts if p > 0]
-        for p in params:
-            p.grad = torch.ones_like(p)
-        names = [f"layer{i}.weight" for i in range(len(params))]
-        buf = FusionBuffer(params, names)
-        buf.bind_grads()  # the steady state under DistributedOptimizer (zero-copy fusion)
-        # A script that sets grads to None each step (model.zero_grad()) pays pack + unpack.
-        copy_params = [p.detach().clone() for p in params]
-        for p in copy_params:
-            p.grad = torch.ones_like(p)
-        copy_buf = FusionBuffer(copy_params, names)
-        row = {"bytes": nbytes}
-        row.update(_timed(world, {
-            "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
+        raw = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        buf = _fake_model(nbytes, bind=True)
+        copy_buf = _fake_model(nbytes, bind=False)
+        rows[nbytes].update(_timed(world, {
             "horovod_ms": lambda: hvd.allreduce_(raw, op=hvd.Average, name="raw"),
             "mpsync_ms": lambda: average_gradients([buf], hvd_agg),
-            "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
             "mpsync_copy_ms": lambda: average_gradients([copy_buf], hvd_agg),
         }, max_repeats, budget))
         if world.Get_rank() == 0:
-            print("ROW " + json.dumps(row), flush=True)
-        del raw, arr, params, buf, copy_params, copy_buf
+            print("ROW " + json.dumps(rows[nbytes]), flush=True)
+        del raw, buf, copy_buf
     hvd.shutdown()
-
 
 
 def _ps_child(sizes, max_repeats, budget) -> None:

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-__all__ = ["CollectiveTimeout", "PeerWatch", "poll_until_done"]
+__all__ = ["CollectiveTimeout", "PeerWatch", "poll_until_done", "wait_on_event"]
 
 try:  # the control plane's typed error, when it is installed (it is part of mpsync)
     from mpsync.server import DeadlineExceeded as _DeadlineBase
@@ -145,3 +145,24 @@ def poll_until_done(test, *, deadline: float, what: str, watch: PeerWatch | None
             time.sleep(sleep)
         else:
             yield_()
+
+
+def wait_on_event(event, *, deadline: float, what: str, watch: PeerWatch | None, seq: int,
+                  notice_after: float | None = None) -> None:
+    """Sleep until ``event`` is set (a collective finished on another thread); announce the
+    wait after ``notice_after`` and raise :class:`CollectiveTimeout` at ``deadline``."""
+    if event.is_set():
+        return
+    if notice_after is None:
+        notice_after = min(1.0, deadline / 4)
+    if event.wait(notice_after):
+        return
+    if watch is not None:
+        watch.announce(seq)
+    if event.wait(max(0.0, deadline - notice_after)):
+        return
+    if watch is None:
+        raise CollectiveTimeout(what, deadline, [])
+    if event.wait(min(notice_after, 1.0)):  # let late notices arrive before naming anyone
+        return
+    raise watch.timeout(what, seq, deadline)
