@@ -29,6 +29,8 @@
 # Exit codes: 0 ok, 1 failure (message on stderr), 3 this machine cannot run Slurm (not root and
 # Slurm not usable; message says why).
 set -euo pipefail
+# The daemons live in /usr/sbin, which a non-login PATH (cron, some CI runners) may lack.
+export PATH=$PATH:/usr/sbin:/sbin
 
 DIR=${MPSYNC_SLURM_DIR:-/var/lib/mpsync-slurm}
 CTLD_PORT=${MPSYNC_SLURMCTLD_PORT:-16817}
