@@ -65,9 +65,14 @@ def test_the_server_rank_killed_ends_the_job():
     assert re.search(r"rank 0 .*exited on signal 9", text, flags=re.S), run.report()
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_a_stopped_worker_is_named_when_the_collective_deadline_passes(backend):
-    run, _ = run_fault("fail_worker_sigstop", "victim=1", "deadline=5", f"backend={backend}")
+@pytest.mark.parametrize("backend,model", [("mpi", "small"), ("mpi", "big"),
+                                           ("horovod", "small")])
+def test_a_stopped_worker_is_named_when_the_collective_deadline_passes(backend, model):
+    # small: Iallreduce polled on the caller's thread; big: Allreduce on the communication
+    # thread, the caller waiting on an event.
+    extra = ["big=1"] if model == "big" else []
+    run, _ = run_fault("fail_worker_sigstop", "victim=1", "deadline=5", f"backend={backend}",
+                       *extra)
     text = all_output(run)
     # The live workers time out and name the silent one: worker 1 = world rank 2.
     assert "CollectiveTimeout" in text, run.report()

@@ -311,6 +311,10 @@ def _fault(kind: str) -> None:
           deadline=float(a.get("deadline", 5)))
     victim = int(a.get("victim", 1))  # a worker rank
     model = _model()
+    if a.get("big"):  # 0.5 MB of float64 gradients: the mpi backend's communication thread
+        model = torch.nn.Sequential(torch.nn.Linear(6, 256), torch.nn.Tanh(),
+                                    torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                    torch.nn.Linear(256, 3)).double()
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     mps.broadcast_parameters(model.state_dict(), root_rank=0)

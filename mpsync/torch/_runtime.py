@@ -127,6 +127,7 @@ def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
              else f"rank {rank} (worker {world_ranks.index(rank)})")
     install_abort_hooks(world, label)
 
+    _check_same_config(world, config, server_rank)
     control = world.Dup()
     is_worker = rank in world_ranks
     workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=rank)
@@ -143,6 +144,19 @@ def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
     return ctx
+
+
+def _check_same_config(world, config: SyncConfig, server_rank: int) -> None:
+    """Every rank must run the same settings (a per-rank environment variable or argument
+    would otherwise surface as a deadlock or a silently wrong policy)."""
+    import json
+
+    mine = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    every = world.allgather(mine)
+    if any(c != every[server_rank] for c in every):
+        differ = [r for r, c in enumerate(every) if c != every[server_rank]]
+        raise ConfigError(f"ranks {differ} were given other mpsync settings than rank "
+                          f"{server_rank}: {mine if world.Get_rank() in differ else every[server_rank]}")
 
 
 def _serve_and_exit(ctx: Context) -> None:
