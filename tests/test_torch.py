@@ -46,3 +46,64 @@ def test_horovod_and_mpi_backends_agree():
     for r in res.values():
         assert r["horovod_vs_mpi"] <= 1e-6 and r["horovod_vs_ref"] <= 1e-6
         assert r["mpi_vs_ref"] <= 1e-6
+
+
+def test_esync_with_equal_speeds_equals_bsp_step_for_step():
+    run = run_mpi("torch_programs:esync_equal_speeds_equals_bsp", np=4, timeout=120)
+    res = results(run)
+    assert len(res) == 3, run.report()
+    for r in res.values():
+        # Equal speeds: the server says SYNC after every local step (one step per round)...
+        assert r["iterations"] == 8 and r["rounds"] == 8, r
+        # ...and delta averaging with ε = 1 after one SGD step is gradient averaging.
+        assert r["max_rel"] <= 1e-9, r
+    assert len({r["digest"] for r in res.values()}) == 1
+
+
+@pytest.mark.parametrize("policy,topology", [("esync", "ring"), ("ebsp", "ring"),
+                                             ("esync", "ps"), ("ebsp", "ps")])
+def test_a_4x_straggler_lets_fast_workers_take_more_local_steps(policy, topology):
+    run = run_mpi("torch_programs:esync_straggler", np=4, timeout=180,
+                  args=[f"policy={policy}", f"topology={topology}", "rounds=6"])
+    res = results(run)
+    assert len(res) == 3, run.report()
+    slow = [r for r in res.values() if r["slow"] > 1]
+    fast = [r for r in res.values() if r["slow"] == 1]
+    assert len(slow) == 1 and len(fast) == 2
+    for r in fast:
+        assert r["iterations"] >= 1.5 * slow[0]["iterations"], res
+    # shutdown's final aggregation: every worker ends with the very same model
+    assert len({r["digest"] for r in res.values()}) == 1, res
+
+
+@pytest.mark.parametrize("policy", ["asp", "ssp", "dssp"])
+def test_ps_applies_every_pushed_update_exactly_once(policy):
+    run = run_mpi("torch_programs:ps_updates_applied_once", np=4, timeout=120,
+                  args=[f"policy={policy}", "steps=25"])
+    res = results(run)
+    assert len(res) == 3, run.report()
+    for r in res.values():
+        assert r["rel_err"] <= 1e-9, r
+    assert len({r["digest"] for r in res.values()}) == 1
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_osp_with_an_empty_ics_set_equals_bsp(backend):
+    run = run_mpi("torch_programs:osp_run", np=4, timeout=120, args=["ics=0", f"backend={backend}"])
+    res = results(run)
+    assert len(res) == 3, run.report()
+    for r in res.values():
+        assert r["ics_layers"] == 0 and r["vs_bsp"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_osp_with_ics_applies_every_workers_gradients(backend):
+    run = run_mpi("torch_programs:osp_run", np=4, timeout=120,
+                  args=["ics=0.8", "steps=30", f"backend={backend}"])
+    res = results(run)
+    assert len(res) == 3, run.report()
+    for r in res.values():
+        assert r["ics_layers"] > 0, r  # the server did put layers into In-Computation Sync
+        # Σ applied global gradients == mean over workers of Σ local gradients
+        assert r["conservation"] <= 1e-9, r
+    assert len({r["digest"] for r in res.values()}) == 1

@@ -133,3 +133,13 @@ def test_init_names_missing_horovod(monkeypatch):
                         lambda name, *a: None if name == "horovod" else real(name, *a))
     with pytest.raises(ConfigError, match="Horovod is not installed"):
         _runtime.init(backend="horovod")
+
+
+def test_frozen_parameters_get_no_gradient():
+    m = small_model()
+    m[0].weight.requires_grad_(False)
+    buf = group_by_dtype(list(m.named_parameters()))[0]
+    buf.bind_grads()
+    assert m[0].weight.grad is None and m[0].bias.grad is not None
+    m(torch.randn(2, 3)).sum().backward()
+    assert buf._all_bound()

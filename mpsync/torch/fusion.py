@@ -72,7 +72,10 @@ class FusionBuffer:
         self.grads_bound = False
         self._views = [self.flat[s.offset:s.offset + s.numel].view(s.param.shape)
                        for s in self.slots]
-        self._bound_ptrs = [(s.param, v.data_ptr()) for s, v in zip(self.slots, self._views)]
+        # Frozen parameters (requires_grad=False) never get a gradient from mpsync: a zero
+        # gradient would still let weight decay or momentum move them.
+        self._bound_ptrs = [(s.param, v.data_ptr()) for s, v in zip(self.slots, self._views)
+                            if s.param.requires_grad]
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -124,6 +127,8 @@ class FusionBuffer:
         with torch.no_grad():
             for s, v in zip(self.slots, self.views(src)):
                 g = s.param.grad
+                if not s.param.requires_grad:
+                    continue
                 if bind:
                     if g is None or g.data_ptr() != v.data_ptr():
                         s.param.grad = v
