@@ -220,9 +220,10 @@ class MPIAggregator(Aggregator):
 class HorovodAggregator(Aggregator):
     """Horovod's ops; Horovod must already be initialised on the workers' communicator.
 
-    Horovod's background thread does the communication; a wait spins (yielding) for a few
-    milliseconds, like Horovod's own wait, then sleeps between polls so a long wait leaves
-    the core to that thread.
+    Horovod's background thread does the communication; a wait spins (yielding) for 5 ms, then
+    sleeps 0.2 ms between polls so a long wait leaves the core to that thread.  Of the
+    variants measured (sleep only, 0.1-0.5 ms), this one stayed within 1.07x of raw
+    ``hvd.allreduce_`` from 1 to 16 MB (bench/allreduce/README.md).
     """
 
     name = "horovod"
