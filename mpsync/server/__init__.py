@@ -1,0 +1,38 @@
+"""The control plane: a state server on one rank answering every worker, per iteration,
+"keep training locally" (LOCAL) or "synchronize now" (SYNC), over mpi4py point-to-point
+messages with fixed-size numpy buffers.
+
+Server side::
+
+    from mpsync.server import StateServer
+    stats = StateServer(control_comm, config, server_rank=0).serve()   # until all shut down
+
+Worker side::
+
+    client = SyncClient(control_comm, config, server_rank=0)
+    decision = client.step(k, compute_time)      # after local iteration k
+    if decision.sync: ...aggregate...; client.reset(round_, aggregation_time)
+    client.shutdown()
+
+``control_comm`` is a ``Dup()`` of the job's communicator made by the caller on every rank, so
+no user message can ever match the server's receives.  Policies: bsp, asp, ssp, dssp, ebsp,
+esync, osp (``mpsync.server._policies``); the decisions are the kernels of ``mpsync.sched``.
+"""
+
+from mpsync.server._client import (
+    LOCAL,
+    SYNC,
+    DeadlineExceeded,
+    Decision,
+    PendingDecision,
+    ServerError,
+    SyncClient,
+)
+from mpsync.server._loop import ColocatedServer, StateServer, start_colocated
+from mpsync.server._stats import write_chrome_trace, write_stats_json
+
+__all__ = [
+    "StateServer", "SyncClient", "Decision", "PendingDecision", "LOCAL", "SYNC",
+    "ServerError", "DeadlineExceeded", "start_colocated", "ColocatedServer",
+    "write_stats_json", "write_chrome_trace",
+]

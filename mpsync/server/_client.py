@@ -1,0 +1,221 @@
+"""The worker's side of the control plane: one small class, usable from any script.
+
+Every call pre-posts the receive for its reply, then sends its request (so a reply never sits
+in the unexpected queue, where a co-located server's probe would see it), and waits for the
+reply by polling with a deadline: a server that does not answer raises
+:class:`DeadlineExceeded` naming the server rank and the call, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpsync.server import _wire as W
+
+__all__ = ["SyncClient", "Decision", "ServerError", "DeadlineExceeded", "LOCAL", "SYNC"]
+
+LOCAL = W.LOCAL
+SYNC = W.SYNC
+_SPIN_S = 2e-3           # poll without sleeping this long: replies usually take microseconds
+_SLEEP_MAX_S = 1e-3
+
+
+class ServerError(RuntimeError):
+    """The state server answered something that breaks the protocol."""
+
+
+class DeadlineExceeded(ServerError, TimeoutError):
+    """A blocking wait passed its deadline; ``ranks`` are the silent ranks, ``awaited`` what
+    was waited for."""
+
+    def __init__(self, message: str, ranks=(), awaited: str = ""):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.awaited = awaited
+
+
+class Decision(NamedTuple):
+    """The server's answer to a step: ``action`` LOCAL or SYNC; ``local_iters`` more local
+    iterations before the barrier (ElasticBSP; 0 when unknown or SYNC); ``round``; ``extra``."""
+
+    action: int
+    local_iters: int
+    round: int
+    extra: int = 0
+
+    @property
+    def sync(self) -> bool:
+        return self.action == SYNC
+
+    def __repr__(self) -> str:
+        name = "SYNC" if self.action == SYNC else "LOCAL"
+        return f"Decision({name}, local_iters={self.local_iters}, round={self.round})"
+
+
+class PendingDecision:
+    """A delayed-ACK query in flight (ESync §4.2): ``poll()`` returns the READY decision once
+    the server sent it, else None; the worker keeps training meanwhile."""
+
+    def __init__(self, client: "SyncClient", request: MPI.Request):
+        self.client = client
+        self.request = request
+        self.decision: Decision | None = None
+
+    def poll(self) -> Decision | None:
+        if self.decision is None and self.request.Test():
+            self.decision = self.client._decision()
+            self.client._pending = None
+        return self.decision
+
+
+class SyncClient:
+    """Talks to the state server at ``server_rank`` of ``comm`` (the control communicator)."""
+
+    def __init__(self, comm, config, *, server_rank: int = 0):
+        self.comm = comm
+        self.server = server_rank
+        self.deadline = float(config.deadline)
+        self._req = W.new_msg()
+        self._rep = W.new_msg()
+        self._seq = 0
+        self._pending: PendingDecision | None = None
+        self.iteration = 0
+        self.wait_s = 0.0        # total time spent waiting for the server
+        self.last_rtt = 0.0
+        self._call(W.REGISTER, "register")
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _header(self, iteration=0, compute=0.0, round_=0, agg=0.0, count=0, flag=0):
+        self._seq += 1
+        m = self._req
+        m[W.SEQ] = self._seq
+        m[W.ITER] = iteration
+        m[W.COMPUTE] = compute
+        m[W.ROUND] = round_
+        m[W.AGG] = agg
+        m[W.WAIT] = self.wait_s
+        m[W.COUNT] = count
+        m[W.FLAG] = flag
+        return m
+
+    def _wait(self, request: MPI.Request, what: str) -> None:
+        start = time.perf_counter()
+        if not request.Test():
+            sleep = 20e-6
+            limit = start + self.deadline
+            while True:
+                now = time.perf_counter()
+                if now - start > _SPIN_S:
+                    if now > limit:
+                        request.Cancel()
+                        raise DeadlineExceeded(
+                            f"no reply from the state server (rank {self.server}) to {what} "
+                            f"within the {self.deadline:g}s deadline", [self.server], what)
+                    time.sleep(sleep)
+                    sleep = min(2 * sleep, _SLEEP_MAX_S)
+                if request.Test():
+                    break
+        elapsed = time.perf_counter() - start
+        self.wait_s += elapsed
+        self.last_rtt = elapsed
+
+    def _call(self, tag: int, what: str, *, header=None, data=None, reply_data=None):
+        header = self._header() if header is None else header
+        seq = self._seq
+        rep = self.comm.Irecv([self._rep, MPI.DOUBLE], source=self.server, tag=W.REPLY)
+        rdata = None
+        if reply_data is not None:
+            rdata = self.comm.Irecv([reply_data, MPI.DOUBLE], source=self.server,
+                                    tag=W.REPLY_DATA)
+        self.comm.Send([header, MPI.DOUBLE], dest=self.server, tag=tag)
+        if data is not None:
+            self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+        self._wait(rep, what)
+        if int(self._rep[W.R_SEQ]) != seq:
+            raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
+                              f"{seq} (two users of one SyncClient?)")
+        if rdata is not None:
+            self._wait(rdata, what + " (payload)")
+        return self._rep
+
+    def _decision(self) -> Decision:
+        r = self._rep
+        return Decision(int(r[W.R_ACTION]), int(r[W.R_LOCAL]), int(r[W.R_ROUND]),
+                        int(r[W.R_EXTRA]))
+
+    # -- the calls --------------------------------------------------------------------------
+    def step(self, iteration: int, compute_time: float) -> Decision:
+        """Report that local iteration ``iteration`` finished after ``compute_time`` seconds
+        and ask what to do next, in one round trip."""
+        self.iteration = int(iteration)
+        self._call(W.STEP, f"step {iteration}",
+                   header=self._header(iteration, compute_time))
+        return self._decision()
+
+    def step_async(self, iteration: int, compute_time: float) -> PendingDecision:
+        """ESync delayed-ACK mode (§4.2): report without waiting; only READY is answered."""
+        self.iteration = int(iteration)
+        if self._pending is None:
+            req = self.comm.Irecv([self._rep, MPI.DOUBLE], source=self.server, tag=W.REPLY)
+            self._pending = PendingDecision(self, req)
+        header = self._header(iteration, compute_time, agg=self.last_rtt, flag=1)
+        self.comm.Send([header, MPI.DOUBLE], dest=self.server, tag=W.STEP)
+        return self._pending
+
+    def reset(self, round_: int, aggregation_time: float) -> None:
+        """The aggregation that ends round ``round_ - 1`` finished (no reply is awaited)."""
+        header = self._header(self.iteration, 0.0, round_, aggregation_time)
+        self.comm.Send([header, MPI.DOUBLE], dest=self.server, tag=W.RESET)
+
+    def report_importance(self, importance, layer_sizes=None, loss: float | None = None,
+                          epoch: int = 0) -> np.ndarray:
+        """OSP: this iteration's layer importance (and layer sizes); returns the bitmap of the
+        next iteration, True = In-Computation Sync (the same for every worker)."""
+        imp = np.ascontiguousarray(importance, dtype=np.float64)
+        sizes = (np.ones_like(imp) if layer_sizes is None
+                 else np.ascontiguousarray(layer_sizes, dtype=np.float64))
+        if sizes.shape != imp.shape:
+            raise ValueError(f"layer_sizes has shape {sizes.shape}, importance {imp.shape}")
+        out = np.empty(imp.size, dtype=np.float64)
+        flag = int(epoch) if loss is not None else 0
+        header = self._header(self.iteration, 0.0, 0, 0.0 if loss is None else float(loss),
+                              count=imp.size, flag=flag)
+        self._call(W.IMPORTANCE, "importance", header=header,
+                   data=np.concatenate([imp, sizes]), reply_data=out)
+        return out.astype(bool)
+
+    def ps_init(self, flat: np.ndarray) -> None:
+        data = np.ascontiguousarray(flat, dtype=np.float64)
+        self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
+
+    def push(self, delta: np.ndarray, iteration: int) -> int:
+        """Send an update; the server applies it on arrival.  Returns the model version."""
+        data = np.ascontiguousarray(delta, dtype=np.float64)
+        self._call(W.PUSH, f"push {iteration}", header=self._header(iteration, count=data.size),
+                   data=data)
+        return int(self._rep[W.R_VERSION])
+
+    def pull(self, out: np.ndarray, iteration: int) -> int:
+        """Current global weights into ``out`` (float64, contiguous), as soon as the policy's
+        staleness rule allows.  Returns the model version (updates applied so far)."""
+        if out.dtype != np.float64 or not out.flags.c_contiguous:
+            raise ValueError("pull needs a contiguous float64 array")
+        self._call(W.PULL, f"pull {iteration}", header=self._header(iteration, count=out.size),
+                   reply_data=out)
+        return int(self._rep[W.R_VERSION])
+
+    def stats(self) -> dict:
+        self._call(W.STATS, "stats")
+        size = int(self._rep[W.R_COUNT])
+        buf = np.empty(size, dtype=np.uint8)
+        req = self.comm.Irecv([buf, MPI.BYTE], source=self.server, tag=W.REPLY_STATS)
+        self._wait(req, "stats (payload)")
+        return json.loads(buf.tobytes().decode())
+
+    def shutdown(self) -> None:
+        self._call(W.SHUTDOWN, "shutdown")

@@ -1,0 +1,435 @@
+"""The serve loop: receive, validate, dispatch to the policy, reply (STYLE.md practice 5).
+
+One thread, one communicator.  The loop never blocks in MPI: it polls with ``Iprobe`` and,
+when nothing arrives, sleeps with a short exponential backoff (50 µs .. 250 µs), so an idle
+server costs a few percent of a core at most and a co-located trainer keeps its CPU, while a
+query that arrives during a burst is answered without any sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpsync.config import ConfigError
+from mpsync.server import _wire as W
+from mpsync.server._policies import ESync, OSP, make_policy
+from mpsync.server._stats import EventLog, ServerCounters
+
+__all__ = ["StateServer", "start_colocated", "ColocatedServer"]
+
+_SPIN_S = 100e-6        # keep polling without sleeping this long after the last message
+_SLEEP_MIN_S = 50e-6
+_SLEEP_MAX_S = 250e-6
+_HOUSEKEEPING_S = 0.1   # how often silent workers are looked for
+
+
+class StateServer:
+    """Answers every worker's per-iteration question under one policy (module doc).
+
+    ``comm`` is the control communicator (callers pass a ``Dup()`` so user traffic can never
+    match the server's receives); ``workers`` are the ranks of ``comm`` that train.
+    """
+
+    def __init__(self, comm, config, *, server_rank: int = 0, workers=None, log=None):
+        config.validate()
+        self.comm = comm
+        self.config = config
+        self.server_rank = server_rank
+        if workers is None:
+            workers = [r for r in range(comm.Get_size())
+                       if config.server == "colocated" or r != server_rank]
+        self.ranks = [int(r) for r in workers]
+        if not self.ranks:
+            raise ConfigError("the state server has no workers (launch with at least 2 ranks "
+                              "for server='dedicated')")
+        self.index = {r: i for i, r in enumerate(self.ranks)}
+        try:
+            self.policy = make_policy(config, len(self.ranks))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.table = self.policy.t
+        self.counters = ServerCounters(len(self.ranks))
+        self.events = EventLog()
+        self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
+        self.ps_weights: np.ndarray | None = None
+        self.ps_version = 0
+        self.ps_scale = 1.0
+        self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._rejected: dict[tuple, int] = {}
+        self._msg = W.new_msg()
+        self._reply = W.new_msg()
+        self._status = MPI.Status()
+        self.t0 = MPI.Wtime()
+        self.last_heard = np.full(len(self.ranks), self.t0)
+        self.waiting_on_us = np.zeros(len(self.ranks), dtype=bool)
+        self._stop = False
+
+    # -- the loop ---------------------------------------------------------------------------
+    def serve(self) -> dict:
+        comm, status = self.comm, self._status
+        last_msg = time.perf_counter()
+        sleep = _SLEEP_MIN_S
+        next_housekeeping = MPI.Wtime() + _HOUSEKEEPING_S
+        while not self._stop and not self._all_gone():
+            if comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                src, tag = status.Get_source(), status.Get_tag()
+                if tag >= W.REPLY and src == comm.Get_rank():
+                    pass  # a reply to our own co-located client, not yet matched by it
+                else:
+                    self._receive(src, tag, status.Get_count(MPI.BYTE))
+                    last_msg = time.perf_counter()
+                    sleep = _SLEEP_MIN_S
+                    continue
+            now = MPI.Wtime()
+            if now >= next_housekeeping:
+                self._find_silent(now)
+                next_housekeeping = now + _HOUSEKEEPING_S
+            if time.perf_counter() - last_msg > _SPIN_S:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, _SLEEP_MAX_S)
+        return self.stats()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _all_gone(self) -> bool:
+        t = self.table
+        return bool(np.all(t.done | t.removed)) and bool(np.any(t.done))
+
+    # -- receiving and validating ---------------------------------------------------------
+    def _reject(self, src: int, tag: int, reason: str, nbytes: int | None = None) -> None:
+        if nbytes is not None:  # consume the message so it cannot block the queue
+            self.comm.Recv([bytearray(max(nbytes, 1)), MPI.BYTE], source=src, tag=tag)
+        key = (src, reason)
+        self._rejected[key] = self._rejected.get(key, 0) + 1
+        self.counters.rejected += 1
+        if self._rejected[key] == 1:  # log each kind of rejection once per source
+            self._log(f"mpsync server: dropped a message from rank {src} "
+                      f"(tag {W.TAG_NAMES.get(tag, tag)}): {reason}")
+
+    def _receive(self, src: int, tag: int, nbytes: int) -> None:
+        if tag not in W.REQUEST_TAGS:
+            return self._reject(src, tag, f"unknown message type {tag}", nbytes)
+        if nbytes != W.MSG_LEN * 8:
+            return self._reject(src, tag, f"wrong size {nbytes} bytes (expected "
+                                          f"{W.MSG_LEN * 8})", nbytes)
+        w = self.index.get(src)
+        if w is None:
+            return self._reject(src, tag, f"rank {src} is not a worker of this server", nbytes)
+        msg = self._msg
+        self.comm.Recv([msg, MPI.DOUBLE], source=src, tag=tag)
+        now = MPI.Wtime()
+        if not np.all(np.isfinite(msg)):
+            return self._drop_payload(src, tag, w, "NaN or inf in the message")
+        k = msg[W.ITER]
+        if tag in (W.STEP, W.RESET, W.PUSH, W.PULL, W.IMPORTANCE) and not (0 <= k < W.MAX_ITER):
+            return self._drop_payload(src, tag, w, f"iteration {k!r} out of range")
+        if msg[W.COMPUTE] < 0 or msg[W.AGG] < 0 or msg[W.WAIT] < 0:
+            return self._drop_payload(src, tag, w, "negative time")
+        if self.table.removed[w]:
+            self.table.removed[w] = False  # it came back (PS): count it in again
+            self._log(f"mpsync server: worker rank {src} is responding again; taken back in")
+        self.last_heard[w] = now
+        self.waiting_on_us[w] = False
+        handler = self._HANDLERS[tag]
+        handler(self, src, w, msg, now)
+        if self.held:
+            self._retry_held()
+
+    def _drop_payload(self, src, tag, w, reason):
+        """Reject a header; if it announced a DATA payload, consume that too."""
+        if tag in (W.PS_INIT, W.PUSH, W.IMPORTANCE) and self.comm.Iprobe(src, W.DATA):
+            st = MPI.Status()
+            self.comm.Probe(src, W.DATA, st)
+            self._reject(src, W.DATA, "payload of a rejected header", st.Get_count(MPI.BYTE))
+        self._reject(src, tag, reason)
+
+    def _recv_payload(self, src: int, count: int, what: str) -> np.ndarray | None:
+        """The DATA message announced by a header, within the deadline."""
+        if not 0 <= count <= W.MAX_COUNT:
+            self._reject(src, W.DATA, f"{what}: announced size {count} out of range")
+            return None
+        st = MPI.Status()
+        deadline = MPI.Wtime() + self.config.deadline
+        while not self.comm.Iprobe(src, W.DATA, st):
+            if MPI.Wtime() > deadline:
+                self._reject(src, W.DATA, f"{what}: no payload within {self.config.deadline}s")
+                return None
+            time.sleep(_SLEEP_MIN_S)
+        nbytes = st.Get_count(MPI.BYTE)
+        if nbytes != count * 8:
+            self._reject(src, W.DATA, f"{what}: payload of {nbytes} bytes, header announced "
+                                      f"{count * 8}", nbytes)
+            return None
+        buf = np.empty(count, dtype=np.float64)
+        self.comm.Recv([buf, MPI.DOUBLE], source=src, tag=W.DATA)
+        return buf
+
+    # -- replies ----------------------------------------------------------------------------
+    def _send_reply(self, src, seq, action=W.SYNC, local_iters=0, extra=0, count=0, version=0):
+        r = self._reply
+        r[:] = 0
+        r[W.R_ACTION] = action
+        r[W.R_LOCAL] = local_iters
+        r[W.R_ROUND] = self.table.round[self.index[src]]
+        r[W.R_SEQ] = seq
+        r[W.R_EXTRA] = extra
+        r[W.R_COUNT] = count
+        r[W.R_VERSION] = version
+        self.comm.Send([r, MPI.DOUBLE], dest=src, tag=W.REPLY)
+
+    # -- handlers ---------------------------------------------------------------------------
+    def _on_register(self, src, w, msg, now):
+        self.table.registered[w] = True
+        self.table.last_event[w] = now
+        self.events.add(now - self.t0, w, "register", 0)
+        self._send_reply(src, msg[W.SEQ])
+
+    def _on_step(self, src, w, msg, now):
+        k, compute = int(msg[W.ITER]), float(msg[W.COMPUTE])
+        delayed = msg[W.FLAG] == 1 and isinstance(self.policy, ESync)
+        self.table.record_report(w, k, compute, now)
+        c = self.counters
+        c.steps[w] += 1
+        c.compute_s[w] += compute
+        c.wait_server_s[w] = float(msg[W.WAIT])
+        if delayed:
+            self.policy.rtt[w] = float(msg[W.AGG])
+            decision = self.policy.on_step(w, k, compute, now, delayed_ack=True)
+        else:
+            decision = self.policy.on_step(w, k, compute, now)
+        self.events.add(now - self.t0, w, "report", k)
+        if decision is None:
+            self.held.append((W.STEP, src, w, float(msg[W.SEQ]), k))
+            self.waiting_on_us[w] = True
+            return
+        self._answer_step(src, w, float(msg[W.SEQ]), decision, now, delayed)
+
+    def _answer_step(self, src, w, seq, decision, now, delayed=False):
+        action, local_iters, extra = decision
+        if action == W.SYNC:
+            self.counters.syncs[w] += 1
+            self.events.add(now - self.t0, w, "sync", int(self.table.iteration[w]))
+        else:
+            self.counters.locals[w] += 1
+            if delayed:
+                return  # §4.2: NOT-READY is implicit in delayed-ACK mode
+        self._send_reply(src, seq, action, local_iters, extra)
+
+    def _on_reset(self, src, w, msg, now):
+        rnd = int(msg[W.ROUND])
+        self.counters.rounds[w] += 1
+        self.counters.aggregation_s[w] += float(msg[W.AGG])
+        self.policy.on_reset(w, rnd, now)
+        self.events.add(now - self.t0, w, "reset", rnd)
+        # No reply: the worker does not wait for it (the next step's reply orders everything,
+        # messages from one rank are received in the order they were sent).
+
+    def _on_importance(self, src, w, msg, now):
+        n_layers = int(msg[W.COUNT])
+        data = self._recv_payload(src, 2 * n_layers, "importance")
+        if data is None:
+            return
+        if not isinstance(self.policy, OSP):
+            return self._reject(src, W.IMPORTANCE, f"importance report under policy "
+                                                   f"{self.config.policy!r}")
+        if not np.all(np.isfinite(data)) or np.any(data[n_layers:] < 0):
+            return self._reject(src, W.IMPORTANCE, "importance or layer sizes not finite/>= 0")
+        loss = float(msg[W.AGG]) if msg[W.FLAG] >= 1 else None
+        bitmap = self.policy.bitmap_for(int(msg[W.ITER]), data[:n_layers], data[n_layers:],
+                                        loss, int(msg[W.FLAG]))
+        out = bitmap.astype(np.float64)
+        self._send_reply(src, msg[W.SEQ], count=n_layers)
+        self.comm.Send([out, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
+
+    def _on_ps_init(self, src, w, msg, now):
+        data = self._recv_payload(src, int(msg[W.COUNT]), "ps_init")
+        if data is None:
+            return
+        if self.config.topology != "ps":
+            return self._reject(src, W.PS_INIT, "ps_init on topology='ring'")
+        if self.ps_weights is None:
+            self.ps_weights = data
+            # ESync / ElasticBSP on the PS average the workers' deltas (ESync Eq. 7-8: ε times
+            # the mean); ASP/SSP/DSSP/BSP apply each worker's update as it is (Downpour style).
+            n = len(self.ranks)
+            self.ps_scale = {"esync": self.config.epsilon / n, "ebsp": 1.0 / n}.get(
+                self.config.policy, 1.0)
+        self._send_reply(src, msg[W.SEQ], version=self.ps_version)
+
+    def _on_push(self, src, w, msg, now):
+        data = self._recv_payload(src, int(msg[W.COUNT]), "push")
+        if data is None:
+            return
+        if self.ps_weights is None or data.shape != self.ps_weights.shape:
+            return self._reject(src, W.PUSH, "push before ps_init or of the wrong length")
+        if not np.all(np.isfinite(data)):
+            return self._reject(src, W.PUSH, "push with NaN or inf")
+        if self.ps_scale == 1.0:
+            self.ps_weights += data
+        else:
+            self.ps_weights += self.ps_scale * data
+        self.ps_version += 1
+        self.counters.pushes[w] += 1
+        self.policy.on_push(w, now)
+        self.events.add(now - self.t0, w, "push", int(msg[W.ITER]))
+        self._send_reply(src, msg[W.SEQ], version=self.ps_version)
+
+    def _on_pull(self, src, w, msg, now):
+        if self.ps_weights is None:
+            # Worker 0's ps_init may still be on its way: hold the pull.
+            self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
+            self.waiting_on_us[w] = True
+            return
+        if not self.policy.may_pull(w):
+            self.counters.held_pulls[w] += 1
+            self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
+            self.waiting_on_us[w] = True
+            return
+        self._answer_pull(src, w, float(msg[W.SEQ]), int(msg[W.COUNT]))
+
+    def _answer_pull(self, src, w, seq, count):
+        if count != self.ps_weights.size:
+            return self._reject(src, W.PULL, f"pull of {count} values, the model has "
+                                             f"{self.ps_weights.size}")
+        self._send_reply(src, seq, count=count, version=self.ps_version)
+        self.comm.Send([self.ps_weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
+        self.counters.pulls[w] += 1
+
+    def _on_stats(self, src, w, msg, now):
+        payload = np.frombuffer(json.dumps(self.stats()).encode(), dtype=np.uint8)
+        self._send_reply(src, msg[W.SEQ], count=payload.size)
+        self.comm.Send([payload, MPI.BYTE], dest=src, tag=W.REPLY_STATS)
+
+    def _on_shutdown(self, src, w, msg, now):
+        self.table.done[w] = True
+        self.events.add(now - self.t0, w, "shutdown", int(self.table.iteration[w]))
+        self._send_reply(src, msg[W.SEQ])
+        self.policy.on_membership_change()
+
+    _HANDLERS = {W.REGISTER: _on_register, W.STEP: _on_step, W.RESET: _on_reset,
+                 W.IMPORTANCE: _on_importance, W.PS_INIT: _on_ps_init, W.PUSH: _on_push,
+                 W.PULL: _on_pull, W.STATS: _on_stats, W.SHUTDOWN: _on_shutdown}
+
+    def _retry_held(self) -> None:
+        now = MPI.Wtime()
+        still = []
+        for item in self.held:
+            tag, src, w, seq, arg = item
+            if self.table.done[w]:
+                continue
+            if tag == W.STEP:
+                decision = self.policy.decide_held(w, arg, now)
+                if decision is None:
+                    still.append(item)
+                else:
+                    self.waiting_on_us[w] = False
+                    self._answer_step(src, w, seq, decision, now)
+            else:  # PULL
+                if self.ps_weights is not None and self.policy.may_pull(w):
+                    self.waiting_on_us[w] = False
+                    self._answer_pull(src, w, seq, arg)
+                else:
+                    still.append(item)
+        self.held = still
+
+    # -- silent workers ----------------------------------------------------------------------
+    def _find_silent(self, now: float) -> None:
+        t = self.table
+        silent = np.flatnonzero(t.active & ~self.waiting_on_us &
+                                (now - self.last_heard > self.config.silent_timeout))
+        if silent.size == 0:
+            return
+        ranks = [self.ranks[w] for w in silent]
+        if self.config.topology == "ring":
+            # A ring collective cannot complete without every worker: abort instead of hanging.
+            self._log(f"mpsync server: worker rank(s) {ranks} silent for more than "
+                      f"{self.config.silent_timeout:g}s; the ring cannot continue without "
+                      f"them: aborting the job")
+            self.comm.Abort(3)
+        for w in silent:
+            t.removed[w] = True
+            self.events.add(now - self.t0, int(w), "removed", int(t.iteration[w]))
+        self._log(f"mpsync server: worker rank(s) {ranks} silent for more than "
+                  f"{self.config.silent_timeout:g}s; taken out of the {self.config.policy} "
+                  f"decisions (ZipLine paper §4), the others continue")
+        self.policy.on_membership_change()
+        self._retry_held()
+
+    # -- stats ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c, t = self.counters, self.table
+        workers = {}
+        for w, r in enumerate(self.ranks):
+            workers[str(r)] = {
+                "iterations": int(c.steps[w]), "last_iteration": int(t.iteration[w]),
+                "rounds": int(c.rounds[w]), "compute_s": float(c.compute_s[w]),
+                "wait_server_s": float(c.wait_server_s[w]),
+                "aggregation_s": float(c.aggregation_s[w]),
+                "decisions": {"LOCAL": int(c.locals[w]), "SYNC": int(c.syncs[w])},
+                "pushes": int(c.pushes[w]), "pulls": int(c.pulls[w]),
+                "held_pulls": int(c.held_pulls[w]),
+                "removed": bool(t.removed[w]), "done": bool(t.done[w]),
+            }
+        return {"policy": self.config.policy, "topology": self.config.topology,
+                "server": self.config.server, "server_rank": self.server_rank,
+                "workers": workers, "elapsed_s": MPI.Wtime() - self.t0,
+                "rejected_messages": int(c.rejected), "ps_version": int(self.ps_version),
+                "policy_state": _jsonable(self.policy.describe()),
+                "events": self.events.as_list(self.ranks)}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+class ColocatedServer:
+    """The server as a thread on a training rank; ``join()`` returns its stats."""
+
+    def __init__(self, server: StateServer):
+        self.server = server
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="mpsync-state-server", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.result = self.server.serve()
+        except BaseException as e:  # surface it in join(); the job cannot go on without it
+            self.error = e
+            self.server._log(f"mpsync server: the co-located server failed: {e!r}; aborting")
+            self.server.comm.Abort(3)
+
+    def join(self, timeout: float | None = None) -> dict:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError("the co-located state server did not finish")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def start_colocated(comm, config, *, server_rank: int = 0, workers=None, log=None):
+    """Start the state server as a thread of this rank (``server='colocated'``).  Needs
+    MPI_THREAD_MULTIPLE: the trainer and the server call MPI at the same time."""
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise ConfigError("server='colocated' needs MPI_THREAD_MULTIPLE, but MPI was initialised "
+                          f"with thread level {MPI.Query_thread()}; use server='dedicated' or "
+                          "initialise MPI with MPI_THREAD_MULTIPLE")
+    return ColocatedServer(StateServer(comm, config, server_rank=server_rank, workers=workers,
+                                       log=log))

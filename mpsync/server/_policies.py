@@ -1,0 +1,374 @@
+"""Policies of the state server: small objects over per-worker numpy tables.
+
+A policy answers three questions for the serve loop, each from the tables alone (no MPI here):
+
+* ``on_step(w, k, compute, now)``: worker ``w`` finished local iteration ``k``; reply
+  ``(SYNC | LOCAL, local_iters, extra)``, or ``None`` to hold the reply until the tables change
+  (the loop retries held replies after every message).
+* ``on_reset(w, round, now)``: ``w`` finished an aggregation and is in round ``round``.
+* ``may_pull(w)``: parameter-server topology: may ``w``'s pull be answered now (staleness)?
+
+Worker indices ``w`` are 0..n-1 (the loop maps communicator ranks to them).  Workers that shut
+down or were taken out of the computation (silent, ZipLine paper §4) are excluded from every
+decision through ``WorkerTable.active``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpsync import sched
+from mpsync.server._wire import LOCAL, SYNC
+
+__all__ = ["WorkerTable", "make_policy", "POLICY_CLASSES"]
+
+
+class WorkerTable:
+    """What the server knows of each worker, on its own clock (``MPI.Wtime`` on receipt)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.iteration = np.zeros(n, dtype=np.int64)       # last reported local iteration
+        self.last_event = np.full(n, np.nan)               # last report or reset, server clock
+        self.interval = np.full(n, np.nan)                  # latest event-to-report interval
+        self.compute = np.zeros(n, dtype=np.float64)        # last compute time, worker-measured
+        self.round = np.zeros(n, dtype=np.int64)
+        self.pushes = np.zeros(n, dtype=np.int64)           # PS: updates applied (DSSP t_i)
+        self.push_table = np.zeros((n, 2), dtype=np.float64)  # PS: two latest push times
+        self.registered = np.zeros(n, dtype=bool)
+        self.done = np.zeros(n, dtype=bool)                 # sent shutdown
+        self.removed = np.zeros(n, dtype=bool)              # taken out (silent)
+
+    @property
+    def active(self) -> np.ndarray:
+        return ~(self.done | self.removed)
+
+    def record_report(self, w: int, k: int, compute: float, now: float) -> None:
+        if not np.isnan(self.last_event[w]):
+            self.interval[w] = now - self.last_event[w]
+        self.last_event[w] = now
+        self.iteration[w] = k
+        self.compute[w] = compute
+
+
+class Policy:
+    name = "?"
+    ring_ok = True
+    ps_ok = True
+
+    def __init__(self, table: WorkerTable, config):
+        self.t = table
+        self.config = config
+
+    def on_step(self, w: int, k: int, compute: float, now: float):
+        return SYNC, 0, 0
+
+    def on_reset(self, w: int, round_: int, now: float) -> None:
+        self.t.round[w] = round_
+        self.t.last_event[w] = now
+
+    def on_push(self, w: int, now: float) -> None:
+        t = self.t
+        t.pushes[w] += 1
+        t.push_table[w, 0] = t.push_table[w, 1] if t.pushes[w] > 1 else now
+        t.push_table[w, 1] = now
+
+    def decide_held(self, w: int, k: int, now: float):
+        """Decide again on a report whose reply was held (its bookkeeping is done)."""
+        return SYNC, 0, 0
+
+    def may_pull(self, w: int) -> bool:
+        return True
+
+    def on_membership_change(self) -> None:
+        """A worker shut down or was taken out: decisions must not wait for it any more."""
+
+    def describe(self) -> dict:
+        return {}
+
+
+class BSP(Policy):
+    """Everyone synchronizes every iteration (Horovod's behaviour).  On the PS topology a pull
+    waits until every active worker has pushed as often (SSP with s = 0)."""
+
+    name = "bsp"
+
+    def may_pull(self, w):
+        return _ssp_ok(self.t, w, 0)
+
+
+class ASP(Policy):
+    """Never wait (DSSP §I.A): every iteration pushes and pulls whatever is current."""
+
+    name = "asp"
+    ring_ok = False
+
+
+class SSP(Policy):
+    """A worker may be at most ``staleness`` pushes ahead of the slowest active one."""
+
+    name = "ssp"
+    ring_ok = False
+
+    def may_pull(self, w):
+        return _ssp_ok(self.t, w, self.config.staleness)
+
+
+class DSSP(Policy):
+    """DSSP Alg. 1 on each push (``sched.dssp_on_push``) with the Alg. 2 controller granting
+    the fastest worker up to ``s_U - s_L`` extra iterations; a pull that Alg. 1 line 17 holds is
+    answered once ``ssp_may_continue(s_L)`` holds again."""
+
+    name = "dssp"
+    ring_ok = False
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        self.r_extra = np.zeros(table.n, dtype=np.int64)
+        self.held = np.zeros(table.n, dtype=bool)
+        self.granted = np.zeros(table.n, dtype=np.int64)   # controller grants, for stats
+        self.extra_runs = np.zeros(table.n, dtype=np.int64)
+
+    def on_push(self, w, now):
+        super().on_push(w, now)
+        iters, table, idx = _active_view(self.t)
+        p = int(np.flatnonzero(idx == w)[0])
+        r_before = int(self.r_extra[w])
+        ok, r_new = sched.dssp_on_push(iters, r_before, table, p, self.config.staleness_low,
+                                       self.config.staleness_high - self.config.staleness_low)
+        if ok and r_before == 0 and not sched.ssp_may_continue(iters, p, self.config.staleness_low):
+            self.granted[w] += 1
+            self.extra_runs[w] += r_new + 1
+        self.r_extra[w] = r_new
+        self.held[w] = not ok
+
+    def may_pull(self, w):
+        if not self.held[w]:
+            return True
+        if _ssp_ok(self.t, w, self.config.staleness_low):
+            self.held[w] = False
+            return True
+        return False
+
+    def describe(self):
+        return {"controller_grants": self.granted.tolist(),
+                "extra_iterations": self.extra_runs.tolist()}
+
+
+class ElasticBSP(Policy):
+    """ElasticBSP (ZipLine paper §3-4): after each barrier the server predicts the next ``R``
+    iterations of every worker and imposes the barrier with the least waiting (``zipline``).
+
+    Intervals are learned from the server's own timestamps: the time from a worker's previous
+    report (or from its reset after the last aggregation) to its report is one iteration.  The
+    plan for a round is made when the last active worker enters it (its reset), with
+    ``last_push`` = each worker's reset time; in round 0, once every worker has two reports.
+    Worker p then runs ``z[p] + 1`` local iterations and synchronizes.  Until a plan exists the
+    answer is held (ring: only the first report of a round waits for the last reset, i.e. for
+    the aggregation to finish everywhere) or, in round 0's monitoring phase, LOCAL.
+
+    Departure: the paper predicts from the two latest *push* timestamps; with the ring there
+    are no pushes, so the reset that ends an aggregation plays that role.  With equal speeds
+    the optimum is z = 0 for everyone (ties go to the earliest barrier, §4.2 Thm. 1): one
+    iteration per round, i.e. BSP.
+    """
+
+    name = "ebsp"
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        n = table.n
+        self.target = np.full(n, -1, dtype=np.int64)   # iteration at which w synchronizes
+        self.base = np.zeros(n, dtype=np.int64)
+        self.plan_round = -1
+        self.reports_in_round0 = np.zeros(n, dtype=np.int64)
+        self.plans: list[dict] = []
+        self.max_plans_kept = 2000
+
+    def _try_plan(self, now: float, round0: bool) -> None:
+        t = self.t
+        act = t.active & t.registered
+        if not act.any():
+            return
+        ws = np.flatnonzero(act)
+        if round0:
+            if np.any(self.reports_in_round0[ws] < 2):
+                return
+        else:
+            rnd = int(t.round[ws].max())
+            if np.any(t.round[ws] != rnd) or self.plan_round == rnd:
+                return
+        if np.any(np.isnan(t.interval[ws])):
+            return
+        last = t.last_event[ws].copy()
+        interval = np.maximum(t.interval[ws], 1e-9)
+        M = sched.predict(last, interval, self.config.lookahead)
+        res = sched.zipline(M, self.config.zipline_variant)
+        rnd = int(t.round[ws].max())
+        self.plan_round = rnd
+        self.target[:] = -1
+        self.base[ws] = t.iteration[ws]
+        self.target[ws] = t.iteration[ws] + res.z + 1
+        if len(self.plans) < self.max_plans_kept:
+            self.plans.append({"round": rnd, "workers": ws.tolist(), "last_push": last.tolist(),
+                               "interval": interval.tolist(), "z": res.z.tolist(),
+                               "d": float(res.d), "t_sync": float(res.t_sync),
+                               "base_iteration": t.iteration[ws].tolist(),
+                               "target_iteration": self.target[ws].tolist()})
+
+    def on_step(self, w, k, compute, now):
+        t = self.t
+        if self.plan_round < 0 and t.round[w] == 0:
+            self.reports_in_round0[w] += 1
+            self._try_plan(now, round0=True)
+            if self.target[w] < 0:
+                return LOCAL, 0, 0          # monitoring phase: learning intervals
+        return self.decide_held(w, k, now)
+
+    def decide_held(self, w, k, now):
+        t = self.t
+        if self.plan_round != t.round[w] or self.target[w] < 0:
+            self._try_plan(now, round0=False)
+            if self.plan_round != t.round[w] or self.target[w] < 0:
+                return None                 # hold until the last worker enters this round
+        if k >= self.target[w]:
+            return SYNC, 0, 0
+        return LOCAL, int(self.target[w] - k), 0
+
+    def on_reset(self, w, round_, now):
+        super().on_reset(w, round_, now)
+        self._try_plan(now, round0=False)
+
+    def describe(self):
+        return {"plans": self.plans}
+
+
+class ESync(Policy):
+    """ESync State Server (ESync Alg. 2, ``sched.esync_query_state``): READY (SYNC) or NOT-READY
+    (LOCAL) per query; capability = the worker's last iteration time; t_e = receipt time on the
+    server clock.  In delayed-ACK mode (§4.2) NOT-READY is never sent (``None`` with
+    ``silent_local``) and capability includes the query round trip."""
+
+    name = "esync"
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        n = table.n
+        self.k = np.zeros(n, dtype=np.int64)
+        self.capability = np.zeros(n, dtype=np.float64)
+        self.last_finish = np.zeros(n, dtype=np.float64)
+        self.ready = np.zeros(n, dtype=bool)
+        self.rounds = np.zeros(n, dtype=np.int64)
+        self.rtt = np.zeros(n, dtype=np.float64)
+        self.local_per_round: list[list[int]] = [[] for _ in range(n)]
+        self.slowest_wait: list[float] = []   # server-side: slowest's READY -> last READY
+
+    def _view(self):
+        ws = np.flatnonzero(self.t.active)
+        return ws
+
+    def on_step(self, w, k, compute, now, delayed_ack=False):
+        ws = self._view()
+        p = int(np.flatnonzero(ws == w)[0])
+        self.k[w] += 1
+        cap = compute + (self.rtt[w] if delayed_ack else 0.0)
+        k_arr, c_arr, f_arr, r_arr, rd_arr = (self.k[ws], self.capability[ws],
+                                              self.last_finish[ws], self.ready[ws],
+                                              self.rounds[ws])
+        ready = sched.esync_query_state(k_arr, c_arr, f_arr, r_arr, rd_arr, p, self.k[w], cap,
+                                        now, now, self.config.esync_slack)
+        self.capability[w] = cap
+        self.last_finish[w] = now
+        if ready:
+            self.ready[w] = True
+            self.local_per_round[w].append(int(self.k[w]))
+            return SYNC, 0, 0
+        return LOCAL, 0, 0
+
+    def on_reset(self, w, round_, now):
+        super().on_reset(w, round_, now)
+        sched.esync_reset(self.k, self.last_finish, self.ready, self.rounds, w, round_, now)
+
+    def describe(self):
+        return {"local_iterations_per_round": self.local_per_round}
+
+
+class OSP(Policy):
+    """OSP (§3-4) on the ring: every iteration synchronizes (Routine Sync + In-Computation
+    Sync); the server turns the workers' layer importance into the Gradient Importance Bitmap
+    of the next iteration (``sched.osp_bitmap``), the same bitmap for every worker.
+
+    The bitmap for iteration k+1 is computed once, at the first importance report of
+    iteration k, from the mean importance of all workers' reports of iteration k-1 (the first
+    reporter's own when there is none) — every worker must get the same bitmap or the ring's
+    collectives would not match.  Budget: ``osp_ics_max_fraction`` of the model (the U_max cap
+    of §4.1.2); with the loss reported by workers, Alg. 1's S(G^u) schedule scales it.
+    Departure: U_max's bandwidth term needs a link model the server does not have; the cap is
+    used instead (set the fraction to tune it).
+    """
+
+    name = "osp"
+    ps_ok = False
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        self.sum_importance: dict[int, np.ndarray] = {}
+        self.count: dict[int, int] = {}
+        self.bitmaps: dict[int, np.ndarray] = {}
+        self.first_loss = None
+        self.ics_layers = 0
+
+    def bitmap_for(self, k: int, importance: np.ndarray, layer_sizes: np.ndarray,
+                   loss: float | None = None, epoch: int = 0) -> np.ndarray:
+        key = k + 1
+        if key not in self.bitmaps:
+            prev = self.sum_importance.get(k - 1)
+            basis = prev / self.count[k - 1] if prev is not None else importance
+            budget = self.config.osp_ics_max_fraction * float(layer_sizes.sum())
+            if loss is not None and epoch >= 1:
+                if self.first_loss is None and epoch == 1:
+                    self.first_loss = loss
+                if self.first_loss:
+                    budget = sched.osp_ics_size(epoch, loss, self.first_loss, budget)
+            self.bitmaps[key] = sched.osp_bitmap(basis, layer_sizes.astype(np.int64), budget)
+            self.ics_layers += int(self.bitmaps[key].sum())
+            for old in [x for x in self.bitmaps if x < key - 4]:
+                del self.bitmaps[old]
+            for old in [x for x in self.sum_importance if x < k - 4]:
+                del self.sum_importance[old], self.count[old]
+        if k in self.sum_importance:
+            self.sum_importance[k] += importance
+            self.count[k] += 1
+        else:
+            self.sum_importance[k] = importance.copy()
+            self.count[k] = 1
+        return self.bitmaps[key]
+
+    def describe(self):
+        return {"ics_layers_total": self.ics_layers}
+
+
+POLICY_CLASSES = {c.name: c for c in (BSP, ASP, SSP, DSSP, ElasticBSP, ESync, OSP)}
+
+
+def make_policy(config, n_workers: int) -> Policy:
+    cls = POLICY_CLASSES[config.policy]
+    if config.topology == "ring" and not cls.ring_ok:
+        raise ValueError(f"policy {config.policy!r} needs a central copy of the weights; it runs "
+                         f"only on topology='ps'")
+    if config.topology == "ps" and not cls.ps_ok:
+        raise ValueError(f"policy {config.policy!r} runs only on topology='ring'")
+    return cls(WorkerTable(n_workers), config)
+
+
+def _active_view(t: WorkerTable):
+    idx = np.flatnonzero(t.active)
+    return t.pushes[idx].copy(), t.push_table[idx].copy(), idx
+
+
+def _ssp_ok(t: WorkerTable, w: int, s: int) -> bool:
+    idx = np.flatnonzero(t.active)
+    if w not in idx:
+        return True
+    p = int(np.flatnonzero(idx == w)[0])
+    return bool(sched.ssp_may_continue(t.pushes[idx], p, s))

@@ -1,0 +1,107 @@
+"""Server-side counters, a bounded event log, and the stats/trace writers.
+
+Memory stays flat under any load: counters are per-worker numpy arrays and events go into a
+fixed-size ring of numpy rows (the newest ``capacity`` events are kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+__all__ = ["ServerCounters", "EventLog", "write_stats_json", "write_chrome_trace"]
+
+EVENT_KINDS = ("register", "report", "sync", "reset", "push", "shutdown", "removed")
+
+
+class ServerCounters:
+    def __init__(self, n: int):
+        self.steps = np.zeros(n, dtype=np.int64)
+        self.syncs = np.zeros(n, dtype=np.int64)
+        self.locals = np.zeros(n, dtype=np.int64)
+        self.rounds = np.zeros(n, dtype=np.int64)
+        self.pushes = np.zeros(n, dtype=np.int64)
+        self.pulls = np.zeros(n, dtype=np.int64)
+        self.held_pulls = np.zeros(n, dtype=np.int64)
+        self.compute_s = np.zeros(n, dtype=np.float64)
+        self.wait_server_s = np.zeros(n, dtype=np.float64)   # as reported by the worker
+        self.aggregation_s = np.zeros(n, dtype=np.float64)
+        self.rejected = 0
+
+
+class EventLog:
+    """(time since server start, worker index, kind, value) rows in a ring buffer."""
+
+    def __init__(self, capacity: int = 200_000):
+        self.rows = np.zeros((capacity, 4), dtype=np.float64)
+        self.capacity = capacity
+        self.count = 0
+        self._kind = {k: i for i, k in enumerate(EVENT_KINDS)}
+
+    def add(self, t: float, w: int, kind: str, value: int) -> None:
+        row = self.rows[self.count % self.capacity]
+        row[0], row[1], row[2], row[3] = t, w, self._kind[kind], value
+        self.count += 1
+
+    def as_list(self, ranks) -> list:
+        n = min(self.count, self.capacity)
+        start = self.count - n
+        out = []
+        for i in range(start, self.count):
+            t, w, kind, value = self.rows[i % self.capacity]
+            out.append([round(float(t), 6), int(ranks[int(w)]), EVENT_KINDS[int(kind)],
+                        int(value)])
+        return out
+
+
+def _atomic_write(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_stats_json(stats: dict, path: str) -> None:
+    """The stats dict as JSON (written to a temporary file, then renamed)."""
+    _atomic_write(path, json.dumps(stats, indent=1))
+
+
+def write_chrome_trace(stats: dict, path: str) -> None:
+    """The server's view of each worker as a Chrome trace (chrome://tracing, Perfetto).
+
+    One row (tid) per worker rank: "compute" spans between a worker's consecutive reports or
+    from a reset to the next report, "sync" spans from a SYNC decision to the worker's reset,
+    and instant events for registration, removal and shutdown.  Times are the server's clock.
+    """
+    trace = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "mpsync server"}}]
+    last: dict[int, float] = {}
+    sync_start: dict[int, float] = {}
+    for t, rank, kind, value in stats.get("events", []):
+        us = t * 1e6
+        if rank not in last:
+            trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                          "args": {"name": f"worker rank {rank}"}})
+        if kind == "report" and rank in last:
+            trace.append({"name": "compute", "ph": "X", "pid": 0, "tid": rank, "ts": last[rank],
+                          "dur": max(us - last[rank], 0.0), "args": {"iteration": value}})
+        elif kind == "sync":
+            sync_start[rank] = us
+        elif kind == "reset" and rank in sync_start:
+            start = sync_start.pop(rank)
+            trace.append({"name": "sync", "ph": "X", "pid": 0, "tid": rank, "ts": start,
+                          "dur": max(us - start, 0.0), "args": {"round": value}})
+        elif kind in ("register", "removed", "shutdown", "push"):
+            trace.append({"name": kind, "ph": "i", "s": "t", "pid": 0, "tid": rank, "ts": us,
+                          "args": {"value": value}})
+        last[rank] = us
+    _atomic_write(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))

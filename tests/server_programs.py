@@ -1,0 +1,204 @@
+"""Rank programs for the state-server tests (run through tests/mpi_harness.py).
+
+Workers emulate heterogeneous devices by sleeping ``base * speed[w]`` per local iteration; the
+ring "aggregation" is a real ``Allreduce`` among the workers, so a wrong SYNC decision shows up
+as a deadlock (caught by the harness's timeout) or as a failed check below.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpsync.config import SyncConfig
+from mpsync.server import SyncClient, StateServer
+
+
+def _args():
+    opts = {}
+    for a in sys.argv[1:]:
+        k, _, v = a.partition("=")
+        opts[k] = v
+    return opts
+
+
+def policy_run() -> None:
+    """args: policy=.. topology=.. iters=N base=S speeds=1,1,2,4 [options as key=value]."""
+    o = _args()
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    rank = world.Get_rank()
+    workers = world.Split(0 if rank == 0 else 1, rank)
+    extra = {}
+    for key, cast in (("staleness", int), ("staleness_low", int), ("staleness_high", int),
+                      ("lookahead", int), ("esync_slack", float), ("silent_timeout", float),
+                      ("deadline", float)):
+        if key in o:
+            extra[key] = cast(o[key])
+    cfg = SyncConfig.from_options(env={}, policy=o["policy"], topology=o.get("topology", "ring"),
+                                  **extra)
+    if rank == 0:
+        stats = StateServer(control, cfg).serve()
+        with open(o["out"], "w") as f:
+            json.dump(stats, f)
+        return
+    w = rank - 1
+    speeds = [float(s) for s in o.get("speeds", "1,1,1,1").split(",")]
+    base = float(o.get("base", "0.001"))
+    iters = int(o.get("iters", "50"))
+    duration = float(o.get("duration", "0"))
+    client = SyncClient(control, cfg)
+    record = {"sync_iters": [], "local_before_sync": [], "slowest_wait": [], "rounds": 0,
+              "gaps": []}
+    model = np.zeros(4) if cfg.topology == "ps" else None
+    if model is not None and w == 0:
+        client.ps_init(model)
+    if model is not None:
+        client.pull(model, 0)
+    k = 0
+    since_sync = 0
+    start = time.perf_counter()
+    while (k < iters) if not duration else (time.perf_counter() - start < duration):
+        t0 = time.perf_counter()
+        time.sleep(base * speeds[w])
+        k += 1
+        since_sync += 1
+        d = client.step(k, time.perf_counter() - t0)
+        if not d.sync:
+            continue
+        if cfg.topology == "ring":
+            t_ready = time.perf_counter()
+            mine = np.array([k], dtype=np.int64)
+            lo, hi = np.empty_like(mine), np.empty_like(mine)
+            workers.Allreduce(mine, lo, op=MPI.MIN)
+            workers.Allreduce(mine, hi, op=MPI.MAX)
+            record["slowest_wait"].append(time.perf_counter() - t_ready)
+            record["gaps"].append(int(hi[0] - lo[0]))
+        else:
+            client.push(np.ones(4), k)
+            client.pull(model, k)
+        record["sync_iters"].append(k)
+        record["local_before_sync"].append(since_sync)
+        since_sync = 0
+        record["rounds"] += 1
+        client.reset(record["rounds"], 0.0)
+    if cfg.topology == "ring" and cfg.policy in ("ebsp", "esync"):
+        pass
+    record["iterations"] = k
+    record["speed"] = speeds[w]
+    all_records = workers.gather(record, root=0)
+    if w == 0:
+        with open(o["out"] + ".workers", "w") as f:
+            json.dump(all_records, f)
+    workers.Barrier()
+    client.shutdown()
+
+
+def fuzz() -> None:
+    """Rank 0 serves (asp on the PS); the last rank sends random messages; the others are
+    well-formed clients that check every reply."""
+    o = _args()
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    rank, size = world.Get_rank(), world.Get_size()
+    n_msgs = int(o.get("n", "10000"))
+    cfg = SyncConfig.from_options(env={}, policy="asp", topology="ps", deadline=60.0)
+    fuzzer = size - 1
+    honest = [r for r in range(1, size - 1)]
+    if rank == 0:
+        log_lines = []
+        srv = StateServer(control, cfg, workers=honest + [fuzzer], log=log_lines.append)
+        stats = srv.serve()
+        with open(o["out"], "w") as f:
+            json.dump({"rejected": stats["rejected_messages"], "log": log_lines,
+                       "ps_version": stats["ps_version"]}, f)
+        return
+    if rank == fuzzer:
+        from mpsync.server import _wire as W
+
+        client = SyncClient(control, cfg)
+        rng = np.random.default_rng(int(o.get("seed", "1")))
+        tags = [W.STEP, W.RESET, W.PUSH, W.PULL, W.IMPORTANCE, W.PS_INIT, W.DATA, 7, 999, 12345]
+        specials = [np.nan, -1.0, 1e300, -np.inf, 2.0 ** 60, 0.0, 3.0]
+        sink = bytearray(1 << 20)
+        st = MPI.Status()
+        for i in range(n_msgs):
+            tag = int(rng.choice(tags))
+            size_ = int(rng.choice([0, 1, 7, 8, 9, 64, int(rng.integers(0, 100))]))
+            payload = rng.normal(size=size_) * 10 ** rng.integers(0, 20)
+            if size_ and rng.random() < 0.5:
+                payload[rng.integers(0, size_)] = rng.choice(specials)
+            world_req = control.Isend([payload, MPI.DOUBLE], dest=0, tag=tag)
+            # Drain whatever the server answers (replies to accidental well-formed requests).
+            while not world_req.Test():
+                while control.Iprobe(0, MPI.ANY_TAG, st):
+                    control.Recv([sink, MPI.BYTE], source=0, tag=st.Get_tag())
+            while control.Iprobe(0, MPI.ANY_TAG, st):
+                control.Recv([sink, MPI.BYTE], source=0, tag=st.Get_tag())
+        time.sleep(0.5)
+        while control.Iprobe(0, MPI.ANY_TAG, st):
+            control.Recv([sink, MPI.BYTE], source=0, tag=st.Get_tag())
+        client.shutdown()
+        return
+    client = SyncClient(control, cfg)
+    model = np.zeros(16)
+    if rank == honest[0]:
+        client.ps_init(model)
+    client.pull(model, 0)
+    versions = []
+    for k in range(1, 301):
+        d = client.step(k, 0.0001)
+        assert d.sync, d
+        v = client.push(np.full(16, 1.0), k)
+        versions.append(v)
+        client.pull(model, k)
+    assert versions == sorted(versions), "model versions went backwards"
+    client.shutdown()
+    print(f"honest rank {rank} ok, last version {versions[-1]}")
+
+
+def load() -> None:
+    """Every non-zero rank sends ``queries`` steps; replies must match one-to-one."""
+    import resource
+
+    o = _args()
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    rank = world.Get_rank()
+    queries = int(o.get("queries", "2000"))
+    cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", deadline=120.0,
+                                  silent_timeout=120.0)
+    if rank == 0:
+        rss0 = _rss_kb()
+        srv = StateServer(control, cfg)
+        t0 = time.perf_counter()
+        stats = srv.serve()
+        elapsed = time.perf_counter() - t0
+        rss1 = _rss_kb()
+        total = sum(w["iterations"] for w in stats["workers"].values())
+        with open(o["out"], "w") as f:
+            json.dump({"total_steps": total, "elapsed_s": elapsed, "rss_start_kb": rss0,
+                       "rss_end_kb": rss1,
+                       "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                       "per_worker": {r: w["iterations"] for r, w in stats["workers"].items()},
+                       "syncs": sum(w["decisions"]["SYNC"] for w in stats["workers"].values()),
+                       "rejected": stats["rejected_messages"]}, f)
+        return
+    client = SyncClient(control, cfg)
+    for k in range(1, queries + 1):
+        d = client.step(k, 0.0)
+        assert d.sync and d.local_iters == 0, d
+    # Each reply carried this request's sequence number (checked in SyncClient._call).
+    client.shutdown()
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return -1
