@@ -41,8 +41,13 @@ def policy_run() -> None:
             extra[key] = cast(o[key])
     cfg = SyncConfig.from_options(env={}, policy=o["policy"], topology=o.get("topology", "ring"),
                                   **extra)
+    if o.get("colocated") == "1":
+        return _colocated(world, control, cfg, o)
     if rank == 0:
-        stats = StateServer(control, cfg).serve()
+        logs = []
+        stats = StateServer(control, cfg, log=lambda line: (logs.append(line),
+                                                             print(line, file=sys.stderr))).serve()
+        stats["log"] = logs
         with open(o["out"], "w") as f:
             json.dump(stats, f)
         return
@@ -51,6 +56,9 @@ def policy_run() -> None:
     base = float(o.get("base", "0.001"))
     iters = int(o.get("iters", "50"))
     duration = float(o.get("duration", "0"))
+    rounds = int(o.get("rounds", "0"))  # local-SGD policies: a budget of rounds, not iterations
+    stall_worker, stall_at, stall_s = (int(x) if i < 2 else float(x) for i, x in
+                                       enumerate(o.get("stall", "-1,0,0").split(",")))
     client = SyncClient(control, cfg)
     record = {"sync_iters": [], "local_before_sync": [], "slowest_wait": [], "rounds": 0,
               "gaps": []}
@@ -62,12 +70,32 @@ def policy_run() -> None:
     k = 0
     since_sync = 0
     start = time.perf_counter()
-    while (k < iters) if not duration else (time.perf_counter() - start < duration):
+    def more() -> bool:
+        if rounds:
+            return record["rounds"] < rounds
+        if duration:
+            return time.perf_counter() - start < duration
+        return k < iters
+
+    while more():
         t0 = time.perf_counter()
         time.sleep(base * speeds[w])
         k += 1
         since_sync += 1
+        if stall_at and w == stall_worker and k == stall_at:
+            time.sleep(stall_s)  # stops reporting: the server should take it out (PS)
         d = client.step(k, time.perf_counter() - t0)
+        if cfg.policy == "osp":
+            # Every worker must get the same bitmap for the next iteration.
+            imp = np.random.default_rng(k * 100 + w).random(6)
+            bitmap = client.report_importance(imp, np.array([10, 20, 30, 40, 50, 60]))
+            code = np.array([int("".join("1" if b else "0" for b in bitmap), 2)], dtype=np.int64)
+            lo, hi = np.empty_like(code), np.empty_like(code)
+            workers.Allreduce(code, lo, op=MPI.MIN)
+            workers.Allreduce(code, hi, op=MPI.MAX)
+            assert lo[0] == hi[0], f"workers got different OSP bitmaps at iteration {k}"
+            record.setdefault("ics_layers", 0)
+            record["ics_layers"] += int(bitmap.sum())
         if not d.sync:
             continue
         if cfg.topology == "ring":
@@ -86,8 +114,6 @@ def policy_run() -> None:
         since_sync = 0
         record["rounds"] += 1
         client.reset(record["rounds"], 0.0)
-    if cfg.topology == "ring" and cfg.policy in ("ebsp", "esync"):
-        pass
     record["iterations"] = k
     record["speed"] = speeds[w]
     all_records = workers.gather(record, root=0)
@@ -96,6 +122,26 @@ def policy_run() -> None:
             json.dump(all_records, f)
     workers.Barrier()
     client.shutdown()
+
+
+def _colocated(world, control, cfg, o) -> None:
+    """Every rank trains; rank 0 also hosts the server in a thread."""
+    from mpsync.server import start_colocated
+
+    rank = world.Get_rank()
+    server = start_colocated(control, cfg) if rank == 0 else None
+    client = SyncClient(control, cfg)
+    for k in range(1, int(o.get("iters", "50")) + 1):
+        time.sleep(0.001 * (rank + 1))
+        d = client.step(k, 0.001 * (rank + 1))
+        assert d.sync
+        world.Barrier()
+        client.reset(k, 0.0)
+    client.shutdown()
+    if server is not None:
+        stats = server.join(timeout=60)
+        with open(o["out"], "w") as f:
+            json.dump(stats, f)
 
 
 def fuzz() -> None:
@@ -173,8 +219,8 @@ def load() -> None:
     cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", deadline=120.0,
                                   silent_timeout=120.0)
     if rank == 0:
-        rss0 = _rss_kb()
         srv = StateServer(control, cfg)
+        rss0 = _rss_kb()  # after start-up (imports, kernel warm-up), before any query
         t0 = time.perf_counter()
         stats = srv.serve()
         elapsed = time.perf_counter() - t0
@@ -186,7 +232,7 @@ def load() -> None:
                        "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                        "per_worker": {r: w["iterations"] for r, w in stats["workers"].items()},
                        "syncs": sum(w["decisions"]["SYNC"] for w in stats["workers"].values()),
-                       "rejected": stats["rejected_messages"]}, f)
+                       "rejected": stats["rejected_messages"], "rss_kb": stats["rss_kb"]}, f)
         return
     client = SyncClient(control, cfg)
     for k in range(1, queries + 1):

@@ -28,7 +28,6 @@ from mpsync.server._client import (
     ServerError,
     SyncClient,
 )
-from mpsync.server._loop import ColocatedServer, StateServer, start_colocated
 from mpsync.server._stats import write_chrome_trace, write_stats_json
 
 __all__ = [
@@ -36,3 +35,13 @@ __all__ = [
     "ServerError", "DeadlineExceeded", "start_colocated", "ColocatedServer",
     "write_stats_json", "write_chrome_trace",
 ]
+
+
+def __getattr__(name):
+    # The server side (and with it Numba and the kernels) is imported only where it runs, so
+    # a worker process starts without compiling or loading any kernel.
+    if name in ("StateServer", "start_colocated", "ColocatedServer"):
+        from mpsync.server import _loop
+
+        return getattr(_loop, name)
+    raise AttributeError(f"module 'mpsync.server' has no attribute {name!r}")

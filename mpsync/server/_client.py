@@ -21,7 +21,7 @@ __all__ = ["SyncClient", "Decision", "ServerError", "DeadlineExceeded", "LOCAL",
 
 LOCAL = W.LOCAL
 SYNC = W.SYNC
-_SPIN_S = 2e-3           # poll without sleeping this long: replies usually take microseconds
+_SPIN_S = 200e-6         # poll without sleeping this long: replies usually take microseconds
 _SLEEP_MAX_S = 1e-3
 
 
@@ -88,6 +88,7 @@ class SyncClient:
         self.wait_s = 0.0        # total time spent waiting for the server
         self.last_rtt = 0.0
         self._call(W.REGISTER, "register")
+        self.wait_s = 0.0        # the server's start-up is not waiting for decisions
 
     # -- plumbing ---------------------------------------------------------------------------
     def _header(self, iteration=0, compute=0.0, round_=0, agg=0.0, count=0, flag=0):

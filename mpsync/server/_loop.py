@@ -54,6 +54,7 @@ class StateServer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.table = self.policy.t
+        self.policy.warm_up()
         self.counters = ServerCounters(len(self.ranks))
         self.events = EventLog()
         self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
@@ -68,7 +69,10 @@ class StateServer:
         self.t0 = MPI.Wtime()
         self.last_heard = np.full(len(self.ranks), self.t0)
         self.waiting_on_us = np.zeros(len(self.ranks), dtype=bool)
+        self.in_sync = np.zeros(len(self.ranks), dtype=bool)  # told SYNC, no reset yet
         self._stop = False
+        self.rss_samples: list[list] = []
+        self._last_rss_sample = -1.0
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -89,11 +93,20 @@ class StateServer:
             now = MPI.Wtime()
             if now >= next_housekeeping:
                 self._find_silent(now)
+                self._sample_memory(now)
                 next_housekeeping = now + _HOUSEKEEPING_S
             if time.perf_counter() - last_msg > _SPIN_S:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, _SLEEP_MAX_S)
         return self.stats()
+
+    def _sample_memory(self, now: float) -> None:
+        """Resident memory about once a second (kept to 3,600 samples): shows that the
+        server's memory stays flat however many messages it handles."""
+        if now - self._last_rss_sample < 1.0 or len(self.rss_samples) >= 3600:
+            return
+        self._last_rss_sample = now
+        self.rss_samples.append([round(now - self.t0, 3), _rss_kb()])
 
     def stop(self) -> None:
         self._stop = True
@@ -127,18 +140,23 @@ class StateServer:
         now = MPI.Wtime()
         if not np.all(np.isfinite(msg)):
             return self._drop_payload(src, tag, w, "NaN or inf in the message")
-        k = msg[W.ITER]
-        if tag in (W.STEP, W.RESET, W.PUSH, W.PULL, W.IMPORTANCE) and not (0 <= k < W.MAX_ITER):
-            return self._drop_payload(src, tag, w, f"iteration {k!r} out of range")
+        for slot, name in ((W.SEQ, "sequence number"), (W.ITER, "iteration"),
+                           (W.ROUND, "round"), (W.COUNT, "count"), (W.FLAG, "flag")):
+            if not 0 <= msg[slot] < W.MAX_ITER or msg[slot] != int(msg[slot]):
+                return self._drop_payload(src, tag, w, f"{name} {msg[slot]!r} is not an "
+                                                       f"integer in [0, 2**53)")
         if msg[W.COMPUTE] < 0 or msg[W.AGG] < 0 or msg[W.WAIT] < 0:
             return self._drop_payload(src, tag, w, "negative time")
         if self.table.removed[w]:
             self.table.removed[w] = False  # it came back (PS): count it in again
+            self.policy.on_rejoin(w)
             self._log(f"mpsync server: worker rank {src} is responding again; taken back in")
         self.last_heard[w] = now
         self.waiting_on_us[w] = False
-        handler = self._HANDLERS[tag]
-        handler(self, src, w, msg, now)
+        try:
+            self._HANDLERS[tag](self, src, w, msg, now)
+        except Exception as e:  # a message no check above foresaw must not stop the server
+            self._reject(src, tag, f"{type(e).__name__}: {e}")
         if self.held:
             self._retry_held()
 
@@ -214,6 +232,7 @@ class StateServer:
     def _answer_step(self, src, w, seq, decision, now, delayed=False):
         action, local_iters, extra = decision
         if action == W.SYNC:
+            self.in_sync[w] = True
             self.counters.syncs[w] += 1
             self.events.add(now - self.t0, w, "sync", int(self.table.iteration[w]))
         else:
@@ -224,6 +243,7 @@ class StateServer:
 
     def _on_reset(self, src, w, msg, now):
         rnd = int(msg[W.ROUND])
+        self.in_sync[w] = False
         self.counters.rounds[w] += 1
         self.counters.aggregation_s[w] += float(msg[W.AGG])
         self.policy.on_reset(w, rnd, now)
@@ -301,6 +321,11 @@ class StateServer:
         self._send_reply(src, seq, count=count, version=self.ps_version)
         self.comm.Send([self.ps_weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1
+        # Staleness actually granted: how far this worker is ahead of the slowest active one.
+        act = self.table.active
+        if act.any():
+            gap = int(self.table.pushes[w] - self.table.pushes[act].min())
+            self.counters.max_gap = max(self.counters.max_gap, gap)
 
     def _on_stats(self, src, w, msg, now):
         payload = np.frombuffer(json.dumps(self.stats()).encode(), dtype=np.uint8)
@@ -346,13 +371,19 @@ class StateServer:
                                 (now - self.last_heard > self.config.silent_timeout))
         if silent.size == 0:
             return
-        ranks = [self.ranks[w] for w in silent]
         if self.config.topology == "ring":
             # A ring collective cannot complete without every worker: abort instead of hanging.
+            # Workers told SYNC wait in the collective for the silent one and fall silent too;
+            # the cause is a worker that was told to compute and never reported back.
+            cause = [w for w in silent if not self.in_sync[w]] or list(silent)
+            waiting = [self.ranks[w] for w in silent if w not in cause]
+            ranks = [self.ranks[w] for w in cause]
+            also = f" (rank(s) {waiting} are waiting for them)" if waiting else ""
             self._log(f"mpsync server: worker rank(s) {ranks} silent for more than "
-                      f"{self.config.silent_timeout:g}s; the ring cannot continue without "
-                      f"them: aborting the job")
+                      f"{self.config.silent_timeout:g}s{also}; the ring cannot continue "
+                      f"without them: aborting the job")
             self.comm.Abort(3)
+        ranks = [self.ranks[w] for w in silent]
         for w in silent:
             t.removed[w] = True
             self.events.add(now - self.t0, int(w), "removed", int(t.iteration[w]))
@@ -380,9 +411,22 @@ class StateServer:
         return {"policy": self.config.policy, "topology": self.config.topology,
                 "server": self.config.server, "server_rank": self.server_rank,
                 "workers": workers, "elapsed_s": MPI.Wtime() - self.t0,
-                "rejected_messages": int(c.rejected), "ps_version": int(self.ps_version),
+                "rejected_messages": int(c.rejected),
+                "max_staleness_gap": int(c.max_gap), "ps_version": int(self.ps_version),
                 "policy_state": _jsonable(self.policy.describe()),
+                "rss_kb": self.rss_samples + [[round(MPI.Wtime() - self.t0, 3), _rss_kb()]],
                 "events": self.events.as_list(self.ranks)}
+
+
+def _rss_kb() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
 
 
 def _jsonable(x):

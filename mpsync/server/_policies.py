@@ -73,6 +73,10 @@ class Policy:
         t.push_table[w, 0] = t.push_table[w, 1] if t.pushes[w] > 1 else now
         t.push_table[w, 1] = now
 
+    def warm_up(self) -> None:
+        """Run this policy's kernels once on tiny inputs, so the first real decision does not
+        pay Numba's cache load (~0.3 s) while every worker waits."""
+
     def decide_held(self, w: int, k: int, now: float):
         """Decide again on a report whose reply was held (its bookkeeping is done)."""
         return SYNC, 0, 0
@@ -82,6 +86,9 @@ class Policy:
 
     def on_membership_change(self) -> None:
         """A worker shut down or was taken out: decisions must not wait for it any more."""
+
+    def on_rejoin(self, w: int) -> None:
+        """A worker taken out for silence reports again (PS topology)."""
 
     def describe(self) -> dict:
         return {}
@@ -96,12 +103,19 @@ class BSP(Policy):
     def may_pull(self, w):
         return _ssp_ok(self.t, w, 0)
 
+    def warm_up(self):
+        _warm_ssp()
+
 
 class ASP(Policy):
     """Never wait (DSSP §I.A): every iteration pushes and pulls whatever is current."""
 
     name = "asp"
     ring_ok = False
+
+
+def _warm_ssp():
+    sched.ssp_may_continue(np.zeros(2, dtype=np.int64), 0, 0)
 
 
 class SSP(Policy):
@@ -112,6 +126,9 @@ class SSP(Policy):
 
     def may_pull(self, w):
         return _ssp_ok(self.t, w, self.config.staleness)
+
+    def warm_up(self):
+        _warm_ssp()
 
 
 class DSSP(Policy):
@@ -128,19 +145,36 @@ class DSSP(Policy):
         self.held = np.zeros(table.n, dtype=bool)
         self.granted = np.zeros(table.n, dtype=np.int64)   # controller grants, for stats
         self.extra_runs = np.zeros(table.n, dtype=np.int64)
+        self.grants: list[dict] = []
 
     def on_push(self, w, now):
         super().on_push(w, now)
         iters, table, idx = _active_view(self.t)
         p = int(np.flatnonzero(idx == w)[0])
         r_before = int(self.r_extra[w])
+        # Departure from Alg. 1 line 12: the listing calls the controller with the full r_max
+        # each time the fastest worker is beyond s_L with no extra iterations left, so repeated
+        # grants could carry it past s_U.  We pass the allowance that is left, s_U - gap + 1
+        # (the OK sent now counts as the first extra iteration), so the gap never exceeds s_U.
+        gap = int(iters[p] - iters.min())
+        r_max = max(0, min(self.config.staleness_high - self.config.staleness_low,
+                           self.config.staleness_high - gap + 1))
         ok, r_new = sched.dssp_on_push(iters, r_before, table, p, self.config.staleness_low,
-                                       self.config.staleness_high - self.config.staleness_low)
+                                       r_max)
         if ok and r_before == 0 and not sched.ssp_may_continue(iters, p, self.config.staleness_low):
             self.granted[w] += 1
             self.extra_runs[w] += r_new + 1
+            if len(self.grants) < 500:
+                self.grants.append({"worker": int(w), "push_table": table.tolist(), "p": p,
+                                    "slowest": int(sched.dssp_slowest(iters)), "r_max": r_max,
+                                    "r_star": int(r_new + 1)})
         self.r_extra[w] = r_new
         self.held[w] = not ok
+
+    def warm_up(self):
+        _warm_ssp()
+        sched.dssp_on_push(np.ones(2, dtype=np.int64), 0, np.array([[0.0, 1.0], [0.0, 2.0]]),
+                           0, 1, 1)
 
     def may_pull(self, w):
         if not self.held[w]:
@@ -152,7 +186,7 @@ class DSSP(Policy):
 
     def describe(self):
         return {"controller_grants": self.granted.tolist(),
-                "extra_iterations": self.extra_runs.tolist()}
+                "extra_iterations": self.extra_runs.tolist(), "grants": self.grants}
 
 
 class ElasticBSP(Policy):
@@ -160,17 +194,18 @@ class ElasticBSP(Policy):
     iterations of every worker and imposes the barrier with the least waiting (``zipline``).
 
     Intervals are learned from the server's own timestamps: the time from a worker's previous
-    report (or from its reset after the last aggregation) to its report is one iteration.  The
-    plan for a round is made when the last active worker enters it (its reset), with
-    ``last_push`` = each worker's reset time; in round 0, once every worker has two reports.
-    Worker p then runs ``z[p] + 1`` local iterations and synchronizes.  Until a plan exists the
-    answer is held (ring: only the first report of a round waits for the last reset, i.e. for
-    the aggregation to finish everywhere) or, in round 0's monitoring phase, LOCAL.
+    report (or from its reset after the last aggregation) to its report is one iteration.  Plan
+    ``e + 1`` is made when the last active worker has completed the barrier of plan ``e`` (its
+    reset), with ``last_push`` = each worker's latest report or reset time; the first plan once
+    every worker has two reports (the monitoring phase, answered LOCAL).  Worker p then runs
+    ``z[p] + 1`` local iterations after its latest report and synchronizes.  A worker that
+    completed its barrier before the others waits for the plan (its first report's reply is
+    held), i.e. for the aggregation to finish everywhere.
 
     Departure: the paper predicts from the two latest *push* timestamps; with the ring there
     are no pushes, so the reset that ends an aggregation plays that role.  With equal speeds
-    the optimum is z = 0 for everyone (ties go to the earliest barrier, §4.2 Thm. 1): one
-    iteration per round, i.e. BSP.
+    the optimum is z = 0 for everyone (ties go to the earliest barrier, §4.2 Thm. 1): the same
+    number of iterations for everyone in every round, i.e. BSP.
     """
 
     name = "ebsp"
@@ -179,65 +214,73 @@ class ElasticBSP(Policy):
         super().__init__(table, config)
         n = table.n
         self.target = np.full(n, -1, dtype=np.int64)   # iteration at which w synchronizes
-        self.base = np.zeros(n, dtype=np.int64)
-        self.plan_round = -1
-        self.reports_in_round0 = np.zeros(n, dtype=np.int64)
+        self.epoch = -1                                 # plans made so far - 1
+        self.completed = np.full(n, -1, dtype=np.int64)  # last plan whose barrier w passed
+        self.reports = np.zeros(n, dtype=np.int64)
         self.plans: list[dict] = []
         self.max_plans_kept = 2000
 
-    def _try_plan(self, now: float, round0: bool) -> None:
+    def warm_up(self):
+        M = sched.predict(np.zeros(2), np.ones(2), 2)
+        sched.zipline(M, self.config.zipline_variant)
+
+    def _try_plan(self) -> None:
         t = self.t
-        act = t.active & t.registered
-        if not act.any():
+        ws = np.flatnonzero(t.active & t.registered)
+        if ws.size == 0:
             return
-        ws = np.flatnonzero(act)
-        if round0:
-            if np.any(self.reports_in_round0[ws] < 2):
+        if self.epoch < 0:
+            if np.any(self.reports[ws] < 2):
                 return
-        else:
-            rnd = int(t.round[ws].max())
-            if np.any(t.round[ws] != rnd) or self.plan_round == rnd:
-                return
+        elif np.any(self.completed[ws] != self.epoch):
+            return
         if np.any(np.isnan(t.interval[ws])):
             return
         last = t.last_event[ws].copy()
         interval = np.maximum(t.interval[ws], 1e-9)
-        M = sched.predict(last, interval, self.config.lookahead)
-        res = sched.zipline(M, self.config.zipline_variant)
-        rnd = int(t.round[ws].max())
-        self.plan_round = rnd
+        res = sched.zipline(sched.predict(last, interval, self.config.lookahead),
+                            self.config.zipline_variant)
+        self.epoch += 1
         self.target[:] = -1
-        self.base[ws] = t.iteration[ws]
         self.target[ws] = t.iteration[ws] + res.z + 1
         if len(self.plans) < self.max_plans_kept:
-            self.plans.append({"round": rnd, "workers": ws.tolist(), "last_push": last.tolist(),
-                               "interval": interval.tolist(), "z": res.z.tolist(),
-                               "d": float(res.d), "t_sync": float(res.t_sync),
+            self.plans.append({"round": self.epoch, "workers": ws.tolist(),
+                               "last_push": last.tolist(), "interval": interval.tolist(),
+                               "z": res.z.tolist(), "d": float(res.d),
+                               "t_sync": float(res.t_sync),
                                "base_iteration": t.iteration[ws].tolist(),
                                "target_iteration": self.target[ws].tolist()})
 
     def on_step(self, w, k, compute, now):
-        t = self.t
-        if self.plan_round < 0 and t.round[w] == 0:
-            self.reports_in_round0[w] += 1
-            self._try_plan(now, round0=True)
+        self.reports[w] += 1
+        if self.epoch < 0:
+            self._try_plan()
             if self.target[w] < 0:
                 return LOCAL, 0, 0          # monitoring phase: learning intervals
         return self.decide_held(w, k, now)
 
     def decide_held(self, w, k, now):
-        t = self.t
-        if self.plan_round != t.round[w] or self.target[w] < 0:
-            self._try_plan(now, round0=False)
-            if self.plan_round != t.round[w] or self.target[w] < 0:
-                return None                 # hold until the last worker enters this round
+        if self.target[w] < 0:
+            self._try_plan()
+            if self.target[w] < 0:
+                return None                 # hold until the others finished the barrier
         if k >= self.target[w]:
             return SYNC, 0, 0
         return LOCAL, int(self.target[w] - k), 0
 
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
-        self._try_plan(now, round0=False)
+        self.completed[w] = self.epoch
+        self.target[w] = -1
+        self._try_plan()
+
+    def on_membership_change(self):
+        self._try_plan()
+
+    def on_rejoin(self, w):
+        # Back from a stall (PS): it joins the next plan.
+        self.completed[w] = self.epoch
+        self.target[w] = -1
 
     def describe(self):
         return {"plans": self.plans}
@@ -267,6 +310,12 @@ class ESync(Policy):
         ws = np.flatnonzero(self.t.active)
         return ws
 
+    def warm_up(self):
+        k, c, f = np.ones(2, dtype=np.int64), np.ones(2), np.zeros(2)
+        sched.esync_query_state(k, c, f, np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64),
+                                0, 1, 1.0, 0.0, 0.0, 0.0)
+        sched.esync_reset(k, f, np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64), 0, 1, 0.0)
+
     def on_step(self, w, k, compute, now, delayed_ack=False):
         ws = self._view()
         p = int(np.flatnonzero(ws == w)[0])
@@ -287,7 +336,16 @@ class ESync(Policy):
 
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
-        sched.esync_reset(self.k, self.last_finish, self.ready, self.rounds, w, round_, now)
+        # Rounds are counted here, not taken from the worker: a worker taken out for a while
+        # must not look "behind" forever (Alg. 2 line 5 would then hold everyone NOT-READY).
+        sched.esync_reset(self.k, self.last_finish, self.ready, self.rounds, w,
+                          self.rounds[w] + 1, now)
+
+    def on_rejoin(self, w):
+        act = self.t.active
+        self.rounds[w] = self.rounds[act].max() if act.any() else self.rounds[w]
+        self.k[w] = 0
+        self.ready[w] = False
 
     def describe(self):
         return {"local_iterations_per_round": self.local_per_round}
@@ -317,6 +375,10 @@ class OSP(Policy):
         self.bitmaps: dict[int, np.ndarray] = {}
         self.first_loss = None
         self.ics_layers = 0
+
+    def warm_up(self):
+        sched.osp_bitmap(np.ones(2), np.ones(2, dtype=np.int64), 1.0)
+        sched.osp_ics_size(2, 1.0, 2.0, 1.0)
 
     def bitmap_for(self, k: int, importance: np.ndarray, layer_sizes: np.ndarray,
                    loss: float | None = None, epoch: int = 0) -> np.ndarray:

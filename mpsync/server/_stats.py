@@ -30,13 +30,15 @@ class ServerCounters:
         self.wait_server_s = np.zeros(n, dtype=np.float64)   # as reported by the worker
         self.aggregation_s = np.zeros(n, dtype=np.float64)
         self.rejected = 0
+        self.max_gap = 0  # PS: largest push-count lead over the slowest at a pull
 
 
 class EventLog:
     """(time since server start, worker index, kind, value) rows in a ring buffer."""
 
     def __init__(self, capacity: int = 200_000):
-        self.rows = np.zeros((capacity, 4), dtype=np.float64)
+        # Touched now (np.full, not np.zeros' lazy pages) so the log's memory is paid at start.
+        self.rows = np.full((capacity, 4), -1.0)
         self.capacity = capacity
         self.count = 0
         self._kind = {k: i for i, k in enumerate(EVENT_KINDS)}
