@@ -37,28 +37,6 @@ def _result(**kw) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
 
 
-def _init(**kw) -> None:
-    """``mps.init`` (temporarily without a control plane while mpsync.server is absent)."""
-    import importlib.util
-
-    if importlib.util.find_spec("mpsync.server") is not None:
-        mps.init(**kw)
-        return
-    from mpsync.config import SyncConfig
-    from mpsync.torch import _runtime
-
-    kw.pop("server", None)
-    config = SyncConfig.from_options(server="colocated", **kw)
-    world = MPI.COMM_WORLD
-    ranks = list(range(world.Get_size()))
-    ctx = _runtime.Context(config=config, world=world, control=world.Dup(), workers=world.Dup(),
-                           server_rank=0, dedicated=False, worker_rank=world.Get_rank(),
-                           world_ranks=ranks)
-    _runtime._CONTEXT = ctx
-    _runtime.install_abort_hooks(world, f"rank {world.Get_rank()}")
-    _runtime._start_backend(ctx)
-
-
 def _model(seed: int = 0, dtype=torch.float64) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
@@ -115,7 +93,7 @@ def bsp_equals_single_process() -> None:
     a = _args()
     backend = a.get("backend", "mpi")
     steps, batch, lr, momentum = 6, 5, 0.2, 0.9
-    _init(policy="bsp", backend=backend, server=a.get("server", "dedicated"), deadline=30)
+    mps.init(policy="bsp", backend=backend, server=a.get("server", "dedicated"), deadline=30)
     model = _model()
     with torch.no_grad():  # workers start apart; broadcast_parameters must fix that
         for p in model.parameters():
@@ -146,7 +124,7 @@ def bsp_backends_agree() -> None:
     from mpsync.torch.backends import MPIAggregator
 
     steps, batch, lr = 5, 4, 0.3
-    _init(policy="bsp", backend="horovod", server="dedicated", deadline=30)
+    mps.init(policy="bsp", backend="horovod", server="dedicated", deadline=30)
     ctx = _runtime.context()
     model_h = _model()
     opt_h = mps.DistributedOptimizer(torch.optim.SGD(model_h.parameters(), lr=lr),
@@ -176,7 +154,7 @@ def esync_equal_speeds_equals_bsp() -> None:
     """ESync, equal speeds, plain SGD, ε = 1: every step is an aggregation and the model after
     each step equals BSP's (single-process SGD on the concatenated batch)."""
     steps, batch, lr = 8, 4, 0.3
-    _init(policy="esync", backend=_args().get("backend", "mpi"), server="dedicated",
+    mps.init(policy="esync", backend=_args().get("backend", "mpi"), server="dedicated",
           epsilon=1.0, esync_slack=0.05, deadline=30)
     model = _model()
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
@@ -208,7 +186,7 @@ def esync_straggler() -> None:
     a = _args()
     rounds, base = int(a.get("rounds", 6)), float(a.get("iter_time", 0.02))
     policy = a.get("policy", "esync")
-    _init(policy=policy, topology=a.get("topology", "ring"), backend=a.get("backend", "mpi"),
+    mps.init(policy=policy, topology=a.get("topology", "ring"), backend=a.get("backend", "mpi"),
           server="dedicated", deadline=60)
     model = _model()
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -235,7 +213,7 @@ def ps_updates_applied_once() -> None:
     """PS/ASP: the global model moves by exactly the sum of every worker's updates."""
     a = _args()
     steps = int(a.get("steps", 20))
-    _init(policy=a.get("policy", "asp"), topology="ps", backend="mpi", server="dedicated",
+    mps.init(policy=a.get("policy", "asp"), topology="ps", backend="mpi", server="dedicated",
           deadline=30)
     me, n = mps.rank(), mps.size()
     model = _model()
@@ -269,7 +247,7 @@ def osp_run() -> None:
     a = _args()
     steps, batch, lr = int(a.get("steps", 12)), 4, 0.2
     frac = float(a.get("ics", 0.0))
-    _init(policy="osp", backend=a.get("backend", "mpi"), server="dedicated", deadline=30,
+    mps.init(policy="osp", backend=a.get("backend", "mpi"), server="dedicated", deadline=30,
           osp_ics_max_fraction=frac)
     me, n = mps.rank(), mps.size()
     model = _model()
@@ -307,7 +285,7 @@ def _fault(kind: str) -> None:
     """
     a = _args()
     pids = MPI.COMM_WORLD.allgather(os.getpid())  # before init: the server rank's pid too
-    _init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated",
+    mps.init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated",
           deadline=float(a.get("deadline", 5)))
     victim = int(a.get("victim", 1))  # a worker rank
     model = _model()

@@ -22,14 +22,10 @@ import numpy as np
 
 __all__ = ["CollectiveTimeout", "PeerWatch", "poll_until_done", "wait_on_event"]
 
-try:  # the control plane's typed error, when it is installed (it is part of mpsync)
-    from mpsync.server import DeadlineExceeded as _DeadlineBase
-except ImportError:  # pragma: no cover - only while the control plane is not built
-    class _DeadlineBase(TimeoutError):  # type: ignore[no-redef]
-        """Stand-in base while ``mpsync.server`` is absent."""
+from mpsync.server import DeadlineExceeded
 
 
-class CollectiveTimeout(_DeadlineBase):
+class CollectiveTimeout(DeadlineExceeded):
     """A collective did not complete within the deadline.
 
     ``silent_ranks`` are ranks of the workers' communicator that never reached it (as far as the
@@ -41,15 +37,15 @@ class CollectiveTimeout(_DeadlineBase):
         self.what = what
         self.deadline = deadline
         self.silent_ranks = list(silent_ranks)
-        self.ranks = list(world_ranks if world_ranks is not None else silent_ranks)
+        world = list(world_ranks if world_ranks is not None else silent_ranks)
         if silent_ranks:
             who = ", ".join(
-                f"worker {w} (world rank {g})" for w, g in zip(self.silent_ranks, self.ranks))
+                f"worker {w} (world rank {g})" for w, g in zip(self.silent_ranks, world))
             why = f"no word from {who}"
         else:
             why = "every peer announced it was waiting (a lost message or a broken transport)"
-        # Base classes differ (TimeoutError or the server's error): pass only the message.
-        super().__init__(f"{what} not complete after {deadline:g}s deadline: {why}")
+        super().__init__(f"{what} not complete after {deadline:g}s deadline: {why}",
+                         world, what)
 
 
 _NOTICE_TAG = 7301

@@ -36,12 +36,6 @@ __all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging
            "TwoStageSync", "make_strategy"]
 
 
-def _sync_action():
-    from mpsync.server import SYNC
-
-    return SYNC
-
-
 class Strategy:
     """Common plumbing: the server query, counters, the final identical-model broadcast."""
 
@@ -55,22 +49,23 @@ class Strategy:
         self.config = config
         self.iteration = 0   # steps taken by this worker
         self.round = 0       # aggregations completed
-        self._sync = _sync_action() if client is not None else None
 
     # -- control plane ------------------------------------------------------------------------
-    def ask(self, compute_time: float):
-        """One report+query round trip (SyncClient.step); returns the Decision or None."""
+    def ask(self, compute_time: float, iteration: int):
+        """Report that local iteration ``iteration`` (1-based) finished and get the decision
+        (SyncClient.step, one round trip); None without a control plane."""
         if self.client is None:
             return None
         t0 = time.perf_counter()
-        decision = self.client.step(self.iteration, compute_time)
+        decision = self.client.step(iteration, compute_time)
         t1 = time.perf_counter()
         self.counters.wait_s += t1 - t0
         self.counters.event("wait_server", t0, t1)
         return decision
 
-    def is_sync(self, decision) -> bool:
-        return decision is None or decision.action == self._sync
+    @staticmethod
+    def is_sync(decision) -> bool:
+        return decision is None or decision.sync
 
     def reset(self, aggregation_time: float) -> None:
         if self.client is not None:
@@ -137,7 +132,7 @@ class GradientAveraging(Strategy):
         return loss
 
     def _average(self, compute_time: float) -> None:
-        decision = self.ask(compute_time)
+        decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
             raise RuntimeError(f"policy bsp: the server answered {decision!r}; BSP synchronizes "
                                f"every iteration (is the server running another policy?)")
@@ -183,7 +178,7 @@ class LocalStepsThenAggregate(Strategy):
         self.iteration += 1
         self.local_steps += 1
         self.counters.iterations += 1
-        if self.is_sync(self.ask(compute_time)):
+        if self.is_sync(self.ask(compute_time, self.iteration)):
             self._aggregate()
             self.local_steps = 0
         return loss
@@ -358,7 +353,7 @@ class TwoStageSync(Strategy):
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._finish_ics()
-        decision = self.ask(compute_time)
+        decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
             raise RuntimeError(f"policy osp: the server answered {decision!r}; OSP synchronizes "
                                f"every iteration")
@@ -368,7 +363,8 @@ class TwoStageSync(Strategy):
             t0 = time.perf_counter()
             p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
             importance = _layer_importance(grads, p_flat, self.buf.layer_sizes)
-            next_bitmap = np.asarray(self.client.report_importance(importance), dtype=bool)
+            next_bitmap = np.asarray(self.client.report_importance(
+                importance, self.buf.layer_sizes), dtype=bool)
             self.counters.wait_s += time.perf_counter() - t0
             if next_bitmap.shape != (self.n_layers,):
                 raise RuntimeError(f"OSP bitmap from the server has shape {next_bitmap.shape}, "
