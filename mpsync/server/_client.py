@@ -94,14 +94,8 @@ class SyncClient:
     def _header(self, iteration=0, compute=0.0, round_=0, agg=0.0, count=0, flag=0):
         self._seq += 1
         m = self._req
-        m[W.SEQ] = self._seq
-        m[W.ITER] = iteration
-        m[W.COMPUTE] = compute
-        m[W.ROUND] = round_
-        m[W.AGG] = agg
-        m[W.WAIT] = self.wait_s
-        m[W.COUNT] = count
-        m[W.FLAG] = flag
+        # One slice assignment, in the request layout SEQ ITER COMPUTE ROUND AGG WAIT COUNT FLAG.
+        m[:] = (self._seq, iteration, compute, round_, agg, self.wait_s, count, flag)
         return m
 
     def _wait(self, request: MPI.Request, what: str) -> None:

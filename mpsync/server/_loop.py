@@ -1,14 +1,15 @@
 """The serve loop: receive, validate, dispatch to the policy, reply (STYLE.md practice 5).
 
 One thread, one communicator.  The loop never blocks in MPI: it polls with ``Iprobe`` and,
-when nothing arrives, sleeps with a short exponential backoff (50 µs .. 250 µs), so an idle
-server costs a few percent of a core at most and a co-located trainer keeps its CPU, while a
+when nothing arrives, sleeps with an exponential backoff (50 µs .. 1 ms), so an idle server
+costs a few percent of a core at most and a co-located trainer keeps its CPU, while a
 query that arrives during a burst is answered without any sleep.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -25,8 +26,11 @@ __all__ = ["StateServer", "start_colocated", "ColocatedServer"]
 
 _SPIN_S = 100e-6        # keep polling without sleeping this long after the last message
 _SLEEP_MIN_S = 50e-6
-_SLEEP_MAX_S = 250e-6
+_SLEEP_MAX_S = 1e-3
 _HOUSEKEEPING_S = 0.1   # how often silent workers are looked for
+_SLOT_NAMES = {W.SEQ: "sequence number", W.ITER: "iteration", W.ROUND: "round",
+               W.COUNT: "count", W.FLAG: "flag"}
+_INTEGER_SLOTS = tuple(_SLOT_NAMES)
 
 
 class StateServer:
@@ -135,15 +139,16 @@ class StateServer:
         w = self.index.get(src)
         if w is None:
             return self._reject(src, tag, f"rank {src} is not a worker of this server", nbytes)
-        msg = self._msg
-        self.comm.Recv([msg, MPI.DOUBLE], source=src, tag=tag)
+        self.comm.Recv([self._msg, MPI.DOUBLE], source=src, tag=tag)
         now = MPI.Wtime()
-        if not np.all(np.isfinite(msg)):
+        # Validated as Python floats: ~10x cheaper than numpy scalar access on the hot path.
+        msg = self._msg.tolist()
+        if not all(map(math.isfinite, msg)):
             return self._drop_payload(src, tag, w, "NaN or inf in the message")
-        for slot, name in ((W.SEQ, "sequence number"), (W.ITER, "iteration"),
-                           (W.ROUND, "round"), (W.COUNT, "count"), (W.FLAG, "flag")):
-            if not 0 <= msg[slot] < W.MAX_ITER or msg[slot] != int(msg[slot]):
-                return self._drop_payload(src, tag, w, f"{name} {msg[slot]!r} is not an "
+        for slot in _INTEGER_SLOTS:
+            v = msg[slot]
+            if not 0 <= v < W.MAX_ITER or v != int(v):
+                return self._drop_payload(src, tag, w, f"{_SLOT_NAMES[slot]} {v!r} is not an "
                                                        f"integer in [0, 2**53)")
         if msg[W.COMPUTE] < 0 or msg[W.AGG] < 0 or msg[W.WAIT] < 0:
             return self._drop_payload(src, tag, w, "negative time")
@@ -192,14 +197,9 @@ class StateServer:
     # -- replies ----------------------------------------------------------------------------
     def _send_reply(self, src, seq, action=W.SYNC, local_iters=0, extra=0, count=0, version=0):
         r = self._reply
-        r[:] = 0
-        r[W.R_ACTION] = action
-        r[W.R_LOCAL] = local_iters
-        r[W.R_ROUND] = self.table.round[self.index[src]]
-        r[W.R_SEQ] = seq
-        r[W.R_EXTRA] = extra
-        r[W.R_COUNT] = count
-        r[W.R_VERSION] = version
+        # One slice assignment (reply layout: ACTION LOCAL ROUND SEQ EXTRA COUNT VERSION 0).
+        r[:] = (action, local_iters, self.table.round[self.index[src]], seq, extra, count,
+                version, 0.0)
         self.comm.Send([r, MPI.DOUBLE], dest=src, tag=W.REPLY)
 
     # -- handlers ---------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""``mpsync bench server --np N [--json]``: state-server query latency and throughput.
+
+Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
+
+1. baseline: a raw mpi4py ``Send``/``Recv`` ping-pong of the same 64-byte buffer between
+   rank 0 and rank 1 (round trip, µs);
+2. rank 0 serves (policy bsp) while ranks 1..N-1 first sleep (the server's idle CPU is
+   measured), then send ``--queries`` step queries each as fast as replies come back (round
+   trip per query, p50/p99 µs; queries per second over all clients; the server's CPU while
+   loaded).
+
+JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw_p99_us``,
+``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``, ``clients``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+__all__ = ["add_arguments", "run"]
+
+_IDLE_S = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--np", type=int, default=5, help="ranks: 1 server + N-1 clients (default 5)")
+    parser.add_argument("--queries", type=int, default=20000, help="queries per client")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the mpirun")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
+
+    if args.np < 2:
+        print("mpsync bench server: --np must be >= 2 (a server and a client)", file=sys.stderr)
+        return 2
+    argv = mpirun_argv(args.np, python_argv("mpsync.bench.server", "--rank-program",
+                                            str(args.queries)),
+                       forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = run_with_deadline(argv, args.timeout, env=env)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+    if res.timed_out or res.returncode != 0 or line is None:
+        why = "timed out" if res.timed_out else f"exit {res.returncode}"
+        print(f"mpsync bench server: the mpirun run failed ({why}):\n{res.stderr[-3000:]}",
+              file=sys.stderr)
+        return 1
+    result = json.loads(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"state server, {result['clients']} client(s), {args.queries} queries each")
+        print(f"  query round trip  p50 {result['p50_us']:.1f} µs  p99 {result['p99_us']:.1f} µs")
+        print(f"  raw ping-pong     p50 {result['raw_p50_us']:.1f} µs  (same run)  "
+              f"ratio {result['p50_ratio']:.2f}x")
+        print(f"  throughput        {result['queries_per_s']:.0f} queries/s")
+        print(f"  server CPU        idle {result['server_cpu_idle_pct']:.1f}%  "
+              f"loaded {result['server_cpu_load_pct']:.1f}% of a core")
+    return 0
+
+
+def _rank_program(queries: int) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpsync.config import SyncConfig
+    from mpsync.server import StateServer, SyncClient
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    clients = world.Split(0 if rank == 0 else 1, rank)
+
+    # 1. Baseline: raw buffer ping-pong, rank 0 <-> rank 1.
+    buf = np.zeros(8)
+    rtts = []
+    if rank in (0, 1):
+        for i in range(12000):
+            t0 = time.perf_counter()
+            if rank == 1:
+                world.Send([buf, MPI.DOUBLE], dest=0, tag=1)
+                world.Recv([buf, MPI.DOUBLE], source=0, tag=2)
+                if i >= 2000:
+                    rtts.append(time.perf_counter() - t0)
+            else:
+                world.Recv([buf, MPI.DOUBLE], source=1, tag=1)
+                world.Send([buf, MPI.DOUBLE], dest=1, tag=2)
+    world.Barrier()
+
+    # 2. The server.
+    control = world.Dup()
+    cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", silent_timeout=600.0,
+                                  deadline=600.0)
+    if rank == 0:
+        server = StateServer(control, cfg)
+        samples = []
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                samples.append((time.time(), time.process_time()))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        server.serve()
+        done.set()
+        sampler.join()
+        window = world.bcast(None, root=1)
+        world.send(_cpu_pct(samples, window), dest=1, tag=3)
+        return
+    client = SyncClient(control, cfg)
+    t_idle0 = time.time()
+    time.sleep(_IDLE_S)
+    t_idle1 = time.time()
+    for k in range(200):  # warm-up
+        client.step(k, 0.0)
+    clients.Barrier()
+    lat = np.empty(queries)
+    start = time.time()
+    for k in range(queries):
+        t0 = time.perf_counter()
+        client.step(k, 0.0)
+        lat[k] = time.perf_counter() - t0
+    end = time.time()
+    all_lat = clients.gather(lat, root=0)
+    spans = clients.gather((start, end), root=0)
+    client.shutdown()
+    if rank == 1:
+        first = min(s for s, _ in spans)
+        last = max(e for _, e in spans)
+        world.bcast({"idle": (t_idle0 + 0.3, t_idle1 - 0.2), "load": (first, last)}, root=1)
+        cpu = world.recv(source=0, tag=3)
+        lat_all = np.concatenate(all_lat) * 1e6
+        raw = np.array(rtts) * 1e6
+        result = {
+            "clients": size - 1, "queries_per_client": queries,
+            "p50_us": float(np.percentile(lat_all, 50)),
+            "p99_us": float(np.percentile(lat_all, 99)),
+            "raw_p50_us": float(np.percentile(raw, 50)),
+            "raw_p99_us": float(np.percentile(raw, 99)),
+            "queries_per_s": float(lat_all.size / (last - first)),
+            "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
+        }
+        result["p50_ratio"] = result["p50_us"] / result["raw_p50_us"]
+        print(json.dumps(result), flush=True)
+    else:
+        world.bcast(None, root=1)
+
+
+def _cpu_pct(samples, window) -> dict:
+    """Percent of one core used by the server process within each wall-clock window."""
+    out = {}
+    for name, (a, b) in window.items():
+        inside = [(t, c) for t, c in samples if a <= t <= b]
+        if len(inside) < 2:
+            out[name] = float("nan")
+            continue
+        (t0, c0), (t1, c1) = inside[0], inside[-1]
+        out[name] = 100.0 * (c1 - c0) / (t1 - t0)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank-program":
+        _rank_program(int(sys.argv[2]))
+    else:
+        parser = argparse.ArgumentParser(prog="python -m mpsync.bench.server")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))
