@@ -15,8 +15,8 @@ __all__ = ["main", "SUBCOMMANDS"]
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("mpsync.experiment.train", "train a model under one synchronization policy (run under mpirun)"),
-    "compare": ("mpsync.experiment.compare", "run every policy under mpirun and compare time-to-accuracy"),
+    "train": ("mpsync.apps.train", "train a model under one synchronization policy (run under mpirun)"),
+    "compare": ("mpsync.apps.compare", "run every policy under mpirun and compare time-to-accuracy"),
     "bench": ("mpsync.bench.__main__", "microbenchmarks: zipline, server, allreduce"),
     "jobs": ("mpsync.jobs", "render Slurm / PBS / horovodrun job scripts"),
     "doctor": ("mpsync.doctor", "check the installation: versions, MPI, Numba, Horovod build"),
