@@ -15,11 +15,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["mpirun_argv", "python_argv", "run_with_deadline", "LaunchResult", "is_root"]
+__all__ = ["mpirun_argv", "python_argv", "run_with_deadline", "LaunchResult", "is_root",
+           "forwarded_env"]
 
 # Environment variables an mpsync rank needs to see on every node.  Open MPI forwards nothing by
-# default to remote nodes, so launchers pass these with ``-x``.
-FORWARDED_ENV = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MPSYNC_*")
+# default to remote nodes, so launchers pass these with ``-x``, which takes names, not patterns:
+# ``forwarded_env`` expands the prefixes into the names set in an environment.
+FORWARDED_ENV = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
+FORWARDED_PREFIXES = ("MPSYNC_", "HOROVOD_")
+
+
+def forwarded_env(environ=None) -> tuple[str, ...]:
+    """Names to pass with ``-x``: the fixed list plus every ``MPSYNC_*``/``HOROVOD_*`` set."""
+    environ = os.environ if environ is None else environ
+    extra = sorted(k for k in environ if k.startswith(FORWARDED_PREFIXES))
+    return FORWARDED_ENV + tuple(extra)
 
 
 def is_root() -> bool:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mpsync.launch import mpirun_argv, run_with_deadline
+from mpsync.launch import forwarded_env, mpirun_argv, run_with_deadline
 
 
 def test_mpirun_argv_for_a_root_oversubscribed_run():
@@ -43,3 +43,9 @@ def test_deadline_kills_the_child_and_its_children():
 def test_missing_launcher_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no-such-mpirun.*not found on PATH"):
         run_with_deadline(["no-such-mpirun", "-np", "2"], timeout=5)
+
+
+def test_forwarded_env_expands_prefixes_into_names():
+    names = forwarded_env({"MPSYNC_POLICY": "ssp", "HOROVOD_TIMELINE": "t", "HOME": "/root"})
+    assert names[:4] == ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
+    assert set(names[4:]) == {"MPSYNC_POLICY", "HOROVOD_TIMELINE"}
