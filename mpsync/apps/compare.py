@@ -1,0 +1,198 @@
+"""``mpsync compare``: run every policy under mpirun on the same task and compare
+time-to-accuracy (one table, one combined plot, every run's own outputs kept).
+
+Each policy runs in its own ``mpirun`` (``--np`` workers plus the dedicated state server), one
+after the other so runs do not compete for cores.  PS-only policies (asp, ssp, dssp) run on the
+parameter-server topology, the others on the ring.  All flags are validated by the train
+parser before the first launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from mpsync.config import ConfigError, POLICIES
+
+__all__ = ["add_arguments", "main", "train_argv", "DEMO_POLICIES"]
+
+DEMO_POLICIES = "bsp,ssp,dssp,ebsp,esync,osp,asp"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--np", type=int, default=4, help="number of workers (a server rank is added)")
+    p.add_argument("--policies", default=DEMO_POLICIES)
+    p.add_argument("--slowdown", default="1,1,2,4")
+    p.add_argument("--slowdown-schedule", default=None)
+    p.add_argument("--iter-time", type=float, default=0.05,
+                   help="emulated device time of one iteration at slowdown 1 (s)")
+    p.add_argument("--comm-delay", type=float, default=0.0)
+    p.add_argument("--target-acc", type=float, default=0.9)
+    p.add_argument("--epochs", type=float, default=None)
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="per policy (default 25 s when --epochs is not given)")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--partition", default="iid")
+    p.add_argument("--backend", default="mpi")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/compare")
+    p.add_argument("--json", action="store_true", help="print only the JSON rows")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="per-run hard limit (default: budget + 240 s)")
+    p.add_argument("--train-args", default="", help="extra flags passed to every train run")
+
+
+def train_argv(args, policy: str, out: Path) -> list[str]:
+    argv = ["--policy", policy, "--slowdown", args.slowdown, "--target-acc", str(args.target_acc),
+            "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
+            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
+            "--comm-delay", str(args.comm_delay), "--out", str(out), "--no-progress"]
+    if args.iter_time:
+        argv += ["--iter-time", str(args.iter_time)]
+    if args.slowdown_schedule:
+        argv += ["--slowdown-schedule", args.slowdown_schedule]
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    else:
+        argv += ["--time-budget", str(args.time_budget or 25.0)]
+    return argv + args.train_args.split()
+
+
+def _validate(args) -> list[str]:
+    from mpsync.apps import train
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError("--policies: empty list")
+    for p in policies:
+        if p not in POLICIES:
+            raise ConfigError(f"unknown policy {p!r} in --policies; choose from {', '.join(POLICIES)}")
+    if args.np < 1:
+        raise ConfigError(f"--np must be >= 1 worker, got {args.np}")
+    if args.epochs is not None and args.time_budget is not None:
+        raise ConfigError("give only one of --epochs or --time-budget")
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    for p in policies:
+        train.validate(parser.parse_args(train_argv(args, p, Path(args.out) / p)), args.np)
+    return policies
+
+
+def main(args) -> int:
+    try:
+        policies = _validate(args)
+    except ConfigError as e:
+        print(f"mpsync compare: error: {e}", file=sys.stderr)
+        return 2
+    from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = args.time_budget or (25.0 if args.epochs is None else 0.0)
+    timeout = args.timeout or (budget + 240.0 if budget else 900.0)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs: dict[str, dict] = {}
+    failures = []
+    for policy in policies:
+        run_dir = out / policy
+        argv = mpirun_argv(args.np + 1, python_argv("mpsync.apps.train",
+                                                    *train_argv(args, policy, run_dir)))
+        if not args.json:
+            print(f"[{policy}] {' '.join(argv[-len(train_argv(args, policy, run_dir)) - 3:])}",
+                  flush=True)
+        res = run_with_deadline(argv, timeout, env=env)
+        metrics_path = run_dir / "metrics.json"
+        if res.returncode != 0 or not metrics_path.is_file():
+            why = "timed out" if res.timed_out else f"exit code {res.returncode}"
+            failures.append(policy)
+            print(f"mpsync compare: {policy} failed ({why} after {res.elapsed:.0f}s):\n"
+                  f"{res.stderr[-2000:]}", file=sys.stderr)
+            continue
+        runs[policy] = json.loads(metrics_path.read_text())
+        if not args.json:
+            m = runs[policy]
+            print(f"[{policy}] done in {res.elapsed:.0f}s (training {m['wall_s']:.1f}s): "
+                  f"final acc {m['final_acc']:.3f}", flush=True)
+    rows = table_rows(runs)
+    result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
+              "setup": _setup_line(args, runs)}
+    (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
+    from mpsync.apps.report import format_table, plot_accuracy
+
+    table = format_table(rows)
+    (out / "table.md").write_text(f"{result['setup']}\n\n{table}\n")
+    if runs:
+        _plot(runs, rows, out / "compare.png", args.target_acc, result["setup"])
+    if args.json:
+        print(json.dumps({"rows": [{k: r[k] for k in ("policy", "time_to_target_s", "final_acc",
+                                                      "samples_per_s", "wait_fraction",
+                                                      "speedup_vs_bsp")} for r in rows]}))
+    else:
+        print(result["setup"])
+        print(table)
+        print(f"written: {out / 'compare.png'}, {out / 'table.md'}, {out / 'compare.json'}, "
+              f"and one directory per policy")
+    return 1 if failures else 0
+
+
+def table_rows(runs: dict[str, dict]) -> list[dict]:
+    base = runs.get("bsp", {}).get("time_to_target_s")
+    rows = []
+    for policy, m in runs.items():
+        ttt = m["time_to_target_s"]
+        rows.append({"policy": policy, "time_to_target_s": ttt, "final_acc": m["final_acc"],
+                     "samples_per_s": m["samples_per_s"], "wait_fraction": m["wait_fraction"],
+                     "bytes_per_sample": m["bytes_per_sample"],
+                     "speedup_vs_bsp": (base / ttt if base is not None and ttt else None),
+                     "topology": m["config"]["topology"]})
+    return rows
+
+
+def _setup_line(args, runs) -> str:
+    any_run = next(iter(runs.values()), None)
+    het = any_run["config"]["heterogeneity"] if any_run else f"slowdown {args.slowdown}"
+    stop = f"{args.epochs} epochs" if args.epochs is not None else \
+        f"{args.time_budget or 25.0:g} s per policy"
+    return (f"{args.dataset} ({args.partition}), {args.np} workers + 1 server rank, {het}, "
+            f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
+            f"target accuracy {args.target_acc}")
+
+
+def _plot(runs, rows, path: Path, target: float, setup: str) -> None:
+    from mpsync.apps.report import _pyplot
+
+    plt = _pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for policy, m in runs.items():
+        ax.plot([e["wall_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
+                marker=".", label=policy)
+    ax.axhline(target, color="gray", ls="--", lw=1)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    names = [r["policy"] for r in rows]
+    values = [r["time_to_target_s"] if r["time_to_target_s"] is not None else 0 for r in rows]
+    bars = bx.bar(names, values, color="#4c72b0")
+    for b, r in zip(bars, rows):
+        if r["time_to_target_s"] is None:
+            bx.text(b.get_x() + b.get_width() / 2, 0, "not\nreached", ha="center",
+                    va="bottom", fontsize=8)
+    bx.set_ylabel(f"time to {target:g} accuracy (s)")
+    bx.grid(alpha=0.3, axis="y")
+    fig.suptitle(setup, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="mpsync compare")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,157 @@
+"""What a run leaves behind: metrics.json, accuracy.png, timeline.png and trace.json.
+
+``metrics.json`` schema (version 1)::
+
+    {"schema": 1, "config": {...}, "evals": [{"wall_s","samples","accuracy","loss"}],
+     "workers": {"<rank>": {"iterations","samples","rounds","compute_s","wait_s",
+                            "aggregation_s","bytes_sent","slept_s"}},
+     "total_samples", "wall_s", "final_acc", "final_loss", "time_to_target_s" (null if not
+     reached), "samples_per_s", "wait_fraction", "bytes_per_sample", "server": {...}}
+
+``wait_fraction`` is the share of worker time not spent computing: server waits plus
+aggregation (which includes waiting for slower peers in a collective), over compute + those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["summarize", "write_metrics", "plot_accuracy", "plot_timeline", "write_trace",
+           "time_to_target", "format_table"]
+
+EVENT_COLORS = {"compute": "#4c72b0", "wait_server": "#dd8452", "aggregate": "#c44e52",
+                "ics_wait": "#8172b3"}
+
+
+def time_to_target(evals: list[dict], target: float | None) -> float | None:
+    if target is None:
+        return None
+    for e in evals:
+        if e["accuracy"] >= target:
+            return float(e["wall_s"])
+    return None
+
+
+def summarize(metrics: dict, target: float | None) -> dict:
+    """Fill in the derived fields from ``evals`` and ``workers``."""
+    workers = metrics["workers"].values()
+    total = sum(w["samples"] for w in workers)
+    busy = sum(w["compute_s"] for w in workers)
+    idle = sum(w["wait_s"] + w["aggregation_s"] for w in workers)
+    wall = metrics["wall_s"]
+    last = metrics["evals"][-1] if metrics["evals"] else {"accuracy": None, "loss": None}
+    metrics.update(
+        total_samples=total,
+        final_acc=last["accuracy"], final_loss=last["loss"],
+        time_to_target_s=time_to_target(metrics["evals"], target),
+        samples_per_s=total / wall if wall > 0 else None,
+        wait_fraction=idle / (busy + idle) if busy + idle > 0 else 0.0,
+        bytes_per_sample=sum(w["bytes_sent"] for w in workers) / total if total else None,
+    )
+    return metrics
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_metrics(metrics: dict, out: Path) -> Path:
+    path = Path(out) / "metrics.json"
+    _atomic_write_text(path, json.dumps(metrics, indent=1, default=float) + "\n")
+    return path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | None = None,
+                  title: str = "") -> Path:
+    """Accuracy vs wall time, one line per run (``series``: label -> evals)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, evals in series.items():
+        ax.plot([e["wall_s"] for e in evals], [e["accuracy"] for e in evals], marker=".",
+                label=label)
+    if target is not None:
+        ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
+    ax.set_xlabel("wall time (s, evaluation excluded)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_timeline(events: dict[int, list], path: Path, *, t0: float, title: str = "") -> Path:
+    """Per worker, compute / server-wait / aggregation bars over wall time (``events``:
+    worker -> [(name, start, end)] in wall-clock seconds)."""
+    plt = _pyplot()
+    workers = sorted(events)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(workers) + 1.6))
+    for row, w in enumerate(workers):
+        by_name: dict[str, list] = {}
+        for name, a, b in events[w]:
+            by_name.setdefault(name, []).append((a - t0, max(b - a, 1e-4)))
+        for name, spans in by_name.items():
+            ax.broken_barh(spans, (row - 0.35, 0.7), color=EVENT_COLORS.get(name, "#999999"),
+                           label=name if row == 0 or name not in _seen(ax) else None)
+    ax.set_yticks(range(len(workers)), [f"worker {w}" for w in workers])
+    ax.set_xlabel("wall time (s)")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in EVENT_COLORS.values()]
+    ax.legend(handles, list(EVENT_COLORS), ncol=4, fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _seen(ax) -> set:
+    return {c.get_label() for c in ax.collections}
+
+
+def write_trace(events: dict[int, list], evals: list[dict], path: Path, *, t0: float) -> Path:
+    """Chrome trace event format (chrome://tracing, ui.perfetto.dev): one thread per worker."""
+    out = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "mpsync workers"}}]
+    for w in sorted(events):
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": int(w),
+                    "args": {"name": f"worker {w}"}})
+        for name, a, b in events[w]:
+            out.append({"name": name, "ph": "X", "pid": 0, "tid": int(w),
+                        "ts": round((a - t0) * 1e6, 1), "dur": round(max(b - a, 0) * 1e6, 1)})
+    for e in evals:
+        out.append({"name": f"eval acc={e['accuracy']:.3f}", "ph": "i", "s": "g", "pid": 0,
+                    "tid": 0, "ts": round(e.get("wall_clock", t0) - t0, 6) * 1e6})
+    _atomic_write_text(Path(path), json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+    return Path(path)
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The compare table (Markdown, so it pastes into a README)."""
+    head = ("| policy | time to target (s) | final acc | samples/s | wait fraction | "
+            "bytes/sample | speedup vs BSP |")
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {_fmt(r['time_to_target_s'], '.1f', 'not reached')} | "
+            f"{_fmt(r['final_acc'], '.3f')} | {_fmt(r['samples_per_s'], '.0f')} | "
+            f"{_fmt(r['wait_fraction'], '.2f')} | {_fmt(r.get('bytes_per_sample'), '.0f')} | "
+            f"{_fmt(r['speedup_vs_bsp'], '.2f')}x |".replace("-x |", "- |"))
+    return "\n".join(lines)

@@ -1,0 +1,470 @@
+"""``mpsync train``: train a model under one synchronization policy (run under mpirun).
+
+The training loop is a user of the public ``mpsync.torch`` API only (init,
+DistributedOptimizer, broadcast_parameters, allreduce, stats, worker_comm, shutdown).  With
+``--server dedicated`` world rank 0 is the state server and never runs the loop.
+
+Stopping must be agreed by all workers on the ring (a worker that leaves early would leave the
+others in a collective): ring policies decide at round boundaries, where every worker is
+present, with one small allreduce of (samples, time-is-up).  PS policies (asp, ssp, dssp) have
+no common rounds; each worker stops on its own clock, or when the server's count of samples
+reaches the epochs asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mpsync.config import ConfigError, POLICIES, PS_ONLY_POLICIES, SyncConfig, TOPOLOGIES, \
+    ZIPLINE_VARIANTS
+
+__all__ = ["add_arguments", "main", "build_config", "validate", "default_topology"]
+
+
+def default_topology(policy: str) -> str:
+    return "ps" if policy in PS_ONLY_POLICIES else "ring"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("synchronization")
+    g.add_argument("--policy", default="bsp", help=f"one of {', '.join(POLICIES)}")
+    g.add_argument("--topology", default=None,
+                   help="ring | ps (default: ps for asp/ssp/dssp, ring otherwise)")
+    g.add_argument("--backend", default="mpi", help="horovod | mpi (ring aggregation)")
+    g.add_argument("--server", default="dedicated", help="dedicated (rank 0) | colocated")
+    g.add_argument("--staleness", type=int, default=None, help="SSP threshold s")
+    g.add_argument("--staleness-range", default=None, metavar="sL,sU", help="DSSP [s_L, s_U]")
+    g.add_argument("--lookahead", type=int, default=None, help="ElasticBSP lookahead R")
+    g.add_argument("--zipline-variant", default=None, help=", ".join(ZIPLINE_VARIANTS))
+    g.add_argument("--epsilon", type=float, default=None, help="ESync global learning rate")
+    g.add_argument("--deadline", type=float, default=None,
+                   help="seconds any blocking wait may take before the job fails")
+    g.add_argument("--silent-timeout", type=float, default=60.0,
+                   help="seconds after which the server counts a quiet worker as gone "
+                        "(default 60: worker start-up under mpirun takes ~30 s on a loaded "
+                        "2-core machine)")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=None, help="passes over the training set")
+    g.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="train for S seconds of wall time (evaluation excluded)")
+    g.add_argument("--dataset", default="digits", help="digits | synthetic | npz:PATH")
+    g.add_argument("--partition", default="iid", help="iid | noniid (class-sorted shards)")
+    g.add_argument("--synthetic-samples", type=int, default=4096)
+    g.add_argument("--synthetic-features", type=int, default=32)
+    g.add_argument("--synthetic-classes", type=int, default=10)
+    g.add_argument("--synthetic-noise", type=float, default=1.0, help="higher = harder")
+    g.add_argument("--lr", type=float, default=0.05)
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--batch-size", type=int, default=32, help="per worker")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--target-acc", type=float, default=None)
+    g.add_argument("--eval-every", type=float, default=None, metavar="S",
+                   help="evaluate every S seconds of wall time (default: budget/30 or 1 s)")
+    g = p.add_argument_group("heterogeneity (emulated)")
+    g.add_argument("--slowdown", default=None, metavar="F0,F1,..",
+                   help="per-worker slowdown factors (>= 1), e.g. 1,1,2,4")
+    g.add_argument("--slowdown-schedule", default=None, metavar="T:F0,..;T2:..",
+                   help="new factors from wall time T on")
+    g.add_argument("--iter-time", type=float, default=None, metavar="S",
+                   help="emulated device time of one iteration at factor 1")
+    g.add_argument("--comm-delay", type=float, default=0.0, metavar="S",
+                   help="extra latency added to every aggregation")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, help="directory for metrics.json, plots, trace")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="checkpoint every K rounds into OUT/checkpoints (ring policies)")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
+    # Fault injection for the resume test: SIGKILL worker 0 right after this step.
+    g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def build_config(args) -> SyncConfig:
+    """The SyncConfig the flags describe (validated; ConfigError names the flag)."""
+    opts: dict = {"policy": args.policy,
+                  "topology": args.topology or default_topology(args.policy),
+                  "backend": args.backend, "server": args.server}
+    if args.staleness is not None:
+        opts["staleness"] = args.staleness
+    if args.staleness_range is not None:
+        parts = args.staleness_range.split(",")
+        try:
+            low, high = (int(x) for x in parts)
+        except ValueError:
+            raise ConfigError(f"--staleness-range: expected sL,sU integers, got "
+                              f"{args.staleness_range!r}") from None
+        opts.update(staleness_low=low, staleness_high=high)
+    for flag, key in (("lookahead", "lookahead"), ("zipline_variant", "zipline_variant"),
+                      ("epsilon", "epsilon"), ("deadline", "deadline"),
+                      ("silent_timeout", "silent_timeout")):
+        if getattr(args, flag) is not None:
+            opts[key] = getattr(args, flag)
+    if args.policy not in POLICIES:  # before topology rules, so the message names the policy
+        raise ConfigError(f"unknown policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
+    if opts["topology"] not in TOPOLOGIES:
+        raise ConfigError(f"unknown topology {opts['topology']!r}; choose one of: "
+                          f"{', '.join(TOPOLOGIES)}")
+    return SyncConfig.from_options(env={}, **opts)
+
+
+def validate(args, workers: int | None) -> SyncConfig:
+    """Every check that needs no communicator (run before launch and on every rank)."""
+    from mpsync.apps.datasets import check_dataset_spec
+    from mpsync.apps.heterogeneity import Heterogeneity
+
+    config = build_config(args)
+    if (args.epochs is None) == (args.time_budget is None):
+        raise ConfigError("give exactly one of --epochs N or --time-budget S")
+    if args.epochs is not None and not args.epochs > 0:
+        raise ConfigError(f"--epochs must be > 0, got {args.epochs}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ConfigError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    if args.target_acc is not None and not 0 < args.target_acc <= 1:
+        raise ConfigError(f"--target-acc must be in (0, 1], got {args.target_acc}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not args.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if args.partition not in ("iid", "noniid"):
+        raise ConfigError(f"unknown --partition {args.partition!r}; choose iid or noniid")
+    if args.eval_every is not None and not args.eval_every > 0:
+        raise ConfigError(f"--eval-every must be > 0 seconds, got {args.eval_every}")
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0 rounds, got {args.checkpoint_every}")
+    if args.checkpoint_every and config.topology == "ps":
+        raise ConfigError("--checkpoint-every: checkpoints are taken at common rounds, which "
+                          "exist only on topology='ring' (not yet for ps policies)")
+    if (args.checkpoint_every or args.resume) and not args.out:
+        raise ConfigError("--checkpoint-every/--resume need --out DIR (checkpoints and the "
+                          "resumed run's results go there)")
+    check_dataset_spec(args.dataset)
+    if workers is not None:
+        if workers < 1:
+            raise ConfigError(f"need at least 1 worker, got {workers}")
+        Heterogeneity.from_flags(0, workers, args.slowdown, args.slowdown_schedule,
+                                 args.iter_time, args.comm_delay)
+    return config
+
+
+def _world_rank() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
+
+
+def main(args) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        size = _world_size()
+        workers = args.workers or (size - 1 if args.server == "dedicated" else size)
+        config = validate(args, workers)
+        resume = None
+        if args.resume:
+            from mpsync.apps.checkpoint import latest_good
+
+            # Every rank reads and verifies the checkpoint before any communication, so a bad
+            # one fails the whole job at once with the same message.
+            path, resume = latest_good(args.resume, warn=_warn_once)
+            if resume["workers"] != workers:
+                raise ConfigError(f"--resume {path}: written by {resume['workers']} workers, "
+                                  f"this run has {workers}")
+    except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
+        from mpsync.apps.checkpoint import CheckpointError
+
+        if not isinstance(e, (ConfigError, CheckpointError)):
+            raise
+        if _world_rank() == 0:
+            print(f"mpsync train: error: {e}", file=sys.stderr)
+        return 2
+    return _train(args, config, workers, resume)
+
+
+def _warn_once(msg: str) -> None:
+    if _world_rank() == 0:
+        print(f"mpsync train: {msg}", file=sys.stderr)
+
+
+def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
+    import torch
+
+    import mpsync.torch as mps
+    from mpsync.apps import report
+    from mpsync.apps.checkpoint import save_checkpoint
+    from mpsync.apps.datasets import load_dataset, partition
+    from mpsync.apps.heterogeneity import Heterogeneity
+    from mpsync.apps.models import build_model
+
+    torch.set_num_threads(1)
+    out = Path(args.out) if args.out else None
+    init_kw = {k: v for k, v in config.to_dict().items()
+               if k not in ("policy", "topology", "backend", "server", "extra")}
+    if out is not None and _world_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    # Data and model are built before init: the state server counts a registered worker that
+    # stays quiet for longer than silent_timeout as gone, and a loaded machine is slow here.
+    world_rank = _world_rank()
+    is_server_rank = config.server == "dedicated" and world_rank == 0
+    me = world_rank - 1 if config.server == "dedicated" else world_rank
+    if not is_server_rank:
+        ds = load_dataset(args.dataset, seed=args.seed, synthetic_samples=args.synthetic_samples,
+                          synthetic_features=args.synthetic_features,
+                          synthetic_classes=args.synthetic_classes,
+                          synthetic_noise=args.synthetic_noise)
+        shard = partition(ds, workers, me, args.partition, seed=args.seed)
+        hetero = Heterogeneity.from_flags(me, workers, args.slowdown, args.slowdown_schedule,
+                                          args.iter_time, args.comm_delay)
+        model = build_model(ds.input_shape, ds.n_classes, args.seed)
+    mps.init(policy=config.policy, topology=config.topology, backend=config.backend,
+             server=config.server,
+             stats_path=str(out / "server_stats.json") if out else None,
+             trace_path=str(out / "server_trace.json") if out else None, **init_kw)
+    # Only workers get here (a dedicated server serves inside init and exits).
+    n = mps.size()
+    if n != workers or mps.rank() != me:
+        raise RuntimeError(f"expected worker {me} of {workers}, mpsync.torch reports "
+                           f"{mps.rank()} of {n}")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    x_test, y_test = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+
+    # Where this worker is in its data, and what was measured before a resume.
+    epoch, index, samples, wall_offset = 0, 0, 0, 0.0
+    evals: list[dict] = []
+    round_offset = 0
+    if resume is not None:
+        mine = resume["per_worker"][me]
+        model.load_state_dict(resume["model"])
+        inner.load_state_dict(mine["optimizer"])
+        epoch, index, samples = mine["epoch"], mine["index"], mine["samples"]
+        torch.set_rng_state(mine["rng_torch"])
+        np.random.set_state(mine["rng_numpy"])
+        random.setstate(mine["rng_python"])
+        wall_offset, evals, round_offset = resume["wall_s"], resume["evals"], resume["round"]
+    else:
+        torch.manual_seed(args.seed + 1000 * me)
+        np.random.seed(args.seed + 1000 * me)
+        random.seed(args.seed + 1000 * me)
+
+    opt = mps.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    per_epoch = shard.batches_per_epoch(args.batch_size)
+    target_samples = (int(args.epochs * len(ds.y_train)) if args.epochs is not None else None)
+    ring = config.topology == "ring"
+    check_every = 5 if config.policy in ("bsp", "osp") else 1  # rounds between stop checks
+    eval_every = args.eval_every or (args.time_budget / 30 if args.time_budget else 1.0)
+
+    def evaluate() -> tuple[float, float]:
+        model.eval()
+        with torch.no_grad():
+            logits = model(x_test)
+            loss = float(loss_fn(logits, y_test))
+            acc = float((logits.argmax(1) == y_test).float().mean())
+        model.train()
+        return acc, loss
+
+    eval_s = 0.0
+    start = time.perf_counter()
+
+    def wall() -> float:
+        return wall_offset + time.perf_counter() - start - eval_s
+
+    def record_eval(global_samples: int) -> dict:
+        nonlocal eval_s
+        t0 = time.perf_counter()
+        acc, loss = evaluate()
+        e = {"wall_s": wall(), "samples": int(global_samples), "accuracy": acc, "loss": loss,
+             "wall_clock": time.time()}
+        evals.append(e)
+        eval_s += time.perf_counter() - t0
+        return e
+
+    bar = None
+    if me == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.time_budget if args.time_budget else target_samples,
+                   unit="s" if args.time_budget else "sample", file=sys.stderr,
+                   desc=f"{config.policy}", mininterval=0.5, dynamic_ncols=True)
+
+    global_samples = samples * n  # estimate between stop checks; exact at each check
+    if me == 0 and resume is None:
+        record_eval(0)
+    last_eval = wall()
+    last_round_checked = opt.strategy.round
+    step = 0
+    done = False
+    while not done:
+        t_iter = time.perf_counter()
+        xb, yb = shard.batch(epoch, index, args.batch_size)
+        opt.zero_grad()
+        loss = loss_fn(model(torch.from_numpy(xb)), torch.from_numpy(yb))
+        loss.backward()
+        hetero.pad(time.perf_counter() - t_iter, wall())
+        round_before = opt.strategy.round
+        opt.step()
+        step += 1
+        samples += len(yb)
+        index += 1
+        if index >= per_epoch:
+            epoch, index = epoch + 1, 0
+        if opt.strategy.round != round_before and hetero.comm_delay:
+            time.sleep(hetero.comm_delay)  # emulated network latency of the aggregation
+        if args.kill_at_step is not None and me == 0 and step + _steps_before(resume) == args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        # -- stop decision ---------------------------------------------------------------
+        rnd = opt.strategy.round
+        if ring:
+            if rnd != last_round_checked and (rnd + round_offset) % check_every == 0:
+                last_round_checked = rnd
+                flag = 1.0 if (args.time_budget and wall() >= args.time_budget) else 0.0
+                agreed = mps.allreduce(torch.tensor([float(samples), flag], dtype=torch.float64),
+                                       average=False)
+                global_samples = int(agreed[0])
+                done = agreed[1] > 0 or (target_samples is not None
+                                         and global_samples >= target_samples)
+                if args.checkpoint_every and (rnd + round_offset) % args.checkpoint_every == 0 \
+                        and not done:
+                    _checkpoint(mps, save_checkpoint, out, model, inner, me, n, epoch, index,
+                                samples, wall(), evals, rnd + round_offset,
+                                step + _steps_before(resume), config,
+                                resume["per_worker"][me]["counters"] if resume else {},
+                                hetero.slept_s + (resume["per_worker"][me]["counters"]
+                                                  .get("slept_s", 0.0) if resume else 0.0))
+            else:
+                global_samples = max(global_samples, samples * n)
+        else:
+            if args.time_budget and wall() >= args.time_budget:
+                done = True
+            elif target_samples is not None and step % 10 == 0:
+                server = mps.stats()["server"] or {}
+                counted = sum(w.get("iterations", 0) for w in server.get("workers", {}).values())
+                global_samples = max(samples * n, counted * args.batch_size)
+                done = global_samples >= target_samples
+            else:
+                global_samples = max(global_samples, samples * n)
+        if me == 0 and wall() - last_eval >= eval_every:
+            e = record_eval(global_samples)
+            last_eval = wall()
+            if bar is not None:
+                local = mps.stats()["local"] if not ring else None
+                _progress(bar, args, e, epoch, wall(), global_samples, local)
+    local = mps.stats()["local"]
+    before = resume["per_worker"][me]["counters"] if resume else {}
+    mine = {k: local[k] + before.get(k, 0) for k in ("iterations", "rounds", "compute_s",
+                                                     "wait_s", "aggregation_s", "bytes_sent")}
+    mine.update(samples=samples, slept_s=hetero.slept_s + before.get("slept_s", 0.0),
+                events=local["events"])
+    gathered = mps.worker_comm().gather(mine, root=0)
+    final_wall = wall()
+    mps.shutdown()
+    if bar is not None:
+        bar.close()
+    if me != 0:
+        return 0
+    e = record_eval(sum(g["samples"] for g in gathered))
+    e["wall_s"] = final_wall
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in model.parameters()])
+    events = {w: g.pop("events") for w, g in enumerate(gathered)}
+    workers_metrics = {str(w): g for w, g in enumerate(gathered)}
+    metrics = {
+        "schema": 1,
+        "config": {**config.to_dict(), "workers": n, "dataset": ds.name,
+                   "partition": args.partition, "batch_size": args.batch_size, "lr": args.lr,
+                   "momentum": args.momentum, "seed": args.seed, "epochs": args.epochs,
+                   "time_budget": args.time_budget, "target_acc": args.target_acc,
+                   "slowdown": hetero.factors, "slowdown_schedule": args.slowdown_schedule,
+                   "iter_time": args.iter_time, "comm_delay": args.comm_delay,
+                   "heterogeneity": hetero.describe(), "train_samples": len(ds.y_train),
+                   "test_samples": len(ds.y_test), "resumed": resume is not None},
+        "evals": [{k: v for k, v in ev.items() if k != "wall_clock"} for ev in evals],
+        "workers": workers_metrics,
+        "wall_s": final_wall,
+        "final_param_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+        "server": mps.stats()["server"],
+    }
+    report.summarize(metrics, args.target_acc)
+    _print_summary(metrics)
+    if out is not None:
+        report.write_metrics(metrics, out)
+        torch.save(model.state_dict(), out / "model.pt")
+        t0 = min((a for evs in events.values() for _, a, _ in evs), default=time.time())
+        title = f"{config.policy} on {config.topology}, {hetero.describe()}"
+        report.plot_accuracy({config.policy: metrics["evals"]}, out / "accuracy.png",
+                             target=args.target_acc, title=title)
+        report.plot_timeline(events, out / "timeline.png", t0=t0, title=title)
+        report.write_trace(events, evals, out / "trace.json", t0=t0)
+    return 0
+
+
+def _steps_before(resume: dict | None) -> int:
+    return resume["step"] if resume else 0
+
+
+def _checkpoint(mps, save_checkpoint, out, model, inner, me, n, epoch, index, samples, wall_s,
+                evals, round_, step, config, before: dict, slept_s: float) -> None:
+    """All workers at the same round: gather each worker's position, optimizer state and RNG
+    states to worker 0, which writes one file atomically."""
+    import torch
+
+    local = mps.stats()["local"]
+    mine = {"epoch": epoch, "index": index, "samples": samples,
+            "optimizer": inner.state_dict(), "rng_torch": torch.get_rng_state(),
+            "rng_numpy": np.random.get_state(), "rng_python": random.getstate(),
+            "counters": {**{k: local[k] + before.get(k, 0) for k in (
+                "iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent")},
+                "slept_s": slept_s}}
+    gathered = mps.worker_comm().gather(mine, root=0)
+    if me != 0:
+        return
+    state = {"model": model.state_dict(), "per_worker": gathered, "workers": n,
+             "round": round_, "step": step, "wall_s": wall_s, "evals": list(evals),
+             "policy": config.to_dict()}
+    save_checkpoint(out / "checkpoints", round_, state)
+
+
+def _progress(bar, args, e: dict, epoch: int, wall_s: float, global_samples: int,
+              local: dict | None) -> None:
+    bar.n = min(wall_s, args.time_budget) if args.time_budget else min(global_samples, bar.total)
+    post = {"epoch": epoch, "acc": f"{e['accuracy']:.3f}",
+            "samples/s": f"{global_samples / max(wall_s, 1e-9):.0f}"}
+    if local:
+        busy = local["compute_s"] + local["wait_s"] + local["aggregation_s"]
+        post["wait"] = f"{(local['wait_s'] + local['aggregation_s']) / max(busy, 1e-9):.2f}"
+    bar.set_postfix(post, refresh=True)
+
+
+def _print_summary(m: dict) -> None:
+    c = m["config"]
+    ttt = m["time_to_target_s"]
+    print(f"mpsync train: policy={c['policy']} topology={c['topology']} workers={c['workers']} "
+          f"dataset={c['dataset']} ({c['heterogeneity']})")
+    print(f"  final accuracy {m['final_acc']:.4f}  loss {m['final_loss']:.4f}  "
+          f"wall {m['wall_s']:.1f}s  samples {m['total_samples']}  "
+          f"samples/s {m['samples_per_s']:.0f}  wait fraction {m['wait_fraction']:.2f}  "
+          f"time to target {'-' if ttt is None else f'{ttt:.1f}s'}")
+    print("  worker  iterations  samples  compute_s  wait_s  aggregation_s  bytes_sent")
+    for w, s in m["workers"].items():
+        print(f"  {w:>6}  {s['iterations']:>10}  {s['samples']:>7}  {s['compute_s']:>9.1f}  "
+              f"{s['wait_s']:>6.1f}  {s['aggregation_s']:>13.1f}  {s['bytes_sent']:>10}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="mpsync train")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
