@@ -18,7 +18,7 @@ doctor: setup
 	$(VENV)/bin/mpsync doctor
 
 demo: setup
-	$(VENV)/bin/mpsync doctor
+	$(PY) -m mpsync.apps.compare --out bench/compare
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

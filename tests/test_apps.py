@@ -1,0 +1,177 @@
+"""mpsync train / compare: data, heterogeneity, flag validation, and end-to-end runs of every
+policy under mpirun (tiny runs, through the multi-rank harness)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpi_harness import REPO, run_mpi
+
+from mpsync.apps.datasets import load_dataset, partition
+from mpsync.apps.heterogeneity import Heterogeneity, parse_schedule
+from mpsync.config import ConfigError, POLICIES
+
+TRAIN = str(REPO / "mpsync" / "apps" / "train.py")
+PY = sys.executable
+
+
+# -- data ------------------------------------------------------------------------------------
+def test_embedded_digits_is_sklearn_digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    with np.load(REPO / "mpsync" / "data" / "digits.npz") as f:
+        assert np.array_equal(f["x"], d.images.astype(np.uint8))
+        assert np.array_equal(f["y"], d.target)
+    ds = load_dataset("digits", seed=3)
+    assert ds.input_shape == (1, 8, 8) and ds.n_classes == 10
+    assert len(ds.y_train) + len(ds.y_test) == len(d.target)
+    assert 0.0 <= ds.x_train.min() and ds.x_train.max() <= 1.0
+
+
+@pytest.mark.parametrize("how", ["iid", "noniid"])
+def test_partitions_are_disjoint_and_cover(how):
+    ds = load_dataset("synthetic", seed=1, synthetic_samples=1000, synthetic_features=4)
+    shards = [partition(ds, 4, w, how, seed=1) for w in range(4)]
+    keys = lambda s: {tuple(r) for r in np.c_[s.x, s.y].tolist()}  # noqa: E731
+    total = sum(len(s) for s in shards)
+    assert total == len(ds.y_train)
+    assert len(set().union(*map(keys, shards))) == total
+    classes = [len(np.unique(s.y)) for s in shards]
+    if how == "noniid":
+        assert max(classes) <= 4, classes  # about 2 classes per worker (class-sorted shards)
+    else:
+        assert min(classes) == ds.n_classes
+    # Batch order is a pure function of (seed, worker, epoch): a resumed run sees the same data.
+    a, b = shards[0].batch(2, 3, 8), partition(ds, 4, 0, how, seed=1).batch(2, 3, 8)
+    assert np.array_equal(a[0], b[0]) and not np.array_equal(a[0], shards[0].batch(1, 3, 8)[0])
+
+
+def test_npz_dataset(tmp_path):
+    x = np.random.default_rng(0).normal(size=(50, 6)).astype(np.float32)
+    y = np.arange(50) % 3
+    np.savez(tmp_path / "mine.npz", x=x, y=y)
+    ds = load_dataset(f"npz:{tmp_path / 'mine.npz'}")
+    assert ds.input_shape == (6,) and ds.n_classes == 3 and len(ds.y_test) == 10
+    np.savez(tmp_path / "bad.npz", features=x)
+    with pytest.raises(ConfigError, match="needs arrays 'x' and 'y'"):
+        load_dataset(f"npz:{tmp_path / 'bad.npz'}")
+
+
+# -- heterogeneity ---------------------------------------------------------------------------
+def test_slowdown_schedule_and_padding():
+    sched = parse_schedule("5:1,3;1:2,1", 2)
+    assert [t for t, _ in sched] == [1.0, 5.0]
+    h = Heterogeneity.from_flags(1, 2, "1,4", "1:1,2;5:1,1", 0.01, 0.0)
+    assert (h.factor(0.0), h.factor(2.0), h.factor(9.0)) == (4.0, 2.0, 1.0)
+    t0 = time.perf_counter()
+    pause = h.pad(0.002, 0.0)  # factor 4 of a 10 ms device time
+    assert pause == pytest.approx(0.038)
+    assert time.perf_counter() - t0 >= 0.038
+    with pytest.raises(ConfigError, match="--slowdown: 3 values for 2 workers"):
+        Heterogeneity.from_flags(0, 2, "1,2,3", None, None, 0.0)
+    with pytest.raises(ConfigError, match="factors must be >= 1"):
+        Heterogeneity.from_flags(0, 2, "1,0.5", None, None, 0.0)
+
+
+# -- flags rejected before launch -------------------------------------------------------------
+@pytest.mark.parametrize("flags, names", [
+    (["--policies", "bsp,nope"], "unknown policy 'nope'"),
+    (["--slowdown", "1,2,3"], "--slowdown: 3 values for 4 workers"),
+    (["--target-acc", "0"], "--target-acc must be in (0, 1]"),
+    (["--target-acc", "1.5"], "--target-acc must be in (0, 1]"),
+    (["--policies", "ssp", "--train-args", "--topology ring"], "policy='ssp' needs a central copy"),
+    (["--policies", "dssp", "--train-args", "--staleness-range 5,2"], "s_L=5 > s_U=2"),
+    (["--policies", "ebsp", "--train-args", "--lookahead 0"], "lookahead R must be"),
+    (["--policies", "esync", "--train-args", "--epsilon -1"], "epsilon"),
+])
+def test_compare_rejects_bad_flags_before_launch(flags, names, tmp_path):
+    t0 = time.monotonic()
+    r = subprocess.run([PY, "-m", "mpsync.apps.compare", "--out", str(tmp_path), *flags],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], r.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be launched or written"
+    assert time.monotonic() - t0 < 30
+
+
+def test_train_rejects_bad_flags_on_every_rank():
+    run = run_mpi(TRAIN, np=3, args=["--policy", "bsp", "--epochs", "1", "--slowdown", "1,2,3"],
+                  timeout=90, check=False)
+    assert run.returncode != 0
+    assert "--slowdown: 3 values for 2 workers" in run.rank_err(0)
+
+
+# -- end to end --------------------------------------------------------------------------------
+def _train(policy: str, out: Path):
+    return run_mpi(TRAIN, np=3, timeout=240, check=False, args=[
+        "--policy", policy, "--epochs", "3", "--batch-size", "16", "--lr", "0.05",
+        "--slowdown", "1,2", "--iter-time", "0.004", "--target-acc", "0.5",
+        "--eval-every", "0.5", "--out", str(out), "--no-progress"])
+
+
+@pytest.mark.slow
+def test_train_every_policy_end_to_end(tmp_path):
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = dict(zip(POLICIES, pool.map(lambda p: _train(p, tmp_path / p), POLICIES)))
+    for policy, run in runs.items():
+        assert run.ok, run.report()
+        out = tmp_path / policy
+        m = json.loads((out / "metrics.json").read_text())
+        assert m["config"]["policy"] == policy and m["config"]["workers"] == 2
+        assert m["config"]["topology"] == ("ps" if policy in ("asp", "ssp", "dssp") else "ring")
+        # Accuracy rises well above chance (10 classes).
+        assert m["final_acc"] > 0.4, (policy, m["final_acc"])
+        assert m["evals"][0]["accuracy"] < m["final_acc"]
+        for key in ("wall_s", "samples", "accuracy", "loss"):
+            assert all(key in e for e in m["evals"])
+        walls = [e["wall_s"] for e in m["evals"]]
+        assert walls == sorted(walls)
+        # Per-worker samples add up to the total; each step is one batch.
+        workers = m["workers"]
+        assert sum(w["samples"] for w in workers.values()) == m["total_samples"]
+        for w in workers.values():
+            assert w["samples"] == 16 * w["iterations"]
+            assert w["compute_s"] > 0 and w["bytes_sent"] > 0
+        assert m["total_samples"] >= 3 * m["config"]["train_samples"] * 0.9
+        assert 0.0 <= m["wait_fraction"] < 1.0
+        # The slower worker (factor 2) sleeps; the other only if it has to.
+        assert workers["1"]["slept_s"] > workers["0"]["slept_s"]
+        for png in ("accuracy.png", "timeline.png"):
+            assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        trace = json.loads((out / "trace.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert "compute" in names and ("aggregate" in names), (policy, names)
+    # Less synchronization than BSP: ESync and ElasticBSP let the fast worker take more steps.
+    for policy in ("esync", "asp"):
+        w = json.loads((tmp_path / policy / "metrics.json").read_text())["workers"]
+        assert w["0"]["iterations"] > w["1"]["iterations"], (policy, w)
+
+
+@pytest.mark.slow
+def test_compare_json(tmp_path):
+    r = subprocess.run([PY, "-m", "mpsync.apps.compare", "--np", "2", "--policies", "bsp,esync",
+                        "--slowdown", "1,3", "--iter-time", "0.005", "--time-budget", "3",
+                        "--target-acc", "0.3", "--batch-size", "16", "--out", str(tmp_path),
+                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+    assert [row["policy"] for row in rows] == ["bsp", "esync"]
+    for row in rows:
+        assert set(row) == {"policy", "time_to_target_s", "final_acc", "samples_per_s",
+                            "wait_fraction", "speedup_vs_bsp"}
+        assert 0 < row["final_acc"] <= 1 and row["samples_per_s"] > 0
+    bsp = rows[0]
+    if bsp["time_to_target_s"] is not None:
+        assert bsp["speedup_vs_bsp"] == pytest.approx(1.0)
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| bsp |" in (tmp_path / "table.md").read_text()
