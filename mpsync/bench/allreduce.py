@@ -230,6 +230,7 @@ def _ps_child(sizes, max_repeats, budget) -> None:
         config = SyncConfig(policy="asp", topology="ps", deadline=600.0).validate()
         if not is_worker:
             StateServer(control, config, server_rank=0).serve()
+            world.Barrier()  # no worker may reach the next size's server before it exists
             continue
         client = SyncClient(control, config, server_rank=0)
         n = max(1, nbytes // 8)  # the PS exchanges float64
@@ -249,6 +250,7 @@ def _ps_child(sizes, max_repeats, budget) -> None:
         client.shutdown()
         if workers.Get_rank() == 0:
             print("ROW " + json.dumps({"bytes": nbytes, "ps_ms": ms}), flush=True)
+        world.Barrier()
 
 
 def _osp_child(sizes, max_repeats, budget) -> None:
