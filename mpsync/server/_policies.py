@@ -317,6 +317,9 @@ class ESync(Policy):
         sched.esync_reset(k, f, np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64), 0, 1, 0.0)
 
     def on_step(self, w, k, compute, now, delayed_ack=False):
+        if delayed_ack and self.ready[w]:
+            # Reports sent before the READY reached the worker: one READY per round (§4.2).
+            return LOCAL, 0, 0
         ws = self._view()
         p = int(np.flatnonzero(ws == w)[0])
         self.k[w] += 1
