@@ -285,9 +285,9 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
 
     def record_eval(global_samples: int) -> dict:
         nonlocal eval_s
-        t0 = time.perf_counter()
+        t0, at = time.perf_counter(), wall()  # the wall time the evaluation is taken at
         acc, loss = evaluate()
-        e = {"wall_s": wall(), "samples": int(global_samples), "accuracy": acc, "loss": loss,
+        e = {"wall_s": at, "samples": int(global_samples), "accuracy": acc, "loss": loss,
              "wall_clock": time.time()}
         evals.append(e)
         eval_s += time.perf_counter() - t0
