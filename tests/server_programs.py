@@ -84,7 +84,14 @@ def policy_run() -> None:
         since_sync += 1
         if stall_at and w == stall_worker and k == stall_at:
             time.sleep(stall_s)  # stops reporting: the server should take it out (PS)
-        d = client.step(k, time.perf_counter() - t0)
+        if o.get("delayed") == "1":  # ESync §4.2: report without waiting, poll for READY
+            d = client.step_async(k, time.perf_counter() - t0).poll()
+            if d is None:
+                continue
+            record.setdefault("readies", 0)
+            record["readies"] += 1
+        else:
+            d = client.step(k, time.perf_counter() - t0)
         if cfg.policy == "osp":
             # Every worker must get the same bitmap for the next iteration.
             imp = np.random.default_rng(k * 100 + w).random(6)

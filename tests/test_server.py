@@ -78,6 +78,15 @@ def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_wai
     assert {w["rounds"] for w in stats["workers"].values()} == {15}
 
 
+def test_esync_delayed_ack_one_ready_per_round_and_no_waiting_for_not_ready(tmp_path):
+    _, stats, workers = _policy_run(tmp_path, "esync", rounds=12, base=0.005, delayed=1)
+    for rec in workers:
+        assert rec["readies"] == rec["rounds"] == 12
+    # NOT-READY is never sent in this mode: LOCAL decisions exist only on the server's side.
+    assert sum(w["decisions"]["LOCAL"] for w in stats["workers"].values()) > 0
+    assert np.mean(workers[0]["local_before_sync"]) > np.mean(workers[3]["local_before_sync"])
+
+
 def test_ebsp_barrier_is_zipline_on_the_servers_timestamps(tmp_path):
     _, stats, workers = _policy_run(tmp_path, "ebsp", rounds=8, base=0.004, lookahead=15)
     plans = stats["policy_state"]["plans"]

@@ -89,6 +89,7 @@ class SyncClient:
         self.last_rtt = 0.0
         self._call(W.REGISTER, "register")
         self.wait_s = 0.0        # the server's start-up is not waiting for decisions
+        self.last_rtt = 0.0      # nor a round trip (ESync §4.2 adds it to the capability)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _header(self, iteration=0, compute=0.0, round_=0, agg=0.0, count=0, flag=0):
@@ -120,6 +121,12 @@ class SyncClient:
         self.last_rtt = elapsed
 
     def _call(self, tag: int, what: str, *, header=None, data=None, reply_data=None):
+        if self._pending is not None:
+            # A delayed-ACK query still waiting for READY must not catch this call's reply.
+            if not self._pending.request.Test():
+                self._pending.request.Cancel()
+                self._pending.request.Wait()
+            self._pending = None
         header = self._header() if header is None else header
         seq = self._seq
         rep = self.comm.Irecv([self._rep, MPI.DOUBLE], source=self.server, tag=W.REPLY)
