@@ -153,5 +153,13 @@ def format_table(rows: list[dict]) -> str:
             f"| {r['policy']} | {_fmt(r['time_to_target_s'], '.1f', 'not reached')} | "
             f"{_fmt(r['final_acc'], '.3f')} | {_fmt(r['samples_per_s'], '.0f')} | "
             f"{_fmt(r['wait_fraction'], '.2f')} | {_fmt(r.get('bytes_per_sample'), '.0f')} | "
-            f"{_fmt(r['speedup_vs_bsp'], '.2f')}x |".replace("-x |", "- |"))
+            f"{_speedup(r)} |")
     return "\n".join(lines)
+
+
+def _speedup(r: dict) -> str:
+    if r.get("speedup_vs_bsp") is not None:
+        return f"{r['speedup_vs_bsp']:.2f}x"
+    if r.get("speedup_at_least") is not None:
+        return f"> {r['speedup_at_least']:.1f}x (BSP missed the target)"
+    return "-"
