@@ -116,7 +116,7 @@ def test_train_rejects_bad_flags_on_every_rank():
 def _train(policy: str, out: Path):
     return run_mpi(TRAIN, np=3, timeout=240, check=False, args=[
         "--policy", policy, "--epochs", "3", "--batch-size", "16", "--lr", "0.05",
-        "--slowdown", "1,2", "--iter-time", "0.004", "--target-acc", "0.5",
+        "--slowdown", "1,2", "--iter-time", "0.015", "--target-acc", "0.5",
         "--eval-every", "0.5", "--out", str(out), "--no-progress"])
 
 
