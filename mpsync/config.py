@@ -62,6 +62,9 @@ class SyncConfig:
     # aborts the job (ring); every blocking wait has this deadline.
     silent_timeout: float = 10.0
     deadline: float = 60.0
+    # A worker still starting (imports, data loading, broadcasts before its first step) is not
+    # silent until this long after the server started: tens of seconds on a loaded node.
+    startup_timeout: float = 120.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> "SyncConfig":
@@ -91,6 +94,8 @@ class SyncConfig:
                               f"{self.osp_ics_max_fraction}")
         if not self.silent_timeout > 0:
             raise ConfigError(f"silent_timeout must be > 0 seconds, got {self.silent_timeout}")
+        if not self.startup_timeout > 0:
+            raise ConfigError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout}")
         if not self.deadline > 0:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
         return self

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["mpirun_argv", "python_argv", "run_with_deadline", "LaunchResult", "is_root",
-           "forwarded_env"]
+           "forwarded_env", "clean_launch_env"]
 
 # Environment variables an mpsync rank needs to see on every node.  Open MPI forwards nothing by
 # default to remote nodes, so launchers pass these with ``-x``, which takes names, not patterns:
@@ -103,11 +103,7 @@ def run_with_deadline(argv: list[str], timeout: float, *, env: dict | None = Non
     """
     if shutil.which(argv[0]) is None and not os.path.exists(argv[0]):
         raise FileNotFoundError(f"{argv[0]!r} not found on PATH (is Open MPI installed? run `make setup`)")
-    if env is None:
-        # Pass Python's copy of the environment explicitly: once this process has called
-        # MPI_Init (e.g. it imported mpi4py), Open MPI has setenv()'d singleton variables into
-        # the C environment, and an mpirun that inherits them fails to start its ranks.
-        env = dict(os.environ)
+    env = clean_launch_env(os.environ if env is None else env)
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
                             env=env, cwd=cwd, start_new_session=True, text=True)
@@ -121,6 +117,25 @@ def run_with_deadline(argv: list[str], timeout: float, *, env: dict | None = Non
     except BaseException:
         _kill_group(proc)
         raise
+
+
+# Variables Open MPI / PMIx set in a process that called MPI_Init (as a singleton or as a rank).
+# A nested ``mpirun`` that inherits them tries to join that process's runtime and fails at once
+# ("exit 1", no output); user settings such as OMPI_MCA_btl are kept.
+_RUNTIME_PREFIXES = ("PMIX_", "OMPI_MCA_ess", "OMPI_MCA_orte_", "OMPI_MCA_pmix", "OMPI_APP_CTX",
+                     "OMPI_COMM_WORLD", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS",
+                     "OMPI_NUM_APP_CTX", "OMPI_FILE_LOCATION", "OMPI_MCA_initial_wdir",
+                     "ORTE_", "HFI_NO_BACKTRACE", "IPATH_NO_BACKTRACE")
+
+
+def clean_launch_env(env) -> dict:
+    """A copy of ``env`` without the MPI runtime's own variables (see _RUNTIME_PREFIXES).
+
+    Python's ``os.environ`` is passed explicitly even when unchanged: after MPI_Init in this
+    process the C environment (what a child inherits by default) holds the singleton's
+    variables, which ``os.environ`` does not see.
+    """
+    return {k: v for k, v in env.items() if not k.startswith(_RUNTIME_PREFIXES)}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

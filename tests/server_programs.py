@@ -135,6 +135,8 @@ def _colocated(world, control, cfg, o) -> None:
     """Every rank trains; rank 0 also hosts the server in a thread."""
     from mpsync.server import start_colocated
 
+    cfg = SyncConfig.from_options(env={}, policy=cfg.policy, topology=cfg.topology,
+                                  server="colocated")
     rank = world.Get_rank()
     server = start_colocated(control, cfg) if rank == 0 else None
     client = SyncClient(control, cfg)

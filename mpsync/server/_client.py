@@ -202,12 +202,15 @@ class SyncClient:
                    data=data)
         return int(self._rep[W.R_VERSION])
 
-    def pull(self, out: np.ndarray, iteration: int) -> int:
+    def pull(self, out: np.ndarray, iteration: int, final: bool = False) -> int:
         """Current global weights into ``out`` (float64, contiguous), as soon as the policy's
-        staleness rule allows.  Returns the model version (updates applied so far)."""
+        staleness rule allows.  ``final``: the last pull of training, after every worker's
+        last push (nobody will push again, so no staleness rule can be waited for).  Returns
+        the model version (updates applied so far)."""
         if out.dtype != np.float64 or not out.flags.c_contiguous:
             raise ValueError("pull needs a contiguous float64 array")
-        self._call(W.PULL, f"pull {iteration}", header=self._header(iteration, count=out.size),
+        self._call(W.PULL, f"pull {iteration}",
+                   header=self._header(iteration, count=out.size, flag=int(final)),
                    reply_data=out)
         return int(self._rep[W.R_VERSION])
 

@@ -116,8 +116,13 @@ class StateServer:
         self._stop = True
 
     def _all_gone(self) -> bool:
+        """Every worker shut down; a worker taken out for silence (PS) may still come back
+        and shut down, so it is waited for until it has been silent for ``deadline``."""
         t = self.table
-        return bool(np.all(t.done | t.removed)) and bool(np.any(t.done))
+        if not (np.all(t.done | t.removed) and np.any(t.done)):
+            return False
+        gone_for = MPI.Wtime() - self.last_heard[t.removed & ~t.done]
+        return bool(np.all(gone_for > self.config.deadline))
 
     # -- receiving and validating ---------------------------------------------------------
     def _reject(self, src: int, tag: int, reason: str, nbytes: int | None = None) -> None:
@@ -307,7 +312,7 @@ class StateServer:
             self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
             self.waiting_on_us[w] = True
             return
-        if not self.policy.may_pull(w):
+        if msg[W.FLAG] != 1 and not self.policy.may_pull(w):
             self.counters.held_pulls[w] += 1
             self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
             self.waiting_on_us[w] = True
@@ -367,8 +372,12 @@ class StateServer:
     # -- silent workers ----------------------------------------------------------------------
     def _find_silent(self, now: float) -> None:
         t = self.table
-        silent = np.flatnonzero(t.active & ~self.waiting_on_us &
-                                (now - self.last_heard > self.config.silent_timeout))
+        # A worker that has not made its first step is still starting (imports, data loading,
+        # broadcasts: tens of seconds on a loaded node): it gets the start-up timeout instead.
+        started = self.counters.steps > 0
+        silent = np.flatnonzero(t.active & ~self.waiting_on_us & (
+            (started & (now - self.last_heard > self.config.silent_timeout)) |
+            (~started & (now - self.t0 > self.config.startup_timeout))))
         if silent.size == 0:
             return
         if self.config.topology == "ring":
@@ -471,6 +480,8 @@ class ColocatedServer:
 def start_colocated(comm, config, *, server_rank: int = 0, workers=None, log=None):
     """Start the state server as a thread of this rank (``server='colocated'``).  Needs
     MPI_THREAD_MULTIPLE: the trainer and the server call MPI at the same time."""
+    if workers is None:
+        workers = list(range(comm.Get_size()))  # co-located: every rank trains
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise ConfigError("server='colocated' needs MPI_THREAD_MULTIPLE, but MPI was initialised "
                           f"with thread level {MPI.Query_thread()}; use server='dedicated' or "

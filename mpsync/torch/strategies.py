@@ -251,9 +251,9 @@ class ParameterServer(LocalStepsThenAggregate):
             self.client.ps_init(self._base)
         self._pull()
 
-    def _pull(self) -> None:
+    def _pull(self, final: bool = False) -> None:
         t0 = time.perf_counter()
-        self.version = self.client.pull(self._base, self.iteration)
+        self.version = self.client.pull(self._base, self.iteration, final=final)
         self.buf.flat.copy_(torch.from_numpy(self._base))
         self.buf.unpack_to_params()
         self.counters.aggregation_s += time.perf_counter() - t0
@@ -278,7 +278,7 @@ class ParameterServer(LocalStepsThenAggregate):
         np.subtract(local.to(torch.float64).numpy(), self._base, out=self._wire)
         self.client.push(self._wire, self.iteration)
         self.backend.barrier("final push")
-        self._pull()
+        self._pull(final=True)  # every push is in: no staleness rule left to wait for
         self._broadcast_model()
         self._aggregated(t0, self._wire.nbytes)
 
