@@ -2,6 +2,7 @@
 #   make setup   install everything on a bare Debian 12 machine (root, idempotent)
 #   make demo    the main job: compare every policy on the embedded default (digits, 4 workers)
 #   make test    the whole test suite (runs setup first if needed)
+#   make slurm   start a single-node Slurm here and submit the job templates to it
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 PYTEST_ARGS ?=
@@ -22,6 +23,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# A real single-node Slurm on this machine (Debian's slurm-wlm + munge), then the Slurm tests.
+slurm: setup
+	bash .ci/slurm.sh start
+	$(PY) -m pytest tests/test_slurm.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
