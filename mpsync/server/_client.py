@@ -195,11 +195,12 @@ class SyncClient:
         data = np.ascontiguousarray(flat, dtype=np.float64)
         self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
 
-    def push(self, delta: np.ndarray, iteration: int) -> int:
-        """Send an update; the server applies it on arrival.  Returns the model version."""
+    def push(self, delta: np.ndarray, iteration: int, final: bool = False) -> int:
+        """Send an update; the server applies it on arrival.  ``final``: this worker's last
+        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version."""
         data = np.ascontiguousarray(delta, dtype=np.float64)
-        self._call(W.PUSH, f"push {iteration}", header=self._header(iteration, count=data.size),
-                   data=data)
+        self._call(W.PUSH, f"push {iteration}",
+                   header=self._header(iteration, count=data.size, flag=int(final)), data=data)
         return int(self._rep[W.R_VERSION])
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False) -> int:

@@ -303,6 +303,9 @@ class StateServer:
         self.ps_version += 1
         self.counters.pushes[w] += 1
         self.policy.on_push(w, now)
+        if msg[W.FLAG] == 1:
+            # Its last push: a staleness rule must not wait for a worker that stopped training.
+            self.table.final_pushed[w] = True
         self.events.add(now - self.t0, w, "push", int(msg[W.ITER]))
         self._send_reply(src, msg[W.SEQ], version=self.ps_version)
 

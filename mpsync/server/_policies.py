@@ -38,6 +38,7 @@ class WorkerTable:
         self.registered = np.zeros(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)                 # sent shutdown
         self.removed = np.zeros(n, dtype=bool)              # taken out (silent)
+        self.final_pushed = np.zeros(n, dtype=bool)         # PS: sent its last update
 
     @property
     def active(self) -> np.ndarray:
@@ -427,12 +428,12 @@ def make_policy(config, n_workers: int) -> Policy:
 
 
 def _active_view(t: WorkerTable):
-    idx = np.flatnonzero(t.active)
+    idx = np.flatnonzero(t.active & ~t.final_pushed)
     return t.pushes[idx].copy(), t.push_table[idx].copy(), idx
 
 
 def _ssp_ok(t: WorkerTable, w: int, s: int) -> bool:
-    idx = np.flatnonzero(t.active)
+    idx = np.flatnonzero(t.active & ~t.final_pushed)
     if w not in idx:
         return True
     p = int(np.flatnonzero(idx == w)[0])

@@ -276,7 +276,7 @@ class ParameterServer(LocalStepsThenAggregate):
         t0 = time.perf_counter()
         local = self.buf.pack_params()
         np.subtract(local.to(torch.float64).numpy(), self._base, out=self._wire)
-        self.client.push(self._wire, self.iteration)
+        self.client.push(self._wire, self.iteration, final=True)
         self.backend.barrier("final push")
         self._pull(final=True)  # every push is in: no staleness rule left to wait for
         self._broadcast_model()
