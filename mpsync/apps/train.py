@@ -363,6 +363,10 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
             if bar is not None:
                 local = mps.stats()["local"] if not ring else None
                 _progress(bar, args, e, epoch, wall(), global_samples, local)
+    if not ring:
+        # Last push before any collective: under SSP/DSSP a faster worker's pull may be held
+        # until every other worker's last update is in, so a gather first would deadlock.
+        opt.synchronize()
     local = mps.stats()["local"]
     before = resume["per_worker"][me]["counters"] if resume else {}
     mine = {k: local[k] + before.get(k, 0) for k in ("iterations", "rounds", "compute_s",
