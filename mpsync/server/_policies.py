@@ -151,6 +151,9 @@ class DSSP(Policy):
     def on_push(self, w, now):
         super().on_push(w, now)
         iters, table, idx = _active_view(self.t)
+        if w not in idx:  # a push after its last one (a second synchronize): nothing to decide
+            self.held[w] = False
+            return
         p = int(np.flatnonzero(idx == w)[0])
         r_before = int(self.r_extra[w])
         # Departure from Alg. 1 line 12: the listing calls the controller with the full r_max
