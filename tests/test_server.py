@@ -85,6 +85,10 @@ def test_esync_delayed_ack_one_ready_per_round_and_no_waiting_for_not_ready(tmp_
     # NOT-READY is never sent in this mode: LOCAL decisions exist only on the server's side.
     assert sum(w["decisions"]["LOCAL"] for w in stats["workers"].values()) > 0
     assert np.mean(workers[0]["local_before_sync"]) > np.mean(workers[3]["local_before_sync"])
+    # §4.2's capability includes the state query's round trip: every worker measured one (a
+    # READY's send-to-seen time; it was 0 before the first READY) and sent it with its reports.
+    rtt = stats["policy_state"]["query_rtt_s"]
+    assert all(0 < r < 2.0 for r in rtt), rtt
 
 
 def test_ebsp_barrier_is_zipline_on_the_servers_timestamps(tmp_path):

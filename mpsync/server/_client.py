@@ -59,16 +59,37 @@ class Decision(NamedTuple):
 
 class PendingDecision:
     """A delayed-ACK query in flight (ESync §4.2): ``poll()`` returns the READY decision once
-    the server sent it, else None; the worker keeps training meanwhile."""
+    the server sent it, else None; the worker keeps training meanwhile.
+
+    One pending decision covers all the reports of a round until READY: ``sent`` keeps each
+    report's send time by sequence number, so the READY's round trip is measured from the
+    report it answers (the reply's SEQ slot)."""
+
+    _MAX_SENT = 4096   # reports remembered per round (a bound; a round rarely has 100)
 
     def __init__(self, client: "SyncClient", request: MPI.Request):
         self.client = client
         self.request = request
         self.decision: Decision | None = None
+        self.sent: dict[int, float] = {}
+
+    def _note_sent(self, seq: int, when: float) -> None:
+        if len(self.sent) >= self._MAX_SENT:
+            del self.sent[next(iter(self.sent))]
+        self.sent[seq] = when
+
+    def _check(self) -> bool:
+        """Has READY arrived?  Records the query's round trip the first time it is seen."""
+        if self.decision is None and self.request.Test():
+            seen = time.perf_counter()
+            self.decision = self.client._decision()
+            sent = self.sent.get(int(self.client._rep[W.R_SEQ]))
+            if sent is not None:
+                self.client.query_rtt = seen - sent
+        return self.decision is not None
 
     def poll(self) -> Decision | None:
-        if self.decision is None and self.request.Test():
-            self.decision = self.client._decision()
+        if self._check() and self.client._pending is self:
             self.client._pending = None
         return self.decision
 
@@ -86,10 +107,13 @@ class SyncClient:
         self._pending: PendingDecision | None = None
         self.iteration = 0
         self.wait_s = 0.0        # total time spent waiting for the server
-        self.last_rtt = 0.0
+        self.last_rtt = 0.0      # duration of the last blocking call (any kind)
+        # ESync §4.2 delayed ACK: the round trip of a state query, as the worker experiences
+        # it (see step_async); 0 until the first READY arrived.
+        self.query_rtt = 0.0
         self._call(W.REGISTER, "register")
         self.wait_s = 0.0        # the server's start-up is not waiting for decisions
-        self.last_rtt = 0.0      # nor a round trip (ESync §4.2 adds it to the capability)
+        self.last_rtt = 0.0      # nor a round trip
 
     # -- plumbing ---------------------------------------------------------------------------
     def _header(self, iteration=0, compute=0.0, round_=0, agg=0.0, count=0, flag=0):
@@ -160,12 +184,29 @@ class SyncClient:
         return self._decision()
 
     def step_async(self, iteration: int, compute_time: float) -> PendingDecision:
-        """ESync delayed-ACK mode (§4.2): report without waiting; only READY is answered."""
+        """ESync delayed-ACK mode (§4.2): report without waiting; only READY is answered.
+
+        The report carries ``query_rtt``, which §4.2 adds to the capability ("the time to
+        process b samples and the RTT of state query operation on device i").  NOT-READY is
+        never sent in this mode, so the only round trip a worker can time is a READY's: from
+        the send of the report it answers to the moment the worker sees it.  A worker sees
+        replies only between iterations (here, or in ``poll``), so this includes up to one
+        iteration of detection delay besides network and server time; that is intended: the
+        capability must say how long after READY the device actually joins the aggregation,
+        and a polling device runs exactly the iterations that fit in this span (δ - 1 of
+        §4.2) before it does.  The duration of blocking calls (``last_rtt``: push/pull with
+        their payloads on the PS) is a different operation and is not used.
+        """
         self.iteration = int(iteration)
-        if self._pending is None:
+        if self._pending is not None:
+            # READY may have arrived during the iteration just finished: see it now, so its
+            # round trip is not stretched by the caller's next poll.
+            self._pending._check()
+        else:
             req = self.comm.Irecv([self._rep, MPI.DOUBLE], source=self.server, tag=W.REPLY)
             self._pending = PendingDecision(self, req)
-        header = self._header(iteration, compute_time, agg=self.last_rtt, flag=1)
+        header = self._header(iteration, compute_time, agg=self.query_rtt, flag=1)
+        self._pending._note_sent(self._seq, time.perf_counter())
         self.comm.Send([header, MPI.DOUBLE], dest=self.server, tag=W.STEP)
         return self._pending
 

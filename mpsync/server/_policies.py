@@ -355,7 +355,8 @@ class ESync(Policy):
         self.ready[w] = False
 
     def describe(self):
-        return {"local_iterations_per_round": self.local_per_round}
+        return {"local_iterations_per_round": self.local_per_round,
+                "query_rtt_s": self.rtt.tolist()}
 
 
 class OSP(Policy):

@@ -28,12 +28,16 @@ import time
 import numpy as np
 import torch
 
+from mpsync.server import LOCAL, Decision
 from mpsync.torch._counters import LocalCounters
 from mpsync.torch.backends import Aggregator, Pending
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging", "ParameterServer",
            "TwoStageSync", "make_strategy"]
+
+
+_NOT_READY = Decision(LOCAL, 0, 0)
 
 
 class Strategy:
@@ -57,7 +61,12 @@ class Strategy:
         if self.client is None:
             return None
         t0 = time.perf_counter()
-        decision = self.client.step(iteration, compute_time)
+        if self.config.policy == "esync" and self.config.esync_delayed_ack:
+            # ESync §4.2 delayed ACK: report without waiting and keep training on the implicit
+            # NOT-READY; aggregate once the READY sent for an earlier report has arrived.
+            decision = self.client.step_async(iteration, compute_time).poll() or _NOT_READY
+        else:
+            decision = self.client.step(iteration, compute_time)
         t1 = time.perf_counter()
         self.counters.wait_s += t1 - t0
         self.counters.event("wait_server", t0, t1)
@@ -268,6 +277,10 @@ class ParameterServer(LocalStepsThenAggregate):
         self.version = self.client.pull(self._base, self.iteration)
         self.buf.flat.copy_(torch.from_numpy(self._base))
         self.buf.unpack_to_params()
+        if self.config.comm_delay > 0:
+            # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):
+            # inside the aggregation's time, so it is booked as aggregation, not compute.
+            time.sleep(self.config.comm_delay)
         self.reset(self._aggregated(t0, self._wire.nbytes))
 
     def synchronize(self) -> None:
