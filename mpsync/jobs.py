@@ -36,6 +36,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpsync.apps.train import default_topology
 from mpsync.config import (BACKENDS, POLICIES, SERVER_PLACEMENTS, TOPOLOGIES, ConfigError,
                            SyncConfig, parse_float_list)
 
@@ -89,7 +90,9 @@ class JobSettings:
     hosts: str = ""                  # horovodrun: host1:K,host2:K (default localhost:<ranks>)
     # run (defaults of the scripts' ${VAR:-default} settings)
     policy: str = "bsp"
-    topology: str = "ring"
+    # Empty: the policy's own topology (ps for asp/ssp/dssp, ring otherwise), chosen by mpsync
+    # train / compare, so that POLICY=ssp alone is a valid submission.
+    topology: str = ""
     backend: str = "horovod"
     server: str = "dedicated"
     epochs: int = 5
@@ -182,13 +185,15 @@ def _validated(s: JobSettings, scheduler: str, template: str) -> JobSettings:
         if " " in getattr(s, name):
             raise JobTemplateError(f"{name} must not contain spaces, got {getattr(s, name)!r}")
     try:
-        SyncConfig(policy=s.policy, topology=s.topology, backend=s.backend,
-                   server=s.server).validate()
+        SyncConfig(policy=s.policy, topology=s.topology or default_topology(s.policy),
+                   backend=s.backend, server=s.server).validate()
         if s.slowdown:
             parse_float_list("slowdown", s.slowdown)
         for p in s.policies.split(","):
             if p not in POLICIES:
                 raise ConfigError(f"policies: unknown policy {p!r}; choose from: {', '.join(POLICIES)}")
+            if template == "compare" and s.topology:  # one topology for every compared policy
+                SyncConfig(policy=p, topology=s.topology).validate()
     except ConfigError as e:
         raise JobTemplateError(str(e)) from None
     if s.target_acc:
@@ -222,6 +227,7 @@ _USAGE = {
     ("slurm", "compare"): [
         "sbatch jobs/slurm/compare.sbatch                    # from the repository root",
         "POLICIES=bsp,esync SLOWDOWN=1,1,2,4 TARGET_ACC=0.9 sbatch jobs/slurm/compare.sbatch",
+        "POLICIES=bsp,ssp,esync TOPOLOGY=ps sbatch jobs/slurm/compare.sbatch   # all on the PS",
     ],
     ("slurm", "bench-kernels"): [
         "sbatch jobs/slurm/bench-kernels.sbatch              # from the repository root",
@@ -259,6 +265,17 @@ _SUMMARY = {
     ],
 }
 
+# Standard settings of the other scripts that a template does not read, and why.
+_NOT_APPLICABLE = {
+    "bench-kernels": [
+        "Not settings of this script: POLICY, TOPOLOGY, BACKEND, SERVER, EPOCHS, DATASET and",
+        "SLOWDOWN (those of the train and compare scripts) do not apply to a kernel",
+        "microbenchmark: it runs one process, with no mpirun, no state server, no aggregation",
+        "and no model or data set; the kernels are timed on the ZipLine paper's synthetic",
+        "iteration timings.",
+    ],
+}
+
 _LAUNCHER_WORDS = {
     "slurm": ("a Slurm batch job", "mpirun that reads the allocation from Slurm"),
     "pbs": ("a PBS (PBS Pro / OpenPBS) batch job", "mpirun over $PBS_NODEFILE"),
@@ -271,8 +288,10 @@ _TESTED = {
         "(slurmctld + slurmd started by .ci/slurm.sh) with a small run and checks the job's",
         "final state and the metrics.json it wrote. Multi-node runs were not tested."],
     ("slurm", "compare"): [
-        "Tested: tests/test_jobs.py checks the command this script builds (DRY_RUN=1) from",
-        "the variables Slurm sets; the full comparison (every policy trained) is not run in tests."],
+        "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05,",
+        "once with DRY_RUN=1 (the command built from the allocation) and once for real with",
+        "POLICIES=bsp, 2 workers and a few seconds of training, and checks compare.json.",
+        "Longer comparisons and multi-node runs were not tested."],
     ("slurm", "bench-kernels"): [
         "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05",
         "with a small sweep and checks the job's final state, zipline.csv and zipline.png."],
@@ -335,6 +354,8 @@ def _doc(scheduler: str, template: str, s: JobSettings, variables) -> str:
         first, *rest = doc.split("\n")
         out.append(f"#   {name:<{width}}  {first}")
         out += [f"#   {'':<{width}}  {more}" for more in rest]
+    if template in _NOT_APPLICABLE:
+        out += ["#", *("# " + line for line in _NOT_APPLICABLE[template])]
     out += ["#", *("# " + line for line in _TESTED[(scheduler, template)])]
     return "\n".join(out)
 
@@ -356,6 +377,11 @@ def _variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str,
         out_doc = f"the run folder (default: {s.out_dir})"
     ranks_doc = ("MPI ranks (default: all tasks of the job)" if scheduler != "horovodrun"
                  else f"MPI ranks (default: {s.nodes * s.tasks_per_node})")
+    topology_doc = (f"{' | '.join(TOPOLOGIES)} (default: {s.topology})" if s.topology else
+                    f"{' | '.join(TOPOLOGIES)} (default: empty, the policy's own: ps for "
+                    "asp, ssp, dssp;\nring for the others; --topology is passed only when set)")
+    if template == "compare" and not s.topology:
+        topology_doc = topology_doc.replace("the policy's own", "each policy's own")
     common_run = [
         ("EPOCHS", str(s.epochs), f"epochs per worker (default: {s.epochs}); ignored if TIME_BUDGET is set"),
         ("TIME_BUDGET", "", "seconds of training instead of EPOCHS (default: empty)"),
@@ -368,7 +394,7 @@ def _variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str,
     if template == "train":
         variables = [
             ("POLICY", s.policy, f"{' | '.join(POLICIES)} (default: {s.policy})"),
-            ("TOPOLOGY", s.topology, f"{' | '.join(TOPOLOGIES)} (default: {s.topology})"),
+            ("TOPOLOGY", s.topology, topology_doc),
             ("BACKEND", s.backend, f"{' | '.join(BACKENDS)} (default: {s.backend})"),
             ("SERVER", s.server, f"{' | '.join(SERVER_PLACEMENTS)} (default: {s.server}): "
                                  "dedicated = rank 0 serves,\nthe rest train; colocated = "
@@ -380,7 +406,7 @@ def _variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str,
     elif template == "compare":
         variables = [
             ("POLICIES", s.policies, f"policies to compare, comma-separated (default: {s.policies})"),
-            ("TOPOLOGY", s.topology, f"{' | '.join(TOPOLOGIES)} (default: {s.topology})"),
+            ("TOPOLOGY", s.topology, topology_doc),
             ("BACKEND", s.backend, f"{' | '.join(BACKENDS)} (default: {s.backend})"),
             ("SERVER", s.server, f"{' | '.join(SERVER_PLACEMENTS)} (default: {s.server})"),
             ("WORKERS", "", "training ranks (default: all tasks, less one for a dedicated server)"),
@@ -483,7 +509,11 @@ die() { echo "error: $*" >&2; exit 2; }
   die "VENV=$VENV has no bin/python; set VENV to the environment where mpsync is installed"
 """
 
-_RANK_CHECKS = """[[ $NP =~ ^[0-9]+$ ]] && ((NP >= 1)) || die "NP must be a positive integer, got '$NP'"
+_RANK_CHECKS = """case $TOPOLOGY in
+  ''|ring|ps) ;;
+  *) die "TOPOLOGY must be ring, ps or empty (the policy's own), got '$TOPOLOGY'" ;;
+esac
+[[ $NP =~ ^[0-9]+$ ]] && ((NP >= 1)) || die "NP must be a positive integer, got '$NP'"
 case $SERVER in
   dedicated) ((NP >= 2)) || die "SERVER=dedicated needs 2 ranks or more (server + workers), NP=$NP" ;;
   colocated) ;;
@@ -502,8 +532,10 @@ def _run_shape_flags(array: str) -> str:
 _TRAIN_ARGV = """
 # -- the command -------------------------------------------------------------------------------
 export PYTHONUNBUFFERED=1
-train=("$VENV/bin/python" -m mpsync.cli train --policy "$POLICY" --topology "$TOPOLOGY"
-       --backend "$BACKEND" --server "$SERVER" --dataset "$DATASET" --out "$OUT_DIR")
+train=("$VENV/bin/python" -m mpsync.cli train --policy "$POLICY")
+# Empty TOPOLOGY: mpsync train picks the policy's own (ps for asp/ssp/dssp, ring otherwise).
+[ -z "$TOPOLOGY" ] || train+=(--topology "$TOPOLOGY")
+train+=(--backend "$BACKEND" --server "$SERVER" --dataset "$DATASET" --out "$OUT_DIR")
 """ + _run_shape_flags("train") + """[ -z "$SEED" ] || train+=(--seed "$SEED")
 read -r -a more <<<"$TRAIN_ARGS"
 train+=("${more[@]}")
@@ -532,9 +564,14 @@ fi
 # One process: mpsync compare starts one mpirun per policy, which takes its slots from the
 # job's allocation.
 export PYTHONUNBUFFERED=1
+# With SERVER=colocated it starts WORKERS ranks per policy, else WORKERS + 1.
 compare=("$VENV/bin/python" -m mpsync.cli compare --np "$WORKERS" --policies "$POLICIES"
-         --topology "$TOPOLOGY" --backend "$BACKEND" --server "$SERVER" --dataset "$DATASET"
-         --out "$OUT_DIR" --json)
+         --backend "$BACKEND" --server "$SERVER" --dataset "$DATASET" --out "$OUT_DIR" --json)
+# Empty TOPOLOGY: each policy on its own (ps for asp/ssp/dssp, ring otherwise).
+[ -z "$TOPOLOGY" ] || compare+=(--topology "$TOPOLOGY")
+# Empty SLOWDOWN means no slowdown, as in the train scripts: compare's own default (the demo's
+# 1,1,2,4) fits only 4 workers.
+[ -n "$SLOWDOWN" ] || compare+=(--slowdown "")
 """ + _run_shape_flags("compare") + """read -r -a more <<<"$COMPARE_ARGS"
 compare+=("${more[@]}")
 command=("${compare[@]}")

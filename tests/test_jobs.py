@@ -8,6 +8,7 @@ Debian's packages, so the PBS script runs here with the environment a PBS server
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import os
@@ -142,7 +143,8 @@ def test_default_script_headers_and_settings():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(policy="nope"), "unknown policy 'nope'"),
-    (dict(policy="ssp"), "runs only on topology='ps'"),
+    (dict(policy="ssp", topology="ring"), "runs only on topology='ps'"),
+    (dict(topology="star"), "unknown topology 'star'"),
     (dict(server="remote"), "unknown server 'remote'"),
     (dict(nodes=0), "nodes must be an integer >= 1"),
     (dict(tasks_per_node=1), "dedicated server needs at least 2 ranks"),
@@ -157,6 +159,37 @@ def test_default_script_headers_and_settings():
 def test_render_rejects_bad_settings_naming_them(kwargs, message):
     with pytest.raises(JobTemplateError, match=message):
         render("slurm", "train", JobSettings(**kwargs))
+
+
+def test_topology_defaults_to_the_policys_own():
+    # POLICY=ssp alone must be a valid submission: no TOPOLOGY default that contradicts it.
+    for scheduler in ("slurm", "pbs", "horovodrun"):
+        script = render(scheduler, "train", JobSettings(policy="ssp"))
+        assert "\nPOLICY=${POLICY:-ssp}\nTOPOLOGY=${TOPOLOGY:-}\n" in script, scheduler
+        assert "(default: empty, the policy's own: ps for asp, ssp, dssp;" in script
+    assert "\nTOPOLOGY=${TOPOLOGY:-ps}\n" in render("slurm", "train",
+                                                     JobSettings(policy="ssp", topology="ps"))
+    assert "\nTOPOLOGY=${TOPOLOGY:-}\n" in render("slurm", "compare")
+
+
+def test_compare_render_checks_every_policy_against_an_explicit_topology():
+    assert "TOPOLOGY=${TOPOLOGY:-ps}" in render(
+        "slurm", "compare", JobSettings(policies="bsp,ssp,esync", topology="ps"))
+    with pytest.raises(JobTemplateError, match="policy='ssp' needs a central copy"):
+        render("slurm", "compare", JobSettings(policies="bsp,ssp", topology="ring"))
+    with pytest.raises(JobTemplateError, match="policy='osp' runs only on topology='ring'"):
+        render("slurm", "compare", JobSettings(policies="bsp,osp", topology="ps"))
+
+
+def test_bench_kernels_header_says_which_standard_settings_do_not_apply():
+    header = render("slurm", "bench-kernels").split("\nset -euo pipefail")[0]
+    note = header[header.index("# Not settings of this script:"):]
+    for name in ("POLICY", "TOPOLOGY", "BACKEND", "SERVER", "EPOCHS", "DATASET", "SLOWDOWN"):
+        assert name in note, name
+        assert f"\n{name}=" not in render("slurm", "bench-kernels"), name
+    assert "one process, with no mpirun" in " ".join(l.lstrip("# ") for l in note.splitlines())
+    for name in ("OUT_DIR", "VENV"):
+        assert f"\n#   {name} " in header
 
 
 def test_render_rejects_unknown_scheduler_and_template():
@@ -179,8 +212,8 @@ def test_cli_render_prints_the_same_script_and_reports_errors(tmp_path):
     subprocess.run(cli + ["render", "--scheduler", "slurm", "--template", "bench-kernels",
                           "-o", str(target)], check=True, timeout=60)
     assert target.read_text() == render("slurm", "bench-kernels") and os.access(target, os.X_OK)
-    bad = subprocess.run(cli + ["render", "--scheduler", "slurm", "--policy", "asp"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(cli + ["render", "--scheduler", "slurm", "--policy", "asp",
+                                "--topology", "ring"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "policy='asp'" in bad.stderr and bad.stdout == ""
     listed = subprocess.run(cli + ["list"], capture_output=True, text=True, timeout=60,
                             check=True).stdout
@@ -250,15 +283,28 @@ def test_pbs_dry_run_builds_mpirun_over_the_nodefile(tmp_path):
         assert argv[argv.index(name) - 1] == "-x"
     train = argv[argv.index(str(VENV / "bin" / "python")):]
     out_dir = str(submit_dir / "mpsync-train-4242")
+    # No TOPOLOGY: no --topology, mpsync train runs esync on its own topology (the ring).
     assert train == [str(VENV / "bin" / "python"), "-m", "mpsync.cli", "train",
-                     "--policy", "esync", "--topology", "ring", "--backend", "horovod",
+                     "--policy", "esync", "--backend", "horovod",
                      "--server", "dedicated", "--dataset", "digits", "--out", out_dir,
                      "--epochs", "5", "--slowdown", "1,2", "--lookahead", "7", "--seed", "3"]
     assert not Path(out_dir).exists()  # a dry run creates nothing
 
 
+def test_pbs_dry_run_passes_topology_only_when_set(tmp_path):
+    res, _ = pbs_job(tmp_path / "ps", ranks=3, DRY_RUN="1", POLICY="ssp", TOPOLOGY="ps")
+    assert res.returncode == 0, res.stderr
+    argv = printed_command(res.stdout)
+    assert argv[argv.index("--policy"):argv.index("--policy") + 4] == [
+        "--policy", "ssp", "--topology", "ps"]
+    res, _ = pbs_job(tmp_path / "own", ranks=3, DRY_RUN="1", POLICY="ssp")
+    assert res.returncode == 0, res.stderr
+    assert "--topology" not in printed_command(res.stdout)
+
+
 @pytest.mark.parametrize("variables, message", [
     (dict(VENV="/nonexistent/venv"), "VENV=/nonexistent/venv has no bin/python"),
+    (dict(TOPOLOGY="star"), "TOPOLOGY must be ring, ps or empty (the policy's own), got 'star'"),
     (dict(NP="1"), "SERVER=dedicated needs 2 ranks or more"),
     (dict(SERVER="remote"), "SERVER must be dedicated or colocated, got 'remote'"),
     (dict(NP="two"), "NP must be a positive integer, got 'two'"),
@@ -284,6 +330,57 @@ def test_horovodrun_dry_run_uses_mpi_mode_and_the_repository_venv(tmp_path):
                         "-H", "localhost:3"]
     assert "--backend" in argv and argv[argv.index("--backend") + 1] == "mpi"
     assert argv[argv.index("--out") + 1].startswith(str(tmp_path / "mpsync-train-"))
+
+
+# -- mpsync compare: the flags compare.sbatch passes ------------------------------------------
+
+def compare_args(*flags: str):
+    from mpsync.apps import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_compare_launches_np_ranks_colocated_and_np_plus_one_dedicated(tmp_path):
+    from mpsync.apps.compare import launch_argv
+
+    dedicated = launch_argv(compare_args("--np", "3"), "bsp", tmp_path / "bsp")
+    colocated = launch_argv(compare_args("--np", "3", "--server", "colocated"), "bsp",
+                            tmp_path / "bsp")
+    assert dedicated[:3] == ["mpirun", "-np", "4"] and colocated[:3] == ["mpirun", "-np", "3"]
+    for argv, server in ((dedicated, "dedicated"), (colocated, "colocated")):
+        train = argv[argv.index("mpsync.apps.train") + 1:]
+        assert train[train.index("--server") + 1] == server
+        assert "--topology" not in train  # default: train picks the policy's own topology
+
+
+def test_compare_topology_is_passed_to_every_run(tmp_path):
+    from mpsync.apps.compare import train_argv
+
+    args = compare_args("--topology", "ps", "--policies", "bsp,ssp")
+    for policy in ("bsp", "ssp"):
+        argv = train_argv(args, policy, tmp_path / policy)
+        assert argv[argv.index("--topology") + 1] == "ps"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--topology", "ring", "--policies", "bsp,ssp"],
+     "policy='ssp' needs a central copy of the weights and runs only on topology='ps' "
+     "(got topology='ring')"),
+    (["--topology", "ps", "--policies", "osp"], "policy='osp' runs only on topology='ring'"),
+    (["--topology", "star"], "unknown topology 'star'"),
+    (["--server", "remote"], "unknown server 'remote'"),
+])
+def test_compare_rejects_topology_and_server_before_launch(tmp_path, flags, message):
+    out = tmp_path / "cmp"
+    res = subprocess.run([sys.executable, "-m", "mpsync.cli", "compare", "--out", str(out),
+                          *flags], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpsync compare: error: ") and \
+        message in lines[0], res.stderr
+    assert not out.exists(), "nothing may be launched or written"
 
 
 # -- full runs (need `mpsync train`) ---------------------------------------------------------

@@ -145,6 +145,31 @@ def test_compare_job_builds_its_command_from_the_allocation(slurm_env, tmp_path)
     line = next(x for x in log.splitlines() if " compare --np " in x)
     assert f"{REPO}/.venv/bin/python -m mpsync.cli compare --np 3 --policies bsp\\,esync" in line
     assert f"--out {tmp_path}/mpsync-compare-{job_id} " in line and "--slowdown 1\\,1\\,3" in line
+    # No TOPOLOGY: compare runs each policy on its own topology, so none is passed.
+    assert "--server dedicated" in line and "--topology" not in line
+
+
+def test_compare_job_runs_a_policy_and_writes_compare_json(slurm_env, tmp_path):
+    # A real comparison, kept tiny: one policy, 3 tasks = the server + 2 workers, 4 s of
+    # training.  No SLOWDOWN: the script must not fall back on compare's 4-worker default.
+    job_id, record = submit_and_wait(
+        slurm_env, JOBS / "compare.sbatch", tmp_path, ("--ntasks-per-node=3", "--time=10"),
+        POLICIES="bsp", TIME_BUDGET="4", TARGET_ACC="0.3", COMPARE_ARGS="--iter-time 0.005")
+    log = job_log(tmp_path, "mpsync-compare", job_id)
+    assert_completed(record, log)
+    out_dir = tmp_path / f"mpsync-compare-{job_id}"
+    assert (out_dir / "compare.json").exists(), (
+        f"no compare.json in {out_dir}; job log:\n{log[-6000:]}")
+    result = json.loads((out_dir / "compare.json").read_text())
+    assert result["failed"] == [], log[-6000:]
+    [row] = result["rows"]
+    assert row["policy"] == "bsp" and row["topology"] == "ring"
+    assert 0 < row["final_acc"] <= 1 and row["samples_per_s"] > 0
+    metrics = json.loads((out_dir / "bsp" / "metrics.json").read_text())
+    assert metrics["config"]["workers"] == 2 and metrics["config"]["server"] == "dedicated"
+    # --json: compare printed the rows into the job's log.
+    printed = json.loads(next(x for x in reversed(log.splitlines()) if x.startswith('{"rows"')))
+    assert [r["policy"] for r in printed["rows"]] == ["bsp"]
 
 
 def test_train_job_runs_the_requested_policy_on_the_requested_workers(slurm_env, tmp_path):

@@ -11,7 +11,8 @@
 #
 # Settings: environment variables, each read once below as ${NAME:-default}.
 #   POLICY           bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)
-#   TOPOLOGY         ring | ps (default: ring)
+#   TOPOLOGY         ring | ps (default: empty, the policy's own: ps for asp, ssp, dssp;
+#                    ring for the others; --topology is passed only when set)
 #   BACKEND          horovod | mpi (default: horovod)
 #   SERVER           dedicated | colocated (default: dedicated): dedicated = rank 0 serves,
 #                    the rest train; colocated = a server thread on rank 0, every rank trains
@@ -45,7 +46,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # -- settings ----------------------------------------------------------------------------------
 POLICY=${POLICY:-bsp}
-TOPOLOGY=${TOPOLOGY:-ring}
+TOPOLOGY=${TOPOLOGY:-}
 BACKEND=${BACKEND:-horovod}
 SERVER=${SERVER:-dedicated}
 EPOCHS=${EPOCHS:-5}
@@ -67,6 +68,10 @@ DRY_RUN=${DRY_RUN:-0}
 die() { echo "error: $*" >&2; exit 2; }
 [ -x "$VENV/bin/python" ] ||
   die "VENV=$VENV has no bin/python; set VENV to the environment where mpsync is installed"
+case $TOPOLOGY in
+  ''|ring|ps) ;;
+  *) die "TOPOLOGY must be ring, ps or empty (the policy's own), got '$TOPOLOGY'" ;;
+esac
 [[ $NP =~ ^[0-9]+$ ]] && ((NP >= 1)) || die "NP must be a positive integer, got '$NP'"
 case $SERVER in
   dedicated) ((NP >= 2)) || die "SERVER=dedicated needs 2 ranks or more (server + workers), NP=$NP" ;;
@@ -76,8 +81,10 @@ esac
 
 # -- the command -------------------------------------------------------------------------------
 export PYTHONUNBUFFERED=1
-train=("$VENV/bin/python" -m mpsync.cli train --policy "$POLICY" --topology "$TOPOLOGY"
-       --backend "$BACKEND" --server "$SERVER" --dataset "$DATASET" --out "$OUT_DIR")
+train=("$VENV/bin/python" -m mpsync.cli train --policy "$POLICY")
+# Empty TOPOLOGY: mpsync train picks the policy's own (ps for asp/ssp/dssp, ring otherwise).
+[ -z "$TOPOLOGY" ] || train+=(--topology "$TOPOLOGY")
+train+=(--backend "$BACKEND" --server "$SERVER" --dataset "$DATASET" --out "$OUT_DIR")
 if [ -n "$TIME_BUDGET" ]; then
   train+=(--time-budget "$TIME_BUDGET")
 else

@@ -1,10 +1,13 @@
 """``mpsync compare``: run every policy under mpirun on the same task and compare
 time-to-accuracy (one table, one combined plot, every run's own outputs kept).
 
-Each policy runs in its own ``mpirun`` (``--np`` workers plus the dedicated state server), one
-after the other so runs do not compete for cores.  PS-only policies (asp, ssp, dssp) run on the
-parameter-server topology, the others on the ring.  All flags are validated by the train
-parser before the first launch.
+Each policy runs in its own ``mpirun``, one after the other so runs do not compete for cores:
+``--np`` workers plus the dedicated state server's rank, or ``--np`` ranks with
+``--server colocated`` (the server is a thread of rank 0, which also trains).  Without
+``--topology`` each policy runs on its own topology (the parameter server for the PS-only
+policies asp, ssp, dssp; the ring for the others); ``--topology`` puts every policy on one.
+All flags are validated by the train parser before the first launch, so an impossible pair
+(``--topology ring`` with ssp) fails before anything starts.
 """
 
 from __future__ import annotations
@@ -17,15 +20,24 @@ from pathlib import Path
 
 from mpsync.config import ConfigError, POLICIES
 
-__all__ = ["add_arguments", "main", "train_argv", "DEMO_POLICIES"]
+__all__ = ["add_arguments", "main", "train_argv", "launch_argv", "ranks", "DEMO_POLICIES"]
 
 DEMO_POLICIES = "bsp,ssp,dssp,ebsp,esync,osp,asp"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--np", type=int, default=4, help="number of workers (a server rank is added)")
+    p.add_argument("--np", type=int, default=4,
+                   help="number of workers (a server rank is added with --server dedicated)")
     p.add_argument("--policies", default=DEMO_POLICIES)
-    p.add_argument("--slowdown", default="1,1,2,4")
+    p.add_argument("--topology", default=None,
+                   help="ring | ps for every policy (default: each policy's own: ps for "
+                        "asp/ssp/dssp, ring otherwise)")
+    p.add_argument("--server", default="dedicated",
+                   help="dedicated (an extra rank serves) | colocated (a server thread on "
+                        "rank 0; --np ranks, all train)")
+    p.add_argument("--slowdown", default="1,1,2,4",
+                   help="per-worker slowdown factors (default: the demo's 1,1,2,4, for 4 "
+                        "workers); empty: none")
     p.add_argument("--slowdown-schedule", default=None)
     p.add_argument("--iter-time", type=float, default=0.05,
                    help="emulated device time of one iteration at slowdown 1 (s)")
@@ -53,7 +65,10 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
     argv = ["--policy", policy, "--slowdown", args.slowdown, "--target-acc", str(args.target_acc),
             "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
-            "--comm-delay", str(args.comm_delay), "--out", str(out), "--no-progress"]
+            "--comm-delay", str(args.comm_delay), "--server", args.server,
+            "--out", str(out), "--no-progress"]
+    if args.topology is not None:  # else train picks the policy's own topology
+        argv += ["--topology", args.topology]
     if args.iter_time:
         argv += ["--iter-time", str(args.iter_time)]
     if args.slowdown_schedule:
@@ -63,6 +78,19 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
     else:
         argv += ["--time-budget", str(args.time_budget or 25.0)]
     return argv + args.train_args.split()
+
+
+def ranks(args) -> int:
+    """MPI ranks of one run: the workers, plus one for a dedicated server."""
+    return args.np + (1 if args.server == "dedicated" else 0)
+
+
+def launch_argv(args, policy: str, out: Path) -> list[str]:
+    """The ``mpirun`` command line of one policy's run (pure: no launch, no file written)."""
+    from mpsync.launch import mpirun_argv, python_argv
+
+    return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
+                                                *train_argv(args, policy, out)))
 
 
 def _validate(args) -> list[str]:
@@ -91,7 +119,7 @@ def main(args) -> int:
     except ConfigError as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
-    from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
+    from mpsync.launch import run_with_deadline
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,8 +136,7 @@ def main(args) -> int:
             else:
                 failures.append(policy)
             continue
-        argv = mpirun_argv(args.np + 1, python_argv("mpsync.apps.train",
-                                                    *train_argv(args, policy, run_dir)))
+        argv = launch_argv(args, policy, run_dir)
         if not args.json:
             print(f"[{policy}] {' '.join(argv[-len(train_argv(args, policy, run_dir)) - 3:])}",
                   flush=True)
@@ -167,10 +194,13 @@ def table_rows(runs: dict[str, dict]) -> list[dict]:
 
 def _setup_line(args, runs) -> str:
     any_run = next(iter(runs.values()), None)
-    het = any_run["config"]["heterogeneity"] if any_run else f"slowdown {args.slowdown}"
+    het = (any_run["config"]["heterogeneity"] if any_run else
+           f"slowdown {args.slowdown or 'none'}")
     stop = f"{args.epochs} epochs" if args.epochs is not None else \
         f"{args.time_budget or 25.0:g} s per policy"
-    return (f"{args.dataset} ({args.partition}), {args.np} workers + 1 server rank, {het}, "
+    server = ("+ 1 server rank" if args.server == "dedicated" else
+              "(server thread on rank 0)")
+    return (f"{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
             f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
             f"target accuracy {args.target_acc}")
 
