@@ -59,9 +59,14 @@ class SyncConfig:
     # OSP: fraction of the model allowed in In-Computation Sync (OSP §4.1.2 caps it at 0.8).
     osp_ics_max_fraction: float = 0.8
     # Reliability: a worker silent for this long is taken out of ZipLine/ESync decisions (PS) or
-    # aborts the job (ring); every blocking wait has this deadline.
+    # aborts the job (ring); every blocking wait has this deadline.  Both stay below 30 s so a
+    # silent rank ends a default run within 30 s of the fault (issue 8).  What a worker may
+    # legitimately do while the others wait for it must fit in them: an evaluation or a
+    # checkpoint write on worker 0, a first Numba compile of a kernel (a few seconds cold), one
+    # aggregation.  Start-up (imports, data loading, the broadcasts of the initial model) has
+    # ``startup_timeout`` instead.
     silent_timeout: float = 10.0
-    deadline: float = 60.0
+    deadline: float = 20.0
     # A worker still starting (imports, data loading, broadcasts before its first step) is not
     # silent until this long after the server started: tens of seconds on a loaded node.
     startup_timeout: float = 120.0

@@ -77,3 +77,13 @@ def test_a_stopped_worker_is_named_when_the_collective_deadline_passes(backend, 
     # The live workers time out and name the silent one: worker 1 = world rank 2.
     assert "CollectiveTimeout" in text, run.report()
     assert "no word from worker 1 (world rank 2)" in text, run.report()
+
+
+def test_a_stopped_worker_ends_a_run_with_default_settings_within_30s():
+    # No deadline or silent_timeout given: the defaults alone must meet issue 8's 30 s.
+    run, to_abort = run_fault("fail_worker_sigstop", "victim=1", "deadline=default")
+    text = all_output(run)
+    # Whichever fires first names world rank 2 (worker 1): the state server's silent-worker
+    # check or the live workers' collective deadline.
+    assert re.search(r"rank\(s\) \[2\] silent|no word from worker 1 \(world rank 2\)", text), \
+        run.report()

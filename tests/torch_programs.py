@@ -285,8 +285,9 @@ def _fault(kind: str) -> None:
     """
     a = _args()
     pids = MPI.COMM_WORLD.allgather(os.getpid())  # before init: the server rank's pid too
+    deadline = a.get("deadline", "5")  # "default": the configuration's defaults
     mps.init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated",
-          deadline=float(a.get("deadline", 5)))
+             **({} if deadline == "default" else {"deadline": float(deadline)}))
     victim = int(a.get("victim", 1))  # a worker rank
     model = _model()
     if a.get("big"):  # 0.5 MB of float64 gradients: the mpi backend's communication thread

@@ -47,12 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lookahead", type=int, default=None, help="ElasticBSP lookahead R")
     g.add_argument("--zipline-variant", default=None, help=", ".join(ZIPLINE_VARIANTS))
     g.add_argument("--epsilon", type=float, default=None, help="ESync global learning rate")
+    d = SyncConfig()
     g.add_argument("--deadline", type=float, default=None,
-                   help="seconds any blocking wait may take before the job fails")
-    g.add_argument("--silent-timeout", type=float, default=60.0,
-                   help="seconds after which the server counts a quiet worker as gone "
-                        "(default 60: worker start-up under mpirun takes ~30 s on a loaded "
-                        "2-core machine)")
+                   help=f"seconds any blocking wait may take before the job fails (default "
+                        f"{d.deadline:g}); raise it if an evaluation or checkpoint write on "
+                        f"worker 0 can take longer")
+    g.add_argument("--silent-timeout", type=float, default=None,
+                   help=f"seconds after which the server counts a quiet worker as gone "
+                        f"(default {d.silent_timeout:g}; start-up before a worker's first "
+                        f"step has its own allowance of {d.startup_timeout:g} s)")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=None, help="passes over the training set")
     g.add_argument("--time-budget", type=float, default=None, metavar="S",
