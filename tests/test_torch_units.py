@@ -128,12 +128,18 @@ def test_init_rejects_bad_settings_before_touching_mpi(options, match):
     assert _runtime._CONTEXT is None
 
 
-def test_init_names_missing_horovod(monkeypatch):
+@pytest.mark.parametrize("options", [dict(policy="bsp", topology="ring"),
+                                     dict(policy="asp", topology="ps"),
+                                     dict(policy="esync", topology="ps")])
+def test_init_names_missing_horovod(monkeypatch, options):
+    # Horovod is installed here; hide it from the lookup init makes.  The PS topology imports
+    # Horovod too (its barriers and broadcasts), so it must be checked there as well.
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "horovod" else real(name, *a))
     with pytest.raises(ConfigError, match="Horovod is not installed"):
-        _runtime.init(backend="horovod")
+        _runtime.init(backend="horovod", **options)
+    assert _runtime._CONTEXT is None
 
 
 def test_frozen_parameters_get_no_gradient():

@@ -103,8 +103,9 @@ def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
     # Validation needs no communicator: a bad setting fails identically on every rank.
     config = SyncConfig.from_options(policy=policy, topology=topology, backend=backend,
                                      server=server, **policy_options)
-    if config.backend == "horovod" and config.topology == "ring" \
-            and importlib.util.find_spec("horovod") is None:
+    # Horovod is imported for backend='horovod' on every topology (on the PS it runs the
+    # workers' barriers and broadcasts), so its absence is checked whatever the topology.
+    if config.backend == "horovod" and importlib.util.find_spec("horovod") is None:
         raise ConfigError("backend='horovod' but Horovod is not installed; install it "
                           "(make setup) or use backend='mpi'")
     from mpi4py import MPI
