@@ -106,3 +106,31 @@ def test_osp_with_ics_applies_every_workers_gradients(backend):
         # Σ applied global gradients == mean over workers of Σ local gradients
         assert r["conservation"] <= 1e-9, r
     assert len({r["digest"] for r in res.values()}) == 1
+
+
+COLOCATED_SINGLE = """
+import sys
+import mpi4py
+mpi4py.rc.thread_level = "single"   # before MPI is initialised: no MPI_THREAD_MULTIPLE
+from mpi4py import MPI
+import mpsync.torch as mps
+from mpsync.config import ConfigError
+assert MPI.Query_thread() < MPI.THREAD_MULTIPLE, MPI.Query_thread()
+try:
+    mps.init(policy="bsp", backend="mpi", server="colocated")
+except ConfigError as e:
+    print("REFUSED", e, flush=True)
+    sys.exit(0)
+print("ACCEPTED", flush=True)
+sys.exit(1)
+"""
+
+
+def test_colocated_server_without_thread_multiple_is_refused(tmp_path):
+    script = tmp_path / "colocated_single.py"
+    script.write_text(COLOCATED_SINGLE)
+    run = run_mpi(str(script), np=2, timeout=90)
+    for rank in (0, 1):
+        out = run.rank_out(rank)
+        assert "REFUSED" in out, run.report()
+        assert "server='colocated'" in out and "MPI_THREAD_MULTIPLE" in out, out
