@@ -8,7 +8,6 @@ the harness's timeout fails the test) or breaks a check.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import numpy as np
@@ -49,33 +48,92 @@ def test_ssp_gap_never_exceeds_s(tmp_path):
     assert stats["ps_version"] == 4 * 40
 
 
+def _pull_outcomes(events):
+    """Rebuilt from the server's event log alone: per rank, for its n-th push, whether the pull
+    that followed was held (``held_after[rank][n]``), and every rank's push count right after
+    each push (``counts_at[rank][n]``)."""
+    counts: dict[int, int] = {}
+    held_after: dict[int, dict[int, bool]] = {}
+    counts_at: dict[int, dict[int, dict]] = {}
+    pending: dict[int, int] = {}  # rank -> push number whose pull outcome is not yet seen
+    for _, rank, kind, _ in events:
+        if kind == "push":
+            counts[rank] = counts.get(rank, 0) + 1
+            counts_at.setdefault(rank, {})[counts[rank]] = dict(counts)
+            pending[rank] = counts[rank]
+        elif kind in ("pull", "held") and rank in pending:
+            held_after.setdefault(rank, {})[pending.pop(rank)] = kind == "held"
+    return held_after, counts_at
+
+
 def test_dssp_gap_within_s_upper_and_extra_iterations_as_the_controller_decided(tmp_path):
-    _, stats, _ = _policy_run(tmp_path, "dssp", "ps", iters=40, base=0.002, staleness_low=1,
-                              staleness_high=4)
-    assert stats["max_staleness_gap"] <= 4
+    s_low, s_high = 1, 4
+    _, stats, _ = _policy_run(tmp_path, "dssp", "ps", iters=40, base=0.002,
+                              staleness_low=s_low, staleness_high=s_high)
+    assert stats["max_staleness_gap"] <= s_high
     grants = stats["policy_state"]["grants"]
     assert grants, "the controller never granted extra iterations to a fast worker"
     for g in grants:
         table = np.array(g["push_table"])
-        assert 1 <= g["r_max"] <= 4 - 1
+        assert 1 <= g["r_max"] <= s_high - s_low
         r_star = sched.dssp_controller_reference(table, g["p"], g["r_max"], g["slowest"])
         assert g["r_star"] == r_star > 0
     # The fastest workers got the grants, the slowest none.
     assert stats["policy_state"]["controller_grants"][3] == 0
 
+    # DSSP Alg. 1: a grant of r* lets the fastest worker run r* iterations beyond s_L without
+    # waiting (the OK of the granting push is the first), and no more: the pull after its
+    # (r*)-th push waits again unless it fell back within s_L or got a new grant.  Observed on
+    # the server's event log (pushes, answered pulls, held pulls), not on the grant records.
+    events = stats["events"]
+    assert len(events) < 200_000, "the event log wrapped"
+    held_after, counts_at = _pull_outcomes(events)
+    granted_at = {(g["worker"] + 1, g["pushes"]) for g in grants}
+    ran_in_full = 0
+    for g in grants:
+        rank, first, r_star = g["worker"] + 1, g["pushes"], g["r_star"]
+        outcomes = held_after[rank]
+        observed = [outcomes[n] for n in range(first, first + r_star) if n in outcomes]
+        assert not any(observed), (f"rank {rank} was held during its {r_star} granted "
+                                   f"iterations after push {first}: {observed}")
+        after = first + r_star
+        if after in outcomes:
+            ran_in_full += 1
+            at = counts_at[rank][after]
+            gap = at[rank] - min(at.get(r, 0) for r in range(1, 5))
+            if gap > s_low and (rank, after) not in granted_at:
+                assert outcomes[after], (f"rank {rank} ran past its {r_star} granted "
+                                         f"iterations (push {after}, gap {gap}) without waiting")
+    assert ran_in_full > 0, "no grant could be followed to its end"
+
 
 def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_waits(tmp_path):
-    base = 0.01
-    _, stats, workers = _policy_run(tmp_path, "esync", rounds=15, base=base)
+    base, rounds, eps = 0.01, 20, 0.0
+    _, stats, workers = _policy_run(tmp_path, "esync", rounds=rounds, base=base,
+                                    esync_slack=eps)
     slow = workers[3]
-    assert slow["local_before_sync"] == [1] * 15          # the slowest never runs ahead
-    ratios = [np.mean(w["local_before_sync"][1:]) / np.mean(slow["local_before_sync"][1:])
-              for w in workers[:2]]
-    assert all(r >= 2.5 for r in ratios), ratios        # speeds 4x: about 4x the iterations
-    # ESync §4.1: once ready, the slowest waits at most the fastest's iteration time + ε
-    # (ε = esync_slack = 0 here); oversubscribed ranks add scheduling noise, hence the median.
-    assert statistics.median(slow["slowest_wait"][1:]) < base * 1 + 0.01
-    assert {w["rounds"] for w in stats["workers"].values()} == {15}
+    assert slow["local_before_sync"] == [1] * rounds     # the slowest never runs ahead
+    # Round 0 starts from registration, not from an aggregation: left out below.
+    per_round = [np.array(w["local_before_sync"][1:]) for w in workers]
+    # Speeds 1x,1x,2x,4x: a worker of speed s fits 4/s iterations into the slowest's one, and
+    # Alg. 2 lets it start an iteration only if it ends before the slowest's (rest_time).  The
+    # last of those ends exactly when the slowest's does, so any per-iteration overhead (the
+    # query, sleep overshoot) puts it past the boundary: 4/s - 1 .. 4/s per round, on the
+    # median of rounds (a descheduled rank can shorten a round).
+    for w, ideal in ((0, 4), (1, 4), (2, 2)):
+        med = float(np.median(per_round[w]))
+        assert ideal - 1 <= med <= ideal, (w, per_round[w].tolist())
+        assert per_round[w].max() <= ideal + 1, (w, per_round[w].tolist())
+    fast_ratio = [float(np.median(per_round[w])) for w in (0, 1)]  # the slowest runs 1
+    assert all(3 <= r <= 5 for r in fast_ratio), fast_ratio      # "about 4x" (issue 4 item 8)
+    assert np.median(per_round[0]) > np.median(per_round[2])     # 1x runs more than 2x
+    # ESync §4.1: once ready, the slowest waits at most the fastest's iteration time + ε.
+    # Asserted on the 90th percentile with 5 ms of scheduling allowance (5 ranks on 2 shared
+    # cores): the max would fail on a single descheduled rank, which says nothing of Alg. 2.
+    waits = np.array(slow["slowest_wait"][1:])
+    assert np.percentile(waits, 90) < base * 1 + eps + 0.005, np.round(waits * 1e3, 1).tolist()
+    assert np.median(waits) < base * 1 + eps
+    assert {w["rounds"] for w in stats["workers"].values()} == {rounds}
 
 
 def test_esync_delayed_ack_one_ready_per_round_and_no_waiting_for_not_ready(tmp_path):
@@ -91,16 +149,65 @@ def test_esync_delayed_ack_one_ready_per_round_and_no_waiting_for_not_ready(tmp_
     assert all(0 < r < 2.0 for r in rtt), rtt
 
 
+def _ebsp_inputs_from_events(events, ranks):
+    """Replay the server's event log (its own receipt times) into the inputs of each ElasticBSP
+    plan, independently of what the policy recorded: an iteration's interval is the time from
+    the worker's previous event (registration, report or reset) to its report; the plan of the
+    first round is made at the report that gives every worker two reports (the monitoring
+    phase), the plan of round e >= 1 at the reset that completes barrier e - 1 for everyone;
+    ``last`` is each worker's latest report or reset time then (ZipLine paper §4)."""
+    last, interval, iteration = {}, {}, {}
+    reports = dict.fromkeys(ranks, 0)
+    resets = dict.fromkeys(ranks, 0)
+    plans = []
+    for t, rank, kind, value in events:
+        if rank not in reports:
+            continue
+        if kind == "register":
+            last[rank] = t
+        elif kind == "report":
+            if rank in last:
+                interval[rank] = t - last[rank]
+            last[rank] = t
+            iteration[rank] = value
+            reports[rank] += 1
+            if not plans and min(reports.values()) >= 2:
+                plans.append(None)
+        elif kind == "reset":
+            last[rank] = t
+            resets[rank] += 1
+            if plans and min(resets.values()) == len(plans):
+                plans.append(None)
+        else:
+            continue
+        if plans and plans[-1] is None:
+            plans[-1] = {"last": [last[r] for r in ranks],
+                         "interval": [interval[r] for r in ranks],
+                         "base_iteration": [iteration[r] for r in ranks]}
+    return plans
+
+
 def test_ebsp_barrier_is_zipline_on_the_servers_timestamps(tmp_path):
-    _, stats, workers = _policy_run(tmp_path, "ebsp", rounds=8, base=0.004, lookahead=15)
+    R = 15
+    _, stats, workers = _policy_run(tmp_path, "ebsp", rounds=8, base=0.004, lookahead=R)
     plans = stats["policy_state"]["plans"]
     assert len(plans) >= 8
-    for plan in plans:
-        M = sched.predict(np.array(plan["last_push"]), np.array(plan["interval"]), 15)
-        res = sched.zipline(M, "basic")
-        assert res.z.tolist() == plan["z"]
+    assert len(stats["events"]) < 200_000, "the event log wrapped"
+    rebuilt = _ebsp_inputs_from_events(stats["events"], [1, 2, 3, 4])
+    assert len(rebuilt) == len(plans)
+    for plan, mine in zip(plans, rebuilt):
+        assert plan["workers"] == [0, 1, 2, 3]
+        assert mine["base_iteration"] == plan["base_iteration"]
+        # Event times are relative to the server's start; the plan's absolute: same intervals.
+        assert np.allclose(mine["interval"], plan["interval"], rtol=0, atol=1e-6)
+        # The barrier from an exact ZipLine variant on the replayed timestamps...
+        res = sched.zipline(sched.predict(np.array(mine["last"]),
+                                          np.maximum(np.array(mine["interval"]), 1e-9), R),
+                            "basic")
+        assert res.z.tolist() == plan["z"], (mine, plan)
+        # ...is the one the server imposed.
         assert plan["target_iteration"] == [b + z + 1 for b, z in
-                                             zip(plan["base_iteration"], plan["z"])]
+                                             zip(mine["base_iteration"], res.z.tolist())]
     # Each worker synchronized exactly at the iteration its round's plan fixed.
     by_round = {p["round"]: p for p in plans}
     for w, rec in enumerate(workers):

@@ -317,6 +317,7 @@ class StateServer:
             return
         if msg[W.FLAG] != 1 and not self.policy.may_pull(w):
             self.counters.held_pulls[w] += 1
+            self.events.add(now - self.t0, w, "held", int(self.table.pushes[w]))
             self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
             self.waiting_on_us[w] = True
             return
@@ -329,6 +330,7 @@ class StateServer:
         self._send_reply(src, seq, count=count, version=self.ps_version)
         self.comm.Send([self.ps_weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1
+        self.events.add(MPI.Wtime() - self.t0, w, "pull", int(self.table.pushes[w]))
         # Staleness actually granted: how far this worker is ahead of the slowest active one.
         act = self.table.active
         if act.any():

@@ -169,7 +169,8 @@ class DSSP(Policy):
             self.granted[w] += 1
             self.extra_runs[w] += r_new + 1
             if len(self.grants) < 500:
-                self.grants.append({"worker": int(w), "push_table": table.tolist(), "p": p,
+                self.grants.append({"worker": int(w), "pushes": int(self.t.pushes[w]),
+                                    "push_table": table.tolist(), "p": p,
                                     "slowest": int(sched.dssp_slowest(iters)), "r_max": r_max,
                                     "r_star": int(r_new + 1)})
         self.r_extra[w] = r_new

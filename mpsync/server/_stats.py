@@ -14,7 +14,10 @@ import numpy as np
 
 __all__ = ["ServerCounters", "EventLog", "write_stats_json", "write_chrome_trace"]
 
-EVENT_KINDS = ("register", "report", "sync", "reset", "push", "shutdown", "removed")
+# "pull": a PS pull answered (value: the worker's pushes so far); "held": a PS pull held back
+# by the staleness rule (same value).  Together they show which iterations ran without waiting.
+EVENT_KINDS = ("register", "report", "sync", "reset", "push", "shutdown", "removed", "pull",
+               "held")
 
 
 class ServerCounters:
@@ -54,7 +57,8 @@ class EventLog:
         out = []
         for i in range(start, self.count):
             t, w, kind, value = self.rows[i % self.capacity]
-            out.append([round(float(t), 6), int(ranks[int(w)]), EVENT_KINDS[int(kind)],
+            # Nanoseconds: enough to rebuild the server's decisions from its events exactly.
+            out.append([round(float(t), 9), int(ranks[int(w)]), EVENT_KINDS[int(kind)],
                         int(value)])
         return out
 
@@ -102,7 +106,7 @@ def write_chrome_trace(stats: dict, path: str) -> None:
             start = sync_start.pop(rank)
             trace.append({"name": "sync", "ph": "X", "pid": 0, "tid": rank, "ts": start,
                           "dur": max(us - start, 0.0), "args": {"round": value}})
-        elif kind in ("register", "removed", "shutdown", "push"):
+        elif kind in ("register", "removed", "shutdown", "push", "pull", "held"):
             trace.append({"name": kind, "ph": "i", "s": "t", "pid": 0, "tid": rank, "ts": us,
                           "args": {"value": value}})
         last[rank] = us
