@@ -23,6 +23,11 @@ __all__ = [
     "dssp_controller",
     "dssp_controller_reference",
     "dssp_on_push",
+    "ssp_may_continue_reference",
+    "dssp_slowest_reference",
+    "dssp_fastest_reference",
+    "dssp_is_fastest_reference",
+    "dssp_on_push_reference",
 ]
 
 
@@ -190,5 +195,48 @@ def dssp_on_push(iters, r_extra, push_table, p, s_lower, r_max):
     if dssp_is_fastest(iters, p):  # lines 11-15
         r = dssp_controller(push_table, p, r_max, dssp_slowest(iters))
         if r > 0:
+            return True, r - 1
+    return False, 0  # line 17
+
+
+# --- Plain-Python references (tests, NUMBA_DISABLE_JIT=1 debugging) ---------------------------
+
+
+def ssp_may_continue_reference(iters, p: int, s: int) -> bool:
+    """Reference of :func:`ssp_may_continue`: DSSP Alg. 1 line 8 with s_L = s, t_p - t_slowest <= s."""
+    t = [int(x) for x in iters]
+    return t[p] - min(t) <= s
+
+
+def dssp_slowest_reference(iters) -> int:
+    """Reference of :func:`dssp_slowest` (Alg. 1 line 7): fewest pushes, lowest id among ties."""
+    t = [int(x) for x in iters]
+    return t.index(min(t))
+
+
+def dssp_fastest_reference(iters) -> int:
+    """Reference of :func:`dssp_fastest` (Alg. 1 line 7): most pushes, lowest id among ties."""
+    t = [int(x) for x in iters]
+    return t.index(max(t))
+
+
+def dssp_is_fastest_reference(iters, p: int) -> bool:
+    """Reference of :func:`dssp_is_fastest` (Alg. 1 line 11): t_p is the maximum of t."""
+    t = [int(x) for x in iters]
+    return t[p] == max(t)
+
+
+def dssp_on_push_reference(iters, r_extra: int, push_table, p: int, s_lower: int, r_max: int):
+    """Reference of :func:`dssp_on_push`: DSSP Alg. 1, server part, lines 3-18, returning
+    ``(send_ok, new_r_p)``, with the same departure (an OK granted by the controller is the
+    first of its r* extra iterations, so r_p = r* - 1)."""
+    if r_extra > 0:  # lines 3-5
+        return True, r_extra - 1
+    if ssp_may_continue_reference(iters, p, s_lower):  # line 8
+        return True, 0
+    if dssp_is_fastest_reference(iters, p):  # line 11
+        slowest = dssp_slowest_reference(iters)
+        r = dssp_controller_reference(push_table, p, r_max, slowest)  # line 12
+        if r > 0:  # lines 13-14
             return True, r - 1
     return False, 0  # line 17

@@ -31,6 +31,11 @@ __all__ = [
     "esync_reset",
     "esync_ready_delayed_ack",
     "esync_delta",
+    "esync_slowest_reference",
+    "esync_query_state_reference",
+    "esync_reset_reference",
+    "esync_ready_delayed_ack_reference",
+    "esync_delta_reference",
 ]
 
 
@@ -151,3 +156,55 @@ def esync_delta(compute_time, rtt):
     if rtt < 0.0:
         raise ValueError("rtt must be >= 0")
     return np.int64(np.floor(rtt / compute_time)) + 1
+
+
+# --- Plain-Python references over Alg. 2's record tuples -------------------------------------
+# A record is (rank, local_iterations, capability, last_finish_time, ready, round), as in Alg. 2;
+# the references return new record lists instead of writing arrays in place.
+
+
+def esync_slowest_reference(capability) -> int:
+    """Reference of :func:`esync_slowest` (Alg. 2 line 4, FIND-SLOWEST-DEVICE): the rank with
+    the largest c (§4.1: c_1 >= ... >= c_p, c_1 the slowest), lowest rank among ties."""
+    c = [float(x) for x in capability]
+    return c.index(max(c))
+
+
+def esync_query_state_reference(records, p: int, k: int, c: float, t_e: float, now: float, eps: float):
+    """Reference of :func:`esync_query_state`, Alg. 2 QUERY-STATE(r, k, c, t_e) in full:
+    line 3 records (k, c, t_e) for rank p, lines 4-9 decide, line 10 marks p ready on READY.
+    Returns ``(new_records, ready)``."""
+    records = [tuple(r) for r in records]
+    rank, _, _, _, was_ready, rnd = records[p]
+    records[p] = (rank, k, c, t_e, was_ready, rnd)
+    ok = esync_ready_reference(records, p, now, eps)
+    if ok:
+        records[p] = (rank, k, c, t_e, True, rnd)
+    return records, ok
+
+
+def esync_reset_reference(records, p: int, t: int, t_e: float):
+    """Reference of :func:`esync_reset`, RESET-STATE-SERVER(r, t, t_e) of Alg. 1 line 25 in
+    mpsync's reading: k = 0, not ready, round t, last finish t_e; capability kept."""
+    records = [tuple(r) for r in records]
+    rank, _, c, _, _, _ = records[p]
+    records[p] = (rank, 0, c, t_e, False, t)
+    return records
+
+
+def esync_ready_delayed_ack_reference(records, compute_time, rtt, p: int, now: float, eps: float) -> bool:
+    """Reference of :func:`esync_ready_delayed_ack` (§4.2): Alg. 2 with each record's
+    capability replaced by its compute time plus its query RTT."""
+    records = [
+        (r[0], r[1], float(compute_time[i]) + float(rtt[i]), r[3], r[4], r[5]) for i, r in enumerate(records)
+    ]
+    return esync_ready_reference(records, p, now, eps)
+
+
+def esync_delta_reference(compute_time: float, rtt: float) -> int:
+    """Reference of :func:`esync_delta` (§4.2): δ - 1 local iterations of ``compute_time``
+    complete within one RTT, counted one by one; δ = that count + 1."""
+    done = 0
+    while (done + 1) * compute_time <= rtt:
+        done += 1
+    return done + 1

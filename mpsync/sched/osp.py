@@ -27,6 +27,10 @@ __all__ = [
     "osp_ics_size",
     "osp_bitmap",
     "osp_bitmap_reference",
+    "osp_layer_importance_reference",
+    "osp_rank_reference",
+    "osp_ics_budget_reference",
+    "osp_ics_size_reference",
     "OSP_MAX_MODEL_FRACTION",
 ]
 
@@ -152,3 +156,37 @@ def osp_bitmap_reference(importance, layer_sizes, budget) -> np.ndarray:
         used += layer_sizes[layer]
         ics[layer] = True
     return np.array(ics, dtype=bool)
+
+
+def osp_layer_importance_reference(grads, params, layer_sizes) -> np.ndarray:
+    """Reference of :func:`osp_layer_importance`: Eq. 4, I_l = Σ_{j in l} |g_j·P_j|, one
+    Python sum per layer over its slice of the flattened model (no validation)."""
+    g = [float(x) for x in grads]
+    w = [float(x) for x in params]
+    out, start = [], 0
+    for size in (int(x) for x in layer_sizes):
+        out.append(sum(abs(g[j] * w[j]) for j in range(start, start + size)))
+        start += size
+    return np.array(out, dtype=np.float64)
+
+
+def osp_rank_reference(importance) -> np.ndarray:
+    """Reference of :func:`osp_rank` (§4.1.1): layers by decreasing I_l, lower index first."""
+    imp = [float(x) for x in importance]
+    return np.array(sorted(range(len(imp)), key=lambda i: (-imp[i], i)), dtype=np.int64)
+
+
+def osp_ics_budget_reference(bandwidth, loss_rate, t_compute, n_workers, model_size) -> float:
+    """Reference of :func:`osp_ics_budget`: U_max = b(1 + lr)·T_c / N (Eq. 5), then Alg. 1
+    line 2, U_max = min(U_max, 0.8·ModelSize) (no validation)."""
+    u_max = bandwidth * (1.0 + loss_rate) * t_compute / n_workers
+    return min(u_max, 0.8 * model_size)
+
+
+def osp_ics_size_reference(epoch: int, loss: float, first_loss: float, u_max: float) -> float:
+    """Reference of :func:`osp_ics_size`, Alg. 1: S(G^u)_1 = 0, S(G^u)_i = (1 - loss_i/L)·U_max,
+    with the same clipping to [0, U_max] (no validation)."""
+    if epoch == 1:
+        return 0.0
+    s = (1.0 - loss / first_loss) * u_max
+    return min(max(s, 0.0), u_max)

@@ -13,7 +13,7 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
-__all__ = ["predict", "predict_reference", "push_intervals"]
+__all__ = ["predict", "predict_reference", "push_intervals", "push_intervals_reference"]
 
 
 @jit
@@ -85,3 +85,10 @@ def push_intervals(push_table) -> np.ndarray:
     if a.ndim != 2 or a.shape[1] != 2:
         raise ValueError(f"push_table must have shape (n, 2), got {a.shape}")
     return a[:, 1] - a[:, 0]
+
+
+def push_intervals_reference(push_table) -> np.ndarray:
+    """Reference of :func:`push_intervals`, written on DSSP Alg. 2's own table 𝒜 (𝒜[i][0] the
+    latest, 𝒜[i][1] the second latest push): I_i = 𝒜[i][0] - 𝒜[i][1] (lines 4-5)."""
+    A = [[float(row[1]), float(row[0])] for row in push_table]
+    return np.array([a[0] - a[1] for a in A], dtype=np.float64)

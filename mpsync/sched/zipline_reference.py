@@ -17,8 +17,12 @@ __all__ = [
     "brute_force",
     "canonical_z",
     "zipline_alg2",
+    "zipline_opt",
+    "zipline_optbs",
     "window_reference",
     "gridscan_reference",
+    "locate_reference",
+    "check_reference",
     "omega",
 ]
 
@@ -68,6 +72,83 @@ def zipline_alg2(M):
         if d < best_d:
             best_d, best_t = d, t
     return canonical_z(M, best_t), best_d, best_t, np.array(candidates)
+
+
+def _opt_scan(M, locate):
+    """The scan shared by ZipLineOpt and ZipLineOptBS (§5.3.1): Z is a list of (t, p, i) in
+    arrival order, i.e. in Ω order, so Z[0] is min(Z) and the newest element max(Z). ``locate``
+    finds the index in Z of the incoming worker's previous element."""
+    M = np.asarray(M, dtype=np.float64)
+    n = M.shape[0]
+    Z: list[tuple[float, int, int]] = []
+    workers: set[int] = set()
+    best = None
+    candidates = []
+    for t, p, i in omega(M):
+        complete = len(Z) == n
+        evaluate = False
+        if p not in workers:
+            workers.add(p)
+            evaluate = len(workers) == n  # the first complete Z
+        else:
+            j = locate(Z, M, t, p, i)
+            # Case (i): the oldest element is the incoming worker's, min(Z') is its successor.
+            # Case (ii): Thm. 3, d_Z' >= d_Z, so Z' is not evaluated.
+            evaluate = complete and j == 0
+            del Z[j]
+        Z.append((t, p, i))
+        if len(Z) == n:
+            d = t - Z[0][0]
+            # Skipped d_Z' are recorded too: they are the Alg. 2 candidates the kernels report.
+            candidates.append(d)
+            if evaluate and (best is None or d < best[0]):
+                best = (d, t)
+    return canonical_z(M, best[1]), best[0], best[1], np.array(candidates)
+
+
+def zipline_opt(M):
+    """ZipLineOpt (§5.3.1): Z kept in arrival order; case (i) drops the oldest element and
+    evaluates d_Z' = e' - (new oldest); case (ii) finds the worker's old element by a linear
+    traversal, removes it and, by Thm. 3, does not evaluate Z'."""
+
+    def linear(Z, M, t, p, i):
+        return next(j for j, e in enumerate(Z) if e[1] == p)
+
+    return _opt_scan(M, linear)
+
+
+def zipline_optbs(M):
+    """ZipLineOptBS (§5.3.2): ZipLineOpt, but the old element e_{i-1}^p is located by binary
+    search on its timestamp read from 𝓜 (``bisect`` on (t, p, i); equal timestamps are ordered
+    by worker id, the "rare case" of §5.3.2) and removed by shifting (``del``)."""
+
+    def binary(Z, M, t, p, i):
+        old = (float(M[p, i - 1]), p, i - 1)
+        j = bisect.bisect_left(Z, old)
+        assert Z[j] == old, "Z is not in Ω order"
+        return j
+
+    return _opt_scan(M, binary)
+
+
+def locate_reference(zt, zk, head: int, tail: int, t: float, key: int) -> int:
+    """Lower bound of (t, key) in the slice [head, tail) of the sorted pairs (zt, zk): where
+    ZipLineOptBS's binary search (§5.3.2) finds the element it replaces."""
+    pairs = [(float(zt[j]), int(zk[j])) for j in range(head, tail)]
+    return head + bisect.bisect_left(pairs, (float(t), int(key)))
+
+
+def check_reference(M) -> tuple[int, int]:
+    """The validation behind ``zipline``'s ValueErrors (§5.1: rows of 𝓜 are predicted pushes in
+    time order): ``(1, p)`` for the first row p with NaN/inf, ``(2, p)`` for the first row p
+    that decreases, ``(0, -1)`` otherwise; a row is judged by its first problem."""
+    for p, row in enumerate(np.asarray(M, dtype=np.float64).tolist()):
+        for i, x in enumerate(row):
+            if x != x or x in (float("inf"), float("-inf")):
+                return 1, p
+            if i and x < row[i - 1]:
+                return 2, p
+    return 0, -1
 
 
 def window_reference(M):
