@@ -216,6 +216,54 @@ def fuzz() -> None:
     print(f"honest rank {rank} ok, last version {versions[-1]}")
 
 
+def outsider() -> None:
+    """Rank 0 serves bsp for workers 1..size-2; the last rank is not one of its workers and
+    sends well-formed requests anyway: each must be dropped (no reply), logged once.  The
+    server also writes its stats and Chrome trace through the public writers."""
+    from mpsync.server import _wire as W
+    from mpsync.server import write_chrome_trace, write_stats_json
+
+    o = _args()
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    rank, size = world.Get_rank(), world.Get_size()
+    others = world.Split(0 if rank == 0 else 1, rank)   # every rank but the server
+    outsider_rank = size - 1
+    workers = list(range(1, outsider_rank))
+    n_msgs, iters = int(o.get("n", "50")), int(o.get("iters", "20"))
+    cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", deadline=60.0)
+    if rank == 0:
+        logs = []
+        stats = StateServer(control, cfg, workers=workers, log=logs.append).serve()
+        write_stats_json(stats, o["out"] + ".stats.json")
+        write_chrome_trace(stats, o["out"] + ".trace.json")
+        with open(o["out"], "w") as f:
+            json.dump({"log": logs, "rejected": stats["rejected_messages"],
+                       "workers": stats["workers"]}, f)
+        return
+    trainers = others.Split(1 if rank == outsider_rank else 0, rank)  # workers without it
+    if rank == outsider_rank:
+        msg = np.zeros(W.MSG_LEN)
+        for i in range(n_msgs):
+            tag = (W.REGISTER, W.STEP, W.RESET, W.PULL, W.STATS)[i % 5]
+            msg[:] = (i + 1, i, 0.001, 0, 0, 0, 0, 0)
+            # Synchronous send: returns once the server has received (and dropped) it.
+            control.Ssend([msg, MPI.DOUBLE], dest=0, tag=tag)
+        time.sleep(0.5)  # a reply, had one been sent, would have arrived by now
+        replied = control.Iprobe(0, MPI.ANY_TAG)
+        print(f"outsider: sent {n_msgs}, reply received: {replied}", flush=True)
+        others.Barrier()
+        return
+    client = SyncClient(control, cfg)
+    for k in range(1, iters + 1):
+        d = client.step(k, 0.001)
+        assert d.sync, d
+        trainers.Barrier()
+        client.reset(k, 0.0)
+    others.Barrier()   # the outsider's messages were all received before anyone shuts down
+    client.shutdown()
+
+
 def load() -> None:
     """Every non-zero rank sends ``queries`` steps; replies must match one-to-one."""
     import resource

@@ -277,6 +277,62 @@ def test_colocated_server_thread_on_a_training_rank(tmp_path):
     assert all(w["decisions"]["SYNC"] == 40 for w in stats["workers"].values())
 
 
+def test_a_rank_that_is_not_a_worker_is_dropped_and_logged_once_and_the_writers_round_trip(
+        tmp_path):
+    out = tmp_path / "outsider.json"
+    run = run_mpi("server_programs:outsider", np=4, timeout=90,
+                  args=["n=50", "iters=20", f"out={out}"])
+    res = json.loads(out.read_text())
+    assert "outsider: sent 50, reply received: False" in run.rank_out(3)
+    assert res["rejected"] == 50
+    about_3 = [line for line in res["log"] if "rank 3" in line]
+    assert len(about_3) == 1 and "not a worker of this server" in about_3[0], res["log"]
+    assert sorted(res["workers"]) == ["1", "2"]           # rank 3 never counted as a worker
+    assert all(w["decisions"]["SYNC"] == 20 for w in res["workers"].values())
+
+    # write_stats_json: the same stats, as JSON.
+    stats = json.loads((tmp_path / "outsider.json.stats.json").read_text())
+    assert stats["workers"] == res["workers"] and stats["rejected_messages"] == 50
+    # write_chrome_trace: Chrome/Perfetto JSON object format, one row per worker rank, a
+    # "sync" span for every SYNC-then-reset and a "compute" span for every report.
+    trace = json.loads((tmp_path / "outsider.json.trace.json").read_text())
+    assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
+    events = trace["traceEvents"]
+    for e in events:
+        assert isinstance(e, dict) and {"ph", "ts", "pid", "tid", "name"} <= set(e), e
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+    for tid in (1, 2):
+        spans = [e for e in events if e["tid"] == tid and e["ph"] == "X"]
+        assert sum(e["name"] == "sync" for e in spans) == 20
+        assert sum(e["name"] == "compute" for e in spans) == 20
+        # Spans of one worker do not overlap: each starts after the previous one ended.
+        ends = [(e["ts"], e["ts"] + e["dur"]) for e in sorted(spans, key=lambda e: e["ts"])]
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(ends, ends[1:]))
+    assert not [e for e in events if e["tid"] == 3]
+
+
+def test_bench_server_smoke():
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mpsync.cli", "bench", "server", "--np", "2",
+                        "--queries", "2000", "--json", "--timeout", "60"],
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("p50_us", "p99_us", "raw_p50_us", "queries_per_s"):
+        assert np.isfinite(res[key]) and res[key] > 0, (key, res)
+    assert res["clients"] == 1 and res["queries_per_client"] == 2000
+    assert res["p50_us"] <= res["p99_us"]
+    # One client sends a query only after the previous reply: the total time is at least the
+    # sum of the round trips, at least half of which are >= p50.
+    assert res["queries_per_s"] <= 2e6 / res["p50_us"], res
+    assert time.monotonic() - start < 60
+
+
 def test_fuzz_10000_bad_messages_the_server_keeps_answering(tmp_path):
     out = tmp_path / "fuzz.json"
     run = run_mpi("server_programs:fuzz", np=4, timeout=300, args=["n=10000", f"out={out}"])

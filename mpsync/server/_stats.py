@@ -89,13 +89,15 @@ def write_chrome_trace(stats: dict, path: str) -> None:
     from a reset to the next report, "sync" spans from a SYNC decision to the worker's reset,
     and instant events for registration, removal and shutdown.  Times are the server's clock.
     """
-    trace = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "mpsync server"}}]
+    # Every event, metadata too, carries ph/ts/pid/tid: some trace readers require all four.
+    trace = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "ts": 0,
+              "args": {"name": "mpsync server"}}]
     last: dict[int, float] = {}
     sync_start: dict[int, float] = {}
     for t, rank, kind, value in stats.get("events", []):
         us = t * 1e6
         if rank not in last:
-            trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+            trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "ts": 0,
                           "args": {"name": f"worker rank {rank}"}})
         if kind == "report" and rank in last:
             trace.append({"name": "compute", "ph": "X", "pid": 0, "tid": rank, "ts": last[rank],
