@@ -70,6 +70,9 @@ class SyncConfig:
     # A worker still starting (imports, data loading, broadcasts before its first step) is not
     # silent until this long after the server started: tens of seconds on a loaded node.
     startup_timeout: float = 120.0
+    # Emulated network latency (seconds) added to every aggregation: each model/gradient
+    # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
+    comm_delay: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> "SyncConfig":
@@ -103,6 +106,8 @@ class SyncConfig:
             raise ConfigError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout}")
         if not self.deadline > 0:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
+        if not self.comm_delay >= 0:
+            raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
         return self
 
     @classmethod

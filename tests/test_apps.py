@@ -158,6 +158,25 @@ def test_train_every_policy_end_to_end(tmp_path):
         assert w["0"]["iterations"] > w["1"]["iterations"], (policy, w)
 
 
+@pytest.mark.parametrize("policy", ["esync", "asp"])
+def test_comm_delay_is_booked_as_aggregation_time(policy, tmp_path):
+    # The emulated latency belongs to the aggregation (ring: inside the collective, PS: inside
+    # push+pull), not to the next iteration's compute time that the server learns speeds from.
+    delay, iter_time = 0.04, 0.01
+    run = run_mpi(TRAIN, np=3, timeout=180, check=False, args=[
+        "--policy", policy, "--time-budget", "3", "--batch-size", "16", "--slowdown", "1,2",
+        "--iter-time", str(iter_time), "--comm-delay", str(delay), "--eval-every", "1",
+        "--out", str(tmp_path), "--no-progress"])
+    assert run.ok, run.report()
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["config"]["comm_delay"] == delay
+    for w in m["workers"].values():
+        assert w["rounds"] > 0, w
+        # Booked as compute (the old sleep after opt.step()), aggregation_s would only hold
+        # the real collectives: a few ms each on shared memory, far below the delay.
+        assert w["aggregation_s"] >= 0.95 * delay * w["rounds"], w
+
+
 @pytest.mark.slow
 def test_compare_json(tmp_path):
     r = subprocess.run([PY, "-m", "mpsync.apps.compare", "--np", "2", "--policies", "bsp,esync",

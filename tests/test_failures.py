@@ -79,6 +79,14 @@ def test_a_stopped_worker_is_named_when_the_collective_deadline_passes(backend, 
     assert "no word from worker 1 (world rank 2)" in text, run.report()
 
 
+def test_a_worker_stopped_before_a_gather_is_named_at_the_deadline():
+    # The metrics/checkpoint gather of mpsync train: a blocking comm.gather would wait forever.
+    run, _ = run_fault("gather_with_a_stopped_worker", "victim=1", "deadline=5")
+    text = all_output(run)
+    assert "CollectiveTimeout" in text, run.report()
+    assert re.search(r"final metrics.*no word from worker 1 \(world rank 2\)", text), run.report()
+
+
 def test_a_stopped_worker_ends_a_run_with_default_settings_within_30s():
     # No deadline or silent_timeout given: the defaults alone must meet issue 8's 30 s.
     run, to_abort = run_fault("fail_worker_sigstop", "victim=1", "deadline=default")

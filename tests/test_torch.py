@@ -108,6 +108,17 @@ def test_osp_with_ics_applies_every_workers_gradients(backend):
     assert len({r["digest"] for r in res.values()}) == 1
 
 
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_allreduce_sum_is_exact_and_gather_object_collects_every_worker(backend):
+    run = run_mpi("torch_programs:sum_and_gather", np=4, args=[f"backend={backend}"],
+                  timeout=120)
+    res = results(run)
+    assert sorted(res) == [1, 2, 3], run.report()  # world rank 0 is the dedicated server
+    assert all(r["size"] == 3 and r["backend"] == backend for r in res.values())
+    big = 2 ** 62 // 4
+    assert all(r["int64"] == [6, 3 * big + 3, -9] for r in res.values()), res
+
+
 COLOCATED_SINGLE = """
 import sys
 import mpi4py

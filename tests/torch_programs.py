@@ -276,6 +276,68 @@ def osp_run() -> None:
             vs_bsp=_max_rel(final, ref), digest=_digest(final))
 
 
+# -- metrics collectives: allreduce sum, gather_object -----------------------------------------
+def sum_and_gather() -> None:
+    """``mps.allreduce(average=False)`` is a real SUM (exact for integers past 2**53 / N and
+    for float values whose mean x N would round), and ``gather_object`` returns every worker's
+    object on the root, in worker order, with a payload large enough to be sent by rendezvous."""
+    a = _args()
+    backend = a.get("backend", "mpi")
+    mps.init(policy="bsp", backend=backend, server="dedicated", deadline=30)
+    me, n = mps.rank(), mps.size()
+    big = 2 ** 62 // (n + 1)  # exact in int64, not in float64
+    got = mps.allreduce(torch.tensor([me + 1, big + me, -3], dtype=torch.int64), average=False)
+    want = torch.tensor([n * (n + 1) // 2, n * big + n * (n - 1) // 2, -3 * n],
+                        dtype=torch.int64)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    got32 = mps.allreduce(torch.tensor([7 * me, -1], dtype=torch.int32), average=False)
+    assert got32.dtype == torch.int32
+    assert got32.tolist() == [7 * n * (n - 1) // 2, -n], got32
+    # 0.1 summed n times: a sum reduction gives what adding the values gives (up to the order
+    # of additions), the average x n does not in general; compare with a tight tolerance.
+    x = torch.tensor([0.1, 1e16, 1.0], dtype=torch.float64)
+    got64 = mps.allreduce(x, average=False)
+    want64 = torch.tensor([sum([0.1] * n), 1e16 * n, float(n)], dtype=torch.float64)
+    assert got64[1] == want64[1] and got64[2] == want64[2], (got64, want64)
+    assert abs(float(got64[0] - want64[0])) <= 4 * n * 2 ** -52, (got64, want64)
+    got_f32 = mps.allreduce(torch.full((5,), 3.0, dtype=torch.float32), average=False)
+    assert got_f32.dtype == torch.float32 and torch.equal(got_f32, torch.full((5,), 3.0 * n))
+    avg = mps.allreduce(torch.tensor([float(me)], dtype=torch.float64))
+    assert abs(float(avg[0]) - (n - 1) / 2) < 1e-12, avg
+    try:
+        mps.allreduce(torch.tensor([1], dtype=torch.int64))
+        raise AssertionError("averaging an integer tensor was accepted")
+    except TypeError as e:
+        assert "average=False" in str(e), e
+    payload = {"worker": me, "data": list(range(20_000 * (me + 1)))}  # 100s of KB pickled
+    gathered = mps.gather_object(payload, root_rank=0)
+    if me == 0:
+        assert [g["worker"] for g in gathered] == list(range(n)), gathered
+        assert all(g["data"] == list(range(20_000 * (w + 1))) for w, g in enumerate(gathered))
+    else:
+        assert gathered is None
+    # Another root, a small object.
+    small = mps.gather_object(me * 10, root_rank=n - 1)
+    assert small == ([w * 10 for w in range(n)] if me == n - 1 else None), small
+    mps.shutdown()
+    _result(rank=me, size=n, backend=backend, int64=got.tolist(), float64=got64.tolist())
+
+
+def gather_with_a_stopped_worker() -> None:
+    """Worker ``victim`` stops (SIGSTOP) just before ``gather_object``: the root must not wait
+    forever, but fail at the deadline naming it."""
+    a = _args()
+    mps.init(policy="bsp", backend="mpi", server="dedicated",
+             deadline=float(a.get("deadline", 5)))
+    victim = int(a.get("victim", 1))
+    mps.allreduce(torch.zeros(1, dtype=torch.float64))  # every worker is up
+    if mps.rank() == victim:
+        print(f"FAULT {time.time():.6f}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    mps.gather_object({"rank": mps.rank()}, root_rank=0, name="final metrics")
+    raise AssertionError("gather_object returned although a worker was stopped")
+
+
 # -- failures (issue 8, items 1-2) ------------------------------------------------------------
 def _fault(kind: str) -> None:
     """BSP training on the mpi backend; at step 3 one rank suffers ``kind``.

@@ -1,7 +1,7 @@
 """``mpsync train``: train a model under one synchronization policy (run under mpirun).
 
 The training loop is a user of the public ``mpsync.torch`` API only (init,
-DistributedOptimizer, broadcast_parameters, allreduce, stats, worker_comm, shutdown).  With
+DistributedOptimizer, broadcast_parameters, allreduce, gather_object, stats, shutdown).  With
 ``--server dedicated`` world rank 0 is the state server and never runs the loop.
 
 Stopping must be agreed by all workers on the ring (a worker that leaves early would leave the
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--iter-time", type=float, default=None, metavar="S",
                    help="emulated device time of one iteration at factor 1")
     g.add_argument("--comm-delay", type=float, default=0.0, metavar="S",
-                   help="extra latency added to every aggregation")
+                   help="extra latency added to every aggregation (booked as aggregation time)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for metrics.json, plots, trace")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -113,6 +113,10 @@ def build_config(args) -> SyncConfig:
                       ("silent_timeout", "silent_timeout")):
         if getattr(args, flag) is not None:
             opts[key] = getattr(args, flag)
+    if getattr(args, "comm_delay", None) is not None:
+        if not args.comm_delay >= 0:
+            raise ConfigError(f"--comm-delay must be >= 0 seconds, got {args.comm_delay}")
+        opts["comm_delay"] = args.comm_delay
     if args.policy not in POLICIES:  # before topology rules, so the message names the policy
         raise ConfigError(f"unknown policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
     if opts["topology"] not in TOPOLOGIES:
@@ -325,8 +329,6 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
         index += 1
         if index >= per_epoch:
             epoch, index = epoch + 1, 0
-        if opt.strategy.round != round_before and hetero.comm_delay:
-            time.sleep(hetero.comm_delay)  # emulated network latency of the aggregation
         if args.kill_at_step is not None and me == 0 and step + _steps_before(resume) == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         # -- stop decision ---------------------------------------------------------------
@@ -335,8 +337,8 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
             if rnd != last_round_checked and (rnd + round_offset) % check_every == 0:
                 last_round_checked = rnd
                 flag = 1.0 if (args.time_budget and wall() >= args.time_budget) else 0.0
-                agreed = mps.allreduce(torch.tensor([float(samples), flag], dtype=torch.float64),
-                                       average=False)
+                agreed = mps.allreduce(torch.tensor([samples, int(flag)], dtype=torch.int64),
+                                       average=False, name="stop check")
                 global_samples = int(agreed[0])
                 done = agreed[1] > 0 or (target_samples is not None
                                          and global_samples >= target_samples)
@@ -360,12 +362,18 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
                 done = global_samples >= target_samples
             else:
                 global_samples = max(global_samples, samples * n)
-        if me == 0 and wall() - last_eval >= eval_every:
+        # On the ring, worker 0's replica is the global model only right after an aggregation
+        # (ESync and ElasticBSP run local steps between rounds), so a due evaluation waits for
+        # the next round boundary: every recorded point is a model all workers hold.  BSP and
+        # OSP aggregate every step, so for them this changes nothing.
+        if me == 0 and wall() - last_eval >= eval_every and (not ring or rnd != round_before):
+            t_eval = time.perf_counter()
             e = record_eval(global_samples)
             last_eval = wall()
+            _warn_if_slow(time.perf_counter() - t_eval, "an evaluation", config)
             if bar is not None:
-                local = mps.stats()["local"] if not ring else None
-                _progress(bar, args, e, epoch, wall(), global_samples, local)
+                _progress(bar, args, e, epoch, wall(), global_samples,
+                          mps.stats(server=False)["local"])
     if not ring:
         # Last push before any collective: under SSP/DSSP a faster worker's pull may be held
         # until every other worker's last update is in, so a gather first would deadlock.
@@ -376,7 +384,7 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
                                                      "wait_s", "aggregation_s", "bytes_sent")}
     mine.update(samples=samples, slept_s=hetero.slept_s + before.get("slept_s", 0.0),
                 events=local["events"])
-    gathered = mps.worker_comm().gather(mine, root=0)
+    gathered = mps.gather_object(mine, root_rank=0, name="final metrics")
     final_wall = wall()
     mps.shutdown()
     if bar is not None:
@@ -435,13 +443,31 @@ def _checkpoint(mps, save_checkpoint, out, model, inner, me, n, epoch, index, sa
             "counters": {**{k: local[k] + before.get(k, 0) for k in (
                 "iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent")},
                 "slept_s": slept_s}}
-    gathered = mps.worker_comm().gather(mine, root=0)
+    gathered = mps.gather_object(mine, root_rank=0, name="checkpoint state")
     if me != 0:
         return
     state = {"model": model.state_dict(), "per_worker": gathered, "workers": n,
              "round": round_, "step": step, "wall_s": wall_s, "evals": list(evals),
              "policy": config.to_dict()}
+    t0 = time.perf_counter()
     save_checkpoint(out / "checkpoints", round_, state)
+    _warn_if_slow(time.perf_counter() - t0, "a checkpoint write", config)
+
+
+_slow_warned: set = set()
+
+
+def _warn_if_slow(seconds: float, what: str, config: SyncConfig) -> None:
+    """Worker 0 evaluates and writes checkpoints while the other workers wait for it (in the
+    next collective) and the state server hears nothing from it: past ``deadline`` or
+    ``silent_timeout`` that wait fails the job.  Warn once when it gets within half of them."""
+    limit = min(config.deadline, config.silent_timeout)
+    if seconds > limit / 2 and what not in _slow_warned:
+        _slow_warned.add(what)
+        print(f"mpsync train: warning: {what} on worker 0 took {seconds:.1f}s while the other "
+              f"workers waited; the job fails if it exceeds {limit:g}s (--deadline "
+              f"{config.deadline:g}, --silent-timeout {config.silent_timeout:g}): raise both",
+              file=sys.stderr, flush=True)
 
 
 def _progress(bar, args, e: dict, epoch: int, wall_s: float, global_samples: int,

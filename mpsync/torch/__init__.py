@@ -26,13 +26,14 @@ from mpsync.torch.broadcast import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+    gather_object,
 )
 from mpsync.torch.optimizer import DistributedOptimizer
 
 __all__ = [
     "init", "shutdown", "rank", "size", "local_rank", "is_server", "worker_comm",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-    "broadcast_object", "allreduce", "stats", "config", "CollectiveTimeout",
+    "broadcast_object", "allreduce", "gather_object", "stats", "config", "CollectiveTimeout",
 ]
 
 
@@ -84,10 +85,15 @@ def config():
     return _runtime.context().config
 
 
-def stats() -> dict:
-    """``{"server": <state-server stats>, "local": <this worker's counters>}``."""
+def stats(server: bool = True) -> dict:
+    """``{"server": <state-server stats>, "local": <this worker's counters>}``.
+
+    Asking for the server's stats is a round trip to the state server; ``server=False`` skips
+    it (``"server"`` is then None unless the run has ended), e.g. for a progress display.
+    """
     ctx = _runtime.context()
+    want_server = server
     server = ctx.server_stats
-    if server is None and ctx.client is not None and not ctx.closed:
+    if want_server and server is None and ctx.client is not None and not ctx.closed:
         server = ctx.client.stats()
     return {"server": server, "local": ctx.counters.as_dict()}

@@ -6,8 +6,9 @@ user's back):
 * ``control``: a ``Dup()`` shared by the state server and its clients (the contract);
 * ``workers``: the training ranks only (``Split`` without the dedicated server rank);
   Horovod is initialised on it, so the server never joins a Horovod collective;
-* two more ``Dup()`` s of ``workers``: the mpi backend's collectives, and the notices of
-  :class:`~mpsync.torch._wait.PeerWatch` (kept apart so a probe never matches anything else).
+* more ``Dup()`` s of ``workers``: the mpi backend's collectives, the notices of
+  :class:`~mpsync.torch._wait.PeerWatch`, and ``gather_object``'s messages (kept apart so a
+  probe never matches anything else).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class Context:
     world_ranks: list
     local_rank: int = 0
     backend: object | None = None
+    # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
+    # EmulatedLink when ``comm_delay`` > 0 (metrics and broadcasts are not delayed).
+    data_backend: object | None = None
+    objects: object | None = None   # communicator for gather_object
     client: object | None = None
     colocated: object | None = None
     hvd: object | None = None
@@ -186,9 +191,10 @@ def _write_server_stats(ctx: Context, stats: dict) -> None:
 
 def _start_backend(ctx: Context) -> None:
     from mpsync.torch._wait import PeerWatch
-    from mpsync.torch.backends import HorovodAggregator, MPIAggregator
+    from mpsync.torch.backends import EmulatedLink, HorovodAggregator, MPIAggregator
 
     watch = PeerWatch(ctx.workers.Dup(), ctx.world_ranks)
+    ctx.objects = ctx.workers.Dup()
     if ctx.config.backend == "horovod":
         import horovod.torch as hvd
 
@@ -200,6 +206,8 @@ def _start_backend(ctx: Context) -> None:
         ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
     else:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
+    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay)
+                        if ctx.config.comm_delay > 0 else ctx.backend)
 
 
 def _start_control_plane(ctx: Context) -> None:

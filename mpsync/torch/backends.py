@@ -3,6 +3,7 @@
 Both implement one small interface, :class:`Aggregator`:
 
 * ``allreduce_average_(flat, what)``: in place, blocking, with the deadline;
+* ``allreduce_sum_(flat, what)``: the same, summing (exact for integers: counts, flags);
 * ``start_allreduce_average(flat, what)`` -> :class:`Pending` (``test()``, ``wait()``): the
   non-blocking form OSP's In-Computation Sync overlaps with the next iteration (OSP §3.1);
 * ``broadcast_(flat, root)`` and ``broadcast_bytes(data, root)``.
@@ -24,7 +25,7 @@ import torch
 from mpsync.torch._wait import PeerWatch, poll_until_done, wait_on_event
 
 __all__ = ["Aggregator", "MPIAggregator", "HorovodAggregator", "EmulatedLink", "Pending",
-           "mpi_dtype_ok"]
+           "mpi_dtype_ok", "gather_bytes"]
 
 _MPI_DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32, torch.float16)
 
@@ -54,15 +55,17 @@ class Pending:
             self.done = True
         return self.done
 
-    def wait(self) -> None:
+    def wait(self, deadline: float | None = None) -> None:
+        """``deadline``: seconds, default the aggregator's."""
         if self.done:
             return
         agg = self._agg
+        deadline = agg.deadline if deadline is None else deadline
         if self._event is not None:
-            wait_on_event(self._event, deadline=agg.deadline, what=self.what, watch=agg.watch,
+            wait_on_event(self._event, deadline=deadline, what=self.what, watch=agg.watch,
                           seq=self.seq)
         else:
-            poll_until_done(self._test, deadline=agg.deadline, what=self.what, watch=agg.watch,
+            poll_until_done(self._test, deadline=deadline, what=self.what, watch=agg.watch,
                             seq=self.seq, sleep=agg.poll_sleep, spin_for=agg.poll_spin)
         self._finish()
         self.done = True
@@ -125,19 +128,27 @@ class Aggregator:
     def start_allreduce_average(self, flat: torch.Tensor, what: str = "allreduce") -> Pending:
         raise NotImplementedError
 
-    def broadcast_(self, flat: torch.Tensor, root: int, what: str = "broadcast") -> torch.Tensor:
+    def allreduce_sum_(self, flat: torch.Tensor, what: str = "allreduce") -> torch.Tensor:
+        """In place: the element-wise sum over the workers (a real SUM, exact for integers,
+        not the average times N)."""
         raise NotImplementedError
 
-    def broadcast_bytes(self, data: bytes | None, root: int, what: str = "broadcast") -> bytes:
+    def broadcast_(self, flat: torch.Tensor, root: int, what: str = "broadcast",
+                   deadline: float | None = None) -> torch.Tensor:
+        """``deadline``: seconds, default the aggregator's (start-up broadcasts pass more)."""
+        raise NotImplementedError
+
+    def broadcast_bytes(self, data: bytes | None, root: int, what: str = "broadcast",
+                        deadline: float | None = None) -> bytes:
         """Broadcast a byte string (pickled optimizer state); ``data`` is ignored off root."""
         n = torch.zeros(1, dtype=torch.int64)
         if self.rank == root:
             n[0] = len(data)
-        self.broadcast_(n, root, what + " size")
+        self.broadcast_(n, root, what + " size", deadline)
         buf = torch.zeros(int(n[0]), dtype=torch.uint8)
         if self.rank == root:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.broadcast_(buf, root, what)
+        self.broadcast_(buf, root, what, deadline)
         return buf.numpy().tobytes()
 
     def barrier(self, what: str = "barrier") -> None:
@@ -205,10 +216,18 @@ class MPIAggregator(Aggregator):
         req = self.comm.Iallreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
         return Pending(req.Test, finish, label, seq, self)
 
-    def broadcast_(self, flat, root, what="broadcast"):
+    def allreduce_sum_(self, flat, what="allreduce"):
+        from mpi4py import MPI
+
+        label, seq = self._next(what)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, self._array(flat), op=MPI.SUM)
+        Pending(req.Test, lambda: None, label, seq, self).wait()
+        return flat
+
+    def broadcast_(self, flat, root, what="broadcast", deadline=None):
         label, seq = self._next(what)
         req = self.comm.Ibcast(self._array(flat), root=root)
-        Pending(req.Test, lambda: None, label, seq, self).wait()
+        Pending(req.Test, lambda: None, label, seq, self).wait(deadline)
         return flat
 
     def barrier(self, what="barrier"):
@@ -245,12 +264,18 @@ class HorovodAggregator(Aggregator):
 
         return Pending(lambda: self.hvd.poll(handle), finish, label, seq, self)
 
-    def broadcast_(self, flat, root, what="broadcast"):
+    def allreduce_sum_(self, flat, what="allreduce"):
+        label, seq = self._next(what)
+        handle = self.hvd.allreduce_async_(flat, op=self.hvd.Sum, name=f"mpsync.{what}")
+        self._pending(handle, label, seq).wait()
+        return flat
+
+    def broadcast_(self, flat, root, what="broadcast", deadline=None):
         label, seq = self._next(what)
         if flat.dtype == torch.uint8 and flat.numel() == 0:
             return flat
         handle = self.hvd.broadcast_async_(flat, root_rank=root, name=f"mpsync.{what}")
-        self._pending(handle, label, seq).wait()
+        self._pending(handle, label, seq).wait(deadline)
         return flat
 
     def barrier(self, what="barrier"):
@@ -263,19 +288,27 @@ class HorovodAggregator(Aggregator):
 class EmulatedLink(Aggregator):
     """Wraps an aggregator so each allreduce takes at least as long as a ring allreduce over a
     slower network: 2(N-1)/N · bytes / bandwidth + 2(N-1) · latency (the bandwidth-optimal ring
-    algorithm's cost).  For experiments on one machine, where shared memory hides what overlap
-    buys on a real cluster (OSP's In-Computation Sync); never on by default.
+    algorithm's cost), plus ``delay`` seconds after the real collective has completed (the
+    ``comm_delay`` setting: a fixed extra latency per aggregation).  For experiments on one
+    machine, where shared memory hides what overlap buys on a real cluster (OSP's
+    In-Computation Sync); never on by default.  The delay is part of the collective, so a
+    strategy books it as aggregation time, and a non-blocking collective (OSP's ICS) hides it
+    behind computation the way it would hide a real network's latency.  Sums
+    (``allreduce_sum_``: stop flags, sample counts) and broadcasts are not delayed: they are
+    bookkeeping, not the aggregation being emulated.
     """
 
-    def __init__(self, inner: Aggregator, *, latency: float = 0.0, bandwidth: float = 0.0):
+    def __init__(self, inner: Aggregator, *, latency: float = 0.0, bandwidth: float = 0.0,
+                 delay: float = 0.0):
         super().__init__(inner.rank, inner.size, inner.deadline, inner.watch)
-        if latency < 0 or bandwidth < 0:
-            raise ValueError(f"emulated link: latency ({latency}) and bandwidth ({bandwidth}) "
-                             f"must be >= 0 (bandwidth 0 = unlimited)")
+        if latency < 0 or bandwidth < 0 or delay < 0:
+            raise ValueError(f"emulated link: latency ({latency}), bandwidth ({bandwidth}) and "
+                             f"delay ({delay}) must be >= 0 (bandwidth 0 = unlimited)")
         self.inner = inner
         self.name = f"{inner.name}+link"
         self.latency = latency
         self.bandwidth = bandwidth
+        self.delay = delay
         self.poll_sleep, self.poll_spin = 1e-4, 0.0
 
     def link_time(self, nbytes: int) -> float:
@@ -290,11 +323,74 @@ class EmulatedLink(Aggregator):
 
         inner = self.inner.start_allreduce_average(flat, what)
         ready_at = time.monotonic() + self.link_time(flat.numel() * flat.element_size())
-        return Pending(lambda: inner.test() and time.monotonic() >= ready_at, lambda: None,
-                       inner.what, inner.seq, self)
+        delay = self.delay
+        landed: list[float] = []
 
-    def broadcast_(self, flat, root, what="broadcast"):
-        return self.inner.broadcast_(flat, root, what)
+        def test() -> bool:
+            if not landed:
+                if not inner.test():
+                    return False
+                landed.append(time.monotonic())
+            return time.monotonic() >= max(ready_at, landed[0] + delay)
+
+        return Pending(test, lambda: None, inner.what, inner.seq, self)
+
+    def allreduce_sum_(self, flat, what="allreduce"):
+        return self.inner.allreduce_sum_(flat, what)
+
+    def broadcast_(self, flat, root, what="broadcast", deadline=None):
+        return self.inner.broadcast_(flat, root, what, deadline)
 
     def barrier(self, what="barrier"):
         self.inner.barrier(what)
+
+
+def gather_bytes(comm, data: bytes, root: int, *, deadline: float, what: str,
+                 world_ranks: list[int] | None = None, tag: int = 7302) -> list[bytes] | None:
+    """Each rank's ``data`` to ``root`` (a list in rank order there, None elsewhere), every
+    wait bounded by ``deadline``.
+
+    A blocking ``MPI_Gather`` waits forever for a stopped rank.  Here the senders' ``Isend``
+    and the root's matched probes (``Improbe``: sizes differ per rank, and the matched message
+    cannot be taken by another receive) are polled, and when the deadline passes
+    :class:`CollectiveTimeout` names the ranks whose part never arrived (on the root) or the
+    root (on a sender whose message was not taken).  ``comm`` should be reserved for this use.
+    """
+    from mpi4py import MPI
+
+    from mpsync.torch._wait import CollectiveTimeout
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    world = list(world_ranks) if world_ranks is not None else list(range(size))
+
+    def timeout(missing: list[int]) -> CollectiveTimeout:
+        return CollectiveTimeout(what, deadline, missing, [world[r] for r in missing])
+
+    if rank != root:
+        req = comm.Isend([data, MPI.BYTE], dest=root, tag=tag)
+        try:
+            poll_until_done(req.Test, deadline=deadline, what=what, watch=None, seq=0,
+                            sleep=1e-3, spin_for=1e-2)
+        except CollectiveTimeout:
+            raise timeout([root]) from None
+        return None
+    parts: list[bytes | None] = [None] * size
+    parts[root] = data
+    missing = [r for r in range(size) if r != root]
+
+    def test() -> bool:
+        for r in list(missing):
+            msg = comm.Improbe(source=r, tag=tag, status=(status := MPI.Status()))
+            if msg is not None:
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                msg.Recv([buf, MPI.BYTE])
+                parts[r] = bytes(buf)
+                missing.remove(r)
+        return not missing
+
+    try:
+        poll_until_done(test, deadline=deadline, what=what, watch=None, seq=0,
+                        sleep=1e-3, spin_for=1e-2)
+    except CollectiveTimeout:
+        raise timeout(list(missing)) from None
+    return parts

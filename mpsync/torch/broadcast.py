@@ -1,18 +1,29 @@
-"""Broadcast helpers with Horovod's names: make every worker start from the same model.
+"""Broadcast helpers with Horovod's names: make every worker start from the same model; and
+the small collectives a training script needs besides (allreduce of metrics, gather of
+objects), each bounded by a deadline.
 
 Tensors are fused by dtype into one flat buffer per dtype (one broadcast each, not one per
-tensor) and sent over the workers' communicator with the backend's deadline.
+tensor) and sent over the workers' communicator.  Broadcasts wait up to the larger of
+``deadline`` and ``startup_timeout``: in a Horovod-style script they follow model construction,
+checkpoint loading or data preparation, where ranks legitimately drift apart by more than the
+per-step deadline.
 """
 
 from __future__ import annotations
 
 import io
+import pickle
 
 import torch
 
 from mpsync.torch import _runtime
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce"]
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce",
+           "gather_object"]
+
+
+def _broadcast_deadline(ctx) -> float:
+    return max(ctx.config.deadline, ctx.config.startup_timeout)
 
 
 def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
@@ -41,7 +52,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors]) if tensors else None
         if flat is None or flat.numel() == 0:
             continue
-        ctx.backend.broadcast_(flat, root_rank, "parameters")
+        ctx.backend.broadcast_(flat, root_rank, "parameters", _broadcast_deadline(ctx))
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -59,7 +70,7 @@ def broadcast_object(obj, root_rank: int = 0):
         b = io.BytesIO()
         torch.save(obj, b)
         data = b.getvalue()
-    data = ctx.backend.broadcast_bytes(data, root_rank, "object")
+    data = ctx.backend.broadcast_bytes(data, root_rank, "object", _broadcast_deadline(ctx))
     if ctx.worker_rank == root_rank:
         return obj
     return torch.load(io.BytesIO(data), weights_only=False)
@@ -76,14 +87,44 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
 
 
 def allreduce(tensor: torch.Tensor, average: bool = True, name: str | None = None) -> torch.Tensor:
-    """A new tensor: the average (or sum) of ``tensor`` over the workers (metrics, like
-    Horovod's ``hvd.allreduce``)."""
+    """A new tensor: the average (or, with ``average=False``, the sum) of ``tensor`` over the
+    workers (metrics, like Horovod's ``hvd.allreduce``).  The sum is a real SUM reduction, so
+    integer counts come back exact; averaging an integer tensor is refused (it has no integer
+    result)."""
     ctx = _runtime.worker_context("allreduce")
+    if average and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"mps.allreduce: cannot average a {tensor.dtype} tensor; pass "
+                        f"average=False for its sum, or convert it to a floating dtype")
     out = tensor.detach().clone().contiguous()
-    ctx.backend.allreduce_average_(out, name or "user allreduce")
-    if not average:
-        out.mul_(ctx.size)
+    if average:
+        ctx.backend.allreduce_average_(out, name or "user allreduce")
+    else:
+        ctx.backend.allreduce_sum_(out, name or "user allreduce (sum)")
     return out
+
+
+def gather_object(obj, root_rank: int = 0, name: str | None = None):
+    """Every worker's picklable ``obj`` on ``root_rank``, as a list in worker order; ``None``
+    on the other workers.
+
+    Unlike a blocking ``comm.gather`` it cannot hang on a worker that stopped: every wait has
+    the run's ``deadline``, after which :class:`~mpsync.torch.CollectiveTimeout` names the
+    workers that never sent (on the root) or the root (elsewhere).  A barrier follows, so a
+    worker whose small message was sent eagerly still learns within the deadline that the root
+    has stopped, and the root that a worker stopped after sending.
+    """
+    from mpsync.torch.backends import gather_bytes
+
+    ctx = _runtime.worker_context("gather_object")
+    _check_root(root_rank, ctx.size)
+    what = name or "gather_object"
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    parts = gather_bytes(ctx.objects, data, root_rank, deadline=ctx.config.deadline,
+                         what=f"{what} (to worker {root_rank})", world_ranks=ctx.world_ranks)
+    ctx.backend.barrier(f"{what} done")
+    if parts is None:
+        return None
+    return [obj if r == root_rank else pickle.loads(p) for r, p in enumerate(parts)]
 
 
 def _check_root(root_rank: int, size: int) -> None:

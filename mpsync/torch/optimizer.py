@@ -56,7 +56,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buffers = group_by_dtype(named)
         self._counters = ctx.counters
         self._strategy: Strategy = make_strategy(
-            ctx.config, optimizer, self._buffers, ctx.backend, ctx.client, ctx.counters,
+            ctx.config, optimizer, self._buffers, ctx.data_backend or ctx.backend, ctx.client,
+            ctx.counters,
             worker_rank=ctx.worker_rank)
         self._last_step_end = time.perf_counter()
         ctx.optimizers.append(self)
