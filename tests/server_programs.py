@@ -153,65 +153,197 @@ def _colocated(world, control, cfg, o) -> None:
             json.dump(stats, f)
 
 
+def _fuzz_strategy(worker: bool):
+    """Hypothesis strategy of one fuzz message: ``(tag, payload)`` with payload a float64 or
+    int32 array or bytes.  Headers mix valid integers with NaN, inf, negatives, fractions and
+    huge values in every slot.  For a worker rank (whose well-formed pushes the server applies)
+    every float64 DATA payload is made of zeros and non-finite values only, so an accepted
+    fuzz push adds exactly 0 and the honest clients can check their weights exactly; DATA of
+    other types is never 128 bytes (the model's 16 float64).  Shutdown is left out for the
+    worker rank: it would legitimately end that rank's membership."""
+    from hypothesis import strategies as st
+
+    from mpsync.server import _wire as W
+
+    nan, inf = float("nan"), float("inf")
+    specials = st.sampled_from([nan, inf, -inf, -1.0, 0.5, -0.0, 1e300, 2.0 ** 53, 2.0 ** 60])
+    slot = st.one_of(st.integers(0, 40).map(float), specials, st.floats())
+    count = st.one_of(st.sampled_from([0.0, 1.0, 16.0, 17.0, 2.0 ** 31 + 1, -1.0, nan, 1.5]),
+                      slot)
+    flag = st.sampled_from([0.0, 1.0, 2.0, 0.5, nan])
+    request_tags = [t for t in W.REQUEST_TAGS if not (worker and t == W.SHUTDOWN)]
+    tag = st.one_of(st.sampled_from(request_tags), st.sampled_from(
+        [W.DATA, W.REPLY, W.REPLY_DATA, W.REPLY_STATS]), st.integers(0, 32767).filter(
+        lambda t: not (worker and t == W.SHUTDOWN)))
+    # SEQ "unique" is replaced by a fresh number when sent (replies must echo it).
+    seq = st.one_of(st.just(None), st.sampled_from([nan, -1.0, 0.5, 2.0 ** 60, inf]))
+    header = st.tuples(st.sampled_from(request_tags), seq, slot, slot, slot, slot, slot,
+                       count, flag).map(lambda t: (t[0], [t[1]] + list(t[2:])))
+    data_value = st.sampled_from([0.0, -0.0, nan, inf, -inf]) if worker else st.floats()
+    data = st.tuples(st.just(W.DATA), st.lists(data_value, max_size=40).map(
+        lambda v: np.array(v, dtype=np.float64)))
+    raw_floats = st.tuples(tag, st.lists(st.floats(), max_size=40).map(
+        lambda v: np.array(v, dtype=np.float64))).filter(
+        lambda m: not (worker and m[0] == W.DATA))
+    raw_bytes = st.tuples(tag, st.binary(max_size=300))
+    raw_int32 = st.tuples(tag, st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), max_size=40).map(
+        lambda v: np.array(v, dtype=np.int32)))
+    typed = st.one_of(raw_bytes, raw_int32).filter(
+        lambda m: not (worker and m[0] == W.DATA and len(memoryview(m[1]).cast("B")) == 128))
+    return st.one_of(header, header, data, data, raw_floats, typed)
+
+
 def fuzz() -> None:
-    """Rank 0 serves (asp on the PS); the last rank sends random messages; the others are
-    well-formed clients that check every reply."""
+    """Property-based fuzzing of a live server (issue 8 item 4): rank 0 serves asp on the PS;
+    the two last ranks send hypothesis-generated messages (random tags, sizes, types and
+    payloads), one of them a worker of the server, the other a rank the server does not know;
+    the other ranks are well-formed clients that check every model they pull."""
+    from hypothesis import HealthCheck, Phase, seed, settings
+    from hypothesis import given, strategies as st
+
+    from mpsync.server import _wire as W
+
     o = _args()
     world = MPI.COMM_WORLD
     control = world.Dup()
     rank, size = world.Get_rank(), world.Get_size()
-    n_msgs = int(o.get("n", "10000"))
-    cfg = SyncConfig.from_options(env={}, policy="asp", topology="ps", deadline=60.0)
-    fuzzer = size - 1
-    honest = [r for r in range(1, size - 1)]
+    others = world.Split(0 if rank == 0 else 1, rank)   # every rank but the server
+    per_fuzzer = int(o.get("n", "5000"))
+    iters = int(o.get("iters", "300"))
+    cfg = SyncConfig.from_options(env={}, policy="asp", topology="ps", deadline=60.0,
+                                  silent_timeout=120.0)
+    fuzz_worker, fuzz_outsider = size - 2, size - 1
+    honest = list(range(1, size - 2))
     if rank == 0:
         log_lines = []
-        srv = StateServer(control, cfg, workers=honest + [fuzzer], log=log_lines.append)
+        srv = StateServer(control, cfg, workers=honest + [fuzz_worker], log=log_lines.append)
         stats = srv.serve()
         with open(o["out"], "w") as f:
             json.dump({"rejected": stats["rejected_messages"], "log": log_lines,
-                       "ps_version": stats["ps_version"]}, f)
+                       "ps_version": stats["ps_version"], "workers": sorted(stats["workers"]),
+                       "pushes": {r: w["pushes"] for r, w in stats["workers"].items()}}, f)
         return
-    if rank == fuzzer:
-        from mpsync.server import _wire as W
+    delta = {r: np.full(16, 1000.0 ** i) for i, r in enumerate(honest)}  # 1, 1000, ...
+    if rank in (fuzz_worker, fuzz_outsider):
+        worker = rank == fuzz_worker
+        client = SyncClient(control, cfg) if worker else None
+        others.Barrier()   # the model is initialised: no fuzz ps_init can replace it
+        st_ = MPI.Status()
+        echo_ok = {1.0}    # sequence numbers a reply may carry (1: this rank's register)
+        replies = [0]
+        next_seq = [10.0 ** 6]
 
-        client = SyncClient(control, cfg)
-        rng = np.random.default_rng(int(o.get("seed", "1")))
-        tags = [W.STEP, W.RESET, W.PUSH, W.PULL, W.IMPORTANCE, W.PS_INIT, W.DATA, 7, 999, 12345]
-        specials = [np.nan, -1.0, 1e300, -np.inf, 2.0 ** 60, 0.0, 3.0]
-        sink = bytearray(1 << 20)
-        st = MPI.Status()
-        for i in range(n_msgs):
-            tag = int(rng.choice(tags))
-            size_ = int(rng.choice([0, 1, 7, 8, 9, 64, int(rng.integers(0, 100))]))
-            payload = rng.normal(size=size_) * 10 ** rng.integers(0, 20)
-            if size_ and rng.random() < 0.5:
-                payload[rng.integers(0, size_)] = rng.choice(specials)
-            world_req = control.Isend([payload, MPI.DOUBLE], dest=0, tag=tag)
-            # Drain whatever the server answers (replies to accidental well-formed requests).
-            while not world_req.Test():
-                while control.Iprobe(0, MPI.ANY_TAG, st):
-                    control.Recv([sink, MPI.BYTE], source=0, tag=st.Get_tag())
-            while control.Iprobe(0, MPI.ANY_TAG, st):
-                control.Recv([sink, MPI.BYTE], source=0, tag=st.Get_tag())
-        time.sleep(0.5)
-        while control.Iprobe(0, MPI.ANY_TAG, st):
-            control.Recv([sink, MPI.BYTE], source=0, tag=st.Get_tag())
-        client.shutdown()
+        def drain():
+            while control.Iprobe(0, MPI.ANY_TAG, st_):
+                buf = bytearray(max(st_.Get_count(MPI.BYTE), 1))
+                tag = st_.Get_tag()
+                control.Recv([buf, MPI.BYTE], source=0, tag=tag)
+                if tag == W.REPLY:
+                    replies[0] += 1
+                    rep_seq = np.frombuffer(bytes(buf[:64]), dtype=np.float64)[W.R_SEQ]
+                    assert rep_seq in echo_ok, f"reply to request {rep_seq}, never sent"
+                    last_reply[0] = rep_seq
+
+        last_reply = [None]
+
+        def send(tag, payload):
+            if isinstance(payload, list):           # a header: fill in a fresh SEQ
+                if payload[0] is None:
+                    payload[0] = next_seq[0]
+                    next_seq[0] += 1
+                payload = np.array(payload, dtype=np.float64)
+            raw = bytes(payload) if isinstance(payload, bytes) else payload.tobytes()
+            if len(raw) == 64:   # anything of a header's size may be read as one
+                echo_ok.add(float(np.frombuffer(raw, dtype=np.float64)[0]))
+            if tag == W.DATA:
+                since_data[0] = 0
+            elif tag in (W.PUSH, W.PS_INIT, W.IMPORTANCE):
+                since_data[0] += 1
+            mpi_type = (MPI.BYTE if isinstance(payload, bytes) else
+                        MPI.INT if payload.dtype == np.int32 else MPI.DOUBLE)
+            req = control.Isend([payload, mpi_type], dest=0, tag=tag)
+            while not req.Test():
+                drain()
+            drain()
+
+        sent = [0]
+        since_data = [0]   # payload headers sent since the last DATA message
+        strategy = st.lists(_fuzz_strategy(worker), min_size=20, max_size=40)
+        round_ = 0
+        while sent[0] < per_fuzzer:
+            @seed(1000 * rank + round_)
+            @settings(max_examples=max(1, (per_fuzzer - sent[0]) // 30 + 1), database=None,
+                      deadline=None, phases=[Phase.generate],
+                      suppress_health_check=list(HealthCheck))
+            @given(strategy)
+            def run(batch):
+                for tag, payload in batch:
+                    send(tag, payload)
+                    sent[0] += 1
+            run()
+            round_ += 1
+        # A payload header still waiting for its DATA gets one (the server waits for it up to
+        # the deadline); then a marker request, answered after everything sent before it.
+        for _ in range(since_data[0] + 1):
+            send(W.DATA, np.zeros(0))
+        marker = 2.0 ** 50
+        echo_ok.add(marker)
+        send(W.STEP, np.array([marker, 0, 0, 0, 0, 0, 0, 0], dtype=np.float64))
+        if worker:
+            deadline = time.monotonic() + 60
+            while last_reply[0] != marker:
+                assert time.monotonic() < deadline, "no answer to the marker request"
+                drain()
+                time.sleep(1e-4)
+        else:
+            time.sleep(0.5)
+            drain()
+            assert replies[0] == 0, f"the server answered a non-worker {replies[0]} times"
+        print(f"fuzzer rank {rank} sent {sent[0]} messages, {replies[0]} replies", flush=True)
+        others.Barrier()   # fuzzing over
+        others.Barrier()   # the honest clients checked the final model
+        if client is not None:
+            client.shutdown()
         return
     client = SyncClient(control, cfg)
     model = np.zeros(16)
     if rank == honest[0]:
         client.ps_init(model)
+    others.Barrier()
     client.pull(model, 0)
+    me = honest.index(rank)
+    seen = np.zeros(len(honest), dtype=np.int64)
     versions = []
-    for k in range(1, 301):
+
+    def decode(m):
+        """The pushes of each honest rank in the model: a + 1000 b + ..., all < 1000."""
+        assert np.all(m == m[0]), f"coordinates differ: {m}"
+        v, counts = int(m[0]), []
+        assert v == m[0], f"not an integer: {m[0]!r}"
+        for _ in honest:
+            v, c = divmod(v, 1000)
+            counts.append(c)
+        assert v == 0, m
+        return np.array(counts)
+
+    for k in range(1, iters + 1):
         d = client.step(k, 0.0001)
         assert d.sync, d
-        v = client.push(np.full(16, 1.0), k)
+        v = client.push(delta[rank], k)
         versions.append(v)
-        client.pull(model, k)
+        v = client.pull(model, k)
+        # The model is the initial one (0) plus every accepted push: this rank's k pushes, the
+        # others' so far (never fewer than seen before), the fuzzer's accepted ones (all 0).
+        counts = decode(model)
+        assert counts[me] == k, (k, counts)
+        assert np.all(counts >= seen), (seen, counts)
+        assert v >= counts.sum(), (v, counts)
+        seen = counts
     assert versions == sorted(versions), "model versions went backwards"
+    others.Barrier()   # fuzzing over
+    client.pull(model, iters + 1, final=True)
+    assert np.array_equal(decode(model), np.full(len(honest), iters)), decode(model)
+    others.Barrier()
     client.shutdown()
     print(f"honest rank {rank} ok, last version {versions[-1]}")
 

@@ -8,6 +8,7 @@ the harness's timeout fails the test) or breaks a check.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -333,16 +334,28 @@ def test_bench_server_smoke():
     assert time.monotonic() - start < 60
 
 
-def test_fuzz_10000_bad_messages_the_server_keeps_answering(tmp_path):
+def test_fuzz_10000_hypothesis_messages_the_server_keeps_answering_correctly(tmp_path):
     out = tmp_path / "fuzz.json"
-    run = run_mpi("server_programs:fuzz", np=4, timeout=300, args=["n=10000", f"out={out}"])
+    run = run_mpi("server_programs:fuzz", np=5, timeout=300,
+                  args=["n=5000", "iters=300", f"out={out}"])
     res = json.loads(out.read_text())
+    # Ranks 1-2 honest, 3 a fuzzing worker, 4 a fuzzing rank the server does not know.
     for r in (1, 2):
         assert f"honest rank {r} ok" in run.rank_out(r)
-    assert res["rejected"] >= 5000
+    sent = {}
+    for r in (3, 4):
+        m = re.search(r"fuzzer rank \d+ sent (\d+) messages, (\d+) replies", run.rank_out(r))
+        assert m, run.rank_out(r)
+        sent[r] = int(m.group(1))
+    assert sum(sent.values()) >= 10_000, sent
+    # Every message of the unknown rank was dropped (it got no reply: checked on rank 4).
+    assert res["rejected"] >= sent[4]
+    assert res["workers"] == ["1", "2", "3"]
+    assert res["pushes"]["1"] == res["pushes"]["2"] == 300
     # Each kind of rejection is logged once per source, and every line names the rank.
     assert len(res["log"]) == len(set(res["log"]))
-    assert all("from rank 3" in line for line in res["log"])
+    assert all("from rank 3" in line or "from rank 4" in line for line in res["log"])
+    assert any("from rank 4" in line and "not a worker" in line for line in res["log"])
     assert res["ps_version"] >= 600
 
 
