@@ -239,6 +239,11 @@ class ParameterServer(LocalStepsThenAggregate):
     Δ = w_local - base (its updates since that pull; the server applies w += Δ on arrival) and
     pulls the current weights, blocking as long as the policy's staleness rule says (SSP, DSSP
     Alg. 1).  Each worker's updates therefore reach the global model exactly once.
+
+    Memory (issue 5: at most one extra copy of the parameters): ``_base`` is the only one
+    besides the fusion buffer.  Δ is computed into ``_base`` itself and pushed from there: the
+    push is a blocking send, and the pull that follows overwrites ``_base`` with the current
+    weights, so the base is not needed between the two.
     """
 
     def __init__(self, *args, worker_rank: int = 0, **kw):
@@ -248,8 +253,7 @@ class ParameterServer(LocalStepsThenAggregate):
                              f"{[str(b.dtype) for b in self.buffers]}")
         self.buf = self.buffers[0]
         self.worker_rank = worker_rank
-        self._base: np.ndarray | None = None
-        self._wire = np.zeros(self.buf.numel, dtype=np.float64)  # push/pull payload
+        self._base: np.ndarray | None = None  # float64: the wire format of push and pull
         self.version = 0
 
     def _start(self) -> None:
@@ -269,11 +273,18 @@ class ParameterServer(LocalStepsThenAggregate):
 
     _prepare = _start
 
+    def _delta_into_base(self) -> np.ndarray:
+        """Δ = w_local - base, written over ``_base`` (numpy casts a float32 model up to
+        float64 element by element, without a temporary copy)."""
+        local = self.buf.pack_params()
+        if local.dtype not in (torch.float64, torch.float32, torch.float16):
+            local = local.to(torch.float64)  # numpy has no bfloat16: a transient copy
+        np.subtract(local.numpy(), self._base, out=self._base)
+        return self._base
+
     def _aggregate(self) -> None:
         t0 = time.perf_counter()
-        local = self.buf.pack_params()
-        np.subtract(local.to(torch.float64).numpy(), self._base, out=self._wire)
-        self.client.push(self._wire, self.iteration)
+        self.client.push(self._delta_into_base(), self.iteration)
         self.version = self.client.pull(self._base, self.iteration)
         self.buf.flat.copy_(torch.from_numpy(self._base))
         self.buf.unpack_to_params()
@@ -281,19 +292,17 @@ class ParameterServer(LocalStepsThenAggregate):
             # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):
             # inside the aggregation's time, so it is booked as aggregation, not compute.
             time.sleep(self.config.comm_delay)
-        self.reset(self._aggregated(t0, self._wire.nbytes))
+        self.reset(self._aggregated(t0, self._base.nbytes))
 
     def synchronize(self) -> None:
         """Push what is left, wait until every worker has pushed, pull the final weights."""
         self._start()
         t0 = time.perf_counter()
-        local = self.buf.pack_params()
-        np.subtract(local.to(torch.float64).numpy(), self._base, out=self._wire)
-        self.client.push(self._wire, self.iteration, final=True)
+        self.client.push(self._delta_into_base(), self.iteration, final=True)
         self.backend.barrier("final push")
         self._pull(final=True)  # every push is in: no staleness rule left to wait for
         self._broadcast_model()
-        self._aggregated(t0, self._wire.nbytes)
+        self._aggregated(t0, self._base.nbytes)
 
 
 class TwoStageSync(Strategy):
