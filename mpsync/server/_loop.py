@@ -378,6 +378,10 @@ class StateServer:
                     still.append(item)
                 else:
                     self.waiting_on_us[w] = False
+                    # The worker was idle while held: its next iteration starts now, so the
+                    # interval its next report closes is measured from here.
+                    self.table.last_event[w] = now
+                    self.events.add(now - self.t0, w, "resume", arg)
                     self._answer_step(src, w, seq, decision, now)
             else:  # PULL
                 if self.ps_weights is not None and self.policy.may_pull(w):

@@ -224,12 +224,15 @@ class ElasticBSP(Policy):
         self.reports = np.zeros(n, dtype=np.int64)
         self.plans: list[dict] = []
         self.max_plans_kept = 2000
+        # Workers whose report is held until the next plan: they are idle from that report
+        # on, so their next iterations start when the plan releases them, not at the report.
+        self.held = np.zeros(n, dtype=bool)
 
     def warm_up(self):
         M = sched.predict(np.zeros(2), np.ones(2), 2)
         sched.zipline(M, self.config.zipline_variant)
 
-    def _try_plan(self) -> None:
+    def _try_plan(self, now: float | None = None) -> None:
         t = self.t
         ws = np.flatnonzero(t.active & t.registered)
         if ws.size == 0:
@@ -242,6 +245,12 @@ class ElasticBSP(Policy):
         if np.any(np.isnan(t.interval[ws])):
             return
         last = t.last_event[ws].copy()
+        # A held worker resumes when this plan releases it (now); predicting from its held
+        # report would place its pushes a whole wait too early and, with equal speeds, make
+        # ZipLine pick unequal barriers for workers that are in fact in step.
+        released = self.held[ws]
+        if released.any():
+            last[released] = np.nanmax(last) if now is None else now
         interval = np.maximum(t.interval[ws], 1e-9)
         res = sched.zipline(sched.predict(last, interval, self.config.lookahead),
                             self.config.zipline_variant)
@@ -259,16 +268,18 @@ class ElasticBSP(Policy):
     def on_step(self, w, k, compute, now):
         self.reports[w] += 1
         if self.epoch < 0:
-            self._try_plan()
+            self._try_plan(now)
             if self.target[w] < 0:
                 return LOCAL, 0, 0          # monitoring phase: learning intervals
         return self.decide_held(w, k, now)
 
     def decide_held(self, w, k, now):
         if self.target[w] < 0:
-            self._try_plan()
+            self._try_plan(now)
             if self.target[w] < 0:
+                self.held[w] = True
                 return None                 # hold until the others finished the barrier
+        self.held[w] = False
         if k >= self.target[w]:
             return SYNC, 0, 0
         return LOCAL, int(self.target[w] - k), 0
@@ -277,7 +288,7 @@ class ElasticBSP(Policy):
         super().on_reset(w, round_, now)
         self.completed[w] = self.epoch
         self.target[w] = -1
-        self._try_plan()
+        self._try_plan(now)
 
     def on_membership_change(self):
         self._try_plan()

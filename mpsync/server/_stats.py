@@ -17,7 +17,7 @@ __all__ = ["ServerCounters", "EventLog", "write_stats_json", "write_chrome_trace
 # "pull": a PS pull answered (value: the worker's pushes so far); "held": a PS pull held back
 # by the staleness rule (same value).  Together they show which iterations ran without waiting.
 EVENT_KINDS = ("register", "report", "sync", "reset", "push", "shutdown", "removed", "pull",
-               "held")
+               "held", "resume")
 
 
 class ServerCounters:
@@ -108,7 +108,7 @@ def write_chrome_trace(stats: dict, path: str) -> None:
             start = sync_start.pop(rank)
             trace.append({"name": "sync", "ph": "X", "pid": 0, "tid": rank, "ts": start,
                           "dur": max(us - start, 0.0), "args": {"round": value}})
-        elif kind in ("register", "removed", "shutdown", "push", "pull", "held"):
+        elif kind in ("register", "removed", "shutdown", "push", "pull", "held", "resume"):
             trace.append({"name": kind, "ph": "i", "s": "t", "pid": 0, "tid": rank, "ts": us,
                           "args": {"value": value}})
         last[rank] = us
