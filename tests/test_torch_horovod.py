@@ -96,6 +96,19 @@ def finals(text: str) -> dict[int, dict]:
     return out
 
 
+def untag(output: str) -> str:
+    """horovodrun's output with each rank's stream put back together.
+
+    Open MPI tags every chunk it forwards with ``[job,rank]<stdout>:``; a long line can reach
+    it in two chunks with another rank's chunk in between, so stripping the tags in place can
+    glue two ranks' half lines together.  Each chunk is appended to its own rank's stream."""
+    streams: dict[str, list[str]] = {}
+    parts = re.split(r"\[\d+,(\d+)\]<(?:stdout|stderr)>:", output)
+    for rank, chunk in zip(parts[1::2], parts[2::2]):
+        streams.setdefault(rank, []).append(chunk)
+    return "".join("".join(chunks) + "\n" for chunks in streams.values())
+
+
 def run_script(tmp_path: Path, name: str, text: str, np: int = 4):
     path = tmp_path / name
     path.write_text(text)
@@ -135,7 +148,6 @@ def test_horovod_script_under_horovodrun(tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     res = run_with_deadline(argv, 240, env=env)  # hard timeout, kills the process group
     assert res.returncode == 0 and not res.timed_out, res.stdout[-3000:] + res.stderr[-3000:]
-    # horovodrun prefixes each line with [1,rank]<stdout>:
-    text = re.sub(r"\[\d+,\d+\]<std(?:out|err)>:", "", res.stdout)
+    text = untag(res.stdout)
     mine = finals(text)
     assert sorted(mine) == [0, 1, 2] and len({r["digest"] for r in mine.values()}) == 1, text[-3000:]
