@@ -1,10 +1,12 @@
 """Checkpoints: atomic, verified, the previous good one kept; kill-and-resume of a
-deterministic BSP run ends with exactly the parameters of an uninterrupted run."""
+deterministic BSP run ends with exactly the parameters of an uninterrupted run; with ESync on
+the ring and SSP on the parameter server a resume rolls back at most K rounds."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -109,3 +111,66 @@ def test_resume_from_corrupt_checkpoint_refused(tmp_path):
     assert run.returncode != 0
     assert f"checkpoint {bad}: truncated" in run.rank_err(0)
     assert bad.exists()
+
+
+# -- rollback of at most K rounds (policies without a deterministic trajectory) -----------------
+def _rollback_run(out, policy, k, *extra, check=True):
+    return run_mpi(TRAIN, np=3, timeout=120, check=check, args=[
+        "--policy", policy, "--epochs", "1.2", "--batch-size", "16", "--seed", "3",
+        "--eval-every", "0.25", "--checkpoint-every", str(k), "--out", str(out),
+        "--no-progress", *extra])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, extra, k, kill_at", [
+    ("esync", (), 4, 30),                       # ring: checkpoints at common rounds
+    ("ssp", ("--staleness", "2"), 8, 45),       # ps: global weights pulled from the server
+])
+def test_kill_and_resume_rolls_back_at_most_k_rounds(tmp_path, policy, extra, k, kill_at):
+    killed = _rollback_run(tmp_path, policy, k, *extra, "--kill-at-step", str(kill_at),
+                           check=False)
+    assert killed.returncode != 0 and not killed.timed_out, killed.report()
+    assert not (tmp_path / "metrics.json").exists()
+    # Worker 0 (world rank 1; rank 0 is the server) says which round it had reached.
+    hit = re.search(r"SIGKILL worker 0 after step (\d+), round (\d+)", killed.rank_out(1))
+    assert hit, killed.report()
+    killed_round = int(hit.group(2))
+    newest = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])
+    # A consistent cut: every worker had made exactly `round` rounds (pushes on the PS).
+    assert [w["counters"]["rounds"] for w in newest["per_worker"]] == [newest["round"]] * 2
+    if newest["server"]["topology"] == "ps":
+        # Every push up to the cut is in the saved weights and none after it: the version is
+        # the number of updates the server applied.
+        assert newest["server"]["ps_version"] == 2 * newest["round"], newest["server"]
+
+    resumed = _rollback_run(tmp_path, policy, k, *extra, "--resume", str(tmp_path))
+    hit = re.search(r"resuming from \S+: round (\d+), step (\d+)", resumed.rank_out(0))
+    assert hit, resumed.report()
+    resume_round, resume_step = int(hit.group(1)), int(hit.group(2))
+    assert resume_round == newest["round"] > 0
+    assert 0 <= killed_round - resume_round <= k, (killed_round, resume_round)
+    print(f"{policy}: killed at round {killed_round}, resumed from round {resume_round} "
+          f"(K = {k}); kill run {killed.elapsed:.1f}s, resumed run {resumed.elapsed:.1f}s")
+    assert resume_step <= kill_at
+
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["config"]["resumed"] is True and m["config"]["topology"] == newest["server"][
+        "topology"]
+    # The evaluations up to the checkpoint are kept (the first is the untrained model), the
+    # resumed ones continue on the same wall-time axis, the last is the final model.
+    kept = [{k: v for k, v in e.items() if k != "wall_clock"} for e in newest["evals"]]
+    assert kept and kept[0]["samples"] == 0 and m["evals"][:len(kept)] == kept
+    walls = [e["wall_s"] for e in m["evals"]]
+    assert walls == sorted(walls) and walls[-1] == m["wall_s"] > newest["wall_s"]
+    assert m["evals"][-1]["samples"] == m["total_samples"]
+    assert m["total_samples"] >= 1.2 * m["config"]["train_samples"]
+    workers = m["workers"]
+    assert sorted(workers) == ["0", "1"]
+    assert sum(w["samples"] for w in workers.values()) == m["total_samples"]
+    for w in workers.values():
+        # Counters carried over the resume: every step taken is counted once.
+        assert w["iterations"] > 0 and w["samples"] == 16 * w["iterations"], w
+        assert w["rounds"] > resume_round, w
+    # Every worker ends with the same parameters, the ones worker 0 reports and saved.
+    assert {w["param_sha256"] for w in workers.values()} == {m["final_param_sha256"]}
+    assert m["final_acc"] > 0.5, m["final_acc"]   # 10 classes: chance is 0.1

@@ -9,6 +9,29 @@ others in a collective): ring policies decide at round boundaries, where every w
 present, with one small allreduce of (samples, time-is-up).  PS policies (asp, ssp, dssp) have
 no common rounds; each worker stops on its own clock, or when the server's count of samples
 reaches the epochs asked for.
+
+Checkpoints (``--checkpoint-every K``) are consistent cuts, written by worker 0 alone:
+
+* ring: at every K-th round, right after an aggregation, when every replica is the global
+  model; the file holds that model, each worker's optimizer state, RNG states, data position
+  and counters, the step, wall time and evaluations so far.
+* ps: at each worker's K-th, 2K-th, ... push (its round), right after its push and pull.  The
+  workers gather their state to worker 0 (which waits until every worker has made that many
+  pushes, so all of them are applied on the server), worker 0 pulls the global weights (that
+  model, exactly: the workers wait for worker 0 before pushing again) and writes them with the
+  gathered state.  Every K rounds is therefore a short barrier of all workers, and the stop
+  decision is taken there too (a worker stopping on its own clock would leave the others in
+  the checkpoint's collective): training may run up to K rounds past its budget.  A worker
+  that stalls holds the others at the next checkpoint round (until ``--deadline``).
+
+Server state: at either cut every worker has made the same number of pushes (ps) or rounds
+(ring), so the staleness clocks of SSP/DSSP and the round counters, which a resumed server
+starts at zero for every worker, have the same gaps (none) as at the cut; the global weights
+are the checkpoint's model, which worker 0 sends in ``ps_init`` on resume.  The rest is soft
+state the server re-learns: ElasticBSP's and ESync's iteration times (within the first round:
+ElasticBSP's monitoring phase, ESync's first reports), DSSP's push-interval table, and the
+server's statistics (``server_stats.json`` of a resumed run covers the resumed part).  Updates
+made after the newest checkpoint are lost on a crash: the rollback is at most K rounds.
 """
 
 from __future__ import annotations
@@ -85,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for metrics.json, plots, trace")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="checkpoint every K rounds into OUT/checkpoints (ring policies)")
+                   help="checkpoint every K rounds into OUT/checkpoints (ps: every K pushes of "
+                        "each worker, which is then also when the workers agree to stop)")
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
@@ -149,9 +173,6 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError(f"--eval-every must be > 0 seconds, got {args.eval_every}")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be >= 0 rounds, got {args.checkpoint_every}")
-    if args.checkpoint_every and config.topology == "ps":
-        raise ConfigError("--checkpoint-every: checkpoints are taken at common rounds, which "
-                          "exist only on topology='ring' (not yet for ps policies)")
     if (args.checkpoint_every or args.resume) and not args.out:
         raise ConfigError("--checkpoint-every/--resume need --out DIR (checkpoints and the "
                           "resumed run's results go there)")
@@ -188,6 +209,9 @@ def main(args) -> int:
             if resume["workers"] != workers:
                 raise ConfigError(f"--resume {path}: written by {resume['workers']} workers, "
                                   f"this run has {workers}")
+            if _world_rank() == 0:
+                print(f"mpsync train: resuming from {path}: round {resume['round']}, "
+                      f"step {resume['step']}", flush=True)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
         from mpsync.apps.checkpoint import CheckpointError
 
@@ -330,9 +354,13 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
         if index >= per_epoch:
             epoch, index = epoch + 1, 0
         if args.kill_at_step is not None and me == 0 and step + _steps_before(resume) == args.kill_at_step:
+            # Says where the run got to, so a test can measure how far a resume rolls back.
+            print(f"mpsync train: fault injection: SIGKILL worker 0 after step "
+                  f"{args.kill_at_step}, round {opt.strategy.round + round_offset}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         # -- stop decision ---------------------------------------------------------------
         rnd = opt.strategy.round
+        before = resume["per_worker"][me]["counters"] if resume else {}
         if ring:
             if rnd != last_round_checked and (rnd + round_offset) % check_every == 0:
                 last_round_checked = rnd
@@ -342,14 +370,27 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
                 global_samples = int(agreed[0])
                 done = agreed[1] > 0 or (target_samples is not None
                                          and global_samples >= target_samples)
-                if args.checkpoint_every and (rnd + round_offset) % args.checkpoint_every == 0 \
-                        and not done:
-                    _checkpoint(mps, save_checkpoint, out, model, inner, me, n, epoch, index,
-                                samples, wall(), evals, rnd + round_offset,
-                                step + _steps_before(resume), config,
-                                resume["per_worker"][me]["counters"] if resume else {},
-                                hetero.slept_s + (resume["per_worker"][me]["counters"]
-                                                  .get("slept_s", 0.0) if resume else 0.0))
+            else:
+                global_samples = max(global_samples, samples * n)
+            # Every K rounds, whether or not this round also checks for the stop (BSP and OSP
+            # check every 5): every worker completes the same rounds, so all of them get here.
+            if args.checkpoint_every and rnd != round_before \
+                    and (rnd + round_offset) % args.checkpoint_every == 0 and not done:
+                gathered = mps.gather_object(
+                    _worker_state(mps, inner, epoch, index, samples, before, hetero.slept_s),
+                    root_rank=0, name="checkpoint state")
+                if me == 0:
+                    _write_checkpoint(save_checkpoint, out, model, gathered, n, wall(), evals,
+                                      rnd + round_offset, step + _steps_before(resume), config)
+        elif args.checkpoint_every:
+            # PS with checkpoints: stop decisions only at checkpoint rounds (module doc).
+            if rnd != round_before and (rnd + round_offset) % args.checkpoint_every == 0:
+                time_up = bool(args.time_budget and wall() >= args.time_budget)
+                done, global_samples = _ps_checkpoint(
+                    mps, opt, save_checkpoint, out, model, me, n,
+                    _worker_state(mps, inner, epoch, index, samples, before, hetero.slept_s),
+                    time_up, target_samples, wall, evals, rnd + round_offset,
+                    step + _steps_before(resume), config)
             else:
                 global_samples = max(global_samples, samples * n)
         else:
@@ -378,12 +419,17 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
         # Last push before any collective: under SSP/DSSP a faster worker's pull may be held
         # until every other worker's last update is in, so a gather first would deadlock.
         opt.synchronize()
+    elif config.policy != "bsp":
+        # The final aggregation (shutdown would do it too) before the metrics are gathered, so
+        # each worker's parameter checksum below is of the model it ends with: OSP may still
+        # have an In-Computation Sync in flight here.  BSP replicas are equal after every step.
+        opt.synchronize()
     local = mps.stats()["local"]
     before = resume["per_worker"][me]["counters"] if resume else {}
     mine = {k: local[k] + before.get(k, 0) for k in ("iterations", "rounds", "compute_s",
                                                      "wait_s", "aggregation_s", "bytes_sent")}
     mine.update(samples=samples, slept_s=hetero.slept_s + before.get("slept_s", 0.0),
-                events=local["events"])
+                param_sha256=_param_sha256(model), events=local["events"])
     gathered = mps.gather_object(mine, root_rank=0, name="final metrics")
     final_wall = wall()
     mps.shutdown()
@@ -393,7 +439,6 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
         return 0
     e = record_eval(sum(g["samples"] for g in gathered))
     e["wall_s"] = final_wall
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in model.parameters()])
     events = {w: g.pop("events") for w, g in enumerate(gathered)}
     workers_metrics = {str(w): g for w, g in enumerate(gathered)}
     metrics = {
@@ -409,7 +454,7 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
         "evals": [{k: v for k, v in ev.items() if k != "wall_clock"} for ev in evals],
         "workers": workers_metrics,
         "wall_s": final_wall,
-        "final_param_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+        "final_param_sha256": _param_sha256(model),
         "server": mps.stats()["server"],
     }
     report.summarize(metrics, args.target_acc)
@@ -426,32 +471,75 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
     return 0
 
 
+def _param_sha256(model) -> str:
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
 def _steps_before(resume: dict | None) -> int:
     return resume["step"] if resume else 0
 
 
-def _checkpoint(mps, save_checkpoint, out, model, inner, me, n, epoch, index, samples, wall_s,
-                evals, round_, step, config, before: dict, slept_s: float) -> None:
-    """All workers at the same round: gather each worker's position, optimizer state and RNG
-    states to worker 0, which writes one file atomically."""
+def _worker_state(mps, inner, epoch, index, samples, before: dict, slept_s: float) -> dict:
+    """What one worker contributes to a checkpoint: data position, optimizer state, RNG states
+    and its counters so far (``before``: those of the run it resumed)."""
     import torch
 
-    local = mps.stats()["local"]
-    mine = {"epoch": epoch, "index": index, "samples": samples,
+    local = mps.stats(server=False)["local"]
+    return {"epoch": epoch, "index": index, "samples": samples,
             "optimizer": inner.state_dict(), "rng_torch": torch.get_rng_state(),
             "rng_numpy": np.random.get_state(), "rng_python": random.getstate(),
             "counters": {**{k: local[k] + before.get(k, 0) for k in (
                 "iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent")},
-                "slept_s": slept_s}}
-    gathered = mps.gather_object(mine, root_rank=0, name="checkpoint state")
-    if me != 0:
-        return
+                "slept_s": slept_s + before.get("slept_s", 0.0)}}
+
+
+def _write_checkpoint(save_checkpoint, out, model, gathered: list, n, wall_s, evals, round_,
+                      step, config, server: dict | None = None) -> None:
+    """Worker 0: one file, written atomically, with the model every worker holds (ring) or the
+    global weights (ps) and every worker's state."""
     state = {"model": model.state_dict(), "per_worker": gathered, "workers": n,
              "round": round_, "step": step, "wall_s": wall_s, "evals": list(evals),
-             "policy": config.to_dict()}
+             "policy": config.to_dict(),
+             # For the record: a resumed server starts from the model above and zero clocks
+             # (module doc: what is needed for correctness and what is re-learned).
+             "server": {"topology": config.topology, **(server or {})}}
     t0 = time.perf_counter()
     save_checkpoint(out / "checkpoints", round_, state)
     _warn_if_slow(time.perf_counter() - t0, "a checkpoint write", config)
+
+
+def _ps_checkpoint(mps, opt, save_checkpoint, out, model, me, n, mine: dict, time_up: bool,
+                   target_samples, wall, evals, round_, step, config) -> tuple[bool, int]:
+    """PS checkpoint round (every worker has just made its ``round_``-th push and pull):
+    agree whether to stop and, if not, write the global model at this cut.
+
+    1. gather every worker's state to worker 0: once it returns, every worker has made
+       ``round_`` pushes and the server has applied them all;
+    2. worker 0 pulls the global weights, which then hold exactly those pushes, and writes;
+    3. a sum-allreduce carries worker 0's decision to all: no worker pushes again before
+       worker 0's pull, so no later update leaks into the saved weights.
+    Returns (stop, samples of all workers)."""
+    import torch
+
+    gathered = mps.gather_object({**mine, "time_up": time_up}, root_rank=0,
+                                 name="checkpoint state")
+    decision = torch.zeros(2, dtype=torch.int64)
+    if me == 0:
+        total = sum(g["samples"] for g in gathered)
+        time_up = [g.pop("time_up") for g in gathered]
+        stop = any(time_up) or (target_samples is not None and total >= target_samples)
+        if not stop:
+            version = opt.strategy.pull_global()
+            # ps_version: the updates this server applied, counted from the start of this run
+            # (a resumed run's server counts from zero again).
+            _write_checkpoint(save_checkpoint, out, model, gathered, n, wall(), evals, round_,
+                              step, config, server={"ps_version": version})
+        decision = torch.tensor([total, int(stop)], dtype=torch.int64)
+    agreed = mps.allreduce(decision, average=False, name="checkpoint decision")
+    return bool(agreed[1] > 0), int(agreed[0])
 
 
 _slow_warned: set = set()

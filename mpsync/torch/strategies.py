@@ -273,6 +273,17 @@ class ParameterServer(LocalStepsThenAggregate):
 
     _prepare = _start
 
+    def pull_global(self) -> int:
+        """Pull the current global weights into the model now and return their version.
+
+        For a checkpoint: the caller makes sure every worker's pushes so far are in (and that
+        none pushes before this returns), so the pulled weights are the global model at that
+        cut.  The pull skips the staleness rule (the ``final`` flag): with every push in, no
+        rule has anything left to wait for, and a checkpoint must not depend on one."""
+        self._start()
+        self._pull(final=True)
+        return self.version
+
     def _delta_into_base(self) -> np.ndarray:
         """Δ = w_local - base, written over ``_base`` (numpy casts a float32 model up to
         float64 element by element, without a temporary copy)."""
