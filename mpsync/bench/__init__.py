@@ -2,13 +2,15 @@
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int``; each measures
 a baseline in the same run (``np.sort`` for ZipLine, a raw mpi4py ping-pong for the server, raw
-``hvd.allreduce`` / mpi4py ``Allreduce`` for aggregation) and reports medians after warm-up.
+``hvd.allreduce`` / mpi4py ``Allreduce`` for aggregation) and reports medians after warm-up;
+``memory`` compares each policy's held buffers with the model's own parameter bytes.
 """
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "zipline": ("mpsync.bench.zipline", "ZipLine variants vs np.sort (ZipLine paper §6.1 data)"),
     "server": ("mpsync.bench.server", "state-server query latency/throughput vs raw mpi4py ping-pong"),
     "allreduce": ("mpsync.bench.allreduce", "mpsync aggregation vs raw hvd.allreduce / mpi4py Allreduce"),
+    "memory": ("mpsync.bench.memory", "bytes each policy keeps per worker beyond parameters and gradients"),
 }
 
 __all__ = ["BENCHMARKS"]

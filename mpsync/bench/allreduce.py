@@ -16,9 +16,14 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
 ``--osp`` adds a job timing BSP and OSP steps (half the layers in In-Computation Sync) on an
 MLP, raw and over an emulated 2 Gbit/s link (OSP's target: faster when communication shows).
 
-``--ps`` adds a second job with one extra rank as a dedicated state server and times the PS
-topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights, policy asp)
-at the same sizes (``ps_ms``), next to the ring's ``mpsync_ms`` (ring vs PS).
+A second job (skip it with ``--no-ps``) with one extra rank as a dedicated state server times
+the PS topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights, policy
+asp) at the same sizes (``ps_ms``), next to the ring's ``mpsync_ms`` (ring vs PS).
+
+``--json`` prints only the list of rows, one per size, with the keys above (``ps_ms`` and
+``ps_vs_ring`` when the PS job ran; ``np`` and the ratios ``mpsync_vs_horovod``,
+``mpsync_mpi_vs_mpi``).  The OSP result is not a row: it goes to ``--out`` (``osp_npN.json``)
+and, with ``--json``, to stderr.  Memory per policy is ``mpsync bench memory``.
 """
 
 from __future__ import annotations
@@ -43,11 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-repeats", type=int, default=100)
     p.add_argument("--seconds-per-point", type=float, default=2.0,
                    help="stop repeating a measurement after this long (at least 3 repeats)")
-    p.add_argument("--ps", action="store_true", help="also time the PS topology (push+pull)")
+    p.add_argument("--ps", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the PS topology's push+pull at the same sizes (ps_ms; on by "
+                        "default, issue 5 asks for ring vs PS; --no-ps skips the extra job)")
     p.add_argument("--osp", action="store_true",
                    help="also time BSP vs OSP steps (half the layers in In-Computation Sync)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--out", default=None, help="write rows.json (and summary) into this dir")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list of rows (bytes, mpsync_ms, horovod_ms, mpi_ms, ps_ms "
+                        "...) whatever else is measured; --osp's result goes to stderr and --out")
+    p.add_argument("--out", default=None,
+                   help="write rows_npN.json (and osp_npN.json with --osp) into this dir")
     p.add_argument("--timeout", type=float, default=1800.0)
 
 
@@ -107,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
             with open(os.path.join(args.out, f"osp_np{args.np}.json"), "w") as f:
                 json.dump(osp, f, indent=1)
     if args.json:
-        print(json.dumps(table if not osp else {"rows": table, "osp": osp}, indent=1))
+        # stdout is the row list and nothing else (issue 5: "a list of rows"), so its shape
+        # does not depend on which extra jobs ran.
+        print(json.dumps(table, indent=1))
+        if osp:
+            print("OSP vs BSP step time: " + json.dumps(osp), file=sys.stderr)
     else:
         _print_table(table)
         if osp:
