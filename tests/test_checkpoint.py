@@ -158,7 +158,7 @@ def test_kill_and_resume_rolls_back_at_most_k_rounds(tmp_path, policy, extra, k,
         "topology"]
     # The evaluations up to the checkpoint are kept (the first is the untrained model), the
     # resumed ones continue on the same wall-time axis, the last is the final model.
-    kept = [{k: v for k, v in e.items() if k != "wall_clock"} for e in newest["evals"]]
+    kept = [{key: v for key, v in e.items() if key != "wall_clock"} for e in newest["evals"]]
     assert kept and kept[0]["samples"] == 0 and m["evals"][:len(kept)] == kept
     walls = [e["wall_s"] for e in m["evals"]]
     assert walls == sorted(walls) and walls[-1] == m["wall_s"] > newest["wall_s"]
@@ -168,7 +168,7 @@ def test_kill_and_resume_rolls_back_at_most_k_rounds(tmp_path, policy, extra, k,
     assert sorted(workers) == ["0", "1"]
     assert sum(w["samples"] for w in workers.values()) == m["total_samples"]
     for w in workers.values():
-        # Counters carried over the resume: every step taken is counted once.
+        # Counters carried over the resume agree with the data position carried over.
         assert w["iterations"] > 0 and w["samples"] == 16 * w["iterations"], w
         assert w["rounds"] > resume_round, w
     # Every worker ends with the same parameters, the ones worker 0 reports and saved.
