@@ -2,11 +2,12 @@
 
 Issue 5's memory target: at most one extra copy of the parameters per worker for ESync and
 ElasticBSP (the global model), none for BSP beyond the fusion buffer.  This measures it instead
-of deriving it from the code: one ``mpirun`` job per case (BSP, ESync, ElasticBSP and OSP on
-the ring; ASP and ESync on the PS topology), each with a dedicated state server and ``--np``
-workers training an MLP of ``--layers`` x Linear(width, width) through
-``mps.DistributedOptimizer`` for ``--steps`` steps, then ``mps.shutdown()`` (the final
-aggregation).  After every step and after the shutdown each worker:
+of deriving it from the code.  One ``mpirun`` job of ``--np`` workers and a dedicated state
+server runs the cases one after another (BSP, ESync, ElasticBSP and OSP on the ring; ASP and
+ESync on the PS topology, backend mpi), each its own ``mps.init`` ... ``mps.shutdown()``:
+an MLP of ``--layers`` x Linear(width, width) trained through ``mps.DistributedOptimizer`` for
+``--steps`` steps, then the shutdown's final aggregation.  After every step and after the
+shutdown each worker:
 
 * walks every object the wrapper, its strategy, the fusion buffers, the aggregation backend
   and the state-server client hold (attributes, containers, closures), collects the memory of
@@ -26,6 +27,8 @@ neither parameters nor gradients), ``extra_beyond_fusion_bytes`` (the same witho
 fusion buffer), both also as a multiple of the parameter bytes, ``rss_growth_bytes``, the
 fusion buffer's and the gradients' bytes, aggregation rounds, and ``held``: every distinct
 buffer with the attribute path that holds it (rank side of the largest extra).
+``bookkeeping_bytes``: held buffers under min(4 KB, 1 % of the parameters) (control messages,
+layer tables); counted in ``extra_bytes`` but not as a parameter copy in ``meets_target``.
 
 The dedicated state server's memory (for PS the server keeps the global weights) is not a
 worker's and is not counted.
