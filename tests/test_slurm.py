@@ -107,6 +107,16 @@ def assert_completed(record: dict, log: str) -> None:
         f"job state {record.get('JobState')} exit {record.get('ExitCode')}\njob log:\n{log[-6000:]}")
 
 
+def run_template(env: dict, name: str, workdir: Path, sbatch_args=(), **variables):
+    """Submit ``jobs/slurm/<name>.sbatch``, wait, check it completed; returns the job's log and
+    its run folder (``mpsync-<name>-<jobid>`` beside the log)."""
+    job_id, record = submit_and_wait(env, JOBS / f"{name}.sbatch", workdir, sbatch_args,
+                                     **variables)
+    log = job_log(workdir, f"mpsync-{name}", job_id)
+    assert_completed(record, log)
+    return log, workdir / f"mpsync-{name}-{job_id}"
+
+
 def test_cluster_runs_an_mpirun_job_across_its_tasks(slurm_env, tmp_path):
     script = tmp_path / "hello.sbatch"
     script.write_text(
@@ -121,13 +131,10 @@ def test_cluster_runs_an_mpirun_job_across_its_tasks(slurm_env, tmp_path):
 
 
 def test_bench_kernels_job_writes_csv_and_plot_beside_its_log(slurm_env, tmp_path):
-    job_id, record = submit_and_wait(
-        slurm_env, JOBS / "bench-kernels.sbatch", tmp_path,
+    _, out_dir = run_template(
+        slurm_env, "bench-kernels", tmp_path,
         BENCH_SIZES="4,10", BENCH_RS="15", BENCH_SAMPLES="3",
         BENCH_ARGS="--no-startup --miss-trials 5 --max-call-s 0.5")
-    log = job_log(tmp_path, "mpsync-bench-kernels", job_id)
-    assert_completed(record, log)
-    out_dir = tmp_path / f"mpsync-bench-kernels-{job_id}"
     rows = (out_dir / "zipline.csv").read_text().splitlines()
     assert len(rows) >= 3, rows  # header + n=4 + n=10
     assert (out_dir / "zipline.png").stat().st_size > 1000
@@ -136,15 +143,12 @@ def test_bench_kernels_job_writes_csv_and_plot_beside_its_log(slurm_env, tmp_pat
 
 def test_compare_job_builds_its_command_from_the_allocation(slurm_env, tmp_path):
     # DRY_RUN: the comparison itself (every policy trained in turn) is too long for the suite.
-    job_id, record = submit_and_wait(
-        slurm_env, JOBS / "compare.sbatch", tmp_path,
-        ("--ntasks-per-node=4",), DRY_RUN="1", POLICIES="bsp,esync",
-        SLOWDOWN="1,1,3")
-    log = job_log(tmp_path, "mpsync-compare", job_id)
-    assert_completed(record, log)
+    log, out_dir = run_template(
+        slurm_env, "compare", tmp_path, ("--ntasks-per-node=4",), DRY_RUN="1",
+        POLICIES="bsp,esync", SLOWDOWN="1,1,3")
     line = next(x for x in log.splitlines() if " compare --np " in x)
     assert f"{REPO}/.venv/bin/python -m mpsync.cli compare --np 3 --policies bsp\\,esync" in line
-    assert f"--out {tmp_path}/mpsync-compare-{job_id} " in line and "--slowdown 1\\,1\\,3" in line
+    assert f"--out {out_dir} " in line and "--slowdown 1\\,1\\,3" in line
     # No TOPOLOGY: compare runs each policy on its own topology, so none is passed.
     assert "--server dedicated" in line and "--topology" not in line
 
@@ -152,12 +156,9 @@ def test_compare_job_builds_its_command_from_the_allocation(slurm_env, tmp_path)
 def test_compare_job_runs_a_policy_and_writes_compare_json(slurm_env, tmp_path):
     # A real comparison, kept tiny: one policy, 3 tasks = the server + 2 workers, 4 s of
     # training.  No SLOWDOWN: the script must not fall back on compare's 4-worker default.
-    job_id, record = submit_and_wait(
-        slurm_env, JOBS / "compare.sbatch", tmp_path, ("--ntasks-per-node=3", "--time=10"),
+    log, out_dir = run_template(
+        slurm_env, "compare", tmp_path, ("--ntasks-per-node=3", "--time=10"),
         POLICIES="bsp", TIME_BUDGET="4", TARGET_ACC="0.3", COMPARE_ARGS="--iter-time 0.005")
-    log = job_log(tmp_path, "mpsync-compare", job_id)
-    assert_completed(record, log)
-    out_dir = tmp_path / f"mpsync-compare-{job_id}"
     assert (out_dir / "compare.json").exists(), (
         f"no compare.json in {out_dir}; job log:\n{log[-6000:]}")
     result = json.loads((out_dir / "compare.json").read_text())
@@ -174,12 +175,9 @@ def test_compare_job_runs_a_policy_and_writes_compare_json(slurm_env, tmp_path):
 
 def test_train_job_runs_the_requested_policy_on_the_requested_workers(slurm_env, tmp_path):
     # 3 tasks = dedicated server + 2 workers.
-    job_id, record = submit_and_wait(
-        slurm_env, JOBS / "train.sbatch", tmp_path, ("--ntasks-per-node=3", "--time=10"),
+    log, out_dir = run_template(
+        slurm_env, "train", tmp_path, ("--ntasks-per-node=3", "--time=10"),
         POLICY="esync", EPOCHS="1", SLOWDOWN="1,2", DATASET="digits")
-    log = job_log(tmp_path, "mpsync-train", job_id)
-    assert_completed(record, log)
-    out_dir = tmp_path / f"mpsync-train-{job_id}"
     assert (out_dir / "metrics.json").exists(), (
         f"no metrics.json in {out_dir}; job log:\n{log[-6000:]}")
     metrics = json.loads((out_dir / "metrics.json").read_text())
