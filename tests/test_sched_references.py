@@ -117,6 +117,90 @@ def test_merge_structured_inputs(M):
     np.testing.assert_array_equal(ws, [e[1] for e in expected])
 
 
+def signed_matrix(seed: int) -> np.ndarray:
+    """random_matrix with negative timestamps and both zeros: the float-to-key map's cases."""
+    rng = np.random.default_rng(seed)
+    M = random_matrix(seed) - float(rng.choice([0.0, 1.0, 2.0]))
+    zeros = M == 0.0
+    M[zeros] = rng.choice([0.0, -0.0], size=int(zeros.sum()))  # -0.0 == 0.0: order by worker
+    return M
+
+
+def same_bits(a, b) -> bool:
+    return np.array_equal(np.asarray(a, dtype=np.float64).view(np.uint64), np.asarray(b, dtype=np.float64).view(np.uint64))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_omega_sort_path_matches_merge_and_reference(seed):
+    # The two ways of building Ω (§5.2 Step 1) give the same arrays bit for bit, -0.0 included.
+    M = signed_matrix(seed)
+    ts_m, ws_m = _k._merge(M)
+    ts, ws = _k.omega(M, sort_min=0)
+    assert same_bits(ts, ts_m)
+    np.testing.assert_array_equal(ws, ws_m)
+    expected = ref.omega(M)
+    assert same_bits(ts, [e[0] for e in expected])
+    np.testing.assert_array_equal(ws, [e[1] for e in expected])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_omega_keys_sort_like_lexsort(seed):
+    # Sorting exact keys is a stable sort of the worker-major layout by timestamp (-0.0 as
+    # 0.0): the permutation of np.lexsort on (index, timestamp). Truncated keys (a span that
+    # crosses zero or many binades) give it after a stable sort on the timestamp alone.
+    M = signed_matrix(seed) if seed % 2 else random_matrix(seed) + 1000.0
+    N = M.size
+    t = M.ravel() + 0.0
+    keys = np.empty(N, dtype=np.uint64)
+    ibits, exact = _k._omega_keys(M, keys)
+    assert exact or seed % 2
+    index = keys & np.uint64((1 << ibits) - 1)
+    np.testing.assert_array_equal(index, np.arange(N))
+    order = np.argsort(keys)
+    if not exact:
+        order = order[np.argsort(t[order], kind="stable")]
+    np.testing.assert_array_equal(order, np.lexsort((np.arange(N), t)))
+
+
+def near_tie_matrix(seed: int, n: int, R: int) -> np.ndarray:
+    """Timestamps a few ulps apart next to ±1e300: the span leaves too few key bits for all
+    timestamps, so neighbours share a key prefix and come out of the sort by index."""
+    rng = np.random.default_rng(seed)
+    M = np.sort(1.0 + rng.integers(0, 6, (n, R)) * np.finfo(np.float64).eps, axis=1)
+    M[0, -1] = 1e300
+    M[-1, 0] = -1e300
+    return np.sort(M, axis=1)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_omega_with_truncated_keys(seed):
+    M = near_tie_matrix(seed, 3 + seed, 4 + seed % 3)
+    keys = np.empty(M.size, dtype=np.uint64)
+    _, exact = _k._omega_keys(M, keys)
+    assert not exact
+    ts, ws = _k.omega(M, sort_min=0)
+    expected = ref.omega(M)
+    assert same_bits(ts, [e[0] for e in expected])
+    np.testing.assert_array_equal(ws, [e[1] for e in expected])
+
+
+def test_omega_falls_back_to_merge_past_the_move_budget():
+    # One element per worker, later workers a few ulps earlier: with truncated keys they come
+    # out of the sort in reverse time order, and undoing that exceeds 4·Rn moves.
+    n = 64
+    M = (1.0 + np.arange(n, 0, -1) * np.finfo(np.float64).eps).reshape(n, 1)
+    M[0, 0], M[-1, 0] = 1e300, -1e300
+    keys = np.empty(n, dtype=np.uint64)
+    ibits, exact = _k._omega_keys(M, keys)
+    keys.sort()
+    assert not exact
+    assert not _k._omega_unpack(M, keys, ibits, np.empty(n), np.empty(n, dtype=np.int32))
+    ts, ws = _k.omega(M, sort_min=0)
+    expected = ref.omega(M)
+    assert same_bits(ts, [e[0] for e in expected])
+    np.testing.assert_array_equal(ws, [e[1] for e in expected])
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_locate_matches_lower_bound(seed):
     rng = np.random.default_rng(seed)
@@ -176,6 +260,23 @@ def test_opt_and_optbs_match_references_and_alg2_candidates(seed):
         np.testing.assert_array_equal(result.z, expected[0])
         np.testing.assert_array_equal(result.candidates, alg2[3])
 
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_optbs_through_buffer_compactions(seed):
+    # R > 16 fills ZipLineOptBS's 16n + 1 buffer, so Z is compacted and the fingers of the
+    # entries it moves go stale: those elements are located by the binary search of §5.3.2.
+    rng = np.random.default_rng(seed)
+    n, R = int(rng.integers(1, 7)), int(rng.integers(17, 60))
+    if seed % 3 == 2:
+        M = predict(rng.uniform(10.0, 50.0, n), rng.uniform(1000.0, 1500.0, n), R)
+    else:
+        M = tie_heavy_matrix(rng, n, R)
+    expected = ref.zipline_optbs(M)
+    result = zipline(M, "optbs", return_candidates=True)
+    assert (result.d, result.t_sync) == (expected[1], expected[2])
+    np.testing.assert_array_equal(result.z, expected[0])
+    np.testing.assert_array_equal(result.candidates, expected[3])
 
 @pytest.mark.parametrize("seed", range(10))
 def test_all_exact_variants_have_alg2_length(seed):

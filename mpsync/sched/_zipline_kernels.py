@@ -7,7 +7,9 @@ Conventions shared by every kernel:
   :func:`_check` before any kernel runs).
 * Ω, the merged timeline of §5.2 Step 1, is ordered by (timestamp, worker id, iteration index):
   §5.2 sorts equal timestamps by worker id, and within a row equal timestamps keep their index
-  order. :func:`_merge` builds it from the rows, which are already sorted.
+  order. :func:`omega` builds it, by merging the rows (:func:`_merge`, small matrices) or by
+  sorting one unique integer key per element (:func:`_omega_keys`, :func:`_omega_unpack`);
+  both give the same arrays bit for bit. The variants that scan Ω take it as ``ts, ws``.
 * Every kernel returns ``(z, d, t_sync, candidates)``. ``d`` is always computed as
   ``max(Z) - min(Z)`` of actual timestamps, so two variants that find the same pair of end
   points agree bit for bit and the tie rule below is decided on identical floats.
@@ -21,6 +23,8 @@ Conventions shared by every kernel:
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -138,6 +142,139 @@ def _merge(M):
     return src_t, src_w
 
 
+# Below this many elements Ω is built by _merge: for small matrices the fixed costs of the sort
+# path (three calls, numpy's sort dispatch, the workspace lookup) exceed the whole merge.
+OMEGA_SORT_MIN = 256
+
+_workspace = threading.local()
+
+
+@jit
+def _omega_keys(M, keys):
+    """Fill ``keys`` with one unique uint64 sort key per element of M (§5.2 Step 1); return
+    ``(ibits, exact)``.
+
+    Each timestamp becomes an unsigned integer that orders like the float (sign bit set on
+    non-negatives, all bits flipped on negatives; -0.0 is first turned into +0.0, because Ω
+    treats them as equal and orders them by worker id). The minimum key is subtracted and the
+    element's worker-major index p·R + i fills the low ``ibits`` bits, so equal timestamps
+    sort by worker, then column: Ω's order. When the timestamp span and the index together
+    need more than 64 bits, the lowest bits of the timestamp are dropped and ``exact`` is
+    False; timestamps that then share a key prefix sort by index and :func:`_omega_unpack`
+    puts them back in time order.
+    """
+    n, R = M.shape
+    N = n * R
+    flat = M.reshape(N)
+    bits = keys.view(np.float64)
+    for j in range(N):
+        bits[j] = flat[j] + 0.0
+    top = np.uint64(63)
+    sign = np.uint64(1) << top
+    for j in range(N):
+        b = keys[j]
+        keys[j] = ~b if b >> top else b | sign
+    # Rows are non-decreasing: the extreme keys are in the first and last columns.
+    kmin = keys[0]
+    kmax = keys[R - 1]
+    for p in range(1, n):
+        a = keys[p * R]
+        b = keys[p * R + R - 1]
+        if a < kmin:
+            kmin = a
+        if b > kmax:
+            kmax = b
+    span = kmax - kmin
+    nbits = 0
+    while nbits < 64 and (span >> np.uint64(nbits)) != np.uint64(0):
+        nbits += 1
+    ibits = 0
+    while ((N - 1) >> ibits) != 0:
+        ibits += 1
+    shift = max(0, nbits + ibits - 64)
+    ushift = np.uint64(shift)
+    uibits = np.uint64(ibits)
+    for j in range(N):
+        keys[j] = (((keys[j] - kmin) >> ushift) << uibits) | np.uint64(j)
+    return ibits, shift == 0
+
+
+@jit
+def _omega_unpack(M, keys, ibits, ts, ws):
+    """Ω from the sorted keys of :func:`_omega_keys`: ``ts[k]``, ``ws[k]`` are the timestamp
+    (bit for bit, -0.0 included) and worker of the k-th element. Returns False, leaving the
+    arrays unspecified, if restoring time order among truncated keys would take more than
+    4·Rn element moves (the caller then merges instead).
+
+    With truncated keys, elements whose keys share a prefix come out by index. A stable
+    insertion sort on the timestamp restores Ω's order: equal timestamps always share the
+    prefix, so they are already by index (worker, then column) and keep that order. On
+    measured data prefixes are shared only by timestamps a few hundred ulps apart, so the
+    pass moves almost nothing; the budget bounds adversarial inputs.
+    """
+    n, R = M.shape
+    N = n * R
+    flat = M.reshape(N)
+    mask = (np.uint64(1) << np.uint64(ibits)) - np.uint64(1)
+    # Worker of index idx = idx // R, by a multiplication: (idx + 0.5) / R is at least 0.5 / R
+    # from an integer and the product's relative error is below 2^-51, so the floor is exact
+    # for any n·R below 2^48. A 64-bit division here costs more than the gather.
+    inv = 1.0 / R
+    budget = 4 * N
+    last = -np.inf
+    for j in range(N):
+        idx = np.int64(keys[j] & mask)
+        x = flat[idx]
+        w = np.int32((idx + 0.5) * inv)
+        k = j
+        if x < last:  # only with truncated keys
+            while k > 0 and x < ts[k - 1]:
+                ts[k] = ts[k - 1]
+                ws[k] = ws[k - 1]
+                k -= 1
+            budget -= j - k
+            if budget < 0:
+                return False
+        else:
+            last = x
+        ts[k] = x
+        ws[k] = w
+    return True
+
+
+def _buffers(N):
+    """This thread's sort keys and Ω arrays, at least N long, reused from call to call: fresh
+    arrays of this size (3 MB at n = 1000, R = 150) are returned to the OS on free and cost a
+    page fault per 4 KiB on first touch, about 1 ms per search on the measured VM."""
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf[0].shape[0] < N:
+        buf = (np.empty(N, np.uint64), np.empty(N, np.float64), np.empty(N, np.int32))
+        _workspace.buf = buf
+    return buf[0][:N], buf[1][:N], buf[2][:N]
+
+
+def omega(M, sort_min=None):
+    """Ω of §5.2 Step 1 as ``(ts, ws)``: timestamps and worker ids by (timestamp, worker,
+    column). Plain Python around the kernels, because the sort is numpy's.
+
+    Small matrices (fewer than ``sort_min`` elements, default :data:`OMEGA_SORT_MIN`) are
+    merged (:func:`_merge`). Larger ones are sorted as unique integer keys
+    (:func:`_omega_keys`) with ``ndarray.sort``, which uses the CPU's vector sort where numpy
+    has one (AVX-512 here), then unpacked (:func:`_omega_unpack`). Both give the same arrays bit
+    for bit. The sort path returns views of this thread's workspace, valid until its next call.
+    """
+    n, R = M.shape
+    N = n * R
+    if N < (OMEGA_SORT_MIN if sort_min is None else sort_min):
+        return _merge(M)
+    keys, ts, ws = _buffers(N)
+    ibits, _ = _omega_keys(M, keys)
+    keys.sort()
+    if _omega_unpack(M, keys, ibits, ts, ws):
+        return ts, ws
+    return _merge(M)
+
+
 @jit
 def _z_at(M, t_sync):
     """Canonical z: for each row the last index whose timestamp is <= t_sync (binary search)."""
@@ -157,7 +294,7 @@ def _z_at(M, t_sync):
 
 
 @jit
-def _basic(M, want_candidates):
+def _basic(M, ts, ws, want_candidates):
     """ZipLine, Alg. 2 (§5.2): O(Rn^2).
 
     Z is an unordered array of n (timestamp, worker) slots: finding the slot of the incoming
@@ -167,7 +304,6 @@ def _basic(M, want_candidates):
     """
     n, R = M.shape
     N = n * R
-    ts, ws = _merge(M)
     cand = np.empty(N if want_candidates else 0, dtype=np.float64)
     nc = 0
     zt = np.empty(n, dtype=np.float64)
@@ -220,7 +356,7 @@ def _basic(M, want_candidates):
 
 
 @jit
-def _opt(M, want_candidates):
+def _opt(M, ts, ws, want_candidates):
     """ZipLineOpt (§5.3.1): Z kept in arrival order, hence sorted; Thm. 3 pruning.
 
     Case (i), the oldest element of Z is the incoming worker's: drop it from the front and
@@ -231,7 +367,6 @@ def _opt(M, want_candidates):
     """
     n, R = M.shape
     N = n * R
-    ts, ws = _merge(M)
     cand = np.empty(N if want_candidates else 0, dtype=np.float64)
     nc = 0
     zt = np.empty(N, dtype=np.float64)
@@ -302,14 +437,14 @@ def _locate(zt, zk, head, tail, t, key):
 
 
 @jit
-def _optbs(M, want_candidates):
+def _optbs(M, ts, ws, want_candidates):
     """ZipLineOptBS (§5.3.2): ZipLineOpt that locates the old element by binary search.
 
     The incoming element e_i^p tells, through the auxiliary matrix 𝓜, the timestamp of the
     element it replaces, e_{i-1}^p = M[p, i-1]; Z is sorted, so a binary search on (timestamp,
     worker, index) finds it in O(log n) even among equal timestamps (the "rare case" of §5.3.2).
 
-    Departures from §5.3.2, neither of which changes candidates, pruning or result:
+    Departures from §5.3.2, none of which changes candidates, pruning or result:
 
     * The located element is marked dead instead of being removed by shifting its successors.
       Shifting costs O(n) per case (ii), which the paper's (1-α)·O(Rn log n) bound leaves out;
@@ -317,22 +452,30 @@ def _optbs(M, want_candidates):
       shifting would make the variant O(Rn^2) in practice. Dead entries keep their keys, so the
       array stays sorted for the binary search, and the front pointer skips them (amortised
       O(1)).
-    * Z lives in a buffer of 4n + 1 slots. When the buffer is full, the live entries (at most
-      n - 1 at that point) are moved, in order, to its start: O(n) every 3n or more elements,
-      amortised O(1) each. This bounds the searched slice by 4n + 1. Without it the slice
-      grows with every dead entry between the front and the end; once the fastest workers
-      have used up their R predictions their last elements stay the oldest in Z, the front
-      stops moving, and the slice reached 29,000 entries at n = 1000, R = 150 (§6.1 data).
-      Z also needs O(n) memory instead of O(Rn). Measured at that size: the scan alone (Ω
-      given) about 10 % faster; the whole search, Ω included, the same within run-to-run
-      noise, so the gain is the bound, not the speed.
+    * The search starts from a finger. Entries never move except at compaction (below), so
+      the slot where e_{i-1}^p was written is still its slot unless a compaction has run
+      since; that slot is checked first (one compare) and the binary search runs only when
+      the check fails. In §5.3.2 the search is needed on every case (ii) because ZipLineOpt's
+      removals shift the array. At n = 1000, R = 150 (§6.1 data) 8,700 of the 150,000
+      elements still need the binary search, and the scan (Ω given) takes about 1.7 ms
+      instead of 5.8 ms; the 137,000 searches of ~11 dependent loads each were two thirds of
+      it.
+    * Z lives in a buffer of 16n + 1 slots. When the buffer is full, the live entries (at most
+      n - 1 at that point) are moved, in order, to its start: O(n) every 15n or more elements,
+      amortised O(1) each. This bounds the searched slice by 16n + 1 and Z's memory by O(n)
+      instead of O(Rn). Without it the slice grows with every dead entry between the front
+      and the end; once the fastest workers have used up their R predictions their last
+      elements stay the oldest in Z, the front stops moving, and the slice reached 29,000
+      entries at n = 1000, R = 150 (§6.1 data). Each compaction makes the fingers of the
+      entries it moves stale, so the buffer size sets how often the binary search runs:
+      46,000 searches at 4n + 1, 8,700 at 16n + 1, 3,900 at 32n + 1 (scan 3.0, 1.7 and
+      1.6 ms); 16n + 1 keeps Z's arrays within 17 bytes x 16n (272 KB at n = 1000).
     """
     n, R = M.shape
     N = n * R
-    ts, ws = _merge(M)
     cand = np.empty(N if want_candidates else 0, dtype=np.float64)
     nc = 0
-    cap = 4 * n + 1
+    cap = 16 * n + 1
     zt = np.empty(cap, dtype=np.float64)
     zk = np.empty(cap, dtype=np.int64)  # p * R + i: orders equal timestamps as Ω does
     alive = np.zeros(cap, dtype=np.bool_)
@@ -340,6 +483,7 @@ def _optbs(M, want_candidates):
     # M[p, i-1] for each worker's element in Z: the value §5.3.2 reads from 𝓜, kept in an
     # n-element array that stays in L1 cache (the n x R matrix does not).
     prev_t = np.empty(n, dtype=np.float64)
+    finger = np.zeros(n, dtype=np.int64)  # slot each worker's element in Z was written to
     head = 0
     tail = 0
     size = 0
@@ -357,11 +501,11 @@ def _optbs(M, want_candidates):
             evaluate = size == n
         else:
             old = key - 1
-            if zk[head] == old:
-                j = head  # case (i) once Z is complete
-                evaluate = size == n
-            else:
+            j = finger[w]
+            # Slots below tail hold distinct entries, so a matching key is the element itself.
+            if not (j < tail and zk[j] == old):
                 j = _locate(zt, zk, head, tail, prev_t[w], old)
+            evaluate = size == n and j == head  # case (i): the oldest element is replaced
             alive[j] = False
             if j == head:
                 head += 1
@@ -382,6 +526,7 @@ def _optbs(M, want_candidates):
             head = 0
             tail = live
         prev_t[w] = t
+        finger[w] = tail
         zt[tail] = t
         zk[tail] = key
         alive[tail] = True
@@ -402,7 +547,7 @@ def _optbs(M, want_candidates):
 
 
 @jit
-def _window(M, want_candidates):
+def _window(M, ts, ws, want_candidates):
     """k-way merge + two-pointer window: O(Rn log n) merge, O(Rn) scan (mpsync's own variant).
 
     The right pointer walks Ω; ``count[p]`` is how many elements of worker p lie in the window.
@@ -413,7 +558,6 @@ def _window(M, want_candidates):
     """
     n, R = M.shape
     N = n * R
-    ts, ws = _merge(M)
     cand = np.empty(N if want_candidates else 0, dtype=np.float64)
     nc = 0
     count = np.zeros(n, dtype=np.int32)

@@ -22,8 +22,12 @@ the brute-force search over all R^n solutions (§5.1 "naive search"), in
 
 Departures from the paper, each explained where it is implemented:
 
-* Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by construction, instead of
-  sorting all Rn elements: the same order in O(Rn log n) instead of O(Rn log Rn).
+* Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by construction, for small
+  matrices (O(Rn log n)); from 256 elements up, by numpy's sort of one unique uint64 key per
+  element (timestamp bits, then worker-major index), which is faster on CPUs where numpy's
+  sort is vectorized although it is O(Rn log Rn). Same order either way (``omega``).
+* ZipLineOptBS checks the slot its old element was written to before binary searching
+  (``_optbs``).
 * ``z`` is canonical (each worker's last push not after t_sync), see ``_zipline_kernels``.
 * ZipLineOptBS marks removed elements dead instead of shifting the array (``_optbs``).
 * GridScan's "close to" (Alg. 1 line 10; the algorithm box is not in the text) is read as
@@ -52,13 +56,16 @@ ZIPLINE_VARIANTS: tuple[str, ...] = ("basic", "opt", "optbs", "gridscan", "fullg
 EXACT_VARIANTS: tuple[str, ...] = ("basic", "opt", "optbs", "fullgridscan", "window")
 FASTEST_EXACT_VARIANT = "window"
 
-_KERNELS = {
+# Variants that scan Ω (§5.2 Step 1) take it as arguments; the grid baselines read 𝓜 only.
+_OMEGA_KERNELS = {
     "basic": _k._basic,
     "opt": _k._opt,
     "optbs": _k._optbs,
+    "window": _k._window,
+}
+_GRID_KERNELS = {
     "gridscan": _k._gridscan,
     "fullgridscan": _k._fullgridscan,
-    "window": _k._window,
 }
 
 
@@ -131,9 +138,14 @@ def zipline(M, variant: str = "optbs", return_candidates: bool = False) -> ZipLi
     ValueError
         Unknown variant; M empty, not 2-D, R < 1, containing NaN/inf, or with a decreasing row.
     """
-    kernel = _KERNELS.get(variant)
-    if kernel is None:
+    kernel = _OMEGA_KERNELS.get(variant)
+    grid = _GRID_KERNELS.get(variant)
+    if kernel is None and grid is None:
         raise ValueError(f"unknown ZipLine variant {variant!r}; expected one of {ZIPLINE_VARIANTS}")
     a = check_matrix(M)
-    z, d, t_sync, cand = kernel(a, bool(return_candidates))
+    if grid is not None:
+        z, d, t_sync, cand = grid(a, bool(return_candidates))
+    else:
+        ts, ws = _k.omega(a)
+        z, d, t_sync, cand = kernel(a, ts, ws, bool(return_candidates))
     return ZipLineResult(z, float(d), float(t_sync), cand if return_candidates else None)
