@@ -396,6 +396,74 @@ def outsider() -> None:
     client.shutdown()
 
 
+def late_payload() -> None:
+    """A PS push header whose DATA comes late, then one whose DATA never comes (PS, asp):
+    rank 1 keeps stepping, pushing and pulling meanwhile and times every answer; rank 2 sends
+    the raw headers.  The server must go on serving rank 1, apply the late push when its DATA
+    arrives, and drop the other header after ``deadline`` (args: hold=S deadline=S)."""
+    from mpsync.server import _wire as W
+
+    o = _args()
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    rank = world.Get_rank()
+    others = world.Split(0 if rank == 0 else 1, rank)
+    hold, deadline = float(o.get("hold", "1.5")), float(o.get("deadline", "2.0"))
+    cfg = SyncConfig.from_options(env={}, policy="asp", topology="ps", deadline=deadline,
+                                  silent_timeout=60.0)
+    if rank == 0:
+        logs = []
+        stats = StateServer(control, cfg, log=logs.append).serve()
+        with open(o["out"], "w") as f:
+            json.dump({"log": logs, "ps_version": stats["ps_version"],
+                       "pushes": {r: w["pushes"] for r, w in stats["workers"].items()},
+                       "rejected": stats["rejected_messages"]}, f)
+        return
+    client = SyncClient(control, cfg)
+    model = np.zeros(4)
+    if rank == 1:
+        client.ps_init(model)
+    others.Barrier()
+    if rank == 1:
+        others.Barrier()   # rank 2's first header is on its way
+        answers, k = [], 0
+        end = time.perf_counter() + hold + deadline + 1.0
+        while time.perf_counter() < end:
+            k += 1
+            t0 = time.perf_counter()
+            client.step(k, 0.0)
+            client.push(np.ones(4), k)
+            client.pull(model, k)
+            answers.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+        print(f"rank 1: {k} iterations, slowest {max(answers) * 1e3:.1f} ms", flush=True)
+        others.Barrier()
+        client.pull(model, k + 1, final=True)
+        with open(o["out"] + ".worker", "w") as f:
+            json.dump({"iterations": k, "slowest_s": max(answers), "model": model.tolist()}, f)
+    else:
+        header = np.array([1000, 1, 0, 0, 0, 0, 4, 0], dtype=np.float64)
+        reply = np.zeros(W.MSG_LEN)
+        req = control.Irecv([reply, MPI.DOUBLE], source=0, tag=W.REPLY)
+        control.Send([header, MPI.DOUBLE], dest=0, tag=W.PUSH)
+        others.Barrier()
+        time.sleep(hold)
+        assert not req.Test(), "the push was answered before its payload was sent"
+        control.Send([np.full(4, 100.0), MPI.DOUBLE], dest=0, tag=W.DATA)
+        req.Wait()
+        assert reply[W.R_SEQ] == 1000, reply
+        # A header whose payload never comes: dropped after the deadline, never answered.
+        header[W.SEQ] = 1001
+        req = control.Irecv([reply, MPI.DOUBLE], source=0, tag=W.REPLY)
+        control.Send([header, MPI.DOUBLE], dest=0, tag=W.PUSH)
+        time.sleep(deadline + 0.5)
+        assert not req.Test(), "a push without payload was answered"
+        req.Cancel()
+        req.Wait()
+        others.Barrier()
+    client.shutdown()
+
+
 def load() -> None:
     """Every non-zero rank sends ``queries`` steps; replies must match one-to-one."""
     import resource

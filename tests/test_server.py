@@ -290,6 +290,22 @@ def test_a_stalled_worker_on_the_ps_is_taken_out_and_the_others_keep_training(tm
     assert len(syncs_during) >= 10
 
 
+def test_a_push_header_waiting_for_its_payload_does_not_stop_the_server(tmp_path):
+    out = tmp_path / "late.json"
+    run_mpi("server_programs:late_payload", np=3, timeout=120,
+            args=["hold=1.5", "deadline=2.0", f"out={out}"])
+    stats = json.loads(out.read_text())
+    worker = json.loads((tmp_path / "late.json.worker").read_text())
+    # Rank 1 was answered throughout: nothing waited for rank 2's payloads (1.5 s, 2 s).
+    assert worker["slowest_s"] < 1.0, worker
+    assert worker["iterations"] >= 50, worker
+    # The late push was applied when its payload came; the one without payload was not.
+    assert stats["pushes"] == {"1": worker["iterations"], "2": 1}, stats
+    assert worker["model"] == [worker["iterations"] + 100.0] * 4
+    dropped = [line for line in stats["log"] if "no payload within 2s" in line]
+    assert len(dropped) == 1 and "rank 2" in dropped[0] and "push" in dropped[0], stats["log"]
+
+
 def test_colocated_server_thread_on_a_training_rank(tmp_path):
     out = tmp_path / "colocated.json"
     run_mpi("server_programs:policy_run", np=3, timeout=120,

@@ -18,26 +18,32 @@ from __future__ import annotations
 import numpy as np
 
 from mpsync import sched
+from mpsync.server._stats import mirrored
 from mpsync.server._wire import LOCAL, SYNC
 
 __all__ = ["WorkerTable", "make_policy", "POLICY_CLASSES"]
 
 
 class WorkerTable:
-    """What the server knows of each worker, on its own clock (``MPI.Wtime`` on receipt)."""
+    """What the server knows of each worker, on its own clock (``MPI.Wtime`` on receipt).
+
+    Each table is a numpy array for the policies' whole-table work; the cells the serve loop
+    touches on every message are also reachable through ``array.array`` handles (the
+    underscored names, same memory: ``_stats.mirrored``), which is 4-10x cheaper per cell.
+    """
 
     def __init__(self, n: int):
         self.n = n
-        self.iteration = np.zeros(n, dtype=np.int64)       # last reported local iteration
-        self.last_event = np.full(n, np.nan)               # last report or reset, server clock
-        self.interval = np.full(n, np.nan)                  # latest event-to-report interval
-        self.compute = np.zeros(n, dtype=np.float64)        # last compute time, worker-measured
-        self.round = np.zeros(n, dtype=np.int64)
+        self._iteration, self.iteration = mirrored("q", n)      # last reported local iteration
+        self._last_event, self.last_event = mirrored("d", n, float("nan"))  # last report/reset
+        self._interval, self.interval = mirrored("d", n, float("nan"))  # event-to-report interval
+        self._compute, self.compute = mirrored("d", n)          # last compute, worker-measured
+        self._round, self.round = mirrored("q", n)
         self.pushes = np.zeros(n, dtype=np.int64)           # PS: updates applied (DSSP t_i)
         self.push_table = np.zeros((n, 2), dtype=np.float64)  # PS: two latest push times
         self.registered = np.zeros(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)                 # sent shutdown
-        self.removed = np.zeros(n, dtype=bool)              # taken out (silent)
+        self._removed, self.removed = mirrored("b", n)      # taken out (silent)
         self.final_pushed = np.zeros(n, dtype=bool)         # PS: sent its last update
 
     @property
@@ -45,11 +51,12 @@ class WorkerTable:
         return ~(self.done | self.removed)
 
     def record_report(self, w: int, k: int, compute: float, now: float) -> None:
-        if not np.isnan(self.last_event[w]):
-            self.interval[w] = now - self.last_event[w]
-        self.last_event[w] = now
-        self.iteration[w] = k
-        self.compute[w] = compute
+        last = self._last_event[w]
+        if last == last:  # not NaN: an earlier event opened this interval
+            self._interval[w] = now - last
+        self._last_event[w] = now
+        self._iteration[w] = k
+        self._compute[w] = compute
 
 
 class Policy:
