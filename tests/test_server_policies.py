@@ -1,4 +1,5 @@
-"""The server's policy objects driven in one process by an exact, noise-free clock.
+"""The server's policy objects driven in one process by an exact, noise-free clock, and the
+serve loop's request check against its readable reference.
 
 The multi-rank tests in test_server.py run the same policies on a real machine, where each
 interval the server measures carries scheduling noise; here the timestamps are exact, so an
@@ -74,3 +75,23 @@ def test_ebsp_with_a_4x_straggler_gives_the_fast_workers_about_4x_the_iterations
     ran = np.sum(per_round[1:], axis=0)
     assert ran[0] == ran[1]
     assert 3.5 <= ran[0] / ran[3] <= 4.5 and 1.75 <= ran[2] / ran[3] <= 2.25, ran.tolist()
+
+
+def test_the_fast_request_check_accepts_exactly_what_the_reference_accepts():
+    from hypothesis import given, settings, strategies as st
+
+    from mpsync.server._loop import _request_ok, _what_is_wrong
+
+    special = st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, -1e-300, 2.0 ** 53 - 1, 2.0 ** 53,
+                               2.0 ** 60, 1e300, float("nan"), float("inf"), float("-inf")])
+    slot = st.one_of(special, st.floats(), st.integers(0, 100).map(float))
+
+    @settings(max_examples=3000, deadline=None, database=None)
+    @given(st.lists(slot, min_size=8, max_size=8))
+    def check(msg):
+        assert _request_ok(msg) == (_what_is_wrong(msg) is None), (msg, _what_is_wrong(msg))
+
+    check()
+    assert _request_ok([1.0, 2.0, 0.01, 0.0, 0.0, 0.0, 0.0, 1.0])
+    assert _what_is_wrong([1.0, 2.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).startswith("iteration 2.5")
+    assert _what_is_wrong([1.0, 2.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0]) == "negative time"
