@@ -4,13 +4,18 @@ Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
 
 1. baseline: a raw mpi4py ``Send``/``Recv`` ping-pong of the same 64-byte buffer between
    rank 0 and rank 1 (round trip, µs);
-2. rank 0 serves (policy bsp) while ranks 1..N-1 first sleep (the server's idle CPU is
+2. the Python floor: rank 0 answers rank 1 from the smallest polling loop a Python server can
+   have (``Iprobe``, ``Recv``, ``Send``, nothing else), rank 1 asks the way the client does
+   (``Irecv``, ``Send``, poll ``Test``): what any Python server costs before it decides
+   anything;
+3. rank 0 serves (policy bsp) while ranks 1..N-1 first sleep (the server's idle CPU is
    measured), then send ``--queries`` step queries each as fast as replies come back (round
    trip per query, p50/p99 µs; queries per second over all clients; the server's CPU while
    loaded).
 
 JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw_p99_us``,
-``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``, ``clients``).
+``python_floor_p50_us``, ``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``,
+``clients``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  query round trip  p50 {result['p50_us']:.1f} µs  p99 {result['p99_us']:.1f} µs")
         print(f"  raw ping-pong     p50 {result['raw_p50_us']:.1f} µs  (same run)  "
               f"ratio {result['p50_ratio']:.2f}x")
+        print(f"  Python floor      p50 {result['python_floor_p50_us']:.1f} µs  (empty polling "
+              f"server, same run)")
         print(f"  throughput        {result['queries_per_s']:.0f} queries/s")
         print(f"  server CPU        idle {result['server_cpu_idle_pct']:.1f}%  "
               f"loaded {result['server_cpu_load_pct']:.1f}% of a core")
@@ -96,7 +103,28 @@ def _rank_program(queries: int) -> None:
                 world.Send([buf, MPI.DOUBLE], dest=1, tag=2)
     world.Barrier()
 
-    # 2. The server.
+    # 2. The Python floor: the least a polling Python server and client do per query.
+    floor = []
+    if rank in (0, 1):
+        rep = np.zeros(8)
+        status = MPI.Status()
+        for i in range(12000):
+            if rank == 1:
+                t0 = time.perf_counter()
+                req = world.Irecv([rep, MPI.DOUBLE], source=0, tag=4)
+                world.Send([buf, MPI.DOUBLE], dest=0, tag=5)
+                while not req.Test():
+                    pass
+                if i >= 2000:
+                    floor.append(time.perf_counter() - t0)
+            else:
+                while not world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                    pass
+                world.Recv([buf, MPI.DOUBLE], source=status.Get_source(), tag=status.Get_tag())
+                world.Send([rep, MPI.DOUBLE], dest=status.Get_source(), tag=4)
+    world.Barrier()
+
+    # 3. The server.
     control = world.Dup()
     cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", silent_timeout=600.0,
                                   deadline=600.0)
@@ -148,6 +176,7 @@ def _rank_program(queries: int) -> None:
             "p99_us": float(np.percentile(lat_all, 99)),
             "raw_p50_us": float(np.percentile(raw, 50)),
             "raw_p99_us": float(np.percentile(raw, 99)),
+            "python_floor_p50_us": float(np.percentile(np.array(floor) * 1e6, 50)),
             "queries_per_s": float(lat_all.size / (last - first)),
             "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
         }

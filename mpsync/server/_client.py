@@ -5,7 +5,8 @@ in the unexpected queue, where a co-located server's probe would see it), and wa
 reply by polling with a deadline: a server that does not answer raises
 :class:`DeadlineExceeded` naming the server rank and the call, instead of hanging.
 
-The wait polls without sleeping for 2 ms, yielding the core between polls: a decision usually
+The wait polls without sleeping for 2 ms, yielding the core between polls after the first
+50 µs: a decision usually
 comes back within tens of microseconds, and a sleep, however short, costs a scheduler
 wake-up (on a busy VM a 20 µs sleep returns after ~120 µs, at times a 4 ms tick).  Replies
 the server holds (a barrier, a staleness bound) take longer; after 2 ms the wait sleeps,
@@ -29,6 +30,7 @@ __all__ = ["SyncClient", "Decision", "ServerError", "DeadlineExceeded", "LOCAL",
 
 LOCAL = W.LOCAL
 SYNC = W.SYNC
+_BUSY_S = 50e-6          # poll without yielding this long: a prompt reply comes in ~10 µs
 _SPIN_S = 2e-3           # poll without sleeping this long (module doc)
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
@@ -146,9 +148,12 @@ class SyncClient:
         clock, test = time.perf_counter, request.Test
         start = clock()
         if not test():
+            busy_until = start + _BUSY_S
             spin_until = start + _SPIN_S
             while not test():
                 now = clock()
+                if now < busy_until:
+                    continue
                 if now < spin_until:
                     os.sched_yield()  # a busy node: let whatever else is runnable go first
                     continue
