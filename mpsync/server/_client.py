@@ -6,9 +6,9 @@ reply by polling with a deadline: a server that does not answer raises
 :class:`DeadlineExceeded` naming the server rank and the call, instead of hanging.
 
 The wait polls without sleeping for 2 ms, yielding the core between polls after the first
-50 µs: a decision usually
-comes back within tens of microseconds, and a sleep, however short, costs a scheduler
-wake-up (on a busy VM a 20 µs sleep returns after ~120 µs, at times a 4 ms tick).  Replies
+50 µs: a decision usually comes back within tens of microseconds, and a sleep, however
+short, costs a scheduler wake-up (on a busy VM a 20 µs sleep returns after ~120 µs, at
+times a 4 ms tick).  Replies
 the server holds (a barrier, a staleness bound) take longer; after 2 ms the wait sleeps,
 20 µs doubling to 1 ms, so a held worker does not keep a core busy.
 """
