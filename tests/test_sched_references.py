@@ -127,7 +127,8 @@ def signed_matrix(seed: int) -> np.ndarray:
 
 
 def same_bits(a, b) -> bool:
-    return np.array_equal(np.asarray(a, dtype=np.float64).view(np.uint64), np.asarray(b, dtype=np.float64).view(np.uint64))
+    bits = [np.asarray(x, dtype=np.float64).view(np.uint64) for x in (a, b)]
+    return np.array_equal(*bits)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
