@@ -95,3 +95,24 @@ def test_the_fast_request_check_accepts_exactly_what_the_reference_accepts():
     assert _request_ok([1.0, 2.0, 0.01, 0.0, 0.0, 0.0, 0.0, 1.0])
     assert _what_is_wrong([1.0, 2.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).startswith("iteration 2.5")
     assert _what_is_wrong([1.0, 2.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0]) == "negative time"
+
+
+def test_next_report_due_is_the_earliest_computing_workers_last_event_plus_its_compute():
+    from mpsync.server._loop import next_report_due
+    from mpsync.server._policies import WorkerTable
+
+    t = WorkerTable(4)
+    in_sync, held = np.zeros(4, dtype=bool), np.zeros(4, dtype=bool)
+    assert next_report_due(t, in_sync, held) is None          # nothing known yet
+    t.last_event[:] = [10.0, 10.2, 10.1, 9.0]
+    t.compute[:] = [0.5, 0.1, 0.0, 0.2]
+    t.interval[:] = [0.6, 0.2, 0.7, np.nan]
+    assert next_report_due(t, in_sync, held) == pytest.approx(9.2)   # worker 3
+    t.done[3] = True
+    assert next_report_due(t, in_sync, held) == pytest.approx(10.3)  # worker 1: 10.2 + 0.1
+    in_sync[1] = True                                  # aggregating: its next message is a reset
+    assert next_report_due(t, in_sync, held) == pytest.approx(10.5)  # worker 0
+    held[0] = True                                     # waiting for the server
+    assert next_report_due(t, in_sync, held) == pytest.approx(10.8)  # worker 2: no compute time
+    t.removed[2] = True
+    assert next_report_due(t, in_sync, held) is None

@@ -11,10 +11,14 @@ Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
 3. rank 0 serves (policy bsp) while ranks 1..N-1 first sleep (the server's idle CPU is
    measured), then send ``--queries`` step queries each as fast as replies come back (round
    trip per query, p50/p99 µs; queries per second over all clients; the server's CPU while
-   loaded).
+   loaded);
+4. paced like training: each client sleeps ``--pace-ms`` (its "compute"), then queries,
+   ``--paced-iters`` times (round trip p50/p99 and the server's CPU).  ``--no-wake-ahead``
+   turns off the server's wake-up for reports that are due, to measure what it buys.
 
 JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw_p99_us``,
 ``python_floor_p50_us``, ``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``,
+``paced_p50_us``, ``paced_p99_us``, ``server_cpu_paced_pct``, ``pace_ms``, ``wake_ahead``,
 ``clients``).
 """
 
@@ -35,6 +39,12 @@ _IDLE_S = 2.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--np", type=int, default=5, help="ranks: 1 server + N-1 clients (default 5)")
     parser.add_argument("--queries", type=int, default=20000, help="queries per client")
+    parser.add_argument("--pace-ms", type=float, default=5.0,
+                        help="paced phase: each client's emulated iteration time (default 5)")
+    parser.add_argument("--paced-iters", type=int, default=200,
+                        help="paced phase: iterations per client (default 200)")
+    parser.add_argument("--no-wake-ahead", action="store_true",
+                        help="the server does not wake up for reports that are due")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the mpirun")
@@ -46,8 +56,14 @@ def run(args: argparse.Namespace) -> int:
     if args.np < 2:
         print("mpsync bench server: --np must be >= 2 (a server and a client)", file=sys.stderr)
         return 2
+    if args.pace_ms < 0 or args.paced_iters < 1:
+        print("mpsync bench server: --pace-ms must be >= 0 and --paced-iters >= 1",
+              file=sys.stderr)
+        return 2
     argv = mpirun_argv(args.np, python_argv("mpsync.bench.server", "--rank-program",
-                                            str(args.queries)),
+                                            str(args.queries), str(args.pace_ms),
+                                            str(args.paced_iters),
+                                            str(int(not args.no_wake_ahead))),
                        forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = run_with_deadline(argv, args.timeout, env=env)
@@ -73,10 +89,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"  throughput        {result['queries_per_s']:.0f} queries/s")
         print(f"  server CPU        idle {result['server_cpu_idle_pct']:.1f}%  "
               f"loaded {result['server_cpu_load_pct']:.1f}% of a core")
+        wake = "on" if result["wake_ahead"] else "off"
+        print(f"  paced {result['pace_ms']:g} ms     p50 {result['paced_p50_us']:.1f} µs  "
+              f"p99 {result['paced_p99_us']:.1f} µs  server CPU "
+              f"{result['server_cpu_paced_pct']:.1f}%  (wake-ahead {wake})")
     return 0
 
 
-def _rank_program(queries: int) -> None:
+def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -129,7 +149,7 @@ def _rank_program(queries: int) -> None:
     cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", silent_timeout=600.0,
                                   deadline=600.0)
     if rank == 0:
-        server = StateServer(control, cfg)
+        server = StateServer(control, cfg, wake_ahead=wake_ahead)
         samples = []
         done = threading.Event()
 
@@ -162,11 +182,30 @@ def _rank_program(queries: int) -> None:
     end = time.time()
     all_lat = clients.gather(lat, root=0)
     spans = clients.gather((start, end), root=0)
+    # 4. Paced: an emulated iteration (a sleep: accelerator time, the CPU is free), a query.
+    clients.Barrier()
+    paced = np.empty(paced_iters)
+    paced_start = time.time()
+    ready = time.perf_counter()
+    for k in range(paced_iters):
+        time.sleep(pace_ms * 1e-3)
+        t0 = time.perf_counter()
+        # The compute time as a worker measures it: since its last exchange with the server.
+        decision = client.step(queries + 200 + k, t0 - ready)
+        paced[k] = time.perf_counter() - t0
+        if decision.sync:   # as a BSP worker does after its allreduce (here: none)
+            client.reset(decision.round + 1, 0.0)
+        ready = time.perf_counter()
+    paced_end = time.time()
+    all_paced = clients.gather(paced[min(10, paced_iters - 1):], root=0)  # after the first
+    paced_spans = clients.gather((paced_start, paced_end), root=0)        # intervals are known
     client.shutdown()
     if rank == 1:
         first = min(s for s, _ in spans)
         last = max(e for _, e in spans)
-        world.bcast({"idle": (t_idle0 + 0.3, t_idle1 - 0.2), "load": (first, last)}, root=1)
+        paced_window = (max(s for s, _ in paced_spans), min(e for _, e in paced_spans))
+        world.bcast({"idle": (t_idle0 + 0.3, t_idle1 - 0.2), "load": (first, last),
+                     "paced": paced_window}, root=1)
         cpu = world.recv(source=0, tag=3)
         lat_all = np.concatenate(all_lat) * 1e6
         raw = np.array(rtts) * 1e6
@@ -180,6 +219,13 @@ def _rank_program(queries: int) -> None:
             "queries_per_s": float(lat_all.size / (last - first)),
             "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
         }
+        paced_all = np.concatenate(all_paced) * 1e6
+        result.update({
+            "pace_ms": pace_ms, "wake_ahead": wake_ahead,
+            "paced_p50_us": float(np.percentile(paced_all, 50)),
+            "paced_p99_us": float(np.percentile(paced_all, 99)),
+            "server_cpu_paced_pct": cpu["paced"],
+        })
         result["p50_ratio"] = result["p50_us"] / result["raw_p50_us"]
         print(json.dumps(result), flush=True)
     else:
@@ -200,8 +246,9 @@ def _cpu_pct(samples, window) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--rank-program":
-        _rank_program(int(sys.argv[2]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--rank-program":
+        _rank_program(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
+                      sys.argv[5] == "1")
     else:
         parser = argparse.ArgumentParser(prog="python -m mpsync.bench.server")
         add_arguments(parser)

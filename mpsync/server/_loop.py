@@ -1,16 +1,20 @@
 """The serve loop: receive, validate, dispatch to the policy, reply (STYLE.md practice 5).
 
 One thread, one communicator.  The loop never blocks in MPI (Open MPI's blocking receive
-polls a core at 100 %): it polls with ``Iprobe`` and has three speeds.
+polls a core at 100 %): it polls with ``Iprobe`` and has four speeds.
 
 * Hot: for ``hot_s`` after each message it polls without sleeping, yielding the core to any
-  other runnable process between polls.  Workers query once per iteration, so in a burst the
-  next query usually comes within this window and is answered without a scheduler wake-up
-  (a ``time.sleep`` of 20 µs returns after ~120 µs on a busy VM).  1 ms for the dedicated
-  server; 100 µs co-located, where polling would also hold the trainer's GIL.
+  other runnable process between polls.  In a burst (workers at a barrier, short iterations)
+  the next message usually comes within this window and is answered without a scheduler
+  wake-up (a ``time.sleep`` of 20 µs returns after ~120 µs on a busy VM).  200 µs for the
+  dedicated server; 100 µs co-located, where polling would also hold the trainer's GIL.
 * Backing off: then it sleeps, 50 µs doubling to 1 ms.
 * Idle: after 50 ms without any message the sleep may grow to 4 ms, so an idle server costs a
   few percent of a core at most and a co-located trainer keeps its CPU.
+* Expected (dedicated server): no sleep runs past the moment a computing worker's next report
+  is due (its last event plus its last compute time); the loop polls again from 0.3 ms
+  before that until 1 ms after.  A worker with 10 ms iterations would otherwise find the server
+  asleep for up to 1 ms at every query.
 
 A payload header (PS init/push, OSP importance) whose DATA message has not arrived yet is
 parked, not waited for: the loop keeps serving everyone else and finishes the request when
@@ -38,7 +42,7 @@ from mpsync.server._stats import EventLog, ServerCounters, mirrored
 
 __all__ = ["StateServer", "start_colocated", "ColocatedServer"]
 
-_HOT_DEDICATED_S = 1e-3   # poll without sleeping this long after a message (module doc)
+_HOT_DEDICATED_S = 200e-6   # poll without sleeping this long after a message (module doc)
 _HOT_COLOCATED_S = 100e-6
 _SLEEP_MIN_S = 50e-6
 _SLEEP_MAX_S = 1e-3
@@ -52,6 +56,12 @@ _SLEEP_MAX_S = 1e-3
 # per iteration, so the extra delay stays a small fraction of their time.
 _IDLE_AFTER_S = 0.05
 _SLEEP_IDLE_MAX_S = 4e-3
+# Waking up for a report that is due (serve): sleep until this long before it, poll from then
+# on until this long after it.  The margin covers a sleep's overshoot (~0.1 ms median here);
+# the slack, a late worker (iteration-time jitter); past it the loop backs off as usual.  Each
+# expected report costs at most margin + slack of polling, with yields.
+_WAKE_MARGIN_S = 300e-6
+_DUE_SLACK_S = 1e-3
 _HOUSEKEEPING_S = 0.1   # how often silent workers and expired payload headers are looked for
 _SLOT_NAMES = {W.SEQ: "sequence number", W.ITER: "iteration", W.ROUND: "round",
                W.COUNT: "count", W.FLAG: "flag"}
@@ -67,9 +77,12 @@ class StateServer:
 
     ``comm`` is the control communicator (callers pass a ``Dup()`` so user traffic can never
     match the server's receives); ``workers`` are the ranks of ``comm`` that train.
+    ``wake_ahead``: the dedicated server polls for reports that are due instead of sleeping
+    through them (module doc); off, it saves that polling's CPU and answers them later.
     """
 
-    def __init__(self, comm, config, *, server_rank: int = 0, workers=None, log=None):
+    def __init__(self, comm, config, *, server_rank: int = 0, workers=None, log=None,
+                 wake_ahead: bool = True):
         config.validate()
         self.comm = comm
         self.config = config
@@ -113,6 +126,7 @@ class StateServer:
         self._data_status = MPI.Status()
         self._check_gone = False   # set by a shutdown: the loop then checks whether all are gone
         self.hot_s = _HOT_DEDICATED_S if config.server == "dedicated" else _HOT_COLOCATED_S
+        self.wake_ahead = bool(wake_ahead) and config.server == "dedicated"
         # Payload headers waiting for their DATA message, per source rank, oldest first:
         # (tag, worker, header, receipt time, give-up time).
         self.parked: dict[int, collections.deque] = {}
@@ -123,20 +137,24 @@ class StateServer:
     def serve(self) -> dict:
         """Serve until every worker has shut down; returns :meth:`stats`.
 
-        Three speeds (module doc): right after a message the loop polls without sleeping for
-        ``hot_s`` (replies in a burst of queries cost no scheduler wake-up); then it sleeps,
-        50 µs doubling to 1 ms; after 50 ms of silence up to 4 ms.  Bookkeeping that needs no
-        message (silent workers, expired payload headers, whether everyone is gone) runs
-        every 100 ms, off the per-message path.
+        Speeds (module doc): right after a message the loop polls without sleeping for
+        ``hot_s``; then it sleeps, 50 µs doubling to 1 ms, after 50 ms of silence up to 4 ms,
+        but (dedicated server) never past the moment a worker's next report is due: from
+        shortly before then it polls again.  Bookkeeping that needs no message (silent
+        workers, expired payload headers, whether everyone is gone) runs every 100 ms, off
+        the per-message path.
         """
         comm, status = self.comm, self._status
         iprobe, get_source, get_tag = comm.Iprobe, status.Get_source, status.Get_tag
         get_count, any_source, any_tag = status.Get_count, MPI.ANY_SOURCE, MPI.ANY_TAG
-        receive, clock, me, hot_s = self._receive, time.perf_counter, comm.Get_rank(), self.hot_s
+        receive, clock, me, hot_s = self._receive, MPI.Wtime, comm.Get_rank(), self.hot_s
         spin_pause = os.sched_yield if self.config.server == "dedicated" else _no_pause
+        wake_ahead = self.wake_ahead
         last_msg = clock()
         sleep = _SLEEP_MIN_S
         next_housekeeping = last_msg + _HOUSEKEEPING_S
+        due = None           # when the next report is expected (None: unknown or none)
+        due_stale = True     # the tables changed since ``due`` was computed
         while not self._stop:
             if iprobe(any_source, any_tag, status):
                 src, tag = get_source(), get_tag()
@@ -144,6 +162,7 @@ class StateServer:
                     receive(src, tag, get_count(MPI.BYTE))
                     last_msg = clock()
                     sleep = _SLEEP_MIN_S
+                    due_stale = True
                     if self._check_gone:  # a shutdown arrived: was it the last one?
                         self._check_gone = False
                         if self._all_gone():
@@ -151,20 +170,32 @@ class StateServer:
                     continue
             now = clock()
             if now >= next_housekeeping:
-                wtime = MPI.Wtime()
-                self._find_silent(wtime)
-                self._expire_parked(wtime)
-                self._sample_memory(wtime)
+                self._find_silent(now)
+                self._expire_parked(now)
+                self._sample_memory(now)
                 if self._all_gone():
                     break
                 next_housekeeping = now + _HOUSEKEEPING_S
+                due_stale = True
             quiet = now - last_msg
             if quiet < hot_s:
                 # Another process may be runnable on this core (workers on an oversubscribed
                 # node): let it run rather than burn the slice polling.
                 spin_pause()
                 continue
-            time.sleep(sleep)
+            nap = sleep
+            if wake_ahead:
+                if due_stale:
+                    due = next_report_due(self.table, self.in_sync, self.waiting_on_us)
+                    due_stale = False
+                if due is not None:
+                    ahead = due - now
+                    if -_DUE_SLACK_S < ahead < _WAKE_MARGIN_S:
+                        spin_pause()  # a report is due about now: poll for it
+                        continue
+                    if ahead > 0:
+                        nap = min(nap, ahead - _WAKE_MARGIN_S)
+            time.sleep(nap)
             sleep = min(sleep * 2, _SLEEP_IDLE_MAX_S if quiet > _IDLE_AFTER_S else _SLEEP_MAX_S)
         return self.stats()
 
@@ -544,6 +575,25 @@ def _request_ok(msg: list) -> bool:
             0.0 <= seq < _MAX and 0.0 <= it < _MAX and 0.0 <= rnd < _MAX and
             0.0 <= count < _MAX and 0.0 <= flag < _MAX and seq.is_integer() and
             it.is_integer() and rnd.is_integer() and count.is_integer() and flag.is_integer())
+
+
+def next_report_due(table, in_sync: np.ndarray, held: np.ndarray) -> float | None:
+    """When the next report is expected, on the server clock, or None: the earliest, over the
+    workers that are computing (not told SYNC, not ``held``, not gone), of their last event
+    (report, reset or release) plus their last compute time as they measured it, or, if they
+    report none, their last interval.  Iteration times repeat closely in data-parallel
+    training (the premise of the ZipLine paper's lookahead, §4).  The worker's own compute
+    time, not the interval between two receipts, because a receipt is late by however long
+    the server slept: an interval would carry that delay into the next prediction, and the
+    next, and the server would wake up later each time."""
+    computing = ~(table.done | table.removed | in_sync | held)
+    if not computing.any():
+        return None
+    compute = table.compute[computing]
+    due = table.last_event[computing] + np.where(compute > 0, compute,
+                                                 table.interval[computing])
+    due = due[~np.isnan(due)]
+    return float(due.min()) if due.size else None
 
 
 def _what_is_wrong(msg: list) -> str | None:
