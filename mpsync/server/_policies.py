@@ -328,10 +328,19 @@ class ESync(Policy):
         self.rtt = np.zeros(n, dtype=np.float64)
         self.local_per_round: list[list[int]] = [[] for _ in range(n)]
         self.slowest_wait: list[float] = []   # server-side: slowest's READY -> last READY
+        self._member_cache = None
 
-    def _view(self):
-        ws = np.flatnonzero(self.t.active)
-        return ws
+    def _members(self):
+        """The active workers, each one's position among them, and whether that is everyone;
+        recomputed only when the membership changes (a shutdown, a removal, a rejoin), not
+        on every query."""
+        if self._member_cache is None:
+            ws = np.flatnonzero(self.t.active)
+            self._member_cache = (ws, {int(w): i for i, w in enumerate(ws)}, ws.size == self.t.n)
+        return self._member_cache
+
+    def on_membership_change(self):
+        self._member_cache = None
 
     def warm_up(self):
         k, c, f = np.ones(2, dtype=np.int64), np.ones(2), np.zeros(2)
@@ -343,20 +352,27 @@ class ESync(Policy):
         if delayed_ack and self.ready[w]:
             # Reports sent before the READY reached the worker: one READY per round (§4.2).
             return LOCAL, 0, 0
-        ws = self._view()
-        p = int(np.flatnonzero(ws == w)[0])
-        self.k[w] += 1
+        ws, position, everyone = self._members()
+        k_w = int(self.k[w]) + 1
         cap = compute + (self.rtt[w] if delayed_ack else 0.0)
-        k_arr, c_arr, f_arr, r_arr, rd_arr = (self.k[ws], self.capability[ws],
-                                              self.last_finish[ws], self.ready[ws],
-                                              self.rounds[ws])
-        ready = sched.esync_query_state(k_arr, c_arr, f_arr, r_arr, rd_arr, p, self.k[w], cap,
-                                        now, now, self.config.esync_slack)
-        self.capability[w] = cap
-        self.last_finish[w] = now
+        eps = self.config.esync_slack
+        if everyone:
+            # Alg. 2 over the whole table, updated in place (line 3 and line 10).
+            ready = sched.esync_query_state(self.k, self.capability, self.last_finish,
+                                            self.ready, self.rounds, w, k_w, cap, now, now, eps)
+        else:
+            # Over the active workers only: a copy of their records, written back for w.
+            ready = sched.esync_query_state(self.k[ws], self.capability[ws],
+                                            self.last_finish[ws], self.ready[ws],
+                                            self.rounds[ws], position[w], k_w, cap, now, now,
+                                            eps)
+            self.k[w] = k_w
+            self.capability[w] = cap
+            self.last_finish[w] = now
+            if ready:
+                self.ready[w] = True
         if ready:
-            self.ready[w] = True
-            self.local_per_round[w].append(int(self.k[w]))
+            self.local_per_round[w].append(k_w)
             return SYNC, 0, 0
         return LOCAL, 0, 0
 
@@ -368,6 +384,7 @@ class ESync(Policy):
                           self.rounds[w] + 1, now)
 
     def on_rejoin(self, w):
+        self._member_cache = None
         act = self.t.active
         self.rounds[w] = self.rounds[act].max() if act.any() else self.rounds[w]
         self.k[w] = 0
