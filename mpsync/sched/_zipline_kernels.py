@@ -583,7 +583,9 @@ def _optbs(M, ts, ws, want_candidates):
 
 @jit
 def _window(M, ts, ws, want_candidates):
-    """k-way merge + two-pointer window: O(Rn log n) merge, O(Rn) scan (mpsync's own variant).
+    """Two-pointer window over Ω: O(Rn) scan (mpsync's own variant). Ω comes from
+    :func:`omega`: a k-way merge of the sorted rows, O(Rn log n), or, for large matrices, a
+    vectorized sort of integer keys, O(Rn log Rn) but faster where numpy's sort is vectorized.
 
     The right pointer walks Ω; ``count[p]`` is how many elements of worker p lie in the window.
     Once all n workers are covered, the left pointer moves past every element whose worker is
