@@ -70,6 +70,10 @@ class SyncConfig:
     # A worker still starting (imports, data loading, broadcasts before its first step) is not
     # silent until this long after the server started: tens of seconds on a loaded node.
     startup_timeout: float = 120.0
+    # The dedicated server polls for a worker's report when it is due (its last event plus its
+    # reported compute time) instead of sleeping through it: a query then costs ~0.2 ms instead
+    # of ~2 ms at 5 ms iterations on a 2-core VM, for more server CPU (bench/server).
+    server_wake_ahead: bool = True
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0

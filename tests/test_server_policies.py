@@ -116,3 +116,23 @@ def test_next_report_due_is_the_earliest_computing_workers_last_event_plus_its_c
     assert next_report_due(t, in_sync, held) == pytest.approx(10.8)  # worker 2: no compute time
     t.removed[2] = True
     assert next_report_due(t, in_sync, held) is None
+
+
+@pytest.mark.parametrize("env, options, expected", [
+    ({}, {}, True),
+    ({"MPSYNC_SERVER_WAKE_AHEAD": "0"}, {}, False),
+    ({}, {"server_wake_ahead": False}, False),
+    ({}, {"server": "colocated"}, False),   # polling would hold the trainer's GIL
+])
+def test_wake_ahead_follows_the_config_and_is_off_when_co_located(env, options, expected):
+    from mpi4py import MPI
+
+    from mpsync.server._loop import StateServer
+
+    cfg = SyncConfig.from_options(env=env, **options)
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        assert StateServer(comm, cfg, workers=[0]).wake_ahead is expected
+        assert StateServer(comm, cfg, workers=[0], wake_ahead=False).wake_ahead is False
+    finally:
+        comm.Free()

@@ -77,12 +77,13 @@ class StateServer:
 
     ``comm`` is the control communicator (callers pass a ``Dup()`` so user traffic can never
     match the server's receives); ``workers`` are the ranks of ``comm`` that train.
-    ``wake_ahead``: the dedicated server polls for reports that are due instead of sleeping
-    through them (module doc); off, it saves that polling's CPU and answers them later.
+    ``wake_ahead`` (default ``config.server_wake_ahead``): the dedicated server polls for
+    reports that are due instead of sleeping through them (module doc); off, it saves that
+    polling's CPU and answers them later.
     """
 
     def __init__(self, comm, config, *, server_rank: int = 0, workers=None, log=None,
-                 wake_ahead: bool = True):
+                 wake_ahead: bool | None = None):
         config.validate()
         self.comm = comm
         self.config = config
@@ -126,6 +127,8 @@ class StateServer:
         self._data_status = MPI.Status()
         self._check_gone = False   # set by a shutdown: the loop then checks whether all are gone
         self.hot_s = _HOT_DEDICATED_S if config.server == "dedicated" else _HOT_COLOCATED_S
+        if wake_ahead is None:
+            wake_ahead = config.server_wake_ahead
         self.wake_ahead = bool(wake_ahead) and config.server == "dedicated"
         # Payload headers waiting for their DATA message, per source rank, oldest first:
         # (tag, worker, header, receipt time, give-up time).
