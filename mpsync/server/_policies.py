@@ -327,7 +327,6 @@ class ESync(Policy):
         self.rounds = np.zeros(n, dtype=np.int64)
         self.rtt = np.zeros(n, dtype=np.float64)
         self.local_per_round: list[list[int]] = [[] for _ in range(n)]
-        self.slowest_wait: list[float] = []   # server-side: slowest's READY -> last READY
         self._member_cache = None
 
     def _members(self):
