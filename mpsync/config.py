@@ -74,6 +74,10 @@ class SyncConfig:
     # reported compute time) instead of sleeping through it: a query then costs ~0.2 ms instead
     # of ~2 ms at 5 ms iterations on a 2-core VM, for more server CPU (bench/server).
     server_wake_ahead: bool = True
+    # The server answers the per-iteration messages (step, reset) from compiled code that calls
+    # the MPI library directly (Open MPI): a query round trip 1.x of a raw ping-pong instead of
+    # 4-6x with the Python loop alone (bench/server).  Off: the Python loop serves everything.
+    server_fast_path: bool = True
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0

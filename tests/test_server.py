@@ -411,3 +411,30 @@ def test_load_64_clients_2000_queries_each(tmp_path):
     assert max(settled) - min(settled) < 8_000, samples
     print(f"load: {res['total_steps'] / res['elapsed_s']:.0f} queries/s, RSS "
           f"{res['rss_start_kb']} -> {res['rss_end_kb']} kB")
+
+
+@pytest.mark.parametrize("policy, options", [
+    ("bsp", ["bad=1", "rounds=150", "remove_at=100"]),
+    ("esync", ["rounds=40", "early=1"]),
+    ("esync", ["rounds=40", "delayed=1", "bad=1"]),
+    ("ebsp", ["rounds=12"]),
+])
+def test_the_compiled_path_changes_exactly_what_the_python_loop_changes(tmp_path, policy,
+                                                                         options):
+    out = tmp_path / "twin.json"
+    run = run_mpi("server_programs:twin", np=5, timeout=240,
+                  args=[f"policy={policy}", f"out={out}", *options])
+    for r in range(1, 5):
+        assert f"twin worker {r} ok" in run.rank_out(r)
+    res = json.loads(out.read_text())
+    # Both paths were exercised: most steps and resets compiled (with a worker gone, ESync's
+    # decisions run in Python), the rest handed over.
+    assert res["compiled"] > (0.05 if "early=1" in options else 0.5) * res["messages"], res
+    if any(o.startswith(("bad", "remove_at", "early")) for o in options) or policy == "ebsp":
+        assert res["handed_over"] > 0, res
+    decisions = [w["decisions"] for w in res["stats"]["workers"].values()]
+    assert sum(d["SYNC"] for d in decisions) > 0
+    if policy != "bsp":
+        assert sum(d["LOCAL"] for d in decisions) > 0, decisions
+    if "bad=1" in options:
+        assert res["stats"]["rejected_messages"] > 0

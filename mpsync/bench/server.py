@@ -14,11 +14,13 @@ Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
    loaded);
 4. paced like training: each client sleeps ``--pace-ms`` (its "compute"), then queries,
    ``--paced-iters`` times (round trip p50/p99 and the server's CPU).  ``--no-wake-ahead``
-   turns off the server's wake-up for reports that are due, to measure what it buys.
+   turns off the server's wake-up for reports that are due, to measure what it buys;
+   ``--no-fast-path`` runs server and clients without their compiled path (Python only).
 
 JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw_p99_us``,
 ``python_floor_p50_us``, ``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``,
 ``paced_p50_us``, ``paced_p99_us``, ``server_cpu_paced_pct``, ``pace_ms``, ``wake_ahead``,
+``fast_path``,
 ``clients``).
 """
 
@@ -45,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paced phase: iterations per client (default 200)")
     parser.add_argument("--no-wake-ahead", action="store_true",
                         help="the server does not wake up for reports that are due")
+    parser.add_argument("--no-fast-path", action="store_true",
+                        help="server and clients without their compiled path (Python only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the mpirun")
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     argv = mpirun_argv(args.np, python_argv("mpsync.bench.server", "--rank-program",
                                             str(args.queries), str(args.pace_ms),
                                             str(args.paced_iters),
-                                            str(int(not args.no_wake_ahead))),
+                                            str(int(not args.no_wake_ahead)),
+                                            str(int(not args.no_fast_path))),
                        forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = run_with_deadline(argv, args.timeout, env=env)
@@ -90,13 +95,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"  server CPU        idle {result['server_cpu_idle_pct']:.1f}%  "
               f"loaded {result['server_cpu_load_pct']:.1f}% of a core")
         wake = "on" if result["wake_ahead"] else "off"
+        print(f"  compiled path     {'on' if result['fast_path'] else 'off'}")
         print(f"  paced {result['pace_ms']:g} ms     p50 {result['paced_p50_us']:.1f} µs  "
               f"p99 {result['paced_p99_us']:.1f} µs  server CPU "
               f"{result['server_cpu_paced_pct']:.1f}%  (wake-ahead {wake})")
     return 0
 
 
-def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool) -> None:
+def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool,
+                  fast_path: bool) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -147,7 +154,7 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
     # 3. The server.
     control = world.Dup()
     cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", silent_timeout=600.0,
-                                  deadline=600.0)
+                                  deadline=600.0, server_fast_path=fast_path)
     if rank == 0:
         server = StateServer(control, cfg, wake_ahead=wake_ahead)
         samples = []
@@ -167,6 +174,7 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         world.send(_cpu_pct(samples, window), dest=1, tag=3)
         return
     client = SyncClient(control, cfg)
+    fast_path = client._fast is not None   # off where this MPI cannot be bound
     t_idle0 = time.time()
     time.sleep(_IDLE_S)
     t_idle1 = time.time()
@@ -221,7 +229,7 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         }
         paced_all = np.concatenate(all_paced) * 1e6
         result.update({
-            "pace_ms": pace_ms, "wake_ahead": wake_ahead,
+            "pace_ms": pace_ms, "wake_ahead": wake_ahead, "fast_path": fast_path,
             "paced_p50_us": float(np.percentile(paced_all, 50)),
             "paced_p99_us": float(np.percentile(paced_all, 99)),
             "server_cpu_paced_pct": cpu["paced"],
@@ -246,9 +254,9 @@ def _cpu_pct(samples, window) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--rank-program":
+    if len(sys.argv) == 7 and sys.argv[1] == "--rank-program":
         _rank_program(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
-                      sys.argv[5] == "1")
+                      sys.argv[5] == "1", sys.argv[6] == "1")
     else:
         parser = argparse.ArgumentParser(prog="python -m mpsync.bench.server")
         add_arguments(parser)

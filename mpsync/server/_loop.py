@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.config import ConfigError
-from mpsync.server import _wire as W
+from mpsync.server import _fastpath, _wire as W
 from mpsync.server._policies import ESync, OSP, make_policy
 from mpsync.server._stats import EventLog, ServerCounters, mirrored
 
@@ -80,11 +80,13 @@ class StateServer:
     match the server's receives); ``workers`` are the ranks of ``comm`` that train.
     ``wake_ahead`` (default ``config.server_wake_ahead``): the dedicated server polls for
     reports that are due instead of sleeping through them (module doc); off, it saves that
-    polling's CPU and answers them later.
+    polling's CPU and answers them later.  ``fast_path`` (default
+    ``config.server_fast_path``): the per-iteration messages are served by compiled code
+    (``_fastpath``) where this MPI and the policy allow it.
     """
 
     def __init__(self, comm, config, *, server_rank: int = 0, workers=None, log=None,
-                 wake_ahead: bool | None = None):
+                 wake_ahead: bool | None = None, fast_path: bool | None = None):
         config.validate()
         self.comm = comm
         self.config = config
@@ -136,6 +138,14 @@ class StateServer:
         self.parked: dict[int, collections.deque] = {}
         self.rss_samples: list[list] = []
         self._last_rss_sample = -1.0
+        # The compiled hot path (_fastpath module doc), if this MPI and policy allow it.
+        self.fast = None
+        if fast_path is None:
+            fast_path = config.server_fast_path
+        if fast_path and _fastpath.unavailable_reason() is None and \
+                _fastpath.policy_kind(self.policy) is not None:
+            self.fast = _fastpath.FastPath(self)
+            self.fast.warm_up()
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -158,7 +168,20 @@ class StateServer:
         next_housekeeping = last_msg + _HOUSEKEEPING_S
         due = None           # when the next report is expected (None: unknown or none)
         due_stale = True     # the tables changed since ``due`` was computed
+        fast = self.fast
         while not self._stop:
+            if fast is not None and not self.held:
+                # The hot window in compiled code; it returns what it leaves to this loop.
+                code = fast.serve(last_msg, hot_s, next_housekeeping)
+                if code == _fastpath.MPI_FAILED:
+                    raise MPI.Exception(fast.error)
+                if fast.handled or code == _fastpath.RECEIVED:
+                    last_msg = fast.last_msg
+                    sleep = _SLEEP_MIN_S
+                    due_stale = True
+                if code == _fastpath.RECEIVED:
+                    self._received(*fast.handover)
+                    continue
             if iprobe(any_source, any_tag, status):
                 src, tag = get_source(), get_tag()
                 if tag < W.REPLY or src != me:  # else: a reply to our own co-located client
@@ -252,7 +275,11 @@ class StateServer:
         if w is None:
             return self._reject(src, tag, f"rank {src} is not a worker of this server", nbytes)
         self.comm.Recv(self._msg_spec, source=src, tag=tag)
-        now = MPI.Wtime()
+        self._received(src, tag, w, MPI.Wtime(), handler)
+
+    def _received(self, src: int, tag: int, w: int, now: float, handler=None) -> None:
+        """The request now in ``self._msg``, from worker ``w``, received at ``now``: from the
+        validation on (also where the compiled path hands over a message it leaves to us)."""
         msg = self._msg.tolist()   # Python floats: ~10x cheaper to check than numpy scalars
         if not _request_ok(msg):
             return self._drop_payload(src, tag, _what_is_wrong(msg))
@@ -262,15 +289,15 @@ class StateServer:
             self._log(f"mpsync server: worker rank {src} is responding again; taken back in")
         self._last_heard[w] = now
         self._waiting_on_us[w] = False
-        self._dispatch(handler, src, tag, w, msg, now)
+        self._dispatch(handler or self._HANDLERS[tag], src, tag, w, msg, now)
 
-    def _dispatch(self, handler, src, tag, w, msg, now) -> None:
+    def _dispatch(self, handler, src, tag, w, msg, now, retry_at=None) -> None:
         try:
             handler(self, src, w, msg, now)
         except Exception as e:  # a message no check above foresaw must not stop the server
             self._reject(src, tag, f"{type(e).__name__}: {e}")
         if self.held:
-            self._retry_held()
+            self._retry_held(now if retry_at is None else retry_at)
 
     def _drop_payload(self, src, tag, reason):
         """Reject a header; if it announced a DATA payload that is already here, consume it
@@ -314,7 +341,7 @@ class StateServer:
         tag, w, msg, received, _ = self.parked[src].popleft()
         self.last_heard[w] = MPI.Wtime()
         self._resuming = msg
-        self._dispatch(self._HANDLERS[tag], src, tag, w, msg, received)
+        self._dispatch(self._HANDLERS[tag], src, tag, w, msg, received, retry_at=MPI.Wtime())
         if self._resuming is msg:  # the handler failed before it took its payload
             self._resuming = None
             st = self._data_status
@@ -486,8 +513,10 @@ class StateServer:
                  W.IMPORTANCE: _on_importance, W.PS_INIT: _on_ps_init, W.PUSH: _on_push,
                  W.PULL: _on_pull, W.STATS: _on_stats, W.SHUTDOWN: _on_shutdown}
 
-    def _retry_held(self) -> None:
-        now = MPI.Wtime()
+    def _retry_held(self, now: float) -> None:
+        """Decide again on the held replies, at ``now``: the receipt time of the message that
+        changed the tables (or the housekeeping's clock), so a release is dated by what caused
+        it."""
         still = []
         for item in self.held:
             tag, src, w, seq, arg = item
@@ -543,7 +572,7 @@ class StateServer:
                   f"{self.config.silent_timeout:g}s; taken out of the {self.config.policy} "
                   f"decisions (ZipLine paper §4), the others continue")
         self.policy.on_membership_change()
-        self._retry_held()
+        self._retry_held(now)
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict:

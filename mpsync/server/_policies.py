@@ -241,7 +241,11 @@ class ElasticBSP(Policy):
 
     def _try_plan(self, now: float | None = None) -> None:
         t = self.t
-        ws = np.flatnonzero(t.active & t.registered)
+        # Every live worker, registered yet or not: a plan made before a slow starter has
+        # registered would leave it out of the barrier, and on the ring the others would then
+        # wait for it in the aggregation while it waits for the next plan (a deadlock seen
+        # with zero-length iterations).  A worker that never starts is taken out for silence.
+        ws = np.flatnonzero(t.active)
         if ws.size == 0:
             return
         if self.epoch < 0:

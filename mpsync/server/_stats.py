@@ -61,17 +61,23 @@ class EventLog:
         self._cells, flat = mirrored("d", 4 * capacity, -1.0)
         self.rows = flat.reshape(capacity, 4)
         self.capacity = capacity
-        self.count = 0
+        # Events written so far, in a cell the server's compiled path also writes (_fastpath).
+        self._count, self.count_cell = mirrored("q", 1)
         self._kind = {k: i for i, k in enumerate(EVENT_KINDS)}
 
+    @property
+    def count(self) -> int:
+        return self._count[0]
+
     def add(self, t: float, w: int, kind: str, value: int) -> None:
-        i = 4 * (self.count % self.capacity)
+        count = self._count[0]
+        i = 4 * (count % self.capacity)
         cells = self._cells
         cells[i] = t
         cells[i + 1] = w
         cells[i + 2] = self._kind[kind]
         cells[i + 3] = value
-        self.count += 1
+        self._count[0] = count + 1
 
     def as_list(self, ranks) -> list:
         n = min(self.count, self.capacity)
