@@ -77,7 +77,7 @@ def test_ebsp_with_a_4x_straggler_gives_the_fast_workers_about_4x_the_iterations
     assert 3.5 <= ran[0] / ran[3] <= 4.5 and 1.75 <= ran[2] / ran[3] <= 2.25, ran.tolist()
 
 
-def test_the_fast_request_check_accepts_exactly_what_the_reference_accepts():
+def test_the_fast_and_the_compiled_request_checks_accept_exactly_what_the_reference_accepts():
     from hypothesis import given, settings, strategies as st
 
     from mpsync.server._loop import _request_ok, _what_is_wrong
@@ -86,10 +86,14 @@ def test_the_fast_request_check_accepts_exactly_what_the_reference_accepts():
                                2.0 ** 60, 1e300, float("nan"), float("inf"), float("-inf")])
     slot = st.one_of(special, st.floats(), st.integers(0, 100).map(float))
 
+    from mpsync.server._fastpath import _request_ok as compiled_request_ok
+
     @settings(max_examples=3000, deadline=None, database=None)
     @given(st.lists(slot, min_size=8, max_size=8))
     def check(msg):
-        assert _request_ok(msg) == (_what_is_wrong(msg) is None), (msg, _what_is_wrong(msg))
+        ok = _what_is_wrong(msg) is None
+        assert _request_ok(msg) == ok, (msg, _what_is_wrong(msg))
+        assert compiled_request_ok(np.array(msg)) == ok, (msg, _what_is_wrong(msg))
 
     check()
     assert _request_ok([1.0, 2.0, 0.01, 0.0, 0.0, 0.0, 0.0, 1.0])
@@ -134,5 +138,27 @@ def test_wake_ahead_follows_the_config_and_is_off_when_co_located(env, options, 
     try:
         assert StateServer(comm, cfg, workers=[0]).wake_ahead is expected
         assert StateServer(comm, cfg, workers=[0], wake_ahead=False).wake_ahead is False
+    finally:
+        comm.Free()
+
+
+@pytest.mark.parametrize("policy", ["bsp", "asp", "ssp", "dssp", "ebsp", "esync", "osp"])
+def test_the_compiled_path_runs_here_for_every_policy_and_follows_the_config(policy):
+    """On this machine (Open MPI) the server's compiled path must be on by default, so the
+    multi-rank tests exercise it; ``server_fast_path`` / MPSYNC_SERVER_FAST_PATH turn it off."""
+    from mpi4py import MPI
+
+    from mpsync.server import _fastpath
+    from mpsync.server._loop import StateServer
+
+    assert _fastpath.unavailable_reason() is None
+    topology = "ps" if policy in ("asp", "ssp", "dssp") else "ring"
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        for env, options, on in (({}, {}, True), ({"MPSYNC_SERVER_FAST_PATH": "0"}, {}, False),
+                                 ({}, {"server_fast_path": False}, False)):
+            cfg = SyncConfig.from_options(env=env, policy=policy, topology=topology, **options)
+            assert (StateServer(comm, cfg, workers=[0]).fast is not None) is on
+        assert StateServer(comm, cfg, workers=[0], fast_path=True).fast is not None
     finally:
         comm.Free()

@@ -34,6 +34,7 @@ _BUSY_S = 50e-6          # poll without yielding this long: a prompt reply comes
 _SPIN_S = 2e-3           # poll without sleeping this long (module doc)
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
+_new_tuple = tuple.__new__
 
 
 class ServerError(RuntimeError):
@@ -114,8 +115,9 @@ class SyncClient:
         self.deadline = float(config.deadline)
         # array.array buffers: the header is written and the reply read cell by cell, ~0.05 µs
         # a cell against ~0.4 µs for a numpy scalar.
-        self._req, req_view = mirrored("d", W.MSG_LEN)
-        self._rep, rep_view = mirrored("d", W.MSG_LEN)
+        # Request and reply share one block (the compiled step takes it as one argument).
+        cells, both = mirrored("d", 2 * W.MSG_LEN)
+        self._req, self._rep = memoryview(cells)[:W.MSG_LEN], memoryview(cells)[W.MSG_LEN:]
         self._req_spec = [self._req, MPI.DOUBLE]
         self._rep_spec = [self._rep, MPI.DOUBLE]
         self._seq = 0
@@ -130,7 +132,7 @@ class SyncClient:
         # less than the same calls through mpi4py and a Python wait loop.
         self._fast = None
         if getattr(config, "server_fast_path", True) and _fastpath.unavailable_reason() is None:
-            self._fast = _fastpath.ClientPath(comm, server_rank, req_view, rep_view)
+            self._fast = _fastpath.ClientPath(comm, server_rank, both)
             self._query, self._query_args = _fastpath.query, self._fast.args
         self._call(W.REGISTER, "register")
         self.wait_s = 0.0        # the server's start-up is not waiting for decisions
@@ -214,8 +216,9 @@ class SyncClient:
 
     def _decision(self) -> Decision:
         r = self._rep
-        return Decision(int(r[W.R_ACTION]), int(r[W.R_LOCAL]), int(r[W.R_ROUND]),
-                        int(r[W.R_EXTRA]))
+        # tuple.__new__ (what namedtuple's _make uses): 0.3-0.4 µs less than Decision(...).
+        return _new_tuple(Decision, (int(r[W.R_ACTION]), int(r[W.R_LOCAL]),
+                                     int(r[W.R_ROUND]), int(r[W.R_EXTRA])))
 
     # -- the calls --------------------------------------------------------------------------
     def step(self, iteration: int, compute_time: float) -> Decision:
@@ -241,8 +244,9 @@ class SyncClient:
         if r[W.R_SEQ] != seq:
             raise ServerError(f"step {iteration}: reply to request {int(r[W.R_SEQ])}, "
                               f"expected {seq} (two users of one SyncClient?)")
-        return Decision(int(r[W.R_ACTION]), int(r[W.R_LOCAL]), int(r[W.R_ROUND]),
-                        int(r[W.R_EXTRA]))
+        # tuple.__new__ (what namedtuple's _make uses): 0.3-0.4 µs less than Decision(...).
+        return _new_tuple(Decision, (int(r[W.R_ACTION]), int(r[W.R_LOCAL]),
+                                     int(r[W.R_ROUND]), int(r[W.R_EXTRA])))
 
     def step_async(self, iteration: int, compute_time: float) -> PendingDecision:
         """ESync delayed-ACK mode (§4.2): report without waiting; only READY is answered.

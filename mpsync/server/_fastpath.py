@@ -403,52 +403,56 @@ _test = types.ExternalFunction("MPI_Test", _i32(_ptr, _ptr, _ptr))
 
 
 @_jit
-def _query(mpi, req, rep, request, scratch, status, server, tag, seq, iteration, compute, wait,
-           busy_s):
-    """``SyncClient.step``'s round trip in one call: the header, the reply's receive posted
-    first (``_client`` module doc), the send, then polling for ``busy_s``.  Returns 1 if the
-    reply is in ``rep``, 0 if it is still pending (its request handle in ``request[0]``), or
-    minus an MPI error code."""
+def _query(mpi, msgs, handles, server, tag, seq, iteration, compute, wait, busy_s):
+    """``SyncClient.step``'s round trip in one call: the header into ``msgs[:8]``, the
+    reply's receive into ``msgs[8:]`` posted first (``_client`` module doc), the send, then
+    polling for ``busy_s``.  ``handles``: the request (cell 0), Test's flag (cell 1), a
+    status (from cell 2).  Returns 1 if the reply is in, 0 if it is still pending (its
+    request handle in ``handles[0]``), or minus an MPI error code."""
     comm, h_double = mpi[0], mpi[1]
-    req[W.SEQ] = seq
-    req[W.ITER] = iteration
-    req[W.COMPUTE] = compute
-    req[W.ROUND] = 0.0
-    req[W.AGG] = 0.0
-    req[W.WAIT] = wait
-    req[W.COUNT] = 0.0
-    req[W.FLAG] = 0.0
-    request_p, flag_p = request.ctypes.data, scratch.ctypes.data
-    err = _irecv(rep.ctypes.data, W.MSG_LEN, h_double, server, W.REPLY, comm, request_p)
+    msgs[W.SEQ] = seq
+    msgs[W.ITER] = iteration
+    msgs[W.COMPUTE] = compute
+    msgs[W.ROUND] = 0.0
+    msgs[W.AGG] = 0.0
+    msgs[W.WAIT] = wait
+    msgs[W.COUNT] = 0.0
+    msgs[W.FLAG] = 0.0
+    request_p = handles.ctypes.data
+    flag_p, status_p = request_p + 8, request_p + 16
+    handles[1] = 0
+    err = _irecv(msgs.ctypes.data + 8 * W.MSG_LEN, W.MSG_LEN, h_double, server, W.REPLY, comm,
+                 request_p)
     if err != 0:
         return -err
-    err = _send(req.ctypes.data, W.MSG_LEN, h_double, server, tag, comm)
+    err = _send(msgs.ctypes.data, W.MSG_LEN, h_double, server, tag, comm)
     if err != 0:
         return -err
     start = _wtime()
     while True:
-        err = _test(request_p, flag_p, status.ctypes.data)
+        err = _test(request_p, flag_p, status_p)
         if err != 0:
             return -err
-        if scratch[0]:
+        if handles[1] != 0:
             return 1
         if _wtime() - start > busy_s:
             return 0
 
 
 class ClientPath:
-    """The compiled step of one :class:`~mpsync.server.SyncClient` (``_query``)."""
+    """The compiled step of one :class:`~mpsync.server.SyncClient` (``_query``); ``msgs``:
+    its request and reply buffers, one float64 block of 16."""
 
-    def __init__(self, comm, server_rank: int, req: np.ndarray, rep: np.ndarray):
+    def __init__(self, comm, server_rank: int, msgs: np.ndarray):
+        status_cells = -(-_status_layout()[0] // 2)
+        self.request = np.zeros(2 + status_cells, np.int64)
         self.args = (np.array([MPI._handleof(comm), MPI._handleof(MPI.DOUBLE)], np.int64),
-                     req, rep, np.zeros(1, np.int64), np.zeros(2, np.int32),
-                     np.zeros(_status_layout()[0], np.int32), int(server_rank), W.STEP)
-        self.request = self.args[3]
+                     msgs, self.request, int(server_rank), W.STEP)
         # Compile or load from the cache now, not in the first step: a self-send on
         # COMM_SELF, answered by its own receive.
         mpi = self.args[0].copy()
         mpi[0] = MPI._handleof(MPI.COMM_SELF)
-        if _query(mpi, *self.args[1:6], 0, W.REPLY, 0, 0, 0.0, 0.0, 1.0) != 1:
+        if _query(mpi, msgs, self.request, 0, W.REPLY, 0, 0, 0.0, 0.0, 1.0) != 1:
             raise RuntimeError("the compiled client path failed its self-test")
 
     def pending(self) -> MPI.Request:
