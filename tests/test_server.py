@@ -81,8 +81,12 @@ def test_dssp_gap_within_s_upper_and_extra_iterations_as_the_controller_decided(
         assert 1 <= g["r_max"] <= s_high - s_low
         r_star = sched.dssp_controller_reference(table, g["p"], g["r_max"], g["slowest"])
         assert g["r_star"] == r_star > 0
-    # The fastest workers got the grants, the slowest none.
-    assert stats["policy_state"]["controller_grants"][3] == 0
+    # The fastest workers got most of the grants.  (Not all: a grant goes to whoever is ahead
+    # by pushes at that moment, and near the end, with the fast workers' last pushes in, the
+    # 4x worker can be ahead of a worker held back by the staleness bound; seen in about one
+    # run in five with this test's 2 ms iterations on 2 oversubscribed cores.)
+    grants_per_worker = stats["policy_state"]["controller_grants"]
+    assert grants_per_worker[3] <= min(grants_per_worker[:2]) / 2, grants_per_worker
 
     # DSSP Alg. 1: a grant of r* lets the fastest worker run r* iterations beyond s_L without
     # waiting (the OK of the granting push is the first), and no more: the pull after its

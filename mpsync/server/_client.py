@@ -230,14 +230,14 @@ class SyncClient:
             return self._decision()
         # The compiled round trip: header, receive posted, send, 50 µs of busy polling.
         seq = self._seq = self._seq + 1
-        clock = time.perf_counter
-        start = clock()
-        done = self._query(*self._query_args, seq, it, compute_time, self.wait_s, _BUSY_S)
-        if done != 1:
-            if done < 0:
-                raise MPI.Exception(-done)
+        elapsed = self._query(*self._query_args, seq, it, compute_time, self.wait_s, _BUSY_S)
+        if elapsed < 0.0:
+            if elapsed < -1.0:
+                raise MPI.Exception(int(-2.0 - elapsed))
+            clock = time.perf_counter
+            start = clock() - _BUSY_S   # (it polled that long already)
             self._poll(self._fast.pending(), start, start, f"step {iteration}")
-        elapsed = clock() - start
+            elapsed = clock() - start
         self.wait_s += elapsed
         self.last_rtt = elapsed
         r = self._rep

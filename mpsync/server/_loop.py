@@ -202,7 +202,8 @@ class StateServer:
                         self._check_gone = False
                         if self._all_gone():
                             break
-                    continue
+                    if last_msg < next_housekeeping:  # (else: due even under a stream)
+                        continue
             now = clock()
             if now >= next_housekeeping:
                 self._find_silent(now)
