@@ -367,7 +367,8 @@ def test_bench_server_smoke():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("p50_us", "p99_us", "raw_p50_us", "python_floor_p50_us", "queries_per_s"):
         assert np.isfinite(res[key]) and res[key] > 0, (key, res)
-    assert res["clients"] == 1 and res["queries_per_client"] == 2000
+    assert res["clients"] == 1 and res["queries_per_client"] == 2000 and res["blocks"] == 4
+    assert res["fast_path"] is True   # the compiled path is what this machine runs
     assert res["p50_us"] <= res["p99_us"]
     # One client sends a query only after the previous reply: the total time is at least the
     # sum of the round trips, at least half of which are >= p50.

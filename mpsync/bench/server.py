@@ -1,6 +1,8 @@
 """``mpsync bench server --np N [--json]``: state-server query latency and throughput.
 
-Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
+Starts ``mpirun -np N`` itself.  In the same run, on the same ranks, in four interleaved
+blocks (this VM's speed drifts from minute to minute, so each of 1-3 is measured in every
+block and pooled rather than once at the start):
 
 1. baseline: a raw mpi4py ``Send``/``Recv`` ping-pong of the same 64-byte buffer between
    rank 0 and rank 1 (round trip, µs);
@@ -8,11 +10,14 @@ Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
    have (``Iprobe``, ``Recv``, ``Send``, nothing else), rank 1 asks the way the client does
    (``Irecv``, ``Send``, poll ``Test``): what any Python server costs before it decides
    anything;
-3. rank 0 serves (policy bsp) while ranks 1..N-1 first sleep (the server's idle CPU is
-   measured), then send ``--queries`` step queries each as fast as replies come back (round
-   trip per query, p50/p99 µs; queries per second over all clients; the server's CPU while
-   loaded);
-4. paced like training: each client sleeps ``--pace-ms`` (its "compute"), then queries,
+3. rank 0 serves (policy bsp), ranks 1..N-1 send ``--queries``/4 step queries each as fast
+   as replies come back (round trip per query, p50/p99 µs; queries per second over all
+   clients; the server's CPU while loaded).
+
+Then, once:
+
+4. idle: the clients sleep 2 s (the server's CPU while idle);
+5. paced like training: each client sleeps ``--pace-ms`` (its "compute"), then queries,
    ``--paced-iters`` times (round trip p50/p99 and the server's CPU).  ``--no-wake-ahead``
    turns off the server's wake-up for reports that are due, to measure what it buys;
    ``--no-fast-path`` runs server and clients without their compiled path (Python only).
@@ -20,8 +25,7 @@ Starts ``mpirun -np N`` itself.  In the same run, on the same ranks:
 JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw_p99_us``,
 ``python_floor_p50_us``, ``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``,
 ``paced_p50_us``, ``paced_p99_us``, ``server_cpu_paced_pct``, ``pace_ms``, ``wake_ahead``,
-``fast_path``,
-``clients``).
+``fast_path``, ``clients``, ``queries_per_client``, ``blocks``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import time
 __all__ = ["add_arguments", "run"]
 
 _IDLE_S = 2.0
+_BLOCKS = 4   # interleaved baseline / floor / query blocks (_rank_program)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +107,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raw_block(world, rank: int, n: int, warm: int) -> list:
+    """Raw buffer ping-pong, rank 0 <-> rank 1: round trips after ``warm`` (seconds)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buf = np.zeros(8)
+    rtts = []
+    if rank in (0, 1):
+        for i in range(warm + n):
+            t0 = time.perf_counter()
+            if rank == 1:
+                world.Send([buf, MPI.DOUBLE], dest=0, tag=1)
+                world.Recv([buf, MPI.DOUBLE], source=0, tag=2)
+                if i >= warm:
+                    rtts.append(time.perf_counter() - t0)
+            else:
+                world.Recv([buf, MPI.DOUBLE], source=1, tag=1)
+                world.Send([buf, MPI.DOUBLE], dest=1, tag=2)
+    world.Barrier()
+    return rtts
+
+
+def _floor_block(world, rank: int, n: int, warm: int) -> list:
+    """The Python floor: the least a polling Python server and client do per query."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buf, rep = np.zeros(8), np.zeros(8)
+    floor = []
+    if rank in (0, 1):
+        status = MPI.Status()
+        for i in range(warm + n):
+            if rank == 1:
+                t0 = time.perf_counter()
+                req = world.Irecv([rep, MPI.DOUBLE], source=0, tag=4)
+                world.Send([buf, MPI.DOUBLE], dest=0, tag=5)
+                while not req.Test():
+                    pass
+                if i >= warm:
+                    floor.append(time.perf_counter() - t0)
+            else:
+                while not world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                    pass
+                world.Recv([buf, MPI.DOUBLE], source=status.Get_source(), tag=status.Get_tag())
+                world.Send([rep, MPI.DOUBLE], dest=status.Get_source(), tag=4)
+    world.Barrier()
+    return floor
+
+
 def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool,
                   fast_path: bool) -> None:
     import numpy as np
@@ -113,53 +167,12 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     clients = world.Split(0 if rank == 0 else 1, rank)
-
-    # 1. Baseline: raw buffer ping-pong, rank 0 <-> rank 1.
-    buf = np.zeros(8)
-    rtts = []
-    if rank in (0, 1):
-        for i in range(12000):
-            t0 = time.perf_counter()
-            if rank == 1:
-                world.Send([buf, MPI.DOUBLE], dest=0, tag=1)
-                world.Recv([buf, MPI.DOUBLE], source=0, tag=2)
-                if i >= 2000:
-                    rtts.append(time.perf_counter() - t0)
-            else:
-                world.Recv([buf, MPI.DOUBLE], source=1, tag=1)
-                world.Send([buf, MPI.DOUBLE], dest=1, tag=2)
-    world.Barrier()
-
-    # 2. The Python floor: the least a polling Python server and client do per query.
-    floor = []
-    if rank in (0, 1):
-        rep = np.zeros(8)
-        status = MPI.Status()
-        for i in range(12000):
-            if rank == 1:
-                t0 = time.perf_counter()
-                req = world.Irecv([rep, MPI.DOUBLE], source=0, tag=4)
-                world.Send([buf, MPI.DOUBLE], dest=0, tag=5)
-                while not req.Test():
-                    pass
-                if i >= 2000:
-                    floor.append(time.perf_counter() - t0)
-            else:
-                while not world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                    pass
-                world.Recv([buf, MPI.DOUBLE], source=status.Get_source(), tag=status.Get_tag())
-                world.Send([rep, MPI.DOUBLE], dest=status.Get_source(), tag=4)
-    world.Barrier()
-
-    # 3. The server.
     control = world.Dup()
     cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", silent_timeout=600.0,
                                   deadline=600.0, server_fast_path=fast_path)
-    if rank == 0:
-        server = StateServer(control, cfg, wake_ahead=wake_ahead)
-        samples = []
-        done = threading.Event()
-
+    samples = []
+    done = threading.Event()
+    if rank == 0:   # the server process's CPU time, sampled for the idle and paced phases
         def sample():
             while not done.is_set():
                 samples.append((time.time(), time.process_time()))
@@ -167,30 +180,53 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        server.serve()
+
+    # 1.-3. Baseline, Python floor and saturated queries in interleaved blocks: the speed of
+    # this VM drifts (the raw round trip moves between ~1.8 and ~3.1 µs from one minute to the
+    # next), so each is measured in every block and pooled, not once at the start.
+    rtts, floor, lat, spans = [], [], [], []
+    busy = [0.0, 0.0]   # rank 0: CPU and wall seconds of the block servers
+    per_block = max(1, queries // _BLOCKS)
+    for block in range(_BLOCKS):
+        rtts += _raw_block(world, rank, 3000, 300 if block else 2000)
+        floor += _floor_block(world, rank, 3000, 300 if block else 2000)
+        if rank == 0:
+            wall, cpu = time.time(), time.process_time()
+            StateServer(control, cfg, wake_ahead=wake_ahead).serve()
+            busy[0] += time.process_time() - cpu
+            busy[1] += time.time() - wall
+        else:
+            client = SyncClient(control, cfg)
+            for k in range(200):  # warm-up
+                client.step(k, 0.0)
+            clients.Barrier()
+            block_lat = np.empty(per_block)
+            start = time.time()
+            for k in range(per_block):
+                t0 = time.perf_counter()
+                client.step(k, 0.0)
+                block_lat[k] = time.perf_counter() - t0
+            spans.append((start, time.time()))
+            lat.append(block_lat)
+            client.shutdown()
+        world.Barrier()
+
+    # 4. Idle, then paced like training: an emulated iteration (a sleep: accelerator time,
+    # the CPU is free), a query.
+    if rank == 0:
+        StateServer(control, cfg, wake_ahead=wake_ahead).serve()
         done.set()
         sampler.join()
         window = world.bcast(None, root=1)
-        world.send(_cpu_pct(samples, window), dest=1, tag=3)
+        # Loaded: over the block servers' whole lives (a block is too short for the sampler).
+        world.send(dict(_cpu_pct(samples, window), load=100.0 * busy[0] / busy[1]),
+                   dest=1, tag=3)
         return
     client = SyncClient(control, cfg)
     fast_path = client._fast is not None   # off where this MPI cannot be bound
     t_idle0 = time.time()
     time.sleep(_IDLE_S)
     t_idle1 = time.time()
-    for k in range(200):  # warm-up
-        client.step(k, 0.0)
-    clients.Barrier()
-    lat = np.empty(queries)
-    start = time.time()
-    for k in range(queries):
-        t0 = time.perf_counter()
-        client.step(k, 0.0)
-        lat[k] = time.perf_counter() - t0
-    end = time.time()
-    all_lat = clients.gather(lat, root=0)
-    spans = clients.gather((start, end), root=0)
-    # 4. Paced: an emulated iteration (a sleep: accelerator time, the CPU is free), a query.
     clients.Barrier()
     paced = np.empty(paced_iters)
     paced_start = time.time()
@@ -199,7 +235,7 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         time.sleep(pace_ms * 1e-3)
         t0 = time.perf_counter()
         # The compute time as a worker measures it: since its last exchange with the server.
-        decision = client.step(queries + 200 + k, t0 - ready)
+        decision = client.step(k, t0 - ready)
         paced[k] = time.perf_counter() - t0
         if decision.sync:   # as a BSP worker does after its allreduce (here: none)
             client.reset(decision.round + 1, 0.0)
@@ -207,24 +243,27 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
     paced_end = time.time()
     all_paced = clients.gather(paced[min(10, paced_iters - 1):], root=0)  # after the first
     paced_spans = clients.gather((paced_start, paced_end), root=0)        # intervals are known
+    all_lat = clients.gather(np.concatenate(lat), root=0)
+    all_spans = clients.gather(spans, root=0)
     client.shutdown()
     if rank == 1:
-        first = min(s for s, _ in spans)
-        last = max(e for _, e in spans)
+        # Per block, from the first client's start to the last one's end.
+        blocks = [(min(s[b][0] for s in all_spans), max(s[b][1] for s in all_spans))
+                  for b in range(_BLOCKS)]
         paced_window = (max(s for s, _ in paced_spans), min(e for _, e in paced_spans))
-        world.bcast({"idle": (t_idle0 + 0.3, t_idle1 - 0.2), "load": (first, last),
-                     "paced": paced_window}, root=1)
+        world.bcast({"idle": [(t_idle0 + 0.3, t_idle1 - 0.2)], "paced": [paced_window]},
+                    root=1)
         cpu = world.recv(source=0, tag=3)
         lat_all = np.concatenate(all_lat) * 1e6
         raw = np.array(rtts) * 1e6
         result = {
-            "clients": size - 1, "queries_per_client": queries,
+            "clients": size - 1, "queries_per_client": per_block * _BLOCKS, "blocks": _BLOCKS,
             "p50_us": float(np.percentile(lat_all, 50)),
             "p99_us": float(np.percentile(lat_all, 99)),
             "raw_p50_us": float(np.percentile(raw, 50)),
             "raw_p99_us": float(np.percentile(raw, 99)),
             "python_floor_p50_us": float(np.percentile(np.array(floor) * 1e6, 50)),
-            "queries_per_s": float(lat_all.size / (last - first)),
+            "queries_per_s": float(lat_all.size / sum(b - a for a, b in blocks)),
             "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
         }
         paced_all = np.concatenate(all_paced) * 1e6
@@ -240,16 +279,19 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         world.bcast(None, root=1)
 
 
-def _cpu_pct(samples, window) -> dict:
-    """Percent of one core used by the server process within each wall-clock window."""
+def _cpu_pct(samples, windows) -> dict:
+    """Percent of one core used by the server process over each named list of wall-clock
+    spans (their CPU time over their length, summed)."""
     out = {}
-    for name, (a, b) in window.items():
-        inside = [(t, c) for t, c in samples if a <= t <= b]
-        if len(inside) < 2:
-            out[name] = float("nan")
-            continue
-        (t0, c0), (t1, c1) = inside[0], inside[-1]
-        out[name] = 100.0 * (c1 - c0) / (t1 - t0)
+    for name, spans in windows.items():
+        cpu = wall = 0.0
+        for a, b in spans:
+            inside = [(t, c) for t, c in samples if a <= t <= b]
+            if len(inside) >= 2:
+                (t0, c0), (t1, c1) = inside[0], inside[-1]
+                cpu += c1 - c0
+                wall += t1 - t0
+        out[name] = 100.0 * cpu / wall if wall > 0 else float("nan")
     return out
 
 

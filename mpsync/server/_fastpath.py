@@ -1,13 +1,13 @@
-"""The serve loop's compiled hot path: the per-iteration messages, received, checked,
-recorded, decided and answered in machine code.
+"""The state server's compiled hot path, and the client's compiled step: the per-iteration
+messages received, checked, recorded, decided and answered in machine code.
 
 Why: every worker sends a STEP (and, on the ring, a RESET) per iteration, and in Python the
-serve loop spends 5-11 µs on each beyond the MPI calls themselves (probe, receive, check,
+serve loop spent 5-11 µs on each beyond the MPI calls themselves (probe, receive, check,
 record, decide, reply: each a few dozen bytecodes, each MPI call a trip through mpi4py).  A
-raw ping-pong of the same buffer costs 2-3 µs per round trip on these machines, so the
-Python server alone made a decision 4-6x slower than the network it rides on.  Here the
-whole hot window of the loop (``_loop`` module doc: the polling that follows a message) runs
-in one call of a Numba function that calls the MPI C library directly, without the GIL.
+raw ping-pong of the same buffer costs 2-3 µs per round trip on these machines, so a decision
+took 4-6x the network it rides on (bench/server/README.md).  Here, once the loop's probe has
+found a message, one call of a Numba function that calls the MPI C library directly, without
+the GIL, serves it and the hot window that follows (``_loop`` module doc).
 
 What it covers, and what it leaves to the Python loop (the reference for every case):
 
@@ -20,16 +20,22 @@ What it covers, and what it leaves to the Python loop (the reference for every c
 * A message of another type, from a rank that is no worker, or of the wrong size is left in
   the queue: the Python loop probes it again.  A message received here that it does not
   complete (malformed, from a worker taken out, a case excluded above) is handed to the
-  Python loop with its receipt time, which goes on from its validation step.  The
-  compiled code makes no change to any table before it knows it will complete a message.
-* The call returns when no message came for ``hot_s``, at ``until`` (housekeeping, also
-  under a steady stream of messages), or when ESync's log of READY decisions is full; the Python loop then sleeps, wakes ahead, or keeps
-  house exactly as without it.
+  Python loop with its receipt time, which goes on from its validation step.  The compiled
+  code makes no change to any table before it knows it will complete a message.
+* The call returns when no message came for ``hot_s``, when housekeeping is due (also under
+  a steady stream of messages), or when ESync's log of READY decisions is full; the Python
+  loop then sleeps, wakes ahead, or keeps house exactly as without it.
 
-Both paths write the same tables, counters and events: ``tests/test_server_fastpath.py`` runs
-identical message sequences through a server with and one without it and compares them.  The
-MPI bindings are Open MPI's (handles are pointers; the status layout is read at start); on
-any other MPI, or with ``server_fast_path=False``, the server runs the Python loop alone.
+Both paths write the same tables, counters and events:
+``tests/test_server.py::test_the_compiled_path_changes_exactly_what_the_python_loop_changes``
+gives every message a server with the compiled path takes to a second server without it,
+with the same receipt time, and compares the two after each one.
+
+On the worker's side, :class:`ClientPath` does ``SyncClient.step``'s round trip (header,
+receive posted, send, 50 µs of polling) in one call.
+
+The MPI bindings are Open MPI's (handles are pointers; the status layout is read at start);
+on any other MPI, or with ``server_fast_path=False``, server and client run Python alone.
 """
 
 from __future__ import annotations
