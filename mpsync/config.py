@@ -75,8 +75,8 @@ class SyncConfig:
     # of ~2 ms at 5 ms iterations on a 2-core VM, for more server CPU (bench/server).
     server_wake_ahead: bool = True
     # The server answers the per-iteration messages (step, reset) from compiled code that calls
-    # the MPI library directly (Open MPI): a query round trip 1.x of a raw ping-pong instead of
-    # 4-6x with the Python loop alone (bench/server).  Off: the Python loop serves everything.
+    # the MPI library directly (Open MPI), and the client's step is compiled too: a query round
+    # trip 1.6-1.7x a raw ping-pong instead of 5-6x (bench/server).  Off: Python alone.
     server_fast_path: bool = True
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
