@@ -60,8 +60,11 @@ def policy_run() -> None:
     stall_worker, stall_at, stall_s = (int(x) if i < 2 else float(x) for i, x in
                                        enumerate(o.get("stall", "-1,0,0").split(",")))
     client = SyncClient(control, cfg)
+    # overrun: per round, the most any iteration (sleep plus query) took beyond its nominal
+    # time: what the machine, not the policy, held this worker up.
     record = {"sync_iters": [], "local_before_sync": [], "slowest_wait": [], "rounds": 0,
-              "gaps": []}
+              "gaps": [], "overrun": []}
+    round_overrun = 0.0
     model = np.zeros(4) if cfg.topology == "ps" else None
     if model is not None and w == 0:
         client.ps_init(model)
@@ -86,12 +89,14 @@ def policy_run() -> None:
             time.sleep(stall_s)  # stops reporting: the server should take it out (PS)
         if o.get("delayed") == "1":  # ESync §4.2: report without waiting, poll for READY
             d = client.step_async(k, time.perf_counter() - t0).poll()
+            round_overrun = max(round_overrun, time.perf_counter() - t0 - base * speeds[w])
             if d is None:
                 continue
             record.setdefault("readies", 0)
             record["readies"] += 1
         else:
             d = client.step(k, time.perf_counter() - t0)
+            round_overrun = max(round_overrun, time.perf_counter() - t0 - base * speeds[w])
         if cfg.policy == "osp":
             # Every worker must get the same bitmap for the next iteration.
             imp = np.random.default_rng(k * 100 + w).random(6)
@@ -120,6 +125,8 @@ def policy_run() -> None:
         record["local_before_sync"].append(since_sync)
         since_sync = 0
         record["rounds"] += 1
+        record["overrun"].append(round_overrun)
+        round_overrun = 0.0
         client.reset(record["rounds"], 0.0)
     record["iterations"] = k
     record["speed"] = speeds[w]

@@ -32,6 +32,26 @@ def _policy_run(tmp_path, policy, topology="ring", speeds="1,1,2,4", timeout=120
     return run, json.loads(out.read_text()), json.loads((tmp_path / (out.name + ".workers")).read_text())
 
 
+def _undisturbed_run(tmp_path, policy, clean_rounds, need, attempts=3, **opts):
+    """``_policy_run`` until a run has ``need`` clean rounds, as judged by ``clean_rounds``
+    (the workers' records -> one bool per round, from their ``overrun``: how far an
+    iteration, sleep plus query, ran over its nominal time).  On this VM the host sometimes
+    takes the cores away for a while (whole runs with 10-80 ms overruns in most rounds), and
+    such a run says nothing of a policy's timing.  The run is repeated on that measured
+    criterion only, never because an assertion failed; after ``attempts`` disturbed runs
+    the test fails.  Returns (stats, workers, clean) of the first usable run."""
+    for attempt in range(attempts):
+        sub = tmp_path / f"attempt{attempt}"
+        sub.mkdir()
+        _, stats, workers = _policy_run(sub, policy, **opts)
+        clean = np.asarray(clean_rounds(workers))
+        if clean.sum() >= need:
+            return stats, workers, clean
+    overrun = np.max([w["overrun"] for w in workers], axis=0)
+    pytest.fail(f"{attempts} runs disturbed by the machine, last overruns (ms): "
+                f"{np.round(overrun * 1e3, 1).tolist()}")
+
+
 def test_bsp_all_workers_aggregate_at_the_same_iteration(tmp_path):
     _, stats, workers = _policy_run(tmp_path, "bsp", iters=30, base=0.002)
     for rec in workers:
@@ -116,8 +136,14 @@ def test_dssp_gap_within_s_upper_and_extra_iterations_as_the_controller_decided(
 
 def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_waits(tmp_path):
     base, rounds, eps = 0.01, 20, 0.0
-    _, stats, workers = _policy_run(tmp_path, "esync", rounds=rounds, base=base,
-                                    esync_slack=eps)
+
+    def clean_rounds(workers):
+        # Rounds 1.. (round 0 is left out below) in which no worker's iteration ran more than
+        # 5 ms over its nominal time.
+        return np.max([w["overrun"] for w in workers], axis=0)[1:] < 0.005
+
+    stats, workers, clean = _undisturbed_run(tmp_path, "esync", clean_rounds, 10,
+                                             rounds=rounds, base=base, esync_slack=eps)
     slow = workers[3]
     assert slow["local_before_sync"] == [1] * rounds     # the slowest never runs ahead
     # Round 0 starts from registration, not from an aggregation: left out below.
@@ -136,11 +162,14 @@ def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_wai
     assert np.median(per_round[0]) > np.median(per_round[2])     # 1x runs more than 2x
     # ESync §4.1: once ready, the slowest waits at most the fastest's iteration time + ε.
     # Asserted on the 75th percentile with 5 ms of scheduling allowance (5 ranks on 2 shared
-    # cores): a rank descheduled for a time slice adds 10-20 ms to a round now and then (seen
-    # in 4 of 19 rounds on a machine loaded by other jobs), which says nothing of Alg. 2.
+    # cores), over the clean rounds (``_undisturbed_run``): a rank descheduled for a time
+    # slice, or a host that takes the VM's cores away (a full test run once saw waits of
+    # 30-80 ms in most rounds), says nothing of Alg. 2.  Most rounds must be clean, so a
+    # server that is slow to answer still fails the test.
     waits = np.array(slow["slowest_wait"][1:])
-    assert np.percentile(waits, 75) < base * 1 + eps + 0.005, np.round(waits * 1e3, 1).tolist()
-    assert np.median(waits) < base * 1 + eps
+    assert np.percentile(waits[clean], 75) < base * 1 + eps + 0.005, (
+        np.round(waits * 1e3, 1).tolist(), clean.tolist())
+    assert np.median(waits[clean]) < base * 1 + eps
     assert {w["rounds"] for w in stats["workers"].values()} == {rounds}
 
 
@@ -241,10 +270,17 @@ def test_ebsp_with_equal_speeds_degenerates_to_bsp(tmp_path):
     # iterations and R = 15 that needs a measured difference above 3.3 ms. On a machine loaded
     # by other jobs it still happens in a round now and then, so most rounds, not all, must be
     # BSP-like here; test_server_policies.py checks the exact property on a noise-free clock.
-    _, _, workers = _policy_run(tmp_path, "ebsp", speeds="1,1,1", rounds=10, base=0.05,
-                                lookahead=15)
+    def clean_rounds(workers):
+        # A round's plan is made from intervals measured in the round before: a round is clean
+        # if no worker's iteration ran over its 50 ms by 3 ms or more in it or the one before.
+        over = np.max([rec["overrun"] for rec in workers], axis=0) >= 0.003
+        return ~(over | np.concatenate([[False], over[:-1]]))
+
+    _, workers, clean = _undisturbed_run(tmp_path, "ebsp", clean_rounds, 5, speeds="1,1,1",
+                                         rounds=10, base=0.05, lookahead=15)
     equal = [len({rec["local_before_sync"][rnd] for rec in workers}) == 1 for rnd in range(10)]
-    assert sum(equal) >= 6, [rec["local_before_sync"] for rec in workers]
+    assert sum(e for e, c in zip(equal, clean) if c) >= 0.6 * clean.sum(), (
+        [rec["local_before_sync"] for rec in workers], clean.tolist())
     for rnd in range(10):
         # Whatever the plan, the ring guarantee holds: everyone aggregates in the same round,
         # and in the equal rounds at the same iteration.
