@@ -455,27 +455,31 @@ def test_load_64_clients_2000_queries_each(tmp_path):
 
 
 @pytest.mark.parametrize("policy, options", [
-    ("bsp", ["bad=1", "rounds=150", "remove_at=100"]),
+    ("bsp", ["bad=1", "rounds=150"]),
     ("esync", ["rounds=40", "early=1"]),
     ("esync", ["rounds=40", "delayed=1", "bad=1"]),
     ("ebsp", ["rounds=12"]),
 ])
-def test_the_compiled_path_changes_exactly_what_the_python_loop_changes(tmp_path, policy,
-                                                                         options):
-    out = tmp_path / "twin.json"
-    run = run_mpi("server_programs:twin", np=5, timeout=240,
+def test_the_compiled_loop_serves_the_ring_protocol_and_hands_over_what_it_leaves(
+        tmp_path, policy, options):
+    """Transport smoke test: what a message does to the tables is the rules' business
+    (tests/test_server_rules.py); here the compiled loop around them must carry a real
+    ring job to its end, serve most messages itself, and hand the rest to the Python loop."""
+    out = tmp_path / "transport.json"
+    run = run_mpi("server_programs:transport", np=5, timeout=240,
                   args=[f"policy={policy}", f"out={out}", *options])
     for r in range(1, 5):
-        assert f"twin worker {r} ok" in run.rank_out(r)
-    res = json.loads(out.read_text())
-    # Both paths were exercised: most steps and resets compiled (with a worker gone, ESync's
-    # decisions run in Python), the rest handed over.
-    assert res["compiled"] > (0.05 if "early=1" in options else 0.5) * res["messages"], res
-    if any(o.startswith(("bad", "remove_at", "early")) for o in options) or policy == "ebsp":
-        assert res["handed_over"] > 0, res
-    decisions = [w["decisions"] for w in res["stats"]["workers"].values()]
+        assert f"transport worker {r} ok" in run.rank_out(r)
+    stats = json.loads(out.read_text())
+    messages = stats["messages"]
+    # Most steps and resets compiled (with a worker gone, ESync's decisions still are);
+    # malformed messages and ElasticBSP's planning handed over to Python.
+    assert messages["compiled"] > 0.5 * (messages["compiled"] + messages["python"]), messages
+    if "bad=1" in options or policy == "ebsp":
+        assert messages["handed_over"] > 0, messages
+    decisions = [w["decisions"] for w in stats["workers"].values()]
     assert sum(d["SYNC"] for d in decisions) > 0
     if policy != "bsp":
         assert sum(d["LOCAL"] for d in decisions) > 0, decisions
     if "bad=1" in options:
-        assert res["stats"]["rejected_messages"] > 0
+        assert stats["rejected_messages"] > 0

@@ -1,5 +1,5 @@
 """The server's policy objects driven in one process by an exact, noise-free clock, and the
-serve loop's request check against its readable reference.
+server's switches (wake-ahead, the compiled path).
 
 The multi-rank tests in test_server.py run the same policies on a real machine, where each
 interval the server measures carries scheduling noise; here the timestamps are exact, so an
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpsync.config import SyncConfig
-from mpsync.server._policies import make_policy
+from mpsync.server import make_policy
 from mpsync.server._wire import SYNC
 
 
@@ -77,51 +77,6 @@ def test_ebsp_with_a_4x_straggler_gives_the_fast_workers_about_4x_the_iterations
     assert 3.5 <= ran[0] / ran[3] <= 4.5 and 1.75 <= ran[2] / ran[3] <= 2.25, ran.tolist()
 
 
-def test_the_fast_and_the_compiled_request_checks_accept_exactly_what_the_reference_accepts():
-    from hypothesis import given, settings, strategies as st
-
-    from mpsync.server._loop import _request_ok, _what_is_wrong
-
-    special = st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, -1e-300, 2.0 ** 53 - 1, 2.0 ** 53,
-                               2.0 ** 60, 1e300, float("nan"), float("inf"), float("-inf")])
-    slot = st.one_of(special, st.floats(), st.integers(0, 100).map(float))
-
-    from mpsync.server._fastpath import _request_ok as compiled_request_ok
-
-    @settings(max_examples=3000, deadline=None, database=None)
-    @given(st.lists(slot, min_size=8, max_size=8))
-    def check(msg):
-        ok = _what_is_wrong(msg) is None
-        assert _request_ok(msg) == ok, (msg, _what_is_wrong(msg))
-        assert compiled_request_ok(np.array(msg)) == ok, (msg, _what_is_wrong(msg))
-
-    check()
-    assert _request_ok([1.0, 2.0, 0.01, 0.0, 0.0, 0.0, 0.0, 1.0])
-    assert _what_is_wrong([1.0, 2.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).startswith("iteration 2.5")
-    assert _what_is_wrong([1.0, 2.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0]) == "negative time"
-
-
-def test_next_report_due_is_the_earliest_computing_workers_last_event_plus_its_compute():
-    from mpsync.server._loop import next_report_due
-    from mpsync.server._policies import WorkerTable
-
-    t = WorkerTable(4)
-    in_sync, held = np.zeros(4, dtype=bool), np.zeros(4, dtype=bool)
-    assert next_report_due(t, in_sync, held) is None          # nothing known yet
-    t.last_event[:] = [10.0, 10.2, 10.1, 9.0]
-    t.compute[:] = [0.5, 0.1, 0.0, 0.2]
-    t.interval[:] = [0.6, 0.2, 0.7, np.nan]
-    assert next_report_due(t, in_sync, held) == pytest.approx(9.2)   # worker 3
-    t.done[3] = True
-    assert next_report_due(t, in_sync, held) == pytest.approx(10.3)  # worker 1: 10.2 + 0.1
-    in_sync[1] = True                                  # aggregating: its next message is a reset
-    assert next_report_due(t, in_sync, held) == pytest.approx(10.5)  # worker 0
-    held[0] = True                                     # waiting for the server
-    assert next_report_due(t, in_sync, held) == pytest.approx(10.8)  # worker 2: no compute time
-    t.removed[2] = True
-    assert next_report_due(t, in_sync, held) is None
-
-
 @pytest.mark.parametrize("env, options, expected", [
     ({}, {}, True),
     ({"MPSYNC_SERVER_WAKE_AHEAD": "0"}, {}, False),
@@ -131,7 +86,7 @@ def test_next_report_due_is_the_earliest_computing_workers_last_event_plus_its_c
 def test_wake_ahead_follows_the_config_and_is_off_when_co_located(env, options, expected):
     from mpi4py import MPI
 
-    from mpsync.server._loop import StateServer
+    from mpsync.server import StateServer
 
     cfg = SyncConfig.from_options(env=env, **options)
     comm = MPI.COMM_SELF.Dup()
@@ -148,17 +103,16 @@ def test_the_compiled_path_runs_here_for_every_policy_and_follows_the_config(pol
     multi-rank tests exercise it; ``server_fast_path`` / MPSYNC_SERVER_FAST_PATH turn it off."""
     from mpi4py import MPI
 
-    from mpsync.server import _fastpath
-    from mpsync.server._loop import StateServer
+    from mpsync.server import StateServer, compiled_path_unavailable
 
-    assert _fastpath.unavailable_reason() is None
+    assert compiled_path_unavailable() is None
     topology = "ps" if policy in ("asp", "ssp", "dssp") else "ring"
     comm = MPI.COMM_SELF.Dup()
     try:
         for env, options, on in (({}, {}, True), ({"MPSYNC_SERVER_FAST_PATH": "0"}, {}, False),
                                  ({}, {"server_fast_path": False}, False)):
             cfg = SyncConfig.from_options(env=env, policy=policy, topology=topology, **options)
-            assert (StateServer(comm, cfg, workers=[0]).fast is not None) is on
-        assert StateServer(comm, cfg, workers=[0], fast_path=True).fast is not None
+            assert StateServer(comm, cfg, workers=[0]).view().fast_path is on
+        assert StateServer(comm, cfg, workers=[0], fast_path=True).view().fast_path
     finally:
         comm.Free()

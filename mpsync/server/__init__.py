@@ -33,15 +33,30 @@ from mpsync.server._stats import write_chrome_trace, write_stats_json
 __all__ = [
     "StateServer", "SyncClient", "Decision", "PendingDecision", "LOCAL", "SYNC",
     "ServerError", "DeadlineExceeded", "start_colocated", "ColocatedServer",
-    "write_stats_json", "write_chrome_trace",
+    "write_stats_json", "write_chrome_trace", "ServerView", "make_policy", "WorkerTable",
+    "Policy", "WeightStore", "compiled_path_unavailable",
 ]
 
 
 def __getattr__(name):
     # The server side (and with it Numba and the kernels) is imported only where it runs, so
     # a worker process starts without compiling or loading any kernel.
-    if name in ("StateServer", "start_colocated", "ColocatedServer"):
-        from mpsync.server import _loop
+    if name == "compiled_path_unavailable":
+        from mpsync.server._fastpath import unavailable_reason
 
-        return getattr(_loop, name)
+        return unavailable_reason
+    if name == "StateServer":
+        from mpsync.server._loop import StateServer
+
+        return StateServer
+    if name in ("start_colocated", "ColocatedServer"):
+        from mpsync.server import _colocated
+
+        return getattr(_colocated, name)
+    if name in ("ServerView", "make_policy", "WorkerTable", "Policy", "WeightStore"):
+        from mpsync.server import _policies, _view, weights
+
+        for module in (_policies, _view, weights):
+            if hasattr(module, name):
+                return getattr(module, name)
     raise AttributeError(f"module 'mpsync.server' has no attribute {name!r}")

@@ -1,35 +1,30 @@
-"""The state server's compiled hot path, and the client's compiled step: the per-iteration
-messages received, checked, recorded, decided and answered in machine code.
+"""The state server's compiled loop, and the client's compiled step: transport in machine code
+around the per-message rules of ``rules``.
 
-Why: every worker sends a STEP (and, on the ring, a RESET) per iteration, and in Python the
-serve loop spent 5-11 µs on each beyond the MPI calls themselves (probe, receive, check,
-record, decide, reply: each a few dozen bytecodes, each MPI call a trip through mpi4py).  A
-raw ping-pong of the same buffer costs 2-3 µs per round trip on these machines, so a decision
-took 4-6x the network it rides on (bench/server/README.md).  Here, once the loop's probe has
-found a message, one call of a Numba function that calls the MPI C library directly, without
-the GIL, serves it and the hot window that follows (``_loop`` module doc).
+Why: every worker sends a STEP (and, on the ring, a RESET) per iteration, and in Python each
+MPI call is a trip through mpi4py and each rule a few dozen bytecodes.  A raw ping-pong of the
+same buffer costs 2-3 µs per round trip on these machines, so a decision made in Python took
+several times the network it rides on (bench/server/README.md).  Here, once the serve loop's
+probe has found a message, one call of a Numba function that calls the MPI C library directly,
+without the GIL, serves it and the hot window that follows (``_loop`` module doc): probe,
+receive, then the same ``rules`` functions the Python loop calls (check, record, decide, log,
+fill the reply), then send.
 
-What it covers, and what it leaves to the Python loop (the reference for every case):
+What it serves, and what it leaves to the Python loop:
 
-* STEP under every policy whose step needs only its tables: bsp, asp, ssp, dssp and osp
-  answer SYNC (their decisions live in push/pull and importance messages, which stay in
-  Python); esync runs Alg. 2 through the same kernels (``sched.esync_query_state``), both
-  query modes, while every worker is active; ebsp answers from the barrier already planned
-  for the worker (its monitoring phase and held reports stay in Python).
-* RESET under all of them but ebsp, whose reset may make the next plan (ZipLine).
+* STEP and RESET of every policy whose family the rules cover (``Policy.fast_kind``):
+  ``FAST_BASE`` (bsp, asp, ssp, dssp, osp: steps answered SYNC; their decisions live in
+  push/pull and importance messages, which stay in Python), ``FAST_ESYNC`` (Alg. 2, both
+  query modes), ``FAST_EBSP`` (steps whose barrier is planned; its resets may plan the next
+  barrier, ZipLine, so they stay in Python).
 * A message of another type, from a rank that is no worker, or of the wrong size is left in
   the queue: the Python loop probes it again.  A message received here that it does not
-  complete (malformed, from a worker taken out, a case excluded above) is handed to the
-  Python loop with its receipt time, which goes on from its validation step.  The compiled
-  code makes no change to any table before it knows it will complete a message.
+  complete (malformed, from a worker taken out, an ElasticBSP case above) is handed to the
+  Python loop with its receipt time, which goes on from its validation step.  Nothing is
+  written before it is known that the message will be completed here.
 * The call returns when no message came for ``hot_s``, when housekeeping is due (also under
   a steady stream of messages), or when ESync's log of READY decisions is full; the Python
   loop then sleeps, wakes ahead, or keeps house exactly as without it.
-
-Both paths write the same tables, counters and events:
-``tests/test_server.py::test_the_compiled_path_changes_exactly_what_the_python_loop_changes``
-gives every message a server with the compiled path takes to a second server without it,
-with the same receipt time, and compares the two after each one.
 
 On the worker's side, :class:`ClientPath` does ``SyncClient.step``'s round trip (header,
 receive posted, send, 50 µs of polling) in one call.
@@ -40,30 +35,19 @@ on any other MPI, or with ``server_fast_path=False``, server and client run Pyth
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from mpi4py import MPI
 
-from mpsync.server import _wire as W
-from mpsync.server._stats import EVENT_KINDS
+from mpsync.server import _wire as W, rules
 
-__all__ = ["FastPath", "ClientPath", "query", "unavailable_reason", "policy_kind"]
+__all__ = ["FastPath", "ClientPath", "query", "unavailable_reason"]
 
-# Policy families (``policy_kind``).
-_BASE, _EBSP, _ESYNC = 0, 1, 2
 # Return codes of ``_serve``.
 QUIET = 0      # no message for hot_s, or housekeeping is due
 PROBED = 1     # a message the Python loop must receive itself is waiting
 RECEIVED = 2   # a message was received here and is handed over (``FastPath.handover``)
 DRAIN = 3      # ESync's READY log is full
 MPI_FAILED = 4  # an MPI call returned an error code (``FastPath.error``)
-
-_K_REPORT = EVENT_KINDS.index("report")
-_K_SYNC = EVENT_KINDS.index("sync")
-_K_RESET = EVENT_KINDS.index("reset")
-_MAX = float(W.MAX_ITER)
-_READY_LOG = 1024
 
 _symbols_loaded = None   # None: not tried; "" loaded; else why not
 
@@ -108,99 +92,63 @@ def _status_layout() -> tuple[int, int, int]:
         np.flatnonzero(cells == 7654321)[0])
 
 
-def policy_kind(policy) -> int | None:
-    from mpsync.server._policies import ESync, ElasticBSP, Policy
-
-    if type(policy) is ESync:
-        return _ESYNC
-    if type(policy) is ElasticBSP:
-        return _EBSP
-    cls = type(policy)
-    if cls.on_step is Policy.on_step and cls.on_reset is Policy.on_reset:
-        return _BASE
-    return None   # a policy this code does not know: the Python loop serves it
-
-
 class FastPath:
-    """The compiled hot path bound to one :class:`~mpsync.server.StateServer`'s tables."""
+    """The compiled loop bound to one server's buffers and tables.
 
-    def __init__(self, server):
-        from mpsync.server._policies import ESync, ElasticBSP
+    ``policy`` gives the family (``fast_kind``) and, for ESync and ElasticBSP, its rule
+    tables (``cells``), its active ``members()`` and its plan ``epoch``; ``tables``,
+    ``counters`` and ``events`` are the server's ``rules`` named tuples; ``request`` the
+    buffer the last message is received into (the Python loop reads a handed-over message
+    there); ``index``: communicator rank -> worker.
+    """
 
-        kind = policy_kind(server.policy)
+    def __init__(self, comm, index: dict, policy, tables, counters, events, request, t0, eps):
+        kind = policy.fast_kind
         if kind is None:
-            raise ValueError(f"no compiled path for policy {type(server.policy).__name__}")
-        self.server = server
+            raise ValueError(f"no compiled path for policy {type(policy).__name__}")
         self.kind = kind
-        comm = server.comm
+        self.policy = policy
+        self.t0 = float(t0)
+        self.eps = float(eps)
         n_cells, src_at, tag_at = _status_layout()
-        self.mpi = np.array([MPI._handleof(comm), MPI._handleof(MPI.DOUBLE),
-                             MPI._handleof(MPI.BYTE), MPI.ANY_SOURCE, MPI.ANY_TAG, src_at,
-                             tag_at], dtype=np.int64)
-        self.status = np.zeros(n_cells, dtype=np.int32)
-        self.scratch = np.zeros(2, dtype=np.int32)          # Iprobe's flag, Get_count's count
-        self.reply = np.zeros(W.MSG_LEN, dtype=np.float64)
+        mpi = np.array([MPI._handleof(comm), MPI._handleof(MPI.DOUBLE), MPI._handleof(MPI.BYTE),
+                        MPI.ANY_SOURCE, MPI.ANY_TAG, src_at, tag_at], dtype=np.int64)
         # (handled, last message time, source, tag, worker, receipt time, MPI error code)
         self.out = np.zeros(7, dtype=np.float64)
-        self.worker_of = np.full(comm.Get_size(), -1, dtype=np.int64)
-        for r, w in server.index.items():
-            self.worker_of[r] = w
-        t, c, ev = server.table, server.counters, server.events
-        view = np.frombuffer
-        self.tables = (t.iteration, t.last_event, t.interval, t.compute, t.round, t.removed,
-                       server.last_heard, server.waiting_on_us, server.in_sync,
-                       view(c.steps, np.int64), view(c.syncs, np.int64),
-                       view(c.locals, np.int64), view(c.rounds, np.int64),
-                       view(c.compute_s, np.float64), view(c.wait_server_s, np.float64),
-                       view(c.aggregation_s, np.float64), ev.rows, ev.count_cell)
-        p = server.policy
-        none_i, none_f, none_b = (np.zeros(0, np.int64), np.zeros(0, np.float64),
-                                  np.zeros(0, np.bool_))
-        self.ready_log = np.zeros((_READY_LOG, 2), dtype=np.int64)
-        self.ready_count = np.zeros(1, dtype=np.int64)
-        if isinstance(p, ESync):
-            self.esync = (p.k, p.capability, p.last_finish, p.ready, p.rounds, p.rtt)
-        else:
-            self.esync = (none_i, none_f, none_f, none_b, none_i, none_f)
-        if isinstance(p, ElasticBSP):
-            self.ebsp = (p.target, p.reports, p.held)
-        else:
-            self.ebsp = (none_i, none_i, none_b)
-        self.eps = float(server.config.esync_slack)
+        worker_of = np.full(comm.Get_size(), -1, dtype=np.int64)
+        for r, w in index.items():
+            worker_of[r] = w
+        # mpi handles, MPI_Status cells, Iprobe's flag and Get_count's count, request, reply
+        self.io = (mpi, np.zeros(n_cells, np.int32), np.zeros(2, np.int32), request,
+                   W.new_msg(), worker_of, self.out)
+        es = policy.cells if kind == rules.FAST_ESYNC else rules.new_esync_tables(0, 0)
+        eb = policy.cells if kind == rules.FAST_EBSP else rules.new_ebsp_tables(0)
+        self.esync = es
+        self.state = (tables, counters, events, es, eb)
+        self._no_members = np.zeros(0, np.int64)
 
     def serve(self, last_msg: float, hot_s: float, until: float,
               max_messages: int = 2 ** 62) -> int:
         """Serve what it can until quiet for ``hot_s`` since ``last_msg``, or ``until``, or
-        ``max_messages`` were served; returns a code (module constants); ``out`` holds what
-        the Python loop needs, the last message stays in the server's ``_msg``."""
-        s = self.server
-        everyone = s.policy._members()[2] if self.kind == _ESYNC else False
-        epoch = s.policy.epoch if self.kind == _EBSP else -1
-        code = _serve(self.mpi, self.status, self.scratch, s._msg, self.reply, self.worker_of,
-                      self.out, last_msg, hot_s, until, max_messages, s.t0, self.kind, self.eps,
-                      everyone,
-                      epoch, *self.tables, *self.esync, self.ready_log, self.ready_count,
-                      *self.ebsp)
-        if self.ready_count[0]:
-            self._drain()
+        ``max_messages`` were served; returns a code (module constants)."""
+        p = self.policy
+        members = p.members() if self.kind == rules.FAST_ESYNC else self._no_members
+        epoch = p.epoch if self.kind == rules.FAST_EBSP else -1
+        code = _serve(self.io, self.state, members, last_msg, hot_s, until, max_messages,
+                      self.t0, self.kind, self.eps, epoch)
+        if self.kind == rules.FAST_ESYNC and \
+                self.esync.ready_count[0] == len(self.esync.ready_log):
+            p.drain_ready_log()
         return code
 
     def warm_up(self) -> None:
         """Compile ``_serve`` (or load it from Numba's cache) before the first message: one
         call that probes an empty communicator of this process alone and returns."""
-        s = self.server
-        mpi = self.mpi.copy()
-        mpi[0] = MPI._handleof(MPI.COMM_SELF)
-        _serve(mpi, self.status, self.scratch, s._msg, self.reply, self.worker_of, self.out,
-               0.0, 0.0, 0.0, 2 ** 62, s.t0, self.kind, self.eps, False, -1, *self.tables, *self.esync,
-               self.ready_log, self.ready_count, *self.ebsp)
-
-    def _drain(self) -> None:
-        """ESync's READY decisions into the policy's per-worker lists (its ``describe``)."""
-        per_round = self.server.policy.local_per_round
-        for w, k in self.ready_log[:self.ready_count[0]].tolist():
-            per_round[w].append(k)
-        self.ready_count[0] = 0
+        io = list(self.io)
+        io[0] = self.io[0].copy()
+        io[0][0] = MPI._handleof(MPI.COMM_SELF)
+        _serve(tuple(io), self.state, self._no_members, 0.0, 0.0, 0.0, 2 ** 62, self.t0,
+               self.kind, self.eps, -1)
 
     @property
     def handled(self) -> int:
@@ -230,8 +178,6 @@ import numba  # noqa: E402
 from numba import types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from mpsync.sched.esync import esync_query_state, esync_reset  # noqa: E402
-
 _i32, _ptr = types.int32, types.intp
 _iprobe = types.ExternalFunction("MPI_Iprobe", _i32(_i32, _i32, _ptr, _ptr, _ptr))
 _recv = types.ExternalFunction("MPI_Recv", _i32(_ptr, _i32, _ptr, _i32, _i32, _ptr, _ptr))
@@ -243,38 +189,12 @@ _jit = numba.njit(cache=True, nogil=True)
 
 
 @_jit
-def _request_ok(m):
-    """``_loop._request_ok`` in Numba: every slot finite; SEQ, ITER, ROUND, COUNT, FLAG
-    integers in [0, 2**53); COMPUTE, AGG, WAIT >= 0."""
-    for i in (W.COMPUTE, W.AGG, W.WAIT):
-        if not (0.0 <= m[i] < math.inf):
-            return False
-    for i in (W.SEQ, W.ITER, W.ROUND, W.COUNT, W.FLAG):
-        v = m[i]
-        if not (0.0 <= v < _MAX) or v != math.floor(v):
-            return False
-    return True
-
-
-@_jit
-def _event(rows, count, t, w, kind, value):
-    i = count[0] % rows.shape[0]
-    rows[i, 0] = t
-    rows[i, 1] = w
-    rows[i, 2] = kind
-    rows[i, 3] = value
-    count[0] += 1
-
-
-@_jit
-def _serve(mpi, status, scratch, msg, reply, worker_of, out, last_msg, hot_s, until,
-           max_messages, t0, kind, eps, everyone, epoch,
-           iteration, last_event, interval, compute, round_, removed,
-           last_heard, waiting, in_sync,
-           steps, syncs, locals_, rounds, compute_s, wait_server_s, aggregation_s,
-           ev_rows, ev_count,
-           e_k, e_cap, e_finish, e_ready, e_rounds, e_rtt, ready_log, ready_count,
-           b_target, b_reports, b_held):
+def _serve(io, state, members, last_msg, hot_s, until, max_messages, t0, kind, eps, epoch):
+    """The transport: probe, receive, hand to the rules, send (module doc).  ``io``: (MPI
+    handles and status indices, status cells, scratch, request, reply, worker of rank, out);
+    ``state``: the rules' (tables, counters, events, ESync tables, ElasticBSP tables)."""
+    mpi, status, scratch, msg, reply, worker_of, out = io
+    tables, counters, events, es, eb = state
     comm, h_double, h_byte = mpi[0], mpi[1], mpi[2]
     any_source, any_tag = np.int32(mpi[3]), np.int32(mpi[4])
     src_at, tag_at = mpi[5], mpi[6]
@@ -317,91 +237,42 @@ def _serve(mpi, status, scratch, msg, reply, worker_of, out, last_msg, hot_s, un
         out[3] = tag
         out[4] = w
         out[5] = now
-        if not _request_ok(msg) or removed[w]:
+        # Can it be completed here?  (Decided before anything is written.)
+        if rules.request_problem(msg) != 0 or tables.removed[w]:
             return RECEIVED
-        delayed = kind == _ESYNC and msg[W.FLAG] == 1.0
-        if tag == W.STEP:
-            # Can it be completed here?  (Checked before anything is written.)
-            if kind == _EBSP and (epoch < 0 or b_target[w] < 0):
-                return RECEIVED
-            if kind == _ESYNC and not everyone and not (delayed and e_ready[w]):
-                return RECEIVED
-        elif kind == _EBSP:
+        if kind == rules.FAST_EBSP and (tag == W.RESET or epoch < 0 or eb.target[w] < 0):
             return RECEIVED
-        # _loop.StateServer._receive
-        last_heard[w] = now
-        waiting[w] = False
+        rules.record_heard(tables, w, now)
         t = now - t0
         if tag == W.RESET:
-            # _loop.StateServer._on_reset, Policy.on_reset, ESync.on_reset
             rnd = np.int64(msg[W.ROUND])
-            in_sync[w] = False
-            rounds[w] += 1
-            aggregation_s[w] += msg[W.AGG]
-            round_[w] = rnd
-            last_event[w] = now
-            if kind == _ESYNC:
-                esync_reset(e_k, e_finish, e_ready, e_rounds, w, e_rounds[w] + 1, now)
-            _event(ev_rows, ev_count, t, w, _K_RESET, rnd)
+            rules.count_reset(counters, w, msg[W.AGG])
+            rules.record_reset(tables, w, rnd, now)
+            if kind == rules.FAST_ESYNC:
+                rules.esync_new_round(es, w, now)
+            rules.log_event(events, t, w, rules.K_RESET, rnd)
             handled += 1
             out[0] = handled
             continue
-        # _loop.StateServer._on_step, WorkerTable.record_report
         k = np.int64(msg[W.ITER])
-        c = msg[W.COMPUTE]
-        last = last_event[w]
-        if last == last:
-            interval[w] = now - last
-        last_event[w] = now
-        iteration[w] = k
-        compute[w] = c
-        steps[w] += 1
-        compute_s[w] += c
-        wait_server_s[w] = msg[W.WAIT]
-        action, local_iters = W.SYNC, 0
-        if kind == _ESYNC:
-            # ESync.on_step
-            if delayed:
-                e_rtt[w] = msg[W.AGG]
-            if delayed and e_ready[w]:
-                action = W.LOCAL
-            else:
-                k_w = e_k[w] + 1
-                cap = c + e_rtt[w] if delayed else c
-                if esync_query_state(e_k, e_cap, e_finish, e_ready, e_rounds, w, k_w, cap,
-                                     now, now, eps):
-                    ready_log[ready_count[0], 0] = w
-                    ready_log[ready_count[0], 1] = k_w
-                    ready_count[0] += 1
-                else:
-                    action = W.LOCAL
-        elif kind == _EBSP:
-            # ElasticBSP.on_step / decide_held with the barrier planned
-            b_reports[w] += 1
-            b_held[w] = False
-            if k < b_target[w]:
-                action, local_iters = W.LOCAL, b_target[w] - k
-        _event(ev_rows, ev_count, t, w, _K_REPORT, k)
+        compute = msg[W.COMPUTE]
+        delayed = kind == rules.FAST_ESYNC and msg[W.FLAG] == 1.0
+        rules.record_report(tables, w, k, compute, now)
+        rules.count_step(counters, w, compute, msg[W.WAIT])
+        action, local_iters = rules.fast_decision(kind, es, eb, members, w, k, compute, now,
+                                                  eps, delayed, msg[W.AGG])
+        rules.log_event(events, t, w, rules.K_REPORT, k)
         handled += 1
         out[0] = handled
-        # _loop.StateServer._answer_step, _send_reply
-        if action == W.SYNC:
-            in_sync[w] = True
-            syncs[w] += 1
-            _event(ev_rows, ev_count, t, w, _K_SYNC, iteration[w])
-        else:
-            locals_[w] += 1
-            if delayed:
-                continue   # ESync §4.2: NOT-READY is implicit in delayed-ACK mode
-        reply[0] = action
-        reply[1] = local_iters
-        reply[2] = round_[w]
-        reply[3] = msg[W.SEQ]
+        rules.record_answer(tables, counters, events, w, action, t)
+        if action == W.LOCAL and delayed:
+            continue   # ESync §4.2: NOT-READY is implicit in delayed-ACK mode
+        rules.fill_reply(reply, action, local_iters, tables.round[w], msg[W.SEQ], 0, 0, 0)
         err = _send(reply.ctypes.data, W.MSG_LEN, h_double, src, W.REPLY, comm)
         if err != 0:
             out[6] = err
             return MPI_FAILED
-        if ready_count[0] == ready_log.shape[0]:
+        if kind == rules.FAST_ESYNC and es.ready_count[0] == es.ready_log.shape[0]:
             return DRAIN
     return QUIET
 

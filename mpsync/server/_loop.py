@@ -29,24 +29,23 @@ the DATA comes (or drops it after ``deadline``).
 
 from __future__ import annotations
 
-import array
 import collections
 import json
-import math
 import os
 import sys
-import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from mpsync.config import ConfigError
-from mpsync.server import _fastpath, _wire as W
-from mpsync.server._policies import ESync, OSP, make_policy
-from mpsync.server._stats import EventLog, ServerCounters, mirrored
+from mpsync.server import _fastpath, _wire as W, rules
+from mpsync.server._policies import make_policy
+from mpsync.server._stats import EventLog, ServerCounters, jsonable, rss_kb
+from mpsync.server._view import ServerView
+from mpsync.server.weights import WeightStore
 
-__all__ = ["StateServer", "start_colocated", "ColocatedServer"]
+__all__ = ["StateServer"]
 
 _HOT_DEDICATED_S = 200e-6   # poll without sleeping this long after a message (module doc)
 _HOT_COLOCATED_S = 100e-6
@@ -69,12 +68,7 @@ _SLEEP_IDLE_MAX_S = 4e-3
 _WAKE_MARGIN_S = 300e-6
 _DUE_SLACK_S = 1e-3
 _HOUSEKEEPING_S = 0.1   # how often silent workers and expired payload headers are looked for
-_SLOT_NAMES = {W.SEQ: "sequence number", W.ITER: "iteration", W.ROUND: "round",
-               W.COUNT: "count", W.FLAG: "flag"}
-_INTEGER_SLOTS = tuple(_SLOT_NAMES)
 _MSG_BYTES = W.MSG_LEN * 8
-_INF = math.inf
-_MAX = float(W.MAX_ITER)
 _PAYLOAD_TAGS = (W.PS_INIT, W.PUSH, W.IMPORTANCE)
 
 
@@ -109,26 +103,22 @@ class StateServer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.table = self.policy.t
+        self.cells = self.table.cells          # the arrays the per-message rules write
         self.policy.warm_up()
         self.counters = ServerCounters(len(self.ranks))
         self.events = EventLog()
         self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
-        self.ps_weights: np.ndarray | None = None
-        self.ps_version = 0
-        self.ps_scale = 1.0
-        self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-        self._rejected: dict[tuple, int] = {}
+        self.weights = WeightStore(self.policy.ps_update_scale(len(self.ranks)))
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.rejected: dict[tuple, int] = {}
+        # Well-formed requests served by each loop ("python" counts the handed-over ones too).
+        self.messages = {"compiled": 0, "python": 0, "handed_over": 0}
         self._msg = W.new_msg()
-        self._reply = array.array("d", bytes(_MSG_BYTES))   # filled cell by cell, see _send_reply
+        self._reply = W.new_msg()
         self._reply_spec = [self._reply, MPI.DOUBLE]
         self._status = MPI.Status()
         self.t0 = MPI.Wtime()
-        n = len(self.ranks)
-        # array.array handles for the per-message path, numpy views for whole-table checks
-        # (_stats.mirrored).
-        self._last_heard, self.last_heard = mirrored("d", n, self.t0)
-        self._waiting_on_us, self.waiting_on_us = mirrored("b", n)
-        self._in_sync, self.in_sync = mirrored("b", n)     # told SYNC, no reset yet
+        self.table.last_heard[:] = self.t0
         self._stop = False
         self._resuming = None      # the parked header whose DATA has just arrived
         self._msg_spec = [self._msg, MPI.DOUBLE]
@@ -148,8 +138,10 @@ class StateServer:
         if fast_path is None:
             fast_path = config.server_fast_path
         if fast_path and _fastpath.unavailable_reason() is None and \
-                _fastpath.policy_kind(self.policy) is not None:
-            self.fast = _fastpath.FastPath(self)
+                self.policy.fast_kind is not None:
+            self.fast = _fastpath.FastPath(comm, self.index, self.policy, self.cells,
+                                           self.counters.cells, self.events.cells, self._msg,
+                                           self.t0, config.esync_slack)
             self.fast.warm_up()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -173,7 +165,7 @@ class StateServer:
         next_housekeeping = last_msg + _HOUSEKEEPING_S
         due = None           # when the next report is expected (None: unknown or none)
         due_stale = True     # the tables changed since ``due`` was computed
-        fast = self.fast
+        fast, messages = self.fast, self.messages
         while not self._stop:
             if iprobe(any_source, any_tag, status):
                 probed = True
@@ -184,11 +176,13 @@ class StateServer:
                     code = fast.serve(last_msg, hot_s, next_housekeeping)
                     if code == _fastpath.MPI_FAILED:
                         raise MPI.Exception(fast.error)
+                    messages["compiled"] += fast.handled
                     if fast.handled or code == _fastpath.RECEIVED:
                         last_msg = fast.last_msg
                         sleep = _SLEEP_MIN_S
                         due_stale = True
                     if code == _fastpath.RECEIVED:
+                        messages["handed_over"] += 1
                         self._received(*fast.handover)
                         continue
                     probed = code == _fastpath.PROBED and iprobe(any_source, any_tag, status)
@@ -222,7 +216,7 @@ class StateServer:
             nap = sleep
             if wake_ahead:
                 if due_stale:
-                    due = next_report_due(self.table, self.in_sync, self.waiting_on_us)
+                    due = rules.next_report_due(self.cells, self.table.done)
                     due_stale = False
                 if due is not None:
                     ahead = due - now
@@ -243,7 +237,7 @@ class StateServer:
         if now - self._last_rss_sample < 1.0 or len(self.rss_samples) >= 3600:
             return
         self._last_rss_sample = now
-        self.rss_samples.append([round(now - self.t0, 3), _rss_kb()])
+        self.rss_samples.append([round(now - self.t0, 3), rss_kb()])
 
     def stop(self) -> None:
         self._stop = True
@@ -254,7 +248,7 @@ class StateServer:
         t = self.table
         if not (np.all(t.done | t.removed) and np.any(t.done)):
             return False
-        gone_for = MPI.Wtime() - self.last_heard[t.removed & ~t.done]
+        gone_for = MPI.Wtime() - t.last_heard[t.removed & ~t.done]
         return bool(np.all(gone_for > self.config.deadline))
 
     # -- receiving and validating ---------------------------------------------------------
@@ -262,10 +256,10 @@ class StateServer:
         if nbytes is not None:  # consume the message so it cannot block the queue
             self.comm.Recv([bytearray(max(nbytes, 1)), MPI.BYTE], source=src, tag=tag)
         key = (src, reason)
-        self._rejected[key] = self._rejected.get(key, 0) + 1
+        self.rejected[key] = self.rejected.get(key, 0) + 1
         self.counters.rejected += 1
-        if self._rejected[key] == 1:  # log each kind of rejection once per source
-            self._log(f"mpsync server: dropped a message from rank {src} "
+        if self.rejected[key] == 1:  # log each kind of rejection once per source
+            self.log(f"mpsync server: dropped a message from rank {src} "
                       f"(tag {W.TAG_NAMES.get(tag, tag)}): {reason}")
 
     def _receive(self, src: int, tag: int, nbytes: int) -> None:
@@ -290,15 +284,15 @@ class StateServer:
     def _received(self, src: int, tag: int, w: int, now: float, handler=None) -> None:
         """The request now in ``self._msg``, from worker ``w``, received at ``now``: from the
         validation on (also where the compiled path hands over a message it leaves to us)."""
-        msg = self._msg.tolist()   # Python floats: ~10x cheaper to check than numpy scalars
-        if not _request_ok(msg):
-            return self._drop_payload(src, tag, _what_is_wrong(msg))
-        if self.table._removed[w]:
-            self.table._removed[w] = False  # it came back (PS): count it in again
+        if rules.request_problem(self._msg):
+            return self._drop_payload(src, tag, rules.describe_problem(self._msg))
+        msg = self._msg.tolist()   # Python floats: cheaper to read than numpy scalars
+        if self.table.removed[w]:
+            self.table.removed[w] = False  # it came back (PS): count it in again
             self.policy.on_rejoin(w)
-            self._log(f"mpsync server: worker rank {src} is responding again; taken back in")
-        self._last_heard[w] = now
-        self._waiting_on_us[w] = False
+            self.log(f"mpsync server: worker rank {src} is responding again; taken back in")
+        rules.record_heard(self.cells, w, now)
+        self.messages["python"] += 1
         self._dispatch(handler or self._HANDLERS[tag], src, tag, w, msg, now)
 
     def _dispatch(self, handler, src, tag, w, msg, now, retry_at=None) -> None:
@@ -349,7 +343,7 @@ class StateServer:
     def _resume_parked(self, src: int) -> None:
         """The DATA for ``src``'s oldest parked header has arrived: run its handler again."""
         tag, w, msg, received, _ = self.parked[src].popleft()
-        self.last_heard[w] = MPI.Wtime()
+        self.table.last_heard[w] = MPI.Wtime()
         self._resuming = msg
         self._dispatch(self._HANDLERS[tag], src, tag, w, msg, received, retry_at=MPI.Wtime())
         if self._resuming is msg:  # the handler failed before it took its payload
@@ -367,14 +361,8 @@ class StateServer:
 
     # -- replies ----------------------------------------------------------------------------
     def _send_reply(self, src, seq, action=W.SYNC, local_iters=0, extra=0, count=0, version=0):
-        r = self._reply   # an array.array: per-cell writes cost ~0.05 µs, numpy's ~0.4 µs
-        r[W.R_ACTION] = action
-        r[W.R_LOCAL] = local_iters
-        r[W.R_ROUND] = self.table._round[self.index[src]]
-        r[W.R_SEQ] = seq
-        r[W.R_EXTRA] = extra
-        r[W.R_COUNT] = count
-        r[W.R_VERSION] = version
+        rules.fill_reply(self._reply, action, local_iters, self.table.round[self.index[src]],
+                         seq, extra, count, version)
         self.comm.Send(self._reply_spec, dest=src, tag=W.REPLY)
 
     # -- handlers ---------------------------------------------------------------------------
@@ -386,41 +374,31 @@ class StateServer:
 
     def _on_step(self, src, w, msg, now):
         k, compute = int(msg[W.ITER]), msg[W.COMPUTE]
-        delayed = msg[W.FLAG] == 1 and isinstance(self.policy, ESync)
-        self.table.record_report(w, k, compute, now)
-        c = self.counters
-        c.steps[w] += 1
-        c.compute_s[w] += compute
-        c.wait_server_s[w] = msg[W.WAIT]
+        rules.record_report(self.cells, w, k, compute, now)
+        rules.count_step(self.counters.cells, w, compute, msg[W.WAIT])
+        delayed = msg[W.FLAG] == 1 and self.policy.supports_delayed_ack
         if delayed:
-            self.policy.rtt[w] = float(msg[W.AGG])
-            decision = self.policy.on_step(w, k, compute, now, delayed_ack=True)
+            decision = self.policy.on_step(w, k, compute, now, delayed_ack=True, rtt=msg[W.AGG])
         else:
             decision = self.policy.on_step(w, k, compute, now)
         self.events.add(now - self.t0, w, "report", k)
         if decision is None:
             self.held.append((W.STEP, src, w, msg[W.SEQ], k))
-            self._waiting_on_us[w] = True
+            self.table.waiting[w] = True
             return
         self._answer_step(src, w, msg[W.SEQ], decision, now, delayed)
 
     def _answer_step(self, src, w, seq, decision, now, delayed=False):
         action, local_iters, extra = decision
-        if action == W.SYNC:
-            self._in_sync[w] = True
-            self.counters.syncs[w] += 1
-            self.events.add(now - self.t0, w, "sync", self.table._iteration[w])
-        else:
-            self.counters.locals[w] += 1
-            if delayed:
-                return  # §4.2: NOT-READY is implicit in delayed-ACK mode
+        rules.record_answer(self.cells, self.counters.cells, self.events.cells, w, action,
+                            now - self.t0)
+        if action == W.LOCAL and delayed:
+            return  # §4.2: NOT-READY is implicit in delayed-ACK mode
         self._send_reply(src, seq, action, local_iters, extra)
 
     def _on_reset(self, src, w, msg, now):
         rnd = int(msg[W.ROUND])
-        self._in_sync[w] = False
-        self.counters.rounds[w] += 1
-        self.counters.aggregation_s[w] += msg[W.AGG]
+        rules.count_reset(self.counters.cells, w, msg[W.AGG])
         self.policy.on_reset(w, rnd, now)
         self.events.add(now - self.t0, w, "reset", rnd)
         # No reply: the worker does not wait for it (the next step's reply orders everything,
@@ -431,7 +409,7 @@ class StateServer:
         data = self._payload(src, w, W.IMPORTANCE, msg, now, 2 * n_layers, "importance")
         if data is None:
             return
-        if not isinstance(self.policy, OSP):
+        if not self.policy.takes_importance:
             return self._reject(src, W.IMPORTANCE, f"importance report under policy "
                                                    f"{self.config.policy!r}")
         if not np.all(np.isfinite(data)) or np.any(data[n_layers:] < 0):
@@ -449,56 +427,41 @@ class StateServer:
             return
         if self.config.topology != "ps":
             return self._reject(src, W.PS_INIT, "ps_init on topology='ring'")
-        if self.ps_weights is None:
-            self.ps_weights = data
-            # ESync / ElasticBSP on the PS average the workers' deltas (ESync Eq. 7-8: ε times
-            # the mean); ASP/SSP/DSSP/BSP apply each worker's update as it is (Downpour style).
-            n = len(self.ranks)
-            self.ps_scale = {"esync": self.config.epsilon / n, "ebsp": 1.0 / n}.get(
-                self.config.policy, 1.0)
-        self._send_reply(src, msg[W.SEQ], version=self.ps_version)
+        self.weights.init(data)
+        self._send_reply(src, msg[W.SEQ], version=self.weights.version)
 
     def _on_push(self, src, w, msg, now):
         data = self._payload(src, w, W.PUSH, msg, now, int(msg[W.COUNT]), "push")
         if data is None:
             return
-        if self.ps_weights is None or data.shape != self.ps_weights.shape:
-            return self._reject(src, W.PUSH, "push before ps_init or of the wrong length")
-        if not np.all(np.isfinite(data)):
-            return self._reject(src, W.PUSH, "push with NaN or inf")
-        if self.ps_scale == 1.0:
-            self.ps_weights += data
-        else:
-            self.ps_weights += self.ps_scale * data
-        self.ps_version += 1
+        problem = self.weights.apply(data)
+        if problem:
+            return self._reject(src, W.PUSH, problem)
         self.counters.pushes[w] += 1
         self.policy.on_push(w, now)
         if msg[W.FLAG] == 1:
             # Its last push: a staleness rule must not wait for a worker that stopped training.
             self.table.final_pushed[w] = True
         self.events.add(now - self.t0, w, "push", int(msg[W.ITER]))
-        self._send_reply(src, msg[W.SEQ], version=self.ps_version)
+        self._send_reply(src, msg[W.SEQ], version=self.weights.version)
 
     def _on_pull(self, src, w, msg, now):
-        if self.ps_weights is None:
-            # Worker 0's ps_init may still be on its way: hold the pull.
+        if not self.weights.ready or (msg[W.FLAG] != 1 and not self.policy.may_pull(w)):
+            # Held: worker 0's ps_init may still be on its way, or the staleness rule.
+            if self.weights.ready:
+                self.counters.held_pulls[w] += 1
+                self.events.add(now - self.t0, w, "held", int(self.table.pushes[w]))
             self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
-            self.waiting_on_us[w] = True
-            return
-        if msg[W.FLAG] != 1 and not self.policy.may_pull(w):
-            self.counters.held_pulls[w] += 1
-            self.events.add(now - self.t0, w, "held", int(self.table.pushes[w]))
-            self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
-            self.waiting_on_us[w] = True
+            self.table.waiting[w] = True
             return
         self._answer_pull(src, w, float(msg[W.SEQ]), int(msg[W.COUNT]))
 
     def _answer_pull(self, src, w, seq, count):
-        if count != self.ps_weights.size:
-            return self._reject(src, W.PULL, f"pull of {count} values, the model has "
-                                             f"{self.ps_weights.size}")
-        self._send_reply(src, seq, count=count, version=self.ps_version)
-        self.comm.Send([self.ps_weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
+        problem = self.weights.pull_problem(count)
+        if problem:
+            return self._reject(src, W.PULL, problem)
+        self._send_reply(src, seq, count=count, version=self.weights.version)
+        self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1
         self.events.add(MPI.Wtime() - self.t0, w, "pull", int(self.table.pushes[w]))
         # Staleness actually granted: how far this worker is ahead of the slowest active one.
@@ -537,15 +500,15 @@ class StateServer:
                 if decision is None:
                     still.append(item)
                 else:
-                    self.waiting_on_us[w] = False
+                    self.table.waiting[w] = False
                     # The worker was idle while held: its next iteration starts now, so the
                     # interval its next report closes is measured from here.
                     self.table.last_event[w] = now
                     self.events.add(now - self.t0, w, "resume", arg)
                     self._answer_step(src, w, seq, decision, now)
             else:  # PULL
-                if self.ps_weights is not None and self.policy.may_pull(w):
-                    self.waiting_on_us[w] = False
+                if self.weights.ready and self.policy.may_pull(w):
+                    self.table.waiting[w] = False
                     self._answer_pull(src, w, seq, arg)
                 else:
                     still.append(item)
@@ -557,8 +520,8 @@ class StateServer:
         # A worker that has not made its first step is still starting (imports, data loading,
         # broadcasts: tens of seconds on a loaded node): it gets the start-up timeout instead.
         started = np.frombuffer(self.counters.steps, dtype=np.int64) > 0
-        silent = np.flatnonzero(t.active & ~self.waiting_on_us & (
-            (started & (now - self.last_heard > self.config.silent_timeout)) |
+        silent = np.flatnonzero(t.active & ~t.waiting & (
+            (started & (now - t.last_heard > self.config.silent_timeout)) |
             (~started & (now - self.t0 > self.config.startup_timeout))))
         if silent.size == 0:
             return
@@ -566,11 +529,11 @@ class StateServer:
             # A ring collective cannot complete without every worker: abort instead of hanging.
             # Workers told SYNC wait in the collective for the silent one and fall silent too;
             # the cause is a worker that was told to compute and never reported back.
-            cause = [w for w in silent if not self.in_sync[w]] or list(silent)
+            cause = [w for w in silent if not t.in_sync[w]] or list(silent)
             waiting = [self.ranks[w] for w in silent if w not in cause]
             ranks = [self.ranks[w] for w in cause]
             also = f" (rank(s) {waiting} are waiting for them)" if waiting else ""
-            self._log(f"mpsync server: worker rank(s) {ranks} silent for more than "
+            self.log(f"mpsync server: worker rank(s) {ranks} silent for more than "
                       f"{self.config.silent_timeout:g}s{also}; the ring cannot continue "
                       f"without them: aborting the job")
             self.comm.Abort(3)
@@ -578,140 +541,18 @@ class StateServer:
         for w in silent:
             t.removed[w] = True
             self.events.add(now - self.t0, int(w), "removed", int(t.iteration[w]))
-        self._log(f"mpsync server: worker rank(s) {ranks} silent for more than "
+        self.log(f"mpsync server: worker rank(s) {ranks} silent for more than "
                   f"{self.config.silent_timeout:g}s; taken out of the {self.config.policy} "
                   f"decisions (ZipLine paper §4), the others continue")
         self.policy.on_membership_change()
         self._retry_held(now)
 
-    # -- stats ------------------------------------------------------------------------------
+    # -- what the server knows -----------------------------------------------------------------
+    def view(self) -> ServerView:
+        """A read-only view of the server's state (``_view``): what tests and tools read
+        instead of the server's internals."""
+        return ServerView(self)
+
     def stats(self) -> dict:
-        c, t = self.counters, self.table
-        workers = {}
-        for w, r in enumerate(self.ranks):
-            workers[str(r)] = {
-                "iterations": int(c.steps[w]), "last_iteration": int(t.iteration[w]),
-                "rounds": int(c.rounds[w]), "compute_s": float(c.compute_s[w]),
-                "wait_server_s": float(c.wait_server_s[w]),
-                "aggregation_s": float(c.aggregation_s[w]),
-                "decisions": {"LOCAL": int(c.locals[w]), "SYNC": int(c.syncs[w])},
-                "pushes": int(c.pushes[w]), "pulls": int(c.pulls[w]),
-                "held_pulls": int(c.held_pulls[w]),
-                "removed": bool(t.removed[w]), "done": bool(t.done[w]),
-            }
-        return {"policy": self.config.policy, "topology": self.config.topology,
-                "server": self.config.server, "server_rank": self.server_rank,
-                "workers": workers, "elapsed_s": MPI.Wtime() - self.t0,
-                "rejected_messages": int(c.rejected),
-                "max_staleness_gap": int(c.max_gap), "ps_version": int(self.ps_version),
-                "policy_state": _jsonable(self.policy.describe()),
-                "rss_kb": self.rss_samples + [[round(MPI.Wtime() - self.t0, 3), _rss_kb()]],
-                "events": self.events.as_list(self.ranks)}
-
-
-def _request_ok(msg: list) -> bool:
-    """The serve loop's check of a request: every slot finite; SEQ, ITER, ROUND, COUNT, FLAG
-    integers in [0, 2**53); COMPUTE, AGG, WAIT >= 0.  One chained comparison per slot (it is
-    False for NaN, so it checks finiteness too): about 1 µs, where :func:`_what_is_wrong`, the
-    readable form that also says why, takes several."""
-    seq, it, compute, rnd, agg, wait, count, flag = msg
-    return (0.0 <= compute < _INF and 0.0 <= agg < _INF and 0.0 <= wait < _INF and
-            0.0 <= seq < _MAX and 0.0 <= it < _MAX and 0.0 <= rnd < _MAX and
-            0.0 <= count < _MAX and 0.0 <= flag < _MAX and seq.is_integer() and
-            it.is_integer() and rnd.is_integer() and count.is_integer() and flag.is_integer())
-
-
-def next_report_due(table, in_sync: np.ndarray, held: np.ndarray) -> float | None:
-    """When the next report is expected, on the server clock, or None: the earliest, over the
-    workers that are computing (not told SYNC, not ``held``, not gone), of their last event
-    (report, reset or release) plus their last compute time as they measured it, or, if they
-    report none, their last interval.  Iteration times repeat closely in data-parallel
-    training (the premise of the ZipLine paper's lookahead, §4).  The worker's own compute
-    time, not the interval between two receipts, because a receipt is late by however long
-    the server slept: an interval would carry that delay into the next prediction, and the
-    next, and the server would wake up later each time."""
-    computing = ~(table.done | table.removed | in_sync | held)
-    if not computing.any():
-        return None
-    compute = table.compute[computing]
-    due = table.last_event[computing] + np.where(compute > 0, compute,
-                                                 table.interval[computing])
-    due = due[~np.isnan(due)]
-    return float(due.min()) if due.size else None
-
-
-def _what_is_wrong(msg: list) -> str | None:
-    """Why a request is refused, or None if it is well-formed (the reference for
-    :func:`_request_ok`)."""
-    if not all(map(math.isfinite, msg)):
-        return "NaN or inf in the message"
-    for slot in _INTEGER_SLOTS:
-        v = msg[slot]
-        if not 0 <= v < W.MAX_ITER or v != int(v):
-            return f"{_SLOT_NAMES[slot]} {v!r} is not an integer in [0, 2**53)"
-    if msg[W.COMPUTE] < 0 or msg[W.AGG] < 0 or msg[W.WAIT] < 0:
-        return "negative time"
-    return None
-
-
-def _rss_kb() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
-
-
-class ColocatedServer:
-    """The server as a thread on a training rank; ``join()`` returns its stats."""
-
-    def __init__(self, server: StateServer):
-        self.server = server
-        self.result: dict | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="mpsync-state-server", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.result = self.server.serve()
-        except BaseException as e:  # surface it in join(); the job cannot go on without it
-            self.error = e
-            self.server._log(f"mpsync server: the co-located server failed: {e!r}; aborting")
-            self.server.comm.Abort(3)
-
-    def join(self, timeout: float | None = None) -> dict:
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise TimeoutError("the co-located state server did not finish")
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def start_colocated(comm, config, *, server_rank: int = 0, workers=None, log=None):
-    """Start the state server as a thread of this rank (``server='colocated'``).  Needs
-    MPI_THREAD_MULTIPLE: the trainer and the server call MPI at the same time."""
-    if workers is None:
-        workers = list(range(comm.Get_size()))  # co-located: every rank trains
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ConfigError("server='colocated' needs MPI_THREAD_MULTIPLE, but MPI was initialised "
-                          f"with thread level {MPI.Query_thread()}; use server='dedicated' or "
-                          "initialise MPI with MPI_THREAD_MULTIPLE")
-    return ColocatedServer(StateServer(comm, config, server_rank=server_rank, workers=workers,
-                                       log=log))
+        """Everything the server measured, as JSON-ready data."""
+        return self.view().stats()

@@ -18,32 +18,29 @@ from __future__ import annotations
 import numpy as np
 
 from mpsync import sched
-from mpsync.server._stats import mirrored
+from mpsync.server import rules
 from mpsync.server._wire import LOCAL, SYNC
 
-__all__ = ["WorkerTable", "make_policy", "POLICY_CLASSES"]
+__all__ = ["WorkerTable", "Policy", "make_policy", "POLICY_CLASSES"]
 
 
 class WorkerTable:
     """What the server knows of each worker, on its own clock (``MPI.Wtime`` on receipt).
 
-    Each table is a numpy array for the policies' whole-table work; the cells the serve loop
-    touches on every message are also reachable through ``array.array`` handles (the
-    underscored names, same memory: ``_stats.mirrored``), which is 4-10x cheaper per cell.
+    The cells every message touches are ``cells`` (a :class:`rules.Tables`, the arrays the
+    per-message rules of both serve loops write); the same arrays are attributes here for the
+    policies' whole-table work.  The rest changes only on PS and membership messages.
     """
 
     def __init__(self, n: int):
         self.n = n
-        self._iteration, self.iteration = mirrored("q", n)      # last reported local iteration
-        self._last_event, self.last_event = mirrored("d", n, float("nan"))  # last report/reset
-        self._interval, self.interval = mirrored("d", n, float("nan"))  # event-to-report interval
-        self._compute, self.compute = mirrored("d", n)          # last compute, worker-measured
-        self._round, self.round = mirrored("q", n)
+        self.cells = rules.new_tables(n)
+        (self.iteration, self.last_event, self.interval, self.compute, self.round,
+         self.removed, self.last_heard, self.waiting, self.in_sync) = self.cells
         self.pushes = np.zeros(n, dtype=np.int64)           # PS: updates applied (DSSP t_i)
         self.push_table = np.zeros((n, 2), dtype=np.float64)  # PS: two latest push times
         self.registered = np.zeros(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)                 # sent shutdown
-        self._removed, self.removed = mirrored("b", n)      # taken out (silent)
         self.final_pushed = np.zeros(n, dtype=bool)         # PS: sent its last update
 
     @property
@@ -51,35 +48,48 @@ class WorkerTable:
         return ~(self.done | self.removed)
 
     def record_report(self, w: int, k: int, compute: float, now: float) -> None:
-        last = self._last_event[w]
-        if last == last:  # not NaN: an earlier event opened this interval
-            self._interval[w] = now - last
-        self._last_event[w] = now
-        self._iteration[w] = k
-        self._compute[w] = compute
+        rules.record_report(self.cells, w, k, compute, now)
 
 
 class Policy:
+    """The base policy: every step is answered SYNC (the decisions of the PS policies are
+    made at push and pull time).  ``fast_kind`` names the compiled loop's rule family that
+    answers this policy's steps and resets (``rules.FAST_*``), None where only the Python
+    loop can (a subclass with its own ``on_step`` or ``on_reset``)."""
+
     name = "?"
     ring_ok = True
     ps_ok = True
+    takes_importance = False      # OSP's importance reports
+    supports_delayed_ack = False  # ESync §4.2
 
     def __init__(self, table: WorkerTable, config):
         self.t = table
         self.config = config
 
-    def on_step(self, w: int, k: int, compute: float, now: float):
+    @property
+    def fast_kind(self) -> int | None:
+        cls = type(self)
+        if cls.on_step is Policy.on_step and cls.on_reset is Policy.on_reset:
+            return rules.FAST_BASE
+        return None
+
+    def on_step(self, w: int, k: int, compute: float, now: float, delayed_ack: bool = False,
+                rtt: float = 0.0):
         return SYNC, 0, 0
 
     def on_reset(self, w: int, round_: int, now: float) -> None:
-        self.t.round[w] = round_
-        self.t.last_event[w] = now
+        rules.record_reset(self.t.cells, w, round_, now)
 
     def on_push(self, w: int, now: float) -> None:
         t = self.t
         t.pushes[w] += 1
         t.push_table[w, 0] = t.push_table[w, 1] if t.pushes[w] > 1 else now
         t.push_table[w, 1] = now
+
+    def ps_update_scale(self, n_workers: int) -> float:
+        """The factor a PS push is applied with: 1 (each update as it is, Downpour style)."""
+        return 1.0
 
     def warm_up(self) -> None:
         """Run this policy's kernels once on tiny inputs, so the first real decision does not
@@ -218,22 +228,25 @@ class ElasticBSP(Policy):
     are no pushes, so the reset that ends an aggregation plays that role.  With equal speeds
     the optimum is z = 0 for everyone (ties go to the earliest barrier, §4.2 Thm. 1): the same
     number of iterations for everyone in every round, i.e. BSP.
+
+    A step with its barrier planned is answered by ``rules.ebsp_decide`` (in both loops);
+    planning and the monitoring phase stay here.
     """
 
     name = "ebsp"
+    fast_kind = rules.FAST_EBSP
 
     def __init__(self, table, config):
         super().__init__(table, config)
         n = table.n
-        self.target = np.full(n, -1, dtype=np.int64)   # iteration at which w synchronizes
+        # target: iteration at which w synchronizes (-1: none planned); held: w's report waits
+        # for the next plan, so its next iterations start when the plan releases it.
+        self.cells = rules.new_ebsp_tables(n)
+        self.target, self.reports, self.held = self.cells
         self.epoch = -1                                 # plans made so far - 1
         self.completed = np.full(n, -1, dtype=np.int64)  # last plan whose barrier w passed
-        self.reports = np.zeros(n, dtype=np.int64)
         self.plans: list[dict] = []
         self.max_plans_kept = 2000
-        # Workers whose report is held until the next plan: they are idle from that report
-        # on, so their next iterations start when the plan releases them, not at the report.
-        self.held = np.zeros(n, dtype=bool)
 
     def warm_up(self):
         M = sched.predict(np.zeros(2), np.ones(2), 2)
@@ -276,24 +289,24 @@ class ElasticBSP(Policy):
                                "base_iteration": t.iteration[ws].tolist(),
                                "target_iteration": self.target[ws].tolist()})
 
-    def on_step(self, w, k, compute, now):
-        self.reports[w] += 1
+    def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
         if self.epoch < 0:
+            self.reports[w] += 1
             self._try_plan(now)
             if self.target[w] < 0:
                 return LOCAL, 0, 0          # monitoring phase: learning intervals
-        return self.decide_held(w, k, now)
+            return self.decide_held(w, k, now)
+        if self.target[w] < 0:
+            self._try_plan(now)
+        return _held_or(rules.ebsp_step(self.cells, w, k))
 
     def decide_held(self, w, k, now):
         if self.target[w] < 0:
             self._try_plan(now)
-            if self.target[w] < 0:
-                self.held[w] = True
-                return None                 # hold until the others finished the barrier
-        self.held[w] = False
-        if k >= self.target[w]:
-            return SYNC, 0, 0
-        return LOCAL, int(self.target[w] - k), 0
+        return _held_or(rules.ebsp_decide(self.cells, w, k))
+
+    def ps_update_scale(self, n_workers):
+        return 1.0 / n_workers              # the deltas of a barrier are averaged
 
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
@@ -320,80 +333,64 @@ class ESync(Policy):
     ``silent_local``) and capability includes the query round trip."""
 
     name = "esync"
+    fast_kind = rules.FAST_ESYNC
+    supports_delayed_ack = True
 
     def __init__(self, table, config):
         super().__init__(table, config)
         n = table.n
-        self.k = np.zeros(n, dtype=np.int64)
-        self.capability = np.zeros(n, dtype=np.float64)
-        self.last_finish = np.zeros(n, dtype=np.float64)
-        self.ready = np.zeros(n, dtype=bool)
-        self.rounds = np.zeros(n, dtype=np.int64)
-        self.rtt = np.zeros(n, dtype=np.float64)
+        self.cells = rules.new_esync_tables(n)
+        self.k, self.capability, self.last_finish, self.ready, self.rounds, self.rtt = \
+            self.cells[:6]
         self.local_per_round: list[list[int]] = [[] for _ in range(n)]
-        self._member_cache = None
+        self._members_cache = None
 
-    def _members(self):
-        """The active workers, each one's position among them, and whether that is everyone;
-        recomputed only when the membership changes (a shutdown, a removal, a rejoin), not
-        on every query."""
-        if self._member_cache is None:
-            ws = np.flatnonzero(self.t.active)
-            self._member_cache = (ws, {int(w): i for i, w in enumerate(ws)}, ws.size == self.t.n)
-        return self._member_cache
+    def members(self) -> np.ndarray:
+        """The active workers, recomputed only when the membership changes (a shutdown, a
+        removal, a rejoin), not on every query."""
+        if self._members_cache is None:
+            self._members_cache = np.flatnonzero(self.t.active).astype(np.int64)
+        return self._members_cache
 
     def on_membership_change(self):
-        self._member_cache = None
+        self._members_cache = None
 
     def warm_up(self):
-        k, c, f = np.ones(2, dtype=np.int64), np.ones(2), np.zeros(2)
-        sched.esync_query_state(k, c, f, np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64),
-                                0, 1, 1.0, 0.0, 0.0, 0.0)
-        sched.esync_reset(k, f, np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64), 0, 1, 0.0)
+        es = rules.new_esync_tables(2, 1)
+        rules.esync_step(es, np.arange(2), 0, 1.0, 0.0, 0.0, False, 0.0)
+        rules.esync_step(es, np.arange(1), 0, 1.0, 0.0, 0.0, True, 0.0)
+        rules.esync_new_round(es, 0, 0.0)
 
-    def on_step(self, w, k, compute, now, delayed_ack=False):
-        if delayed_ack and self.ready[w]:
-            # Reports sent before the READY reached the worker: one READY per round (§4.2).
-            return LOCAL, 0, 0
-        ws, position, everyone = self._members()
-        k_w = int(self.k[w]) + 1
-        cap = compute + (self.rtt[w] if delayed_ack else 0.0)
-        eps = self.config.esync_slack
-        if everyone:
-            # Alg. 2 over the whole table, updated in place (line 3 and line 10).
-            ready = sched.esync_query_state(self.k, self.capability, self.last_finish,
-                                            self.ready, self.rounds, w, k_w, cap, now, now, eps)
-        else:
-            # Over the active workers only: a copy of their records, written back for w.
-            ready = sched.esync_query_state(self.k[ws], self.capability[ws],
-                                            self.last_finish[ws], self.ready[ws],
-                                            self.rounds[ws], position[w], k_w, cap, now, now,
-                                            eps)
-            self.k[w] = k_w
-            self.capability[w] = cap
-            self.last_finish[w] = now
-            if ready:
-                self.ready[w] = True
-        if ready:
-            self.local_per_round[w].append(k_w)
-            return SYNC, 0, 0
-        return LOCAL, 0, 0
+    def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
+        action = rules.esync_step(self.cells, self.members(), w, compute, now,
+                                  self.config.esync_slack, delayed_ack, rtt)
+        if self.cells.ready_count[0] == len(self.cells.ready_log):
+            self.drain_ready_log()
+        return action, 0, 0
+
+    def drain_ready_log(self) -> None:
+        """The READY decisions the rules logged, into the per-worker lists (``describe``)."""
+        log, count = self.cells.ready_log, self.cells.ready_count
+        for w, k in log[:count[0]].tolist():
+            self.local_per_round[w].append(k)
+        count[0] = 0
+
+    def ps_update_scale(self, n_workers):
+        return self.config.epsilon / n_workers   # ESync Eq. 7-8: ε times the mean delta
 
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
-        # Rounds are counted here, not taken from the worker: a worker taken out for a while
-        # must not look "behind" forever (Alg. 2 line 5 would then hold everyone NOT-READY).
-        sched.esync_reset(self.k, self.last_finish, self.ready, self.rounds, w,
-                          self.rounds[w] + 1, now)
+        rules.esync_new_round(self.cells, w, now)
 
     def on_rejoin(self, w):
-        self._member_cache = None
+        self._members_cache = None
         act = self.t.active
         self.rounds[w] = self.rounds[act].max() if act.any() else self.rounds[w]
         self.k[w] = 0
         self.ready[w] = False
 
     def describe(self):
+        self.drain_ready_log()
         return {"local_iterations_per_round": self.local_per_round,
                 "query_rtt_s": self.rtt.tolist()}
 
@@ -414,6 +411,7 @@ class OSP(Policy):
 
     name = "osp"
     ps_ok = False
+    takes_importance = True
 
     def __init__(self, table, config):
         super().__init__(table, config)
@@ -468,6 +466,14 @@ def make_policy(config, n_workers: int) -> Policy:
     if config.topology == "ps" and not cls.ps_ok:
         raise ValueError(f"policy {config.policy!r} runs only on topology='ring'")
     return cls(WorkerTable(n_workers), config)
+
+
+def _held_or(decision):
+    """A rule's ``(action, local_iters)`` as a policy decision; None (held) for ``HOLD``."""
+    action, local_iters = decision
+    if action == rules.HOLD:
+        return None                     # hold until the others finished the barrier
+    return int(action), int(local_iters), 0
 
 
 def _active_view(t: WorkerTable):

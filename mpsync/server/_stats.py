@@ -1,54 +1,37 @@
 """Server-side counters, a bounded event log, and the stats/trace writers.
 
 Memory stays flat under any load: counters are fixed per-worker arrays and events go into a
-fixed-size ring of rows (the newest ``capacity`` events are kept).
-
-Tables touched once per message are ``array.array`` objects, each with a numpy view of the
-same memory (:func:`mirrored`): the per-message path reads and writes single cells through
-the ``array.array`` (about 0.1 µs a cell), the numpy view serves whole-table operations.  A
-numpy scalar read or write costs 0.4-1 µs, and a step touched more than twenty of them.
+fixed-size ring of rows (the newest ``capacity`` events are kept).  The arrays a message
+touches are the per-message rules' named tuples (``rules.Counters``, ``rules.Events``), written
+by the same rules from both serve loops.
 """
 
 from __future__ import annotations
 
-import array
 import json
 import os
 import tempfile
 
 import numpy as np
 
-__all__ = ["ServerCounters", "EventLog", "mirrored", "write_stats_json", "write_chrome_trace"]
+from mpsync.server import rules
+from mpsync.server.rules import EVENT_KINDS
 
-_NUMPY_TYPE = {"d": np.float64, "q": np.int64, "b": np.bool_}
-
-
-def mirrored(typecode: str, n: int, fill=0) -> tuple[array.array, np.ndarray]:
-    """``n`` cells as an ``array.array`` (typecode ``d`` float64, ``q`` int64, ``b`` bool)
-    and a numpy view of the same memory (module doc)."""
-    cells = array.array(typecode, [fill]) * n
-    return cells, np.frombuffer(cells, dtype=_NUMPY_TYPE[typecode])
-
-# "pull": a PS pull answered (value: the worker's pushes so far); "held": a PS pull held back
-# by the staleness rule (same value).  Together they show which iterations ran without waiting.
-EVENT_KINDS = ("register", "report", "sync", "reset", "push", "shutdown", "removed", "pull",
-               "held", "resume")
+__all__ = ["ServerCounters", "EventLog", "EVENT_KINDS", "write_stats_json", "write_chrome_trace",
+           "jsonable", "rss_kb"]
 
 
 class ServerCounters:
-    """Per-worker counters, as ``array.array`` (module doc: one message updates several)."""
+    """Per-worker counters: ``cells`` (``rules.Counters``: steps, syncs, locals, rounds and
+    the time totals, also attributes here) and the parameter server's."""
 
     def __init__(self, n: int):
-        self.steps = array.array("q", [0]) * n
-        self.syncs = array.array("q", [0]) * n
-        self.locals = array.array("q", [0]) * n
-        self.rounds = array.array("q", [0]) * n
-        self.pushes = array.array("q", [0]) * n
-        self.pulls = array.array("q", [0]) * n
-        self.held_pulls = array.array("q", [0]) * n
-        self.compute_s = array.array("d", [0.0]) * n
-        self.wait_server_s = array.array("d", [0.0]) * n   # as reported by the worker
-        self.aggregation_s = array.array("d", [0.0]) * n
+        self.cells = rules.new_counters(n)
+        (self.steps, self.syncs, self.locals, self.rounds, self.compute_s, self.wait_server_s,
+         self.aggregation_s) = self.cells
+        self.pushes = np.zeros(n, dtype=np.int64)
+        self.pulls = np.zeros(n, dtype=np.int64)
+        self.held_pulls = np.zeros(n, dtype=np.int64)
         self.rejected = 0
         self.max_gap = 0  # PS: largest push-count lead over the slowest at a pull
 
@@ -57,27 +40,17 @@ class EventLog:
     """(time since server start, worker index, kind, value) rows in a ring buffer."""
 
     def __init__(self, capacity: int = 200_000):
-        # Filled now (not left to lazy zero pages) so the log's memory is paid at start.
-        self._cells, flat = mirrored("d", 4 * capacity, -1.0)
-        self.rows = flat.reshape(capacity, 4)
+        self.cells = rules.new_events(capacity)
+        self.rows = self.cells.rows
         self.capacity = capacity
-        # Events written so far, in a cell the server's compiled path also writes (_fastpath).
-        self._count, self.count_cell = mirrored("q", 1)
         self._kind = {k: i for i, k in enumerate(EVENT_KINDS)}
 
     @property
     def count(self) -> int:
-        return self._count[0]
+        return int(self.cells.count[0])
 
     def add(self, t: float, w: int, kind: str, value: int) -> None:
-        count = self._count[0]
-        i = 4 * (count % self.capacity)
-        cells = self._cells
-        cells[i] = t
-        cells[i + 1] = w
-        cells[i + 2] = self._kind[kind]
-        cells[i + 3] = value
-        self._count[0] = count + 1
+        rules.log_event(self.cells, t, w, self._kind[kind], value)
 
     def as_list(self, ranks) -> list:
         n = min(self.count, self.capacity)
@@ -88,6 +61,31 @@ class EventLog:
             # Nanoseconds: enough to rebuild the server's decisions from its events exactly.
             out.append([round(t, 9), int(ranks[int(w)]), EVENT_KINDS[int(kind)], int(value)])
         return out
+
+
+def rss_kb() -> int:
+    """This process's resident memory in KiB (-1 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def jsonable(x):
+    """``x`` with numpy arrays and scalars turned into lists and Python numbers."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
 
 
 def _atomic_write(path: str, text: str) -> None:
