@@ -30,7 +30,6 @@ the DATA comes (or drops it after ``deadline``).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 import time
@@ -40,8 +39,9 @@ from mpi4py import MPI
 
 from mpsync.config import ConfigError
 from mpsync.server import _fastpath, _wire as W, rules
+from mpsync.server._handlers import MessageHandlers
 from mpsync.server._policies import make_policy
-from mpsync.server._stats import EventLog, ServerCounters, jsonable, rss_kb
+from mpsync.server._stats import EventLog, ServerCounters, rss_kb
 from mpsync.server._view import ServerView
 from mpsync.server.weights import WeightStore
 
@@ -72,7 +72,7 @@ _MSG_BYTES = W.MSG_LEN * 8
 _PAYLOAD_TAGS = (W.PS_INIT, W.PUSH, W.IMPORTANCE)
 
 
-class StateServer:
+class StateServer(MessageHandlers):
     """Answers every worker's per-iteration question under one policy (module doc).
 
     ``comm`` is the control communicator (callers pass a ``Dup()`` so user traffic can never
@@ -358,161 +358,6 @@ class StateServer:
                 tag = queue.popleft()[0]
                 self._reject(src, tag, f"{W.TAG_NAMES[tag]}: no payload within "
                                        f"{self.config.deadline:g}s")
-
-    # -- replies ----------------------------------------------------------------------------
-    def _send_reply(self, src, seq, action=W.SYNC, local_iters=0, extra=0, count=0, version=0):
-        rules.fill_reply(self._reply, action, local_iters, self.table.round[self.index[src]],
-                         seq, extra, count, version)
-        self.comm.Send(self._reply_spec, dest=src, tag=W.REPLY)
-
-    # -- handlers ---------------------------------------------------------------------------
-    def _on_register(self, src, w, msg, now):
-        self.table.registered[w] = True
-        self.table.last_event[w] = now
-        self.events.add(now - self.t0, w, "register", 0)
-        self._send_reply(src, msg[W.SEQ])
-
-    def _on_step(self, src, w, msg, now):
-        k, compute = int(msg[W.ITER]), msg[W.COMPUTE]
-        rules.record_report(self.cells, w, k, compute, now)
-        rules.count_step(self.counters.cells, w, compute, msg[W.WAIT])
-        delayed = msg[W.FLAG] == 1 and self.policy.supports_delayed_ack
-        if delayed:
-            decision = self.policy.on_step(w, k, compute, now, delayed_ack=True, rtt=msg[W.AGG])
-        else:
-            decision = self.policy.on_step(w, k, compute, now)
-        self.events.add(now - self.t0, w, "report", k)
-        if decision is None:
-            self.held.append((W.STEP, src, w, msg[W.SEQ], k))
-            self.table.waiting[w] = True
-            return
-        self._answer_step(src, w, msg[W.SEQ], decision, now, delayed)
-
-    def _answer_step(self, src, w, seq, decision, now, delayed=False):
-        action, local_iters, extra = decision
-        rules.record_answer(self.cells, self.counters.cells, self.events.cells, w, action,
-                            now - self.t0)
-        if action == W.LOCAL and delayed:
-            return  # §4.2: NOT-READY is implicit in delayed-ACK mode
-        self._send_reply(src, seq, action, local_iters, extra)
-
-    def _on_reset(self, src, w, msg, now):
-        rnd = int(msg[W.ROUND])
-        rules.count_reset(self.counters.cells, w, msg[W.AGG])
-        self.policy.on_reset(w, rnd, now)
-        self.events.add(now - self.t0, w, "reset", rnd)
-        # No reply: the worker does not wait for it (the next step's reply orders everything,
-        # messages from one rank are received in the order they were sent).
-
-    def _on_importance(self, src, w, msg, now):
-        n_layers = int(msg[W.COUNT])
-        data = self._payload(src, w, W.IMPORTANCE, msg, now, 2 * n_layers, "importance")
-        if data is None:
-            return
-        if not self.policy.takes_importance:
-            return self._reject(src, W.IMPORTANCE, f"importance report under policy "
-                                                   f"{self.config.policy!r}")
-        if not np.all(np.isfinite(data)) or np.any(data[n_layers:] < 0):
-            return self._reject(src, W.IMPORTANCE, "importance or layer sizes not finite/>= 0")
-        loss = float(msg[W.AGG]) if msg[W.FLAG] >= 1 else None
-        bitmap = self.policy.bitmap_for(int(msg[W.ITER]), data[:n_layers], data[n_layers:],
-                                        loss, int(msg[W.FLAG]))
-        out = bitmap.astype(np.float64)
-        self._send_reply(src, msg[W.SEQ], count=n_layers)
-        self.comm.Send([out, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
-
-    def _on_ps_init(self, src, w, msg, now):
-        data = self._payload(src, w, W.PS_INIT, msg, now, int(msg[W.COUNT]), "ps_init")
-        if data is None:
-            return
-        if self.config.topology != "ps":
-            return self._reject(src, W.PS_INIT, "ps_init on topology='ring'")
-        self.weights.init(data)
-        self._send_reply(src, msg[W.SEQ], version=self.weights.version)
-
-    def _on_push(self, src, w, msg, now):
-        data = self._payload(src, w, W.PUSH, msg, now, int(msg[W.COUNT]), "push")
-        if data is None:
-            return
-        problem = self.weights.apply(data)
-        if problem:
-            return self._reject(src, W.PUSH, problem)
-        self.counters.pushes[w] += 1
-        self.policy.on_push(w, now)
-        if msg[W.FLAG] == 1:
-            # Its last push: a staleness rule must not wait for a worker that stopped training.
-            self.table.final_pushed[w] = True
-        self.events.add(now - self.t0, w, "push", int(msg[W.ITER]))
-        self._send_reply(src, msg[W.SEQ], version=self.weights.version)
-
-    def _on_pull(self, src, w, msg, now):
-        if not self.weights.ready or (msg[W.FLAG] != 1 and not self.policy.may_pull(w)):
-            # Held: worker 0's ps_init may still be on its way, or the staleness rule.
-            if self.weights.ready:
-                self.counters.held_pulls[w] += 1
-                self.events.add(now - self.t0, w, "held", int(self.table.pushes[w]))
-            self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
-            self.table.waiting[w] = True
-            return
-        self._answer_pull(src, w, float(msg[W.SEQ]), int(msg[W.COUNT]))
-
-    def _answer_pull(self, src, w, seq, count):
-        problem = self.weights.pull_problem(count)
-        if problem:
-            return self._reject(src, W.PULL, problem)
-        self._send_reply(src, seq, count=count, version=self.weights.version)
-        self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
-        self.counters.pulls[w] += 1
-        self.events.add(MPI.Wtime() - self.t0, w, "pull", int(self.table.pushes[w]))
-        # Staleness actually granted: how far this worker is ahead of the slowest active one.
-        act = self.table.active
-        if act.any():
-            gap = int(self.table.pushes[w] - self.table.pushes[act].min())
-            self.counters.max_gap = max(self.counters.max_gap, gap)
-
-    def _on_stats(self, src, w, msg, now):
-        payload = np.frombuffer(json.dumps(self.stats()).encode(), dtype=np.uint8)
-        self._send_reply(src, msg[W.SEQ], count=payload.size)
-        self.comm.Send([payload, MPI.BYTE], dest=src, tag=W.REPLY_STATS)
-
-    def _on_shutdown(self, src, w, msg, now):
-        self.table.done[w] = True
-        self._check_gone = True
-        self.events.add(now - self.t0, w, "shutdown", int(self.table.iteration[w]))
-        self._send_reply(src, msg[W.SEQ])
-        self.policy.on_membership_change()
-
-    _HANDLERS = {W.REGISTER: _on_register, W.STEP: _on_step, W.RESET: _on_reset,
-                 W.IMPORTANCE: _on_importance, W.PS_INIT: _on_ps_init, W.PUSH: _on_push,
-                 W.PULL: _on_pull, W.STATS: _on_stats, W.SHUTDOWN: _on_shutdown}
-
-    def _retry_held(self, now: float) -> None:
-        """Decide again on the held replies, at ``now``: the receipt time of the message that
-        changed the tables (or the housekeeping's clock), so a release is dated by what caused
-        it."""
-        still = []
-        for item in self.held:
-            tag, src, w, seq, arg = item
-            if self.table.done[w]:
-                continue
-            if tag == W.STEP:
-                decision = self.policy.decide_held(w, arg, now)
-                if decision is None:
-                    still.append(item)
-                else:
-                    self.table.waiting[w] = False
-                    # The worker was idle while held: its next iteration starts now, so the
-                    # interval its next report closes is measured from here.
-                    self.table.last_event[w] = now
-                    self.events.add(now - self.t0, w, "resume", arg)
-                    self._answer_step(src, w, seq, decision, now)
-            else:  # PULL
-                if self.weights.ready and self.policy.may_pull(w):
-                    self.table.waiting[w] = False
-                    self._answer_pull(src, w, seq, arg)
-                else:
-                    still.append(item)
-        self.held = still
 
     # -- silent workers ----------------------------------------------------------------------
     def _find_silent(self, now: float) -> None:
