@@ -192,7 +192,9 @@ _jit = numba.njit(cache=True, nogil=True)
 def _serve(io, state, members, last_msg, hot_s, until, max_messages, t0, kind, eps, epoch):
     """The transport: probe, receive, hand to the rules, send (module doc).  ``io``: (MPI
     handles and status indices, status cells, scratch, request, reply, worker of rank, out);
-    ``state``: the rules' (tables, counters, events, ESync tables, ElasticBSP tables)."""
+    ``state``: the rules' (tables, counters, events, ESync tables, ElasticBSP tables).
+    One function because it is one polling loop whose every exit hands a message back to
+    Python at a different point; what a message does is in the ``rules`` it calls."""
     mpi, status, scratch, msg, reply, worker_of, out = io
     tables, counters, events, es, eb = state
     comm, h_double, h_byte = mpi[0], mpi[1], mpi[2]

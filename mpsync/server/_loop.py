@@ -151,9 +151,8 @@ class StateServer(MessageHandlers):
         Speeds (module doc): right after a message the loop polls without sleeping for
         ``hot_s``; then it sleeps, 50 µs doubling to 1 ms, after 50 ms of silence up to 4 ms,
         but (dedicated server) never past the moment a worker's next report is due: from
-        shortly before then it polls again.  Bookkeeping that needs no message (silent
-        workers, expired payload headers, whether everyone is gone) runs every 100 ms, off
-        the per-message path.
+        shortly before then it polls again.  Housekeeping runs every 100 ms, off the
+        per-message path.
         """
         comm, status = self.comm, self._status
         iprobe, get_source, get_tag = comm.Iprobe, status.Get_source, status.Get_tag
@@ -170,9 +169,9 @@ class StateServer(MessageHandlers):
             if iprobe(any_source, any_tag, status):
                 probed = True
                 if fast is not None and not self.held:
-                    # This message and the hot window after it in compiled code; it returns
-                    # what it leaves to this loop.  (Entered only when a message is waiting:
-                    # a call costs ~7 µs, several times an idle poll.)
+                    # This message and the hot window after it in compiled code, which returns
+                    # what it leaves to this loop.  Entered only when a message is waiting: a
+                    # call unboxes every table, several times the cost of an idle poll.
                     code = fast.serve(last_msg, hot_s, next_housekeeping)
                     if code == _fastpath.MPI_FAILED:
                         raise MPI.Exception(fast.error)
@@ -200,18 +199,14 @@ class StateServer(MessageHandlers):
                         continue
             now = clock()
             if now >= next_housekeeping:
-                self._find_silent(now)
-                self._expire_parked(now)
-                self._sample_memory(now)
-                if self._all_gone():
+                if self._keep_house(now):
                     break
                 next_housekeeping = now + _HOUSEKEEPING_S
                 due_stale = True
             quiet = now - last_msg
             if quiet < hot_s:
-                # No yield here: in a burst the server is what everyone waits for.  Yielding
-                # handed the core to spinning clients: 43-47k queries/s from 4 clients on 2
-                # cores, against 50-67k without (bench server, alternating runs).
+                # No yield here: in a burst the server is what everyone waits for, and a
+                # yield hands the core to the clients spinning for their replies.
                 continue
             nap = sleep
             if wake_ahead:
@@ -230,6 +225,14 @@ class StateServer(MessageHandlers):
             time.sleep(nap)
             sleep = min(sleep * 2, _SLEEP_IDLE_MAX_S if quiet > _IDLE_AFTER_S else _SLEEP_MAX_S)
         return self.stats()
+
+    def _keep_house(self, now: float) -> bool:
+        """What needs no message: silent workers, expired payload headers, memory samples;
+        True once every worker is gone."""
+        self._find_silent(now)
+        self._expire_parked(now)
+        self._sample_memory(now)
+        return self._all_gone()
 
     def _sample_memory(self, now: float) -> None:
         """Resident memory about once a second (kept to 3,600 samples): shows that the
