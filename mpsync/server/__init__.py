@@ -15,8 +15,10 @@ Worker side::
     client.shutdown()
 
 ``control_comm`` is a ``Dup()`` of the job's communicator made by the caller on every rank, so
-no user message can ever match the server's receives.  Policies: bsp, asp, ssp, dssp, ebsp,
-esync, osp (``mpsync.server._policies``); the decisions are the kernels of ``mpsync.sched``.
+no user message can ever match the server's receives.  The policies are ``Policy`` subclasses
+(``mpsync.server._policies``), looked up in the registry :mod:`mpsync.policies`; their
+decisions are the kernels of ``mpsync.sched``.  A policy of your own subclasses ``Policy``
+(tables in ``WorkerTable``) and registers itself with ``mpsync.policies.register``.
 """
 
 from mpsync.server._client import (
@@ -33,7 +35,7 @@ from mpsync.server._stats import write_chrome_trace, write_stats_json
 __all__ = [
     "StateServer", "SyncClient", "Decision", "PendingDecision", "LOCAL", "SYNC",
     "ServerError", "DeadlineExceeded", "start_colocated", "ColocatedServer",
-    "write_stats_json", "write_chrome_trace",
+    "write_stats_json", "write_chrome_trace", "Policy", "WorkerTable",
 ]
 
 
@@ -44,4 +46,8 @@ def __getattr__(name):
         from mpsync.server import _loop
 
         return getattr(_loop, name)
+    if name in ("Policy", "WorkerTable"):
+        from mpsync.server import _policies
+
+        return getattr(_policies, name)
     raise AttributeError(f"module 'mpsync.server' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from mpsync import sched
 from mpsync.server._stats import mirrored
 from mpsync.server._wire import LOCAL, SYNC
 
-__all__ = ["WorkerTable", "make_policy", "POLICY_CLASSES"]
+__all__ = ["WorkerTable", "Policy", "make_policy"]
 
 
 class WorkerTable:
@@ -61,8 +61,6 @@ class WorkerTable:
 
 class Policy:
     name = "?"
-    ring_ok = True
-    ps_ok = True
 
     def __init__(self, table: WorkerTable, config):
         self.t = table
@@ -119,7 +117,6 @@ class ASP(Policy):
     """Never wait (DSSP §I.A): every iteration pushes and pulls whatever is current."""
 
     name = "asp"
-    ring_ok = False
 
 
 def _warm_ssp():
@@ -130,7 +127,6 @@ class SSP(Policy):
     """A worker may be at most ``staleness`` pushes ahead of the slowest active one."""
 
     name = "ssp"
-    ring_ok = False
 
     def may_pull(self, w):
         return _ssp_ok(self.t, w, self.config.staleness)
@@ -145,7 +141,6 @@ class DSSP(Policy):
     answered once ``ssp_may_continue(s_L)`` holds again."""
 
     name = "dssp"
-    ring_ok = False
 
     def __init__(self, table, config):
         super().__init__(table, config)
@@ -413,7 +408,6 @@ class OSP(Policy):
     """
 
     name = "osp"
-    ps_ok = False
 
     def __init__(self, table, config):
         super().__init__(table, config)
@@ -457,16 +451,16 @@ class OSP(Policy):
         return {"ics_layers_total": self.ics_layers}
 
 
-POLICY_CLASSES = {c.name: c for c in (BSP, ASP, SSP, DSSP, ElasticBSP, ESync, OSP)}
-
-
 def make_policy(config, n_workers: int) -> Policy:
-    cls = POLICY_CLASSES[config.policy]
-    if config.topology == "ring" and not cls.ring_ok:
-        raise ValueError(f"policy {config.policy!r} needs a central copy of the weights; it runs "
-                         f"only on topology='ps'")
-    if config.topology == "ps" and not cls.ps_ok:
-        raise ValueError(f"policy {config.policy!r} runs only on topology='ring'")
+    """The server policy of ``config.policy``, from the policy registry (mpsync.policies)."""
+    from mpsync import policies
+
+    spec = policies.get(config.policy)
+    spec.check_topology(config.topology)  # PolicyError is a ValueError naming the policy
+    cls = spec.server_class()
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise policies.PolicyError(f"policy {config.policy!r}: {spec.server} is not a "
+                                   f"mpsync.server Policy subclass")
     return cls(WorkerTable(n_workers), config)
 
 
