@@ -20,7 +20,7 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
-    "ZIPLINE_VARIANTS", "DEFAULTS", "parse_float_list",
+    "ZIPLINE_VARIANTS", "DEFAULTS", "parse_float_list", "plugins_from_env",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -152,6 +152,12 @@ class SyncConfig:
 
 
 DEFAULTS = SyncConfig()
+
+
+def plugins_from_env(env=None) -> str:
+    """``MPSYNC_PLUGINS``, for front ends that otherwise ignore the environment (mpsync train:
+    a policy module must be importable on every rank however the policy was chosen)."""
+    return (os.environ if env is None else env).get(ENV_PREFIX + "PLUGINS", DEFAULTS.plugins)
 
 
 def parse_float_list(name: str, text: str, length: int | None = None) -> list[float]:

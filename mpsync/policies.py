@@ -21,10 +21,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "FAST_PATH_KINDS", "register", "get",
-           "names", "specs", "default_topology", "load_plugins", "resolve", "policy_table"]
+__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS", "register",
+           "unregister", "get", "names", "specs", "default_topology", "load_plugins", "resolve",
+           "policy_table"]
 
 TOPOLOGIES = ("ring", "ps")
+# What the other policies are measured against (``mpsync compare``'s speedup column).
+BASELINE = "bsp"
 
 # Rule families the compiled serve path implements (server/_fastpath.py):
 # "tables"      the step's reply follows from the shared tables alone (the base Policy.on_step);
@@ -135,6 +138,12 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
         raise PolicyError(f"policy {name!r} is already registered (pass replace=True)")
     _REGISTRY[name] = spec
     return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a policy (a test that registered one cleans up after itself)."""
+    get(name)
+    del _REGISTRY[name]
 
 
 def get(name: str) -> PolicySpec:

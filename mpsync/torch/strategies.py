@@ -46,6 +46,8 @@ _NOT_READY = Decision(LOCAL, 0, 0)
 class Strategy:
     """Common plumbing: the server query, counters, the final identical-model broadcast."""
 
+    # True: every step aggregates (no local steps between rounds).
+    aggregates_every_step = False
     # What this strategy promises to hold beyond the fusion buffer (``mpsync bench memory``
     # checks it); None: no promise.
     memory_target: str | None = None
@@ -139,6 +141,7 @@ class GradientAveraging(Strategy):
     concatenated batch."""
 
     memory_target = "none beyond the fusion buffer"
+    aggregates_every_step = True
     _averaged = False
 
     def __init__(self, *args, **kw):
@@ -374,6 +377,8 @@ class TwoStageSync(Strategy):
     calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
     thread.
     """
+
+    aggregates_every_step = True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
