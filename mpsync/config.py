@@ -41,7 +41,7 @@ class SyncConfig:
     ``mpsync.torch.init``, the job renderer and the benchmarks read them from here (``DEFAULTS``)
     instead of restating them."""
 
-    policy: str = "bsp"
+    policy: str = policies.BASELINE
     # Empty: the policy's own default topology (its registry entry); filled in by validate().
     topology: str = ""
     # mpi4py's collectives need nothing beyond mpi4py, which the control plane needs anyway;
