@@ -14,21 +14,19 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from mpsync import policies
+from mpsync.policies import PolicyError
+from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
+
 __all__ = [
-    "ConfigError", "SyncConfig", "POLICIES", "PS_ONLY_POLICIES", "TOPOLOGIES", "BACKENDS",
-    "SERVER_PLACEMENTS", "ZIPLINE_VARIANTS", "parse_float_list",
+    "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
+    "ZIPLINE_VARIANTS", "DEFAULTS", "parse_float_list", "plugins_from_env",
 ]
 
-POLICIES = ("bsp", "asp", "ssp", "dssp", "ebsp", "esync", "osp")
-# Policies that need a central copy of the weights (DESIGN.md invariants): asking for them on the
-# ring is an error, never a silent fallback.
-PS_ONLY_POLICIES = ("asp", "ssp", "dssp")
-# OSP's two-stage sync overlaps a non-blocking allreduce with the next iteration: ring only.
-RING_ONLY_POLICIES = ("osp",)
-TOPOLOGIES = ("ring", "ps")
-BACKENDS = ("horovod", "mpi")
+# Which policies exist and where each may run: mpsync.policies (the registry).
+TOPOLOGIES = policies.TOPOLOGIES
+BACKENDS = ("mpi", "horovod")
 SERVER_PLACEMENTS = ("dedicated", "colocated")
-ZIPLINE_VARIANTS = ("window", "optbs", "opt", "basic", "gridscan", "fullgridscan")
 
 ENV_PREFIX = "MPSYNC_"
 
@@ -39,8 +37,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class SyncConfig:
-    policy: str = "bsp"
-    topology: str = "ring"
+    """Every setting of a run, with its default.  These defaults are the only ones: the CLI,
+    ``mpsync.torch.init``, the job renderer and the benchmarks read them from here (``DEFAULTS``)
+    instead of restating them."""
+
+    policy: str = policies.BASELINE
+    # Empty: the policy's own default topology (its registry entry); filled in by validate().
+    topology: str = ""
+    # mpi4py's collectives need nothing beyond mpi4py, which the control plane needs anyway;
+    # Horovod is an optional source build (shared/FACTS.md), so it is chosen explicitly.
     backend: str = "mpi"
     server: str = "dedicated"
     # SSP threshold s (SSP: a worker may run at most s iterations ahead of the slowest).
@@ -51,7 +56,7 @@ class SyncConfig:
     staleness_high: int = 15
     # ElasticBSP: lookahead R (ZipLine paper §4) and the ZipLine variant used by the server.
     lookahead: int = 15
-    zipline_variant: str = "window"
+    zipline_variant: str = FASTEST_EXACT_VARIANT
     # ESync: global learning rate epsilon of Eq. 8, and slack epsilon of Alg. 2 (seconds).
     epsilon: float = 1.0
     esync_slack: float = 0.0
@@ -60,7 +65,7 @@ class SyncConfig:
     osp_ics_max_fraction: float = 0.8
     # Reliability: a worker silent for this long is taken out of ZipLine/ESync decisions (PS) or
     # aborts the job (ring); every blocking wait has this deadline.  Both stay below 30 s so a
-    # silent rank ends a default run within 30 s of the fault (issue 8).  What a worker may
+    # silent rank ends a default run within 30 s of the fault.  What a worker may
     # legitimately do while the others wait for it must fit in them: an evaluation or a
     # checkpoint write on worker 0, a first Numba compile of a kernel (a few seconds cold), one
     # aggregation.  Start-up (imports, data loading, the broadcasts of the initial model) has
@@ -81,20 +86,28 @@ class SyncConfig:
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0
+    # Modules that register policies of their own (comma-separated, ``MPSYNC_PLUGINS``),
+    # imported on every rank by validate() before the policy name is looked up.
+    plugins: str = ""
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if not self.topology and self.policy in policies.names():
+            self.topology = policies.default_topology(self.policy)
+
     def validate(self) -> "SyncConfig":
-        _one_of("policy", self.policy, POLICIES)
-        _one_of("topology", self.topology, TOPOLOGIES)
+        try:
+            policies.load_plugins(self.plugins)
+            spec = policies.get(self.policy)
+            if not self.topology:
+                self.topology = spec.default_topology
+            _one_of("topology", self.topology, TOPOLOGIES)
+            spec.check_topology(self.topology)
+        except PolicyError as e:
+            raise ConfigError(str(e)) from None
         _one_of("backend", self.backend, BACKENDS)
         _one_of("server", self.server, SERVER_PLACEMENTS)
         _one_of("zipline_variant", self.zipline_variant, ZIPLINE_VARIANTS)
-        if self.topology == "ring" and self.policy in PS_ONLY_POLICIES:
-            raise ConfigError(
-                f"policy={self.policy!r} needs a central copy of the weights and runs only on "
-                f"topology='ps' (got topology='ring')")
-        if self.topology == "ps" and self.policy in RING_ONLY_POLICIES:
-            raise ConfigError(f"policy={self.policy!r} runs only on topology='ring' (got 'ps')")
         _int_at_least("staleness", self.staleness, 0)
         _int_at_least("staleness_low", self.staleness_low, 0)
         _int_at_least("staleness_high", self.staleness_high, 0)
@@ -136,6 +149,15 @@ class SyncConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+DEFAULTS = SyncConfig()
+
+
+def plugins_from_env(env=None) -> str:
+    """``MPSYNC_PLUGINS``, for front ends that otherwise ignore the environment (mpsync train:
+    a policy module must be importable on every rank however the policy was chosen)."""
+    return (os.environ if env is None else env).get(ENV_PREFIX + "PLUGINS", DEFAULTS.plugins)
 
 
 def parse_float_list(name: str, text: str, length: int | None = None) -> list[float]:

@@ -31,14 +31,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shlex
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpsync.apps.train import default_topology
-from mpsync.config import (BACKENDS, POLICIES, SERVER_PLACEMENTS, TOPOLOGIES, ConfigError,
+from mpsync import policies as registry
+from mpsync.config import (BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ConfigError,
                            SyncConfig, parse_float_list)
+from mpsync.launch import FORWARDED_ENV, FORWARDED_PREFIXES, YIELD_WHEN_IDLE, mpirun_options
 
 __all__ = ["JobSettings", "JobTemplateError", "TEMPLATES", "SCHEDULERS", "render",
            "default_path", "sync_jobs_dir", "add_arguments", "main"]
@@ -88,18 +90,19 @@ class JobSettings:
     partition: str = ""              # Slurm partition / PBS queue
     account: str = ""
     hosts: str = ""                  # horovodrun: host1:K,host2:K (default localhost:<ranks>)
-    # run (defaults of the scripts' ${VAR:-default} settings)
-    policy: str = "bsp"
-    # Empty: the policy's own topology (ps for asp/ssp/dssp, ring otherwise), chosen by mpsync
-    # train / compare, so that POLICY=ssp alone is a valid submission.
+    # run (defaults of the scripts' ${VAR:-default} settings; those of mpsync's own, SyncConfig)
+    policy: str = DEFAULTS.policy
+    # Empty: the policy's own topology (its registry entry), chosen by mpsync train / compare,
+    # so that POLICY=ssp alone is a valid submission.
     topology: str = ""
-    backend: str = "horovod"
-    server: str = "dedicated"
+    backend: str = DEFAULTS.backend
+    server: str = DEFAULTS.server
     epochs: int = 5
     dataset: str = "digits"
     slowdown: str = ""
     target_acc: str = ""
-    policies: str = "bsp,ebsp,esync,osp"  # compare
+    policies: str = ",".join(  # compare: the policies whose own topology is the ring
+        p.name for p in registry.specs() if p.default_topology == "ring")
     venv: str = ""                   # default: <repository>/.venv
     out_dir: str = ""                # default: beside the job's log
 
@@ -185,13 +188,14 @@ def _validated(s: JobSettings, scheduler: str, template: str) -> JobSettings:
         if " " in getattr(s, name):
             raise JobTemplateError(f"{name} must not contain spaces, got {getattr(s, name)!r}")
     try:
-        SyncConfig(policy=s.policy, topology=s.topology or default_topology(s.policy),
-                   backend=s.backend, server=s.server).validate()
+        SyncConfig(policy=s.policy, topology=s.topology, backend=s.backend,
+                   server=s.server).validate()
         if s.slowdown:
             parse_float_list("slowdown", s.slowdown)
         for p in s.policies.split(","):
-            if p not in POLICIES:
-                raise ConfigError(f"policies: unknown policy {p!r}; choose from: {', '.join(POLICIES)}")
+            if p not in registry.names():
+                raise ConfigError(f"policies: unknown policy {p!r}; choose from: "
+                                  f"{', '.join(registry.names())}")
             if template == "compare" and s.topology:  # one topology for every compared policy
                 SyncConfig(policy=p, topology=s.topology).validate()
     except ConfigError as e:
@@ -377,9 +381,10 @@ def _variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str,
         out_doc = f"the run folder (default: {s.out_dir})"
     ranks_doc = ("MPI ranks (default: all tasks of the job)" if scheduler != "horovodrun"
                  else f"MPI ranks (default: {s.nodes * s.tasks_per_node})")
+    ps_own = ", ".join(p.name for p in registry.specs() if p.default_topology == "ps")
     topology_doc = (f"{' | '.join(TOPOLOGIES)} (default: {s.topology})" if s.topology else
                     f"{' | '.join(TOPOLOGIES)} (default: empty, the policy's own: ps for "
-                    "asp, ssp, dssp;\nring for the others; --topology is passed only when set)")
+                    f"{ps_own};\nring for the others; --topology is passed only when set)")
     if template == "compare" and not s.topology:
         topology_doc = topology_doc.replace("the policy's own", "each policy's own")
     common_run = [
@@ -393,7 +398,7 @@ def _variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str,
     ]
     if template == "train":
         variables = [
-            ("POLICY", s.policy, f"{' | '.join(POLICIES)} (default: {s.policy})"),
+            ("POLICY", s.policy, f"{' | '.join(registry.names())} (default: {s.policy})"),
             ("TOPOLOGY", s.topology, topology_doc),
             ("BACKEND", s.backend, f"{' | '.join(BACKENDS)} (default: {s.backend})"),
             ("SERVER", s.server, f"{' | '.join(SERVER_PLACEMENTS)} (default: {s.server}): "
@@ -590,14 +595,18 @@ command=("${bench[@]}")
 """ + _RUN,
 }
 
+# The fixed mpirun options are mpsync.launch's (the same builder as mpsync compare, the
+# benchmarks and the tests); root, the hostfile and the forwarded names are known only when
+# the job runs, so the script adds them, from the same lists.
 _MPIRUN_LAUNCH = """
 # Ranks are placed by slot: rank 0 (the dedicated server) is the first task of the first node.
-launch=(mpirun -np "$NP" --bind-to none --mca mpi_yield_when_idle 1 --tag-output)
+launch=(mpirun -np "$NP" """ + shlex.join(mpirun_options(
+    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """)
 [ "$(id -u)" != 0 ] || launch+=(--allow-run-as-root)  # Open MPI refuses root without it
 [ -z "$HOSTFILE" ] || launch+=(--hostfile "$HOSTFILE")
 # Open MPI passes no environment to remote nodes unless named with -x (names, not patterns).
-for name in PATH LD_LIBRARY_PATH PYTHONPATH OMP_NUM_THREADS PYTHONUNBUFFERED \\
-            $(compgen -e | grep -E '^(MPSYNC|HOROVOD|NCCL)_' || true); do
+for name in """ + " ".join(FORWARDED_ENV) + """ \\
+            $(compgen -e | grep -E '^(""" + "|".join(p.rstrip("_") for p in FORWARDED_PREFIXES) + """)_' || true); do
   [ -z "${!name+set}" ] || launch+=(-x "$name")
 done
 read -r -a more <<<"$MPIRUN_ARGS"
@@ -610,7 +619,7 @@ _HOROVODRUN_LAUNCH = """
 # mpirun (not Gloo).  horovodrun forwards the whole environment (-x for every variable) itself.
 launch=("$VENV/bin/horovodrun" --mpi -np "$NP")
 if [ -n "$HOSTFILE" ]; then launch+=(--hostfile "$HOSTFILE"); else launch+=(-H "$HOSTS"); fi
-launch+=(--mpi-args="--mca mpi_yield_when_idle 1")
+launch+=(--mpi-args=\"""" + " ".join(YIELD_WHEN_IDLE) + """\")
 read -r -a more <<<"$HOROVODRUN_ARGS"
 launch+=("${more[@]}")
 command=("${launch[@]}" "${train[@]}")

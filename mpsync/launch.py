@@ -14,22 +14,31 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
-__all__ = ["mpirun_argv", "python_argv", "run_with_deadline", "LaunchResult", "is_root",
-           "forwarded_env", "clean_launch_env"]
+__all__ = ["mpirun_argv", "mpirun_options", "python_argv", "run_with_deadline", "LaunchResult",
+           "is_root", "forwarded_env", "clean_launch_env", "FORWARDED_ENV", "FORWARDED_PREFIXES",
+           "YIELD_WHEN_IDLE"]
 
 # Environment variables an mpsync rank needs to see on every node.  Open MPI forwards nothing by
 # default to remote nodes, so launchers pass these with ``-x``, which takes names, not patterns:
-# ``forwarded_env`` expands the prefixes into the names set in an environment.
-FORWARDED_ENV = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
-FORWARDED_PREFIXES = ("MPSYNC_", "HOROVOD_")
+# ``forwarded_env`` expands the prefixes into the names set in an environment (the job scripts
+# do the same in bash, from these same lists).
+FORWARDED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+FORWARDED_PREFIXES = ("MPSYNC_", "HOROVOD_", "NCCL_")
+
+# An oversubscribed rank that busy-polls for a message steals the core from the rank that would
+# send it; yielding keeps 2-core runs fast and fair.  (Also given to horovodrun's mpirun.)
+YIELD_WHEN_IDLE = ("--mca", "mpi_yield_when_idle", "1")
 
 
 def forwarded_env(environ=None) -> tuple[str, ...]:
-    """Names to pass with ``-x``: the fixed list plus every ``MPSYNC_*``/``HOROVOD_*`` set."""
+    """Names to pass with ``-x``: those of ``FORWARDED_ENV`` that are set, then every variable
+    with a ``FORWARDED_PREFIXES`` prefix (``-x`` of an unset name is an error in Open MPI)."""
     environ = os.environ if environ is None else environ
+    fixed = tuple(k for k in FORWARDED_ENV if k in environ)
     extra = sorted(k for k in environ if k.startswith(FORWARDED_PREFIXES))
-    return FORWARDED_ENV + tuple(extra)
+    return fixed + tuple(extra)
 
 
 def is_root() -> bool:
@@ -41,32 +50,29 @@ def python_argv(module: str, *args: str, python: str | None = None) -> list[str]
     return [python or sys.executable, "-m", module, *args]
 
 
-def mpirun_argv(
-    nprocs: int,
-    command: list[str],
+def mpirun_options(
     *,
     oversubscribe: bool = True,
     allow_run_as_root: bool | None = None,
     hostfile: str | None = None,
-    forward_env: tuple[str, ...] = (),
+    hosts: Sequence[str] = (),
+    forward_env: Sequence[str] = (),
     output_dir: str | None = None,
-    mpirun: str = "mpirun",
-    extra: tuple[str, ...] = (),
+    tag_output: bool = False,
+    extra: Sequence[str] = (),
 ) -> list[str]:
-    """Return the argv of an Open MPI ``mpirun`` that starts ``command`` on ``nprocs`` ranks.
+    """The options of an Open MPI ``mpirun`` (what goes between ``-np N`` and the command).
 
     - ``--bind-to none``: ranks of a data-parallel job are few and multi-threaded (torch); Open
       MPI's default core binding would pin several ranks onto one core when oversubscribed.
-    - ``mpi_yield_when_idle``: an oversubscribed rank that busy-polls for a message steals the
-      core from the rank that would send it; yielding keeps 2-core runs fast and fair.
+    - ``YIELD_WHEN_IDLE`` (see there).
     - ``allow_run_as_root`` defaults to "only when we are root" (Open MPI refuses root otherwise).
+    - ``hosts``: ``--host a:2,b:2``; ``extra``: any further options (placement, agents), last,
+      so they can override the ones above.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    if not command:
-        raise ValueError("command must not be empty")
-    argv = [mpirun, "-np", str(nprocs), "--bind-to", "none",
-            "--mca", "mpi_yield_when_idle", "1"]
+    argv = ["--bind-to", "none", *YIELD_WHEN_IDLE]
+    if tag_output:
+        argv.append("--tag-output")
     if allow_run_as_root is None:
         allow_run_as_root = is_root()
     if allow_run_as_root:
@@ -75,12 +81,24 @@ def mpirun_argv(
         argv.append("--oversubscribe")
     if hostfile:
         argv += ["--hostfile", hostfile]
+    if hosts:
+        argv += ["--host", ",".join(hosts)]
     for name in forward_env:
         argv += ["-x", name]
     if output_dir:
         argv += ["--output-filename", output_dir]
-    argv += list(extra)
-    return argv + list(command)
+    return argv + list(extra)
+
+
+def mpirun_argv(nprocs: int, command: Sequence[str], *, mpirun: str = "mpirun",
+                **options) -> list[str]:
+    """Return the argv of an Open MPI ``mpirun`` that starts ``command`` on ``nprocs`` ranks;
+    ``options`` are those of :func:`mpirun_options`."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if not command:
+        raise ValueError("command must not be empty")
+    return [mpirun, "-np", str(nprocs), *mpirun_options(**options), *command]
 
 
 @dataclass

@@ -12,6 +12,12 @@ def test_defaults_are_valid_bsp_on_the_ring():
     assert (cfg.policy, cfg.topology, cfg.server) == ("bsp", "ring", "dedicated")
 
 
+def test_a_policy_without_a_topology_runs_on_its_own_default():
+    # The registry's default topology, the same one mpsync train and the job scripts pick.
+    assert SyncConfig.from_options(env={}, policy="asp").topology == "ps"
+    assert SyncConfig.from_options(env={}, policy="esync").topology == "ring"
+
+
 @pytest.mark.parametrize("options, named", [
     ({"policy": "gossip"}, "unknown policy 'gossip'"),
     ({"topology": "mesh"}, "unknown topology 'mesh'"),
@@ -19,7 +25,7 @@ def test_defaults_are_valid_bsp_on_the_ring():
     ({"server": "remote"}, "unknown server 'remote'"),
     ({"policy": "ssp", "topology": "ring"}, "policy='ssp' needs a central copy"),
     ({"policy": "dssp", "topology": "ring"}, "runs only on topology='ps'"),
-    ({"policy": "asp"}, "policy='asp'"),
+    ({"policy": "asp", "topology": "ring"}, "policy='asp'"),
     ({"policy": "osp", "topology": "ps"}, "policy='osp' runs only on topology='ring'"),
     ({"staleness_low": 5, "staleness_high": 2}, "s_L=5 > s_U=2"),
     ({"lookahead": 0}, "lookahead R must be an integer >= 1"),

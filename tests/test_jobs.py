@@ -285,7 +285,7 @@ def test_pbs_dry_run_builds_mpirun_over_the_nodefile(tmp_path):
     out_dir = str(submit_dir / "mpsync-train-4242")
     # No TOPOLOGY: no --topology, mpsync train runs esync on its own topology (the ring).
     assert train == [str(VENV / "bin" / "python"), "-m", "mpsync.cli", "train",
-                     "--policy", "esync", "--backend", "horovod",
+                     "--policy", "esync", "--backend", "mpi",
                      "--server", "dedicated", "--dataset", "digits", "--out", out_dir,
                      "--epochs", "5", "--slowdown", "1,2", "--lookahead", "7", "--seed", "3"]
     assert not Path(out_dir).exists()  # a dry run creates nothing

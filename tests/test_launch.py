@@ -45,7 +45,15 @@ def test_missing_launcher_is_a_clear_error():
         run_with_deadline(["no-such-mpirun", "-np", "2"], timeout=5)
 
 
-def test_forwarded_env_expands_prefixes_into_names():
-    names = forwarded_env({"MPSYNC_POLICY": "ssp", "HOROVOD_TIMELINE": "t", "HOME": "/root"})
-    assert names[:4] == ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
-    assert set(names[4:]) == {"MPSYNC_POLICY", "HOROVOD_TIMELINE"}
+def test_forwarded_env_expands_prefixes_into_names_of_set_variables():
+    names = forwarded_env({"MPSYNC_POLICY": "ssp", "HOROVOD_TIMELINE": "t", "NCCL_DEBUG": "1",
+                           "HOME": "/root", "PATH": "/bin", "PYTHONPATH": "/x"})
+    assert names[:2] == ("PATH", "PYTHONPATH")   # unset fixed names are left out
+    assert set(names[2:]) == {"MPSYNC_POLICY", "HOROVOD_TIMELINE", "NCCL_DEBUG"}
+
+
+def test_mpirun_argv_takes_hosts_and_extra_options_last():
+    argv = mpirun_argv(4, ["a"], allow_run_as_root=False, hosts=["n1:2", "n2:2"],
+                       extra=["--mca", "plm_rsh_agent", "/x/agent"])
+    assert argv[argv.index("--host") + 1] == "n1:2,n2:2"
+    assert argv[-4:] == ["--mca", "plm_rsh_agent", "/x/agent", "a"]

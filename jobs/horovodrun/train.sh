@@ -13,7 +13,7 @@
 #   POLICY           bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)
 #   TOPOLOGY         ring | ps (default: empty, the policy's own: ps for asp, ssp, dssp;
 #                    ring for the others; --topology is passed only when set)
-#   BACKEND          horovod | mpi (default: horovod)
+#   BACKEND          mpi | horovod (default: mpi)
 #   SERVER           dedicated | colocated (default: dedicated): dedicated = rank 0 serves,
 #                    the rest train; colocated = a server thread on rank 0, every rank trains
 #   EPOCHS           epochs per worker (default: 5); ignored if TIME_BUDGET is set
@@ -47,7 +47,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # -- settings ----------------------------------------------------------------------------------
 POLICY=${POLICY:-bsp}
 TOPOLOGY=${TOPOLOGY:-}
-BACKEND=${BACKEND:-horovod}
+BACKEND=${BACKEND:-mpi}
 SERVER=${SERVER:-dedicated}
 EPOCHS=${EPOCHS:-5}
 TIME_BUDGET=${TIME_BUDGET:-}

@@ -4,8 +4,8 @@ time-to-accuracy (one table, one combined plot, every run's own outputs kept).
 Each policy runs in its own ``mpirun``, one after the other so runs do not compete for cores:
 ``--np`` workers plus the dedicated state server's rank, or ``--np`` ranks with
 ``--server colocated`` (the server is a thread of rank 0, which also trains).  Without
-``--topology`` each policy runs on its own topology (the parameter server for the PS-only
-policies asp, ssp, dssp; the ring for the others); ``--topology`` puts every policy on one.
+``--topology`` each policy runs on its own default topology (its entry in
+:mod:`mpsync.policies`); ``--topology`` puts every policy on one.
 All flags are validated by the train parser before the first launch, so an impossible pair
 (``--topology ring`` with ssp) fails before anything starts.
 """
@@ -18,21 +18,23 @@ import os
 import sys
 from pathlib import Path
 
-from mpsync.config import ConfigError, POLICIES
+from mpsync import policies as registry
+from mpsync.config import DEFAULTS, ConfigError
 
 __all__ = ["add_arguments", "main", "train_argv", "launch_argv", "ranks", "DEMO_POLICIES"]
 
-DEMO_POLICIES = "bsp,ssp,dssp,ebsp,esync,osp,asp"
+# Every registered policy, the baseline first (registration order).
+DEMO_POLICIES = ",".join(registry.names())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, default=4,
                    help="number of workers (a server rank is added with --server dedicated)")
-    p.add_argument("--policies", default=DEMO_POLICIES)
+    p.add_argument("--policies", default=DEMO_POLICIES,
+                   help=f"comma-separated (default: every policy, {DEMO_POLICIES})")
     p.add_argument("--topology", default=None,
-                   help="ring | ps for every policy (default: each policy's own: ps for "
-                        "asp/ssp/dssp, ring otherwise)")
-    p.add_argument("--server", default="dedicated",
+                   help="ring | ps for every policy (default: each policy's own)")
+    p.add_argument("--server", default=DEFAULTS.server,
                    help="dedicated (an extra rank serves) | colocated (a server thread on "
                         "rank 0; --np ranks, all train)")
     p.add_argument("--slowdown", default="1,1,2,4",
@@ -48,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per policy (default 25 s when --epochs is not given)")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--partition", default="iid")
-    p.add_argument("--backend", default="mpi")
+    p.add_argument("--backend", default=DEFAULTS.backend)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -87,10 +89,11 @@ def ranks(args) -> int:
 
 def launch_argv(args, policy: str, out: Path) -> list[str]:
     """The ``mpirun`` command line of one policy's run (pure: no launch, no file written)."""
-    from mpsync.launch import mpirun_argv, python_argv
+    from mpsync.launch import forwarded_env, mpirun_argv, python_argv
 
     return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
-                                                *train_argv(args, policy, out)))
+                                                *train_argv(args, policy, out)),
+                       forward_env=forwarded_env())
 
 
 def _validate(args) -> list[str]:
@@ -99,17 +102,17 @@ def _validate(args) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies: empty list")
-    for p in policies:
-        if p not in POLICIES:
-            raise ConfigError(f"unknown policy {p!r} in --policies; choose from {', '.join(POLICIES)}")
     if args.np < 1:
         raise ConfigError(f"--np must be >= 1 worker, got {args.np}")
     if args.epochs is not None and args.time_budget is not None:
         raise ConfigError("give only one of --epochs or --time-budget")
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
-    for p in policies:
-        train.validate(parser.parse_args(train_argv(args, p, Path(args.out) / p)), args.np)
+    for p in policies:  # an unknown policy or topology is named by the train parser's checks
+        try:
+            train.validate(parser.parse_args(train_argv(args, p, Path(args.out) / p)), args.np)
+        except ConfigError as e:
+            raise ConfigError(f"--policies {p}: {e}") from None
     return policies
 
 
@@ -176,8 +179,8 @@ def main(args) -> int:
 
 
 def table_rows(runs: dict[str, dict]) -> list[dict]:
-    base = runs.get("bsp", {}).get("time_to_target_s")
-    bsp_wall = runs.get("bsp", {}).get("wall_s")
+    base = runs.get(registry.BASELINE, {}).get("time_to_target_s")
+    bsp_wall = runs.get(registry.BASELINE, {}).get("wall_s")
     rows = []
     for policy, m in runs.items():
         ttt = m["time_to_target_s"]

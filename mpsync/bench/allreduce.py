@@ -34,6 +34,8 @@ import os
 import sys
 import time
 
+from mpsync import policies as registry
+
 __all__ = ["add_arguments", "run", "DEFAULT_SIZES"]
 
 KB, MB = 1 << 10, 1 << 20
@@ -50,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop repeating a measurement after this long (at least 3 repeats)")
     p.add_argument("--ps", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PS topology's push+pull at the same sizes (ps_ms; on by "
-                        "default, issue 5 asks for ring vs PS; --no-ps skips the extra job)")
+                        "default: ring vs PS at the same sizes; --no-ps skips the extra job)")
     p.add_argument("--osp", action="store_true",
                    help="also time BSP vs OSP steps (half the layers in In-Computation Sync)")
     p.add_argument("--json", action="store_true",
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
               "--seconds-per-point", str(args.seconds_per_point)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else []) \
-        + ([("osp", args.np)] if args.osp else [])
+        + ([("two_stage", args.np)] if args.osp else [])
     osp: dict = {}
     rows: dict[int, dict] = {s: {"bytes": s} for s in sizes}
     for mode, nprocs in jobs:
@@ -117,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
             with open(os.path.join(args.out, f"osp_np{args.np}.json"), "w") as f:
                 json.dump(osp, f, indent=1)
     if args.json:
-        # stdout is the row list and nothing else (issue 5: "a list of rows"), so its shape
-        # does not depend on which extra jobs ran.
+        # stdout is the row list and nothing else, so its shape does not depend on which
+        # extra jobs ran.
         print(json.dumps(table, indent=1))
         if osp:
             print("OSP vs BSP step time: " + json.dumps(osp), file=sys.stderr)
@@ -241,7 +243,7 @@ def _ps_child(sizes, max_repeats, budget) -> None:
     is_worker = world.Get_rank() != 0
     workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
     for nbytes in sizes:
-        config = SyncConfig(policy="asp", topology="ps", deadline=600.0).validate()
+        config = SyncConfig(policy=_ps_policy(), topology="ps", deadline=600.0).validate()
         if not is_worker:
             StateServer(control, config, server_rank=0).serve()
             world.Barrier()  # no worker may reach the next size's server before it exists
@@ -267,6 +269,19 @@ def _ps_child(sizes, max_repeats, budget) -> None:
         world.Barrier()
 
 
+def _ps_policy() -> str:
+    """A PS policy whose server applies each push as it arrives and never holds a pull (the
+    first registered policy whose own topology is the PS: ASP), so push+pull is transport."""
+    return next(s.name for s in registry.specs() if s.default_topology == "ps")
+
+
+def _every_step_policies() -> list[str]:
+    """The ring policies whose strategies aggregate at every step (BSP's gradient averaging
+    and OSP's two-stage sync): their step times compare directly."""
+    return [s.name for s in registry.specs() if "ring" in s.topologies
+            and s.strategy_class("ring").aggregates_every_step]
+
+
 def _osp_child(sizes, max_repeats, budget) -> None:
     """Step time (forward + backward + aggregation + update) of BSP and of OSP with every other
     layer in In-Computation Sync, on an MLP of 8 Linear(512, 512) layers (8.4 MB of float32
@@ -279,7 +294,7 @@ def _osp_child(sizes, max_repeats, budget) -> None:
     from mpsync.torch._counters import LocalCounters
     from mpsync.torch.backends import EmulatedLink, MPIAggregator
     from mpsync.torch.fusion import group_by_dtype
-    from mpsync.torch.strategies import GradientAveraging, TwoStageSync
+    from mpsync.torch.strategies import TwoStageSync
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
@@ -295,13 +310,13 @@ def _osp_child(sizes, max_repeats, budget) -> None:
     row: dict = {"model_bytes": sum(p.numel() * 4 for p in model.parameters()),
                  "link_bandwidth_Bps": LINK_BANDWIDTH, "link_latency_s": 5e-5}
     for link_name, agg in links.items():
-        for policy in ("bsp", "osp"):
+        for policy in _every_step_policies():
             config = SyncConfig(policy=policy, backend="mpi", server="colocated")
             opt = torch.optim.SGD(model.parameters(), lr=1e-4)
             bufs = group_by_dtype(list(model.named_parameters()))
-            cls = GradientAveraging if policy == "bsp" else TwoStageSync
+            cls = registry.get(policy).strategy_class("ring")
             strat = cls(opt, bufs, agg, None, LocalCounters(), config)
-            if policy == "osp":
+            if isinstance(strat, TwoStageSync):
                 strat.bitmap = np.arange(strat.n_layers) % 2 == 1
             times = np.zeros(n_steps)
             for i in range(-3, n_steps):
@@ -324,12 +339,12 @@ def _osp_child(sizes, max_repeats, budget) -> None:
 
 def _child_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=("ring", "ps", "osp"))
+    p.add_argument("--child", choices=("ring", "ps", "two_stage"))
     p.add_argument("--sizes")
     p.add_argument("--max-repeats", type=int)
     p.add_argument("--seconds-per-point", type=float)
     a = p.parse_args(argv)
-    fn = {"ring": _ring_child, "ps": _ps_child, "osp": _osp_child}[a.child]
+    fn = {"ring": _ring_child, "ps": _ps_child, "two_stage": _osp_child}[a.child]
     fn(_sizes(a.sizes), a.max_repeats, a.seconds_per_point)
 
 

@@ -41,18 +41,27 @@ import json
 import os
 import sys
 
+from mpsync import policies as registry
+
 __all__ = ["add_arguments", "run", "CASES"]
 
-# (label, policy, topology): the policies issue 5 sets a memory target for, plus the others
-# that hold model-sized buffers (OSP's in-flight In-Computation Sync, the PS base copy).
-CASES = (
-    ("bsp", "bsp", "ring"),
-    ("esync", "esync", "ring"),
-    ("ebsp", "ebsp", "ring"),
-    ("osp", "osp", "ring"),
-    ("asp-ps", "asp", "ps"),
-    ("esync-ps", "esync", "ps"),
-)
+
+
+def _registry_cases() -> tuple[tuple[str, str, str], ...]:
+    """(label, policy, topology): every policy that runs on the ring (each ring strategy holds
+    its own buffers: none beyond the fusion buffer, a global model copy, OSP's in-flight
+    In-Computation Sync), and the parameter-server strategy under a policy whose pushes the
+    server applies as they come and under one whose pushes it averages."""
+    specs = registry.specs()
+    cases = [(s.name, s.name, "ring") for s in specs if "ring" in s.topologies]
+    for pick in (lambda s: s.default_topology == "ps", lambda s: s.ps_average):
+        spec = next((s for s in specs if "ps" in s.topologies and pick(s)), None)
+        if spec is not None:
+            cases.append((f"{spec.name}-ps", spec.name, "ps"))
+    return tuple(cases)
+
+
+CASES = _registry_cases()
 MMAP_THRESHOLD = 65536  # bytes; see the module docstring (RSS cross-check)
 
 
@@ -139,12 +148,8 @@ def _combine(label, policy, topology, args, per_worker: list[dict]) -> dict:
 
 
 def _target(policy: str, topology: str) -> str | None:
-    """Issue 5's memory target for this case, if it sets one."""
-    if topology == "ring" and policy == "bsp":
-        return "none beyond the fusion buffer"
-    if topology == "ring" and policy in ("esync", "ebsp"):
-        return "at most one parameter copy beyond the fusion buffer"
-    return None
+    """The memory target of the case's worker strategy, if it promises one."""
+    return registry.get(policy).strategy_class(topology).memory_target
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -162,13 +162,14 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
     from mpi4py import MPI
 
     from mpsync.config import SyncConfig
+    from mpsync.policies import BASELINE
     from mpsync.server import StateServer, SyncClient
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     clients = world.Split(0 if rank == 0 else 1, rank)
     control = world.Dup()
-    cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", silent_timeout=600.0,
+    cfg = SyncConfig.from_options(env={}, policy=BASELINE, topology="ring", silent_timeout=600.0,
                                   deadline=600.0, server_fast_path=fast_path)
     samples = []
     done = threading.Event()

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpsync.sched import _zipline_kernels as _k
+from mpsync.zipline_variants import EXACT_VARIANTS, FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
     "ZIPLINE_VARIANTS",
@@ -52,9 +53,6 @@ __all__ = [
     "check_matrix",
 ]
 
-ZIPLINE_VARIANTS: tuple[str, ...] = ("basic", "opt", "optbs", "gridscan", "fullgridscan", "window")
-EXACT_VARIANTS: tuple[str, ...] = ("basic", "opt", "optbs", "fullgridscan", "window")
-FASTEST_EXACT_VARIANT = "window"
 
 # Variants that scan Ω (§5.2 Step 1) take it as arguments; the grid baselines read 𝓜 only.
 _OMEGA_KERNELS = {
@@ -120,7 +118,8 @@ def check_matrix(M) -> np.ndarray:
     return a
 
 
-def zipline(M, variant: str = "optbs", return_candidates: bool = False) -> ZipLineResult:
+def zipline(M, variant: str = FASTEST_EXACT_VARIANT,
+            return_candidates: bool = False) -> ZipLineResult:
     """Find the ElasticBSP barrier over predicted pushes ``M`` (ZipLine paper §4.1, Problem 1).
 
     Parameters
@@ -128,8 +127,9 @@ def zipline(M, variant: str = "optbs", return_candidates: bool = False) -> ZipLi
     M : float64[n, R]
         Row p holds worker p's R predicted push timestamps, non-decreasing (n = 1, R = 1 valid).
     variant : str
-        One of ``ZIPLINE_VARIANTS``; default ``"optbs"`` (the paper's recommendation for
-        n > 100); ``FASTEST_EXACT_VARIANT`` is faster and returns the same result.
+        One of ``ZIPLINE_VARIANTS``; default ``FASTEST_EXACT_VARIANT``, the same default as
+        the server's (``SyncConfig.zipline_variant``).  The paper recommends ``"optbs"`` for
+        n > 100; every exact variant returns the same result.
     return_candidates : bool
         Also return the d_Z of every candidate evaluated (see :class:`ZipLineResult`).
 

@@ -15,8 +15,10 @@ Worker side::
     client.shutdown()
 
 ``control_comm`` is a ``Dup()`` of the job's communicator made by the caller on every rank, so
-no user message can ever match the server's receives.  Policies: bsp, asp, ssp, dssp, ebsp,
-esync, osp (``mpsync.server._policies``); the decisions are the kernels of ``mpsync.sched``.
+no user message can ever match the server's receives.  The policies are ``Policy`` subclasses
+(``mpsync.server._policies``), looked up in the registry :mod:`mpsync.policies`; their
+decisions are the kernels of ``mpsync.sched``.  A policy of your own subclasses ``Policy``
+(tables in ``WorkerTable``) and registers itself with ``mpsync.policies.register``.
 """
 
 from mpsync.server._client import (

@@ -12,7 +12,8 @@ fill the reply), then send.
 
 What it serves, and what it leaves to the Python loop:
 
-* STEP and RESET of every policy whose family the rules cover (``Policy.fast_kind``):
+* STEP and RESET of every policy whose family the rules cover (the registry's
+  ``fast_path``, ``mpsync.policies``):
   ``FAST_BASE`` (bsp, asp, ssp, dssp, osp: steps answered SYNC; their decisions live in
   push/pull and importance messages, which stay in Python), ``FAST_ESYNC`` (Alg. 2, both
   query modes), ``FAST_EBSP`` (steps whose barrier is planned; its resets may plan the next
@@ -95,17 +96,15 @@ def _status_layout() -> tuple[int, int, int]:
 class FastPath:
     """The compiled loop bound to one server's buffers and tables.
 
-    ``policy`` gives the family (``fast_kind``) and, for ESync and ElasticBSP, its rule
+    ``kind`` is the rule family (``rules.FAST_*``); ``policy`` gives, for ESync and ElasticBSP, its rule
     tables (``cells``), its active ``members()`` and its plan ``epoch``; ``tables``,
     ``counters`` and ``events`` are the server's ``rules`` named tuples; ``request`` the
     buffer the last message is received into (the Python loop reads a handed-over message
     there); ``index``: communicator rank -> worker.
     """
 
-    def __init__(self, comm, index: dict, policy, tables, counters, events, request, t0, eps):
-        kind = policy.fast_kind
-        if kind is None:
-            raise ValueError(f"no compiled path for policy {type(policy).__name__}")
+    def __init__(self, comm, index: dict, kind: int, policy, tables, counters, events, request,
+                 t0, eps):
         self.kind = kind
         self.policy = policy
         self.t0 = float(t0)

@@ -39,7 +39,7 @@ class MessageHandlers:
         k, compute = int(msg[W.ITER]), msg[W.COMPUTE]
         rules.record_report(self.cells, w, k, compute, now)
         rules.count_step(self.counters.cells, w, compute, msg[W.WAIT])
-        delayed = msg[W.FLAG] == 1 and self.policy.supports_delayed_ack
+        delayed = msg[W.FLAG] == 1 and self.delayed_ack
         if delayed:
             decision = self.policy.on_step(w, k, compute, now, delayed_ack=True, rtt=msg[W.AGG])
         else:

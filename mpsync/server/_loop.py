@@ -37,6 +37,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpsync import policies
 from mpsync.config import ConfigError
 from mpsync.server import _fastpath, _wire as W, rules
 from mpsync.server._handlers import MessageHandlers
@@ -102,13 +103,19 @@ class StateServer(MessageHandlers):
             self.policy = make_policy(config, len(self.ranks))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        spec = policies.get(config.policy)
+        # ESync §4.2: a report may be sent without waiting for its reply.
+        self.delayed_ack = spec.reads("esync_delayed_ack")
         self.table = self.policy.t
         self.cells = self.table.cells          # the arrays the per-message rules write
         self.policy.warm_up()
         self.counters = ServerCounters(len(self.ranks))
         self.events = EventLog()
         self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
-        self.weights = WeightStore(self.policy.ps_update_scale(len(self.ranks)))
+        # On the PS, policies that average deltas apply each push scaled by (global step) / n
+        # (ESync Eq. 7-8); the others apply each update as it is (Downpour style).
+        n = len(self.ranks)
+        self.weights = WeightStore(spec.global_step(config) / n if spec.ps_average else 1.0)
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.rejected: dict[tuple, int] = {}
         # Well-formed requests served by each loop ("python" counts the handed-over ones too).
@@ -137,9 +144,9 @@ class StateServer(MessageHandlers):
         self.fast = None
         if fast_path is None:
             fast_path = config.server_fast_path
-        if fast_path and _fastpath.unavailable_reason() is None and \
-                self.policy.fast_kind is not None:
-            self.fast = _fastpath.FastPath(comm, self.index, self.policy, self.cells,
+        kind = rules.FAST_KINDS.get(spec.fast_path)
+        if fast_path and _fastpath.unavailable_reason() is None and kind is not None:
+            self.fast = _fastpath.FastPath(comm, self.index, kind, self.policy, self.cells,
                                            self.counters.cells, self.events.cells, self._msg,
                                            self.t0, config.esync_slack)
             self.fast.warm_up()

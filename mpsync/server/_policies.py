@@ -21,7 +21,7 @@ from mpsync import sched
 from mpsync.server import rules
 from mpsync.server._wire import LOCAL, SYNC
 
-__all__ = ["WorkerTable", "Policy", "make_policy", "POLICY_CLASSES"]
+__all__ = ["WorkerTable", "Policy", "make_policy"]
 
 
 class WorkerTable:
@@ -53,26 +53,14 @@ class WorkerTable:
 
 class Policy:
     """The base policy: every step is answered SYNC (the decisions of the PS policies are
-    made at push and pull time).  ``fast_kind`` names the compiled loop's rule family that
-    answers this policy's steps and resets (``rules.FAST_*``), None where only the Python
-    loop can (a subclass with its own ``on_step`` or ``on_reset``)."""
+    made at push and pull time).  Which of the compiled loop's rule families serves a policy
+    is the registry's ``fast_path`` (``mpsync.policies``)."""
 
-    name = "?"
-    ring_ok = True
-    ps_ok = True
     takes_importance = False      # OSP's importance reports
-    supports_delayed_ack = False  # ESync §4.2
 
     def __init__(self, table: WorkerTable, config):
         self.t = table
         self.config = config
-
-    @property
-    def fast_kind(self) -> int | None:
-        cls = type(self)
-        if cls.on_step is Policy.on_step and cls.on_reset is Policy.on_reset:
-            return rules.FAST_BASE
-        return None
 
     def on_step(self, w: int, k: int, compute: float, now: float, delayed_ack: bool = False,
                 rtt: float = 0.0):
@@ -86,10 +74,6 @@ class Policy:
         t.pushes[w] += 1
         t.push_table[w, 0] = t.push_table[w, 1] if t.pushes[w] > 1 else now
         t.push_table[w, 1] = now
-
-    def ps_update_scale(self, n_workers: int) -> float:
-        """The factor a PS push is applied with: 1 (each update as it is, Downpour style)."""
-        return 1.0
 
     def warm_up(self) -> None:
         """Run this policy's kernels once on tiny inputs, so the first real decision does not
@@ -116,7 +100,6 @@ class BSP(Policy):
     """Everyone synchronizes every iteration (Horovod's behaviour).  On the PS topology a pull
     waits until every active worker has pushed as often (SSP with s = 0)."""
 
-    name = "bsp"
 
     def may_pull(self, w):
         return _ssp_ok(self.t, w, 0)
@@ -128,8 +111,6 @@ class BSP(Policy):
 class ASP(Policy):
     """Never wait (DSSP §I.A): every iteration pushes and pulls whatever is current."""
 
-    name = "asp"
-    ring_ok = False
 
 
 def _warm_ssp():
@@ -139,8 +120,6 @@ def _warm_ssp():
 class SSP(Policy):
     """A worker may be at most ``staleness`` pushes ahead of the slowest active one."""
 
-    name = "ssp"
-    ring_ok = False
 
     def may_pull(self, w):
         return _ssp_ok(self.t, w, self.config.staleness)
@@ -154,8 +133,6 @@ class DSSP(Policy):
     the fastest worker up to ``s_U - s_L`` extra iterations; a pull that Alg. 1 line 17 holds is
     answered once ``ssp_may_continue(s_L)`` holds again."""
 
-    name = "dssp"
-    ring_ok = False
 
     def __init__(self, table, config):
         super().__init__(table, config)
@@ -233,8 +210,6 @@ class ElasticBSP(Policy):
     planning and the monitoring phase stay here.
     """
 
-    name = "ebsp"
-    fast_kind = rules.FAST_EBSP
 
     def __init__(self, table, config):
         super().__init__(table, config)
@@ -305,9 +280,6 @@ class ElasticBSP(Policy):
             self._try_plan(now)
         return _held_or(rules.ebsp_decide(self.cells, w, k))
 
-    def ps_update_scale(self, n_workers):
-        return 1.0 / n_workers              # the deltas of a barrier are averaged
-
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
         self.completed[w] = self.epoch
@@ -332,9 +304,6 @@ class ESync(Policy):
     server clock.  In delayed-ACK mode (§4.2) NOT-READY is never sent (``None`` with
     ``silent_local``) and capability includes the query round trip."""
 
-    name = "esync"
-    fast_kind = rules.FAST_ESYNC
-    supports_delayed_ack = True
 
     def __init__(self, table, config):
         super().__init__(table, config)
@@ -375,9 +344,6 @@ class ESync(Policy):
             self.local_per_round[w].append(k)
         count[0] = 0
 
-    def ps_update_scale(self, n_workers):
-        return self.config.epsilon / n_workers   # ESync Eq. 7-8: ε times the mean delta
-
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
         rules.esync_new_round(self.cells, w, now)
@@ -409,8 +375,6 @@ class OSP(Policy):
     used instead (set the fraction to tune it).
     """
 
-    name = "osp"
-    ps_ok = False
     takes_importance = True
 
     def __init__(self, table, config):
@@ -455,16 +419,16 @@ class OSP(Policy):
         return {"ics_layers_total": self.ics_layers}
 
 
-POLICY_CLASSES = {c.name: c for c in (BSP, ASP, SSP, DSSP, ElasticBSP, ESync, OSP)}
-
-
 def make_policy(config, n_workers: int) -> Policy:
-    cls = POLICY_CLASSES[config.policy]
-    if config.topology == "ring" and not cls.ring_ok:
-        raise ValueError(f"policy {config.policy!r} needs a central copy of the weights; it runs "
-                         f"only on topology='ps'")
-    if config.topology == "ps" and not cls.ps_ok:
-        raise ValueError(f"policy {config.policy!r} runs only on topology='ring'")
+    """The server policy of ``config.policy``, from the policy registry (mpsync.policies)."""
+    from mpsync import policies
+
+    spec = policies.get(config.policy)
+    spec.check_topology(config.topology)  # PolicyError is a ValueError naming the policy
+    cls = spec.server_class()
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise policies.PolicyError(f"policy {config.policy!r}: {spec.server} is not a "
+                                   f"mpsync.server Policy subclass")
     return cls(WorkerTable(n_workers), config)
 
 

@@ -39,13 +39,15 @@ __all__ = [
     "esync_step", "esync_step_reference", "esync_new_round", "esync_new_round_reference",
     "ebsp_decide", "ebsp_decide_reference", "ebsp_step", "ebsp_step_reference",
     "fast_decision", "fast_decision_reference", "next_report_due",
-    "HOLD", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC",
+    "HOLD", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC", "FAST_KINDS",
 ]
 
 # The policy families the compiled loop serves (a registry entry names one): ``FAST_BASE``
 # answers every step SYNC (decisions made at push/pull or importance time), ``FAST_EBSP``
 # answers from the barrier already planned, ``FAST_ESYNC`` runs ESync's QUERY-STATE.
 FAST_BASE, FAST_EBSP, FAST_ESYNC = 0, 1, 2
+# The registry's names for them (``mpsync.policies.FAST_PATH_KINDS``).
+FAST_KINDS = {"tables": FAST_BASE, "planned": FAST_EBSP, "query_state": FAST_ESYNC}
 # A decision that cannot be made yet: the reply is held until the tables change.
 HOLD = -1
 

@@ -16,8 +16,8 @@ __all__ = ["WeightStore"]
 class WeightStore:
     """The central weights of the PS topology.
 
-    ``scale`` is the factor every pushed update is applied with, set by the policy
-    (``Policy.ps_update_scale``): 1 applies each worker's update as it is (ASP, SSP, DSSP, BSP,
+    ``scale`` is the factor every pushed update is applied with, from the policy's registry
+    entry (``ps_average``, ``global_step``): 1 applies each worker's update as it is (ASP, SSP, DSSP, BSP,
     Downpour style); 1/n averages the deltas of a round (ElasticBSP); ε/n is ESync's Eq. 7-8.
     ``version`` counts the updates applied, so a worker can tell how fresh its pull is.
     """

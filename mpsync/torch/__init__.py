@@ -37,9 +37,13 @@ __all__ = [
 ]
 
 
-def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
-         server: str = "dedicated", comm=None, **policy_options) -> None:
+def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
+         server: str | None = None, comm=None, **policy_options) -> None:
     """Set up the workers, the aggregation backend and the state server (see module doc).
+
+    A setting left at ``None`` comes from its ``MPSYNC_*`` environment variable, else from the
+    defaults of :class:`mpsync.config.SyncConfig` (bsp, the policy's own topology, the mpi
+    backend, a dedicated server).
 
     ``policy_options`` are :class:`mpsync.config.SyncConfig` fields (``staleness``,
     ``lookahead``, ``epsilon``, ``deadline``, ...) plus ``stats_path`` / ``trace_path`` (where

@@ -82,7 +82,7 @@ def worker_context(what: str) -> Context:
 
 def install_abort_hooks(comm, label: str) -> None:
     """An unhandled exception on this rank (any thread) prints its traceback tagged with the
-    rank and aborts the whole job (issue 8, item 1): the other ranks would otherwise wait for
+    rank and aborts the whole job: the other ranks would otherwise wait for
     this one until their deadlines pass, or forever inside a blocking collective."""
     host = socket.gethostname()
 
@@ -99,15 +99,17 @@ def install_abort_hooks(comm, label: str) -> None:
     threading.excepthook = lambda a: abort(a.exc_type, a.exc_value, a.exc_traceback)
 
 
-def init(policy: str = "bsp", topology: str = "ring", backend: str = "horovod",
-         server: str = "dedicated", comm=None, *, stats_path: str | None = None,
+def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
+         server: str | None = None, comm=None, *, stats_path: str | None = None,
          trace_path: str | None = None, server_rank: int = 0, **policy_options) -> Context:
+    """``None``: the setting from ``MPSYNC_*`` or else the default of :class:`SyncConfig`."""
     global _CONTEXT
     if _CONTEXT is not None and not _CONTEXT.closed:
         raise RuntimeError("mps.init() was already called in this process")
+    given = {k: v for k, v in (("policy", policy), ("topology", topology),
+                               ("backend", backend), ("server", server)) if v is not None}
     # Validation needs no communicator: a bad setting fails identically on every rank.
-    config = SyncConfig.from_options(policy=policy, topology=topology, backend=backend,
-                                     server=server, **policy_options)
+    config = SyncConfig.from_options(**given, **policy_options)
     # Horovod is imported for backend='horovod' on every topology (on the PS it runs the
     # workers' barriers and broadcasts), so its absence is checked whatever the topology.
     if config.backend == "horovod" and importlib.util.find_spec("horovod") is None:
@@ -174,7 +176,7 @@ def _serve_and_exit(ctx: Context) -> None:
     _write_server_stats(ctx, stats)
     ctx.server_stats = stats
     ctx.closed = True
-    # The script body after init() is for workers only (issue 5, item 1).
+    # The script body after init() is for workers only: the dedicated server rank ends here.
     sys.exit(0)
 
 
@@ -224,8 +226,7 @@ def shutdown() -> None:
     if ctx is None or ctx.closed or ctx.is_server:
         return
     for opt in ctx.optimizers:
-        if ctx.config.policy != "bsp" or ctx.config.topology != "ring":
-            opt.synchronize()
+        opt.strategy.finish()
         opt.close()
     if ctx.client is not None:
         server_stats = ctx.client.stats()

@@ -1,4 +1,7 @@
-"""What a worker aggregates, per policy, and when (issue 5, items 3-4).
+"""What a worker aggregates, per policy, and when.
+
+Which strategy a policy uses on each topology is its entry in the registry
+(:mod:`mpsync.policies`); the table below is mpsync's own policies.
 
 ==================  ==========  ============================================================
 strategy            policies    per ``optimizer.step()``
@@ -43,6 +46,12 @@ _NOT_READY = Decision(LOCAL, 0, 0)
 class Strategy:
     """Common plumbing: the server query, counters, the final identical-model broadcast."""
 
+    # True: every step aggregates (no local steps between rounds).
+    aggregates_every_step = False
+    # What this strategy promises to hold beyond the fusion buffer (``mpsync bench memory``
+    # checks it); None: no promise.
+    memory_target: str | None = None
+
     def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FusionBuffer],
                  backend: Aggregator | None, client, counters: LocalCounters, config):
         self.optimizer = optimizer
@@ -53,6 +62,15 @@ class Strategy:
         self.config = config
         self.iteration = 0   # steps taken by this worker
         self.round = 0       # aggregations completed
+        # ESync §4.2 delayed ACK, for a policy that offers it (registry options).
+        self.delayed_ack = bool(getattr(config, "esync_delayed_ack", False)) and \
+            _spec(config).reads("esync_delayed_ack")
+
+    @classmethod
+    def from_config(cls, config, optimizer, buffers, backend, client, counters, *,
+                    worker_rank: int = 0) -> "Strategy":
+        """Built by :func:`make_strategy`; a subclass with settings of its own overrides it."""
+        return cls(optimizer, buffers, backend, client, counters, config)
 
     # -- control plane ------------------------------------------------------------------------
     def ask(self, compute_time: float, iteration: int):
@@ -61,9 +79,9 @@ class Strategy:
         if self.client is None:
             return None
         t0 = time.perf_counter()
-        if self.config.policy == "esync" and self.config.esync_delayed_ack:
-            # ESync §4.2 delayed ACK: report without waiting and keep training on the implicit
-            # NOT-READY; aggregate once the READY sent for an earlier report has arrived.
+        if self.delayed_ack:
+            # Report without waiting and keep training on the implicit NOT-READY; aggregate
+            # once the READY sent for an earlier report has arrived.
             decision = self.client.step_async(iteration, compute_time).poll() or _NOT_READY
         else:
             decision = self.client.step(iteration, compute_time)
@@ -108,6 +126,10 @@ class Strategy:
     def close(self) -> None:
         """Finish anything in flight (no communication is left pending at shutdown)."""
 
+    def finish(self) -> None:
+        """The final aggregation at shutdown, after which every worker holds the same model."""
+        self.synchronize()
+
     def zero_grad(self) -> bool:
         """Zero the gradients the strategy's way; False: let the wrapped optimizer do it."""
         return False
@@ -118,6 +140,8 @@ class GradientAveraging(Strategy):
     optimizer steps; equal to Horovod's DistributedOptimizer and to single-process SGD on the
     concatenated batch."""
 
+    memory_target = "none beyond the fusion buffer"
+    aggregates_every_step = True
     _averaged = False
 
     def __init__(self, *args, **kw):
@@ -143,8 +167,9 @@ class GradientAveraging(Strategy):
     def _average(self, compute_time: float) -> None:
         decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
-            raise RuntimeError(f"policy bsp: the server answered {decision!r}; BSP synchronizes "
-                               f"every iteration (is the server running another policy?)")
+            raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
+                               f"gradient averaging synchronizes every iteration (is the server "
+                               f"running another policy?)")
         t0 = time.perf_counter()
         nbytes = average_gradients(self.buffers, self.backend)
         self.reset(self._aggregated(t0, nbytes))
@@ -155,6 +180,9 @@ class GradientAveraging(Strategy):
         if not self._averaged:
             self._average(0.0)
             self._averaged = True
+
+    def finish(self) -> None:
+        """Nothing to do: every step aggregated, so the replicas are already equal."""
 
 
 def average_gradients(buffers: list[FusionBuffer], backend: Aggregator) -> int:
@@ -202,10 +230,17 @@ class DeltaAveraging(LocalStepsThenAggregate):
     (``_global``), reusing the fusion buffer for the delta.
     """
 
+    memory_target = "at most one parameter copy beyond the fusion buffer"
+
     def __init__(self, *args, epsilon: float = 1.0, **kw):
         super().__init__(*args, **kw)
         self.epsilon = float(epsilon)
         self._global: list[torch.Tensor] | None = None
+
+    @classmethod
+    def from_config(cls, config, *args, worker_rank: int = 0):
+        # ε of Eq. 8 for a policy that reads ``epsilon`` (ESync); plain averaging otherwise.
+        return cls(*args, config, epsilon=_spec(config).global_step(config))
 
     def _snapshot(self) -> None:
         if self._global is None:  # first step: after the user's broadcast_parameters
@@ -240,8 +275,8 @@ class ParameterServer(LocalStepsThenAggregate):
     pulls the current weights, blocking as long as the policy's staleness rule says (SSP, DSSP
     Alg. 1).  Each worker's updates therefore reach the global model exactly once.
 
-    Memory (issue 5: at most one extra copy of the parameters): ``_base`` is the only one
-    besides the fusion buffer.  Δ is computed into ``_base`` itself and pushed from there: the
+    Memory (at most one extra copy of the parameters): ``_base`` is the only one besides the
+    fusion buffer.  Δ is computed into ``_base`` itself and pushed from there: the
     push is a blocking send, and the pull that follows overwrites ``_base`` with the current
     weights, so the base is not needed between the two.
     """
@@ -255,6 +290,10 @@ class ParameterServer(LocalStepsThenAggregate):
         self.worker_rank = worker_rank
         self._base: np.ndarray | None = None  # float64: the wire format of push and pull
         self.version = 0
+
+    @classmethod
+    def from_config(cls, config, *args, worker_rank: int = 0):
+        return cls(*args, config, worker_rank=worker_rank)
 
     def _start(self) -> None:
         if self._base is not None:
@@ -339,10 +378,12 @@ class TwoStageSync(Strategy):
     thread.
     """
 
+    aggregates_every_step = True
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         if len(self.buffers) != 1:
-            raise ValueError("policy='osp' needs all parameters in one dtype, got "
+            raise ValueError(f"policy={self.config.policy!r} needs all parameters in one dtype, got "
                              f"{[str(b.dtype) for b in self.buffers]}")
         self.buf = self.buffers[0]
         self.n_layers = len(self.buf.layer_names)
@@ -388,8 +429,8 @@ class TwoStageSync(Strategy):
         self._finish_ics()
         decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
-            raise RuntimeError(f"policy osp: the server answered {decision!r}; OSP synchronizes "
-                               f"every iteration")
+            raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
+                               f"two-stage sync synchronizes every iteration")
         grads = self.buf.pack_grads()
         bitmap_now = self.bitmap
         if self.client is not None:
@@ -450,15 +491,15 @@ def _layer_importance(grads: torch.Tensor, params: torch.Tensor, layer_sizes) ->
 
 
 def make_strategy(config, optimizer, buffers, backend, client, counters, *, worker_rank=0):
-    """The strategy for ``config.policy`` on ``config.topology`` (validated config)."""
-    args = (optimizer, buffers, backend, client, counters, config)
-    if config.topology == "ps":
-        return ParameterServer(*args, worker_rank=worker_rank)
-    if config.policy == "bsp":
-        return GradientAveraging(*args)
-    if config.policy == "osp":
-        return TwoStageSync(*args)
-    if config.policy in ("esync", "ebsp"):
-        eps = config.epsilon if config.policy == "esync" else 1.0
-        return DeltaAveraging(*args, epsilon=eps)
-    raise ValueError(f"policy {config.policy!r} on topology {config.topology!r} is not supported")
+    """The strategy the registry names for ``config.policy`` on ``config.topology``."""
+    cls = _spec(config).strategy_class(config.topology)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"policy {config.policy!r}: {cls!r} is not a Strategy subclass")
+    return cls.from_config(config, optimizer, buffers, backend, client, counters,
+                           worker_rank=worker_rank)
+
+
+def _spec(config):
+    from mpsync import policies
+
+    return policies.get(config.policy)

@@ -1,0 +1,96 @@
+"""Consistent-cut checkpoints of ``mpsync train``, written by worker 0 alone.
+
+When each topology takes its cut, and what a resumed run re-learns, is in the
+``mpsync.apps.train`` module doc.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import numpy as np
+
+from mpsync.config import SyncConfig
+
+__all__ = ["worker_state", "write_checkpoint", "ps_checkpoint", "warn_if_slow"]
+
+COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent")
+
+
+def worker_state(mps, inner, epoch, index, samples, before: dict, slept_s: float) -> dict:
+    """What one worker contributes to a checkpoint: data position, optimizer state, RNG states
+    and its counters so far (``before``: those of the run it resumed)."""
+    import torch
+
+    local = mps.stats(server=False)["local"]
+    return {"epoch": epoch, "index": index, "samples": samples,
+            "optimizer": inner.state_dict(), "rng_torch": torch.get_rng_state(),
+            "rng_numpy": np.random.get_state(), "rng_python": random.getstate(),
+            "counters": {**{k: local[k] + before.get(k, 0) for k in COUNTERS},
+                         "slept_s": slept_s + before.get("slept_s", 0.0)}}
+
+
+def write_checkpoint(out, model, gathered: list, n, wall_s, evals, round_, step, config,
+                     server: dict | None = None) -> None:
+    """Worker 0: one file, written atomically, with the model every worker holds (ring) or the
+    global weights (ps) and every worker's state."""
+    state = {"model": model.state_dict(), "per_worker": gathered, "workers": n,
+             "round": round_, "step": step, "wall_s": wall_s, "evals": list(evals),
+             "policy": config.to_dict(),
+             # For the record: a resumed server starts from the model above and zero clocks
+             # (module doc: what is needed for correctness and what is re-learned).
+             "server": {"topology": config.topology, **(server or {})}}
+    from mpsync.apps.checkpoint import save_checkpoint
+
+    t0 = time.perf_counter()
+    save_checkpoint(out / "checkpoints", round_, state)
+    warn_if_slow(time.perf_counter() - t0, "a checkpoint write", config)
+
+
+def ps_checkpoint(mps, opt, out, model, me, n, mine: dict, time_up: bool, target_samples, wall,
+                  evals, round_, step, config) -> tuple[bool, int]:
+    """PS checkpoint round (every worker has just made its ``round_``-th push and pull):
+    agree whether to stop and, if not, write the global model at this cut.
+
+    1. gather every worker's state to worker 0: once it returns, every worker has made
+       ``round_`` pushes and the server has applied them all;
+    2. worker 0 pulls the global weights, which then hold exactly those pushes, and writes;
+    3. a sum-allreduce carries worker 0's decision to all: no worker pushes again before
+       worker 0's pull, so no later update leaks into the saved weights.
+    Returns (stop, samples of all workers)."""
+    import torch
+
+    gathered = mps.gather_object({**mine, "time_up": time_up}, root_rank=0,
+                                 name="checkpoint state")
+    decision = torch.zeros(2, dtype=torch.int64)
+    if me == 0:
+        total = sum(g["samples"] for g in gathered)
+        time_up = [g.pop("time_up") for g in gathered]
+        stop = any(time_up) or (target_samples is not None and total >= target_samples)
+        if not stop:
+            version = opt.strategy.pull_global()
+            # ps_version: the updates this server applied, counted from the start of this run
+            # (a resumed run's server counts from zero again).
+            write_checkpoint(out, model, gathered, n, wall(), evals, round_, step, config,
+                             server={"ps_version": version})
+        decision = torch.tensor([total, int(stop)], dtype=torch.int64)
+    agreed = mps.allreduce(decision, average=False, name="checkpoint decision")
+    return bool(agreed[1] > 0), int(agreed[0])
+
+
+_slow_warned: set = set()
+
+
+def warn_if_slow(seconds: float, what: str, config: SyncConfig) -> None:
+    """Worker 0 evaluates and writes checkpoints while the other workers wait for it (in the
+    next collective) and the state server hears nothing from it: past ``deadline`` or
+    ``silent_timeout`` that wait fails the job.  Warn once when it gets within half of them."""
+    limit = min(config.deadline, config.silent_timeout)
+    if seconds > limit / 2 and what not in _slow_warned:
+        _slow_warned.add(what)
+        print(f"mpsync train: warning: {what} on worker 0 took {seconds:.1f}s while the other "
+              f"workers waited; the job fails if it exceeds {limit:g}s (--deadline "
+              f"{config.deadline:g}, --silent-timeout {config.silent_timeout:g}): raise both",
+              file=sys.stderr, flush=True)

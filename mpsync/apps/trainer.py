@@ -1,0 +1,421 @@
+"""The worker side of ``mpsync train``: one training run through the public ``mpsync.torch`` API.
+
+:func:`train` is the loop; :class:`Worker` holds what one worker trains and where it is
+(data position, clock, evaluations); the stop rules (:class:`RingStop`,
+:class:`PsCheckpointStop`, :class:`PsStop`) decide, per topology, when the workers end (the
+``mpsync.apps.train`` module doc says why each decides where it does);
+:mod:`mpsync.apps.train_checkpoints` writes the consistent cuts; :func:`finish` gathers the
+metrics and worker 0 writes the results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mpsync.apps.train_checkpoints import COUNTERS, ps_checkpoint, warn_if_slow, worker_state, \
+    write_checkpoint
+from mpsync.config import SyncConfig
+
+__all__ = ["train", "finish", "world_rank", "world_size", "Worker", "RingStop", "PsCheckpointStop", "PsStop"]
+
+
+def world_rank() -> int:
+    """This process's rank in the job, from the launcher's environment (before MPI_Init)."""
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+
+
+def world_size() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
+
+
+def train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
+    """Run the training loop on this rank (a dedicated server rank serves inside init)."""
+    w = Worker.start(args, config, workers, resume)
+    stop = (RingStop(w) if config.topology == "ring" else
+            PsCheckpointStop(w) if args.checkpoint_every else PsStop(w))
+    if w.me == 0 and resume is None:
+        w.record_eval(0)
+    w.last_eval = w.wall()
+    done = False
+    while not done:
+        round_before = w.step()
+        done = stop.after_step(round_before)
+        w.maybe_evaluate(round_before, at_round_boundary_only=config.topology == "ring")
+    # PS: the last push comes before any collective (under SSP/DSSP a faster worker's pull
+    # may be held until every other worker's last update is in, so a gather first would
+    # deadlock).  Ring: the final aggregation before the metrics are gathered, so each
+    # worker's parameter checksum is of the model it ends with.
+    w.opt.strategy.finish()
+    return finish(w)
+
+
+class Worker:
+    """One worker's run: model, optimizer, data shard, clock and evaluations."""
+
+    def __init__(self, args, config: SyncConfig, resume: dict | None):
+        self.args, self.config, self.resume = args, config, resume
+        self.out = Path(args.out) if args.out else None
+        self.epoch = self.index = self.samples = self.step_count = 0
+        self.wall_offset, self.eval_s, self.round_offset = 0.0, 0.0, 0
+        self.evals: list[dict] = []
+        self.bar = None
+        self.last_eval = 0.0
+
+    @classmethod
+    def start(cls, args, config: SyncConfig, workers: int, resume: dict | None) -> "Worker":
+        """Build data and model, then ``mps.init`` (a dedicated server rank never returns)."""
+        import torch
+
+        import mpsync.torch as mps
+        from mpsync.apps.datasets import load_dataset, partition
+        from mpsync.apps.heterogeneity import Heterogeneity
+        from mpsync.apps.models import build_model
+
+        torch.set_num_threads(1)
+        w = cls(args, config, resume)
+        rank = world_rank()
+        if w.out is not None and rank == 0:
+            w.out.mkdir(parents=True, exist_ok=True)
+        # Data and model are built before init: the state server counts a registered worker
+        # that stays quiet for longer than silent_timeout as gone, and a loaded machine is
+        # slow here.
+        dedicated = config.server == "dedicated"
+        w.me = rank - 1 if dedicated else rank
+        if not (dedicated and rank == 0):
+            w.ds = load_dataset(args.dataset, seed=args.seed,
+                                synthetic_samples=args.synthetic_samples,
+                                synthetic_features=args.synthetic_features,
+                                synthetic_classes=args.synthetic_classes,
+                                synthetic_noise=args.synthetic_noise)
+            w.shard = partition(w.ds, workers, w.me, args.partition, seed=args.seed)
+            w.hetero = Heterogeneity.from_flags(w.me, workers, args.slowdown,
+                                                args.slowdown_schedule, args.iter_time,
+                                                args.comm_delay)
+            w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed)
+        init_kw = {k: v for k, v in config.to_dict().items() if k != "extra"}
+        mps.init(**init_kw, stats_path=str(w.out / "server_stats.json") if w.out else None,
+                 trace_path=str(w.out / "server_trace.json") if w.out else None)
+        # Only workers get here (a dedicated server serves inside init and exits).
+        w.mps, w.n = mps, mps.size()
+        if w.n != workers or mps.rank() != w.me:
+            raise RuntimeError(f"expected worker {w.me} of {workers}, mpsync.torch reports "
+                               f"{mps.rank()} of {w.n}")
+        w._build_optimizer()
+        return w
+
+    def _build_optimizer(self) -> None:
+        import torch
+
+        args, mps = self.args, self.mps
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.inner = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum)
+        self.x_test, self.y_test = torch.from_numpy(self.ds.x_test), torch.from_numpy(self.ds.y_test)
+        self._restore_or_seed()
+        self.opt = mps.DistributedOptimizer(self.inner,
+                                            named_parameters=self.model.named_parameters())
+        mps.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.per_epoch = self.shard.batches_per_epoch(args.batch_size)
+        self.target_samples = (int(args.epochs * len(self.ds.y_train))
+                               if args.epochs is not None else None)
+        self.eval_every = args.eval_every or (args.time_budget / 30 if args.time_budget else 1.0)
+        self.global_samples = self.samples * self.n  # estimate between stop checks
+        self.start_time = time.perf_counter()
+        if self.me == 0 and not args.no_progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=args.time_budget if args.time_budget else self.target_samples,
+                            unit="s" if args.time_budget else "sample", file=sys.stderr,
+                            desc=self.config.policy, mininterval=0.5, dynamic_ncols=True)
+
+    def _restore_or_seed(self) -> None:
+        """Where this worker is in its data, and what was measured before a resume."""
+        import torch
+
+        if self.resume is None:
+            seed = self.args.seed + 1000 * self.me
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            random.seed(seed)
+            return
+        mine = self.resume["per_worker"][self.me]
+        self.model.load_state_dict(self.resume["model"])
+        self.inner.load_state_dict(mine["optimizer"])
+        self.epoch, self.index, self.samples = mine["epoch"], mine["index"], mine["samples"]
+        torch.set_rng_state(mine["rng_torch"])
+        np.random.set_state(mine["rng_numpy"])
+        random.setstate(mine["rng_python"])
+        self.wall_offset, self.evals = self.resume["wall_s"], self.resume["evals"]
+        self.round_offset = self.resume["round"]
+
+    # -- clock, rounds and counters ------------------------------------------------------------
+    def wall(self) -> float:
+        """Training wall time: evaluations excluded, a resumed run's time included."""
+        return self.wall_offset + time.perf_counter() - self.start_time - self.eval_s
+
+    @property
+    def round(self) -> int:
+        """Aggregations so far, counted from the start of the first run."""
+        return self.opt.strategy.round + self.round_offset
+
+    @property
+    def steps(self) -> int:
+        """Steps so far, counted from the start of the first run."""
+        return self.step_count + (self.resume["step"] if self.resume else 0)
+
+    @property
+    def counters_before(self) -> dict:
+        """This worker's counters of the run it resumed."""
+        return self.resume["per_worker"][self.me]["counters"] if self.resume else {}
+
+    def state(self) -> dict:
+        return worker_state(self.mps, self.inner, self.epoch, self.index, self.samples,
+                            self.counters_before, self.hetero.slept_s)
+
+    def time_up(self) -> bool:
+        return bool(self.args.time_budget and self.wall() >= self.args.time_budget)
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def step(self) -> int:
+        """One local iteration (forward, backward, emulated device time, ``opt.step()``);
+        returns the strategy's round before the step."""
+        import torch
+
+        args = self.args
+        t_iter = time.perf_counter()
+        xb, yb = self.shard.batch(self.epoch, self.index, args.batch_size)
+        self.opt.zero_grad()
+        self.loss_fn(self.model(torch.from_numpy(xb)), torch.from_numpy(yb)).backward()
+        self.hetero.pad(time.perf_counter() - t_iter, self.wall())
+        round_before = self.opt.strategy.round
+        self.opt.step()
+        self.step_count += 1
+        self.samples += len(yb)
+        self.index += 1
+        if self.index >= self.per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        if args.kill_at_step is not None and self.me == 0 and self.steps == args.kill_at_step:
+            # Says where the run got to, so a test can measure how far a resume rolls back.
+            print(f"mpsync train: fault injection: SIGKILL worker 0 after step "
+                  f"{args.kill_at_step}, round {self.round}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return round_before
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> tuple[float, float]:
+        import torch
+
+        self.model.eval()
+        with torch.no_grad():
+            logits = self.model(self.x_test)
+            loss = float(self.loss_fn(logits, self.y_test))
+            acc = float((logits.argmax(1) == self.y_test).float().mean())
+        self.model.train()
+        return acc, loss
+
+    def record_eval(self, global_samples: int) -> dict:
+        t0, at = time.perf_counter(), self.wall()  # the wall time the evaluation is taken at
+        acc, loss = self.evaluate()
+        e = {"wall_s": at, "samples": int(global_samples), "accuracy": acc, "loss": loss,
+             "wall_clock": time.time()}
+        self.evals.append(e)
+        self.eval_s += time.perf_counter() - t0
+        return e
+
+    def maybe_evaluate(self, round_before: int, at_round_boundary_only: bool) -> None:
+        """Worker 0 evaluates every ``eval_every`` seconds.  On the ring its replica is the
+        global model only right after an aggregation (ESync and ElasticBSP run local steps
+        between rounds), so a due evaluation waits for the next round boundary: every recorded
+        point is a model all workers hold."""
+        if self.me != 0 or self.wall() - self.last_eval < self.eval_every:
+            return
+        if at_round_boundary_only and self.opt.strategy.round == round_before:
+            return
+        t_eval = time.perf_counter()
+        e = self.record_eval(self.global_samples)
+        self.last_eval = self.wall()
+        warn_if_slow(time.perf_counter() - t_eval, "an evaluation", self.config)
+        if self.bar is not None:
+            _progress(self, e)
+
+
+class RingStop:
+    """Ring: the workers agree at round boundaries (every worker is there), with one small
+    allreduce of (samples, time-is-up); checkpoints every K rounds."""
+
+    def __init__(self, w: Worker):
+        self.w = w
+        # A strategy that aggregates every step checks every 5 rounds, not every step.
+        self.check_every = 5 if w.opt.strategy.aggregates_every_step else 1
+        self.last_checked = w.opt.strategy.round
+
+    def after_step(self, round_before: int) -> bool:
+        import torch
+
+        w, rnd = self.w, self.w.opt.strategy.round
+        done = False
+        if rnd != self.last_checked and w.round % self.check_every == 0:
+            self.last_checked = rnd
+            agreed = w.mps.allreduce(torch.tensor([w.samples, int(w.time_up())],
+                                                  dtype=torch.int64),
+                                     average=False, name="stop check")
+            w.global_samples = int(agreed[0])
+            done = bool(agreed[1] > 0) or (w.target_samples is not None
+                                           and w.global_samples >= w.target_samples)
+        else:
+            w.global_samples = max(w.global_samples, w.samples * w.n)
+        # Every K rounds, whether or not this round also checks for the stop: every worker
+        # completes the same rounds, so all of them get here.
+        k = w.args.checkpoint_every
+        if k and rnd != round_before and w.round % k == 0 and not done:
+            gathered = w.mps.gather_object(w.state(), root_rank=0, name="checkpoint state")
+            if w.me == 0:
+                write_checkpoint(w.out, w.model, gathered, w.n, w.wall(), w.evals, w.round,
+                                 w.steps, w.config)
+        return done
+
+
+class PsCheckpointStop:
+    """PS with checkpoints: the stop is decided only at checkpoint rounds, where every worker
+    takes part in the checkpoint's collectives."""
+
+    def __init__(self, w: Worker):
+        self.w = w
+
+    def after_step(self, round_before: int) -> bool:
+        w = self.w
+        if w.opt.strategy.round == round_before or w.round % w.args.checkpoint_every != 0:
+            w.global_samples = max(w.global_samples, w.samples * w.n)
+            return False
+        done, w.global_samples = ps_checkpoint(w.mps, w.opt, w.out, w.model, w.me, w.n,
+                                               w.state(), w.time_up(), w.target_samples,
+                                               w.wall, w.evals, w.round, w.steps, w.config)
+        return done
+
+
+class PsStop:
+    """PS without checkpoints: no common rounds; each worker stops on its own clock, or when
+    the server's count of samples reaches the epochs asked for."""
+
+    def __init__(self, w: Worker):
+        self.w = w
+
+    def after_step(self, round_before: int) -> bool:
+        w = self.w
+        if w.time_up():
+            return True
+        if w.target_samples is not None and w.step_count % 10 == 0:
+            server = w.mps.stats()["server"] or {}
+            counted = sum(s.get("iterations", 0) for s in server.get("workers", {}).values())
+            w.global_samples = max(w.samples * w.n, counted * w.args.batch_size)
+            return w.global_samples >= w.target_samples
+        w.global_samples = max(w.global_samples, w.samples * w.n)
+        return False
+
+
+def _progress(w: Worker, e: dict) -> None:
+    args, bar, wall_s = w.args, w.bar, w.wall()
+    local = w.mps.stats(server=False)["local"]
+    bar.n = min(wall_s, args.time_budget) if args.time_budget else min(w.global_samples, bar.total)
+    post = {"epoch": w.epoch, "acc": f"{e['accuracy']:.3f}",
+            "samples/s": f"{w.global_samples / max(wall_s, 1e-9):.0f}"}
+    if local:
+        busy = local["compute_s"] + local["wait_s"] + local["aggregation_s"]
+        post["wait"] = f"{(local['wait_s'] + local['aggregation_s']) / max(busy, 1e-9):.2f}"
+    bar.set_postfix(post, refresh=True)
+
+
+# -- the end of the run ------------------------------------------------------------------------
+def finish(w: Worker) -> int:
+    """Gather every worker's counters to worker 0, shut down, and (worker 0) write results."""
+    local = w.mps.stats()["local"]
+    before = w.counters_before
+    mine = {k: local[k] + before.get(k, 0) for k in COUNTERS}
+    mine.update(samples=w.samples, slept_s=w.hetero.slept_s + before.get("slept_s", 0.0),
+                param_sha256=_param_sha256(w.model), events=local["events"])
+    gathered = w.mps.gather_object(mine, root_rank=0, name="final metrics")
+    final_wall = w.wall()
+    w.mps.shutdown()
+    if w.bar is not None:
+        w.bar.close()
+    if w.me != 0:
+        return 0
+    e = w.record_eval(sum(g["samples"] for g in gathered))
+    e["wall_s"] = final_wall
+    events = {i: g.pop("events") for i, g in enumerate(gathered)}
+    metrics = _metrics(w, gathered, final_wall)
+    from mpsync.apps import report
+
+    report.summarize(metrics, w.args.target_acc)
+    _print_summary(metrics)
+    if w.out is not None:
+        _write_results(w, metrics, events)
+    return 0
+
+
+def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
+    args, ds, hetero = w.args, w.ds, w.hetero
+    return {
+        "schema": 1,
+        "config": {**w.config.to_dict(), "workers": w.n, "dataset": ds.name,
+                   "partition": args.partition, "batch_size": args.batch_size, "lr": args.lr,
+                   "momentum": args.momentum, "seed": args.seed, "epochs": args.epochs,
+                   "time_budget": args.time_budget, "target_acc": args.target_acc,
+                   "slowdown": hetero.factors, "slowdown_schedule": args.slowdown_schedule,
+                   "iter_time": args.iter_time, "comm_delay": args.comm_delay,
+                   "heterogeneity": hetero.describe(), "train_samples": len(ds.y_train),
+                   "test_samples": len(ds.y_test), "resumed": w.resume is not None},
+        "evals": [{k: v for k, v in ev.items() if k != "wall_clock"} for ev in w.evals],
+        "workers": {str(i): g for i, g in enumerate(gathered)},
+        "wall_s": final_wall,
+        "final_param_sha256": _param_sha256(w.model),
+        "server": w.mps.stats()["server"],
+    }
+
+
+def _write_results(w: Worker, metrics: dict, events: dict) -> None:
+    import torch
+
+    from mpsync.apps import report
+
+    out, config = w.out, w.config
+    report.write_metrics(metrics, out)
+    torch.save(w.model.state_dict(), out / "model.pt")
+    t0 = min((a for evs in events.values() for _, a, _ in evs), default=time.time())
+    title = f"{config.policy} on {config.topology}, {w.hetero.describe()}"
+    report.plot_accuracy({config.policy: metrics["evals"]}, out / "accuracy.png",
+                         target=w.args.target_acc, title=title)
+    report.plot_timeline(events, out / "timeline.png", t0=t0, title=title)
+    report.write_trace(events, w.evals, out / "trace.json", t0=t0)
+
+
+def _param_sha256(model) -> str:
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _print_summary(m: dict) -> None:
+    c = m["config"]
+    ttt = m["time_to_target_s"]
+    print(f"mpsync train: policy={c['policy']} topology={c['topology']} workers={c['workers']} "
+          f"dataset={c['dataset']} ({c['heterogeneity']})")
+    print(f"  final accuracy {m['final_acc']:.4f}  loss {m['final_loss']:.4f}  "
+          f"wall {m['wall_s']:.1f}s  samples {m['total_samples']}  "
+          f"samples/s {m['samples_per_s']:.0f}  wait fraction {m['wait_fraction']:.2f}  "
+          f"time to target {'-' if ttt is None else f'{ttt:.1f}s'}")
+    print("  worker  iterations  samples  compute_s  wait_s  aggregation_s  bytes_sent")
+    for w, s in m["workers"].items():
+        print(f"  {w:>6}  {s['iterations']:>10}  {s['samples']:>7}  {s['compute_s']:>9.1f}  "
+              f"{s['wait_s']:>6.1f}  {s['aggregation_s']:>13.1f}  {s['bytes_sent']:>10}")
+    sys.stdout.flush()

@@ -1,0 +1,243 @@
+"""The policy registry: everything mpsync knows about a synchronization policy, in one entry.
+
+Every other module asks this registry instead of comparing policy names: the configuration
+(which topologies a policy runs on, and its default one), the state server (which ``Policy``
+class decides), the workers (which ``Strategy`` aggregates, and with what global step size),
+the compiled serve path (which of its rule families applies), the job renderer and the
+benchmarks.  Adding a policy is one :func:`register` call plus the module that holds its
+classes; mpsync's own policies are registered at the bottom of this file.
+
+Classes are named as ``"module:Class"`` strings and imported on first use, so importing this
+module (and :mod:`mpsync.config`, which reads it) loads neither Numba nor torch nor mpi4py.
+
+A policy defined outside mpsync is registered by importing its module in every rank before
+the configuration is validated: list the module in ``MPSYNC_PLUGINS`` (comma-separated; the
+``plugins`` setting of :class:`~mpsync.config.SyncConfig`), which :func:`load_plugins` imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS", "register",
+           "unregister", "get", "names", "specs", "default_topology", "load_plugins", "resolve",
+           "policy_table"]
+
+TOPOLOGIES = ("ring", "ps")
+# What the other policies are measured against (``mpsync compare``'s speedup column).
+BASELINE = "bsp"
+
+# Rule families the compiled serve path implements (server/_fastpath.py):
+# "tables"      the step's reply follows from the shared tables alone (the base Policy.on_step);
+# "planned"     a barrier planned per round (ElasticBSP's ZipLine plan);
+# "query_state" a per-query readiness rule over the workers' records (ESync Alg. 2).
+# None: the policy is served by the Python loop only.
+FAST_PATH_KINDS = ("tables", "planned", "query_state")
+
+# The strategy every policy uses on the parameter-server topology: push the local delta, pull
+# the global weights under the policy's staleness rule.
+_PS_STRATEGY = "mpsync.torch.strategies:ParameterServer"
+
+
+class PolicyError(ValueError):
+    """An unknown policy, a malformed registration, or a topology the policy does not allow."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One policy.  ``topologies`` lists the allowed topologies, the default first.
+
+    ``server``: the state server's decision class, a ``mpsync.server.Policy`` subclass.
+    ``strategies``: per topology, the worker's ``mpsync.torch.strategies.Strategy`` subclass.
+    ``options``: the :class:`~mpsync.config.SyncConfig` fields this policy reads.  The
+    strategies and the server look here rather than at the name: a policy with ``epsilon``
+    scales the averaged model delta by it (ESync Eq. 8), one with ``esync_delayed_ack`` may
+    report without waiting for the reply (ESync §4.2).
+    ``ps_average``: on the PS, the server averages the workers' deltas (times the global step
+    size) instead of applying each as it arrives (Downpour style).
+    """
+
+    name: str
+    description: str
+    paper: str
+    topologies: tuple[str, ...]
+    server: str
+    strategies: Mapping[str, str]
+    fast_path: str | None = None
+    options: tuple[str, ...] = ()
+    ps_average: bool = False
+
+    @property
+    def default_topology(self) -> str:
+        return self.topologies[0]
+
+    def check_topology(self, topology: str) -> None:
+        """Raise :class:`PolicyError` naming the policy if it cannot run on ``topology``."""
+        if topology in self.topologies:
+            return
+        if topology not in TOPOLOGIES:
+            raise PolicyError(f"unknown topology {topology!r}; choose one of: "
+                              f"{', '.join(TOPOLOGIES)}")
+        if topology == "ring" and "ps" in self.topologies:
+            raise PolicyError(f"policy={self.name!r} needs a central copy of the weights and "
+                              f"runs only on topology='ps' (got topology='ring')")
+        raise PolicyError(f"policy={self.name!r} runs only on topology="
+                          f"{' or '.join(repr(t) for t in self.topologies)} (got {topology!r})")
+
+    def server_class(self) -> type:
+        return resolve(self.server)
+
+    def strategy_class(self, topology: str) -> type:
+        self.check_topology(topology)
+        return resolve(self.strategies[topology])
+
+    def global_step(self, config) -> float:
+        """ε of ESync Eq. 8 for a policy that reads ``epsilon``, else 1 (plain averaging)."""
+        return float(config.epsilon) if "epsilon" in self.options else 1.0
+
+    def reads(self, option: str) -> bool:
+        return option in self.options
+
+
+_REGISTRY: dict[str, PolicySpec] = {}
+
+
+def register(name: str, *, description: str, server: str, strategies: Mapping[str, str],
+             paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
+             ps_average: bool = False, replace: bool = False) -> PolicySpec:
+    """Add a policy; returns its entry.
+
+    ``strategies`` maps each allowed topology to its worker strategy (``"module:Class"``); its
+    first key is the default topology.  ``"ps": "default"`` stands for the parameter-server
+    strategy all of mpsync's policies use there.  Registering a name twice is an error unless
+    ``replace`` (a plugin module imported twice registers the same entry again: allowed).
+    """
+    if not name or not name.replace("_", "").replace("-", "").isalnum() or name != name.lower():
+        raise PolicyError(f"policy name must be lower-case letters, digits, '-' or '_', "
+                          f"got {name!r}")
+    strategies = {t: (_PS_STRATEGY if ref == "default" and t == "ps" else ref)
+                  for t, ref in strategies.items()}
+    if not strategies:
+        raise PolicyError(f"policy {name!r}: give at least one topology in strategies")
+    for topology, ref in strategies.items():
+        if topology not in TOPOLOGIES:
+            raise PolicyError(f"policy {name!r}: unknown topology {topology!r}; choose from "
+                              f"{', '.join(TOPOLOGIES)}")
+        _check_ref(name, f"strategy for {topology}", ref)
+    _check_ref(name, "server", server)
+    if fast_path is not None and fast_path not in FAST_PATH_KINDS:
+        raise PolicyError(f"policy {name!r}: fast_path must be None or one of "
+                          f"{', '.join(FAST_PATH_KINDS)}, got {fast_path!r}")
+    spec = PolicySpec(name=name, description=description, paper=paper,
+                      topologies=tuple(strategies), server=server, strategies=strategies,
+                      fast_path=fast_path, options=tuple(options), ps_average=ps_average)
+    old = _REGISTRY.get(name)
+    if old is not None and old != spec and not replace:
+        raise PolicyError(f"policy {name!r} is already registered (pass replace=True)")
+    _REGISTRY[name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a policy (a test that registered one cleans up after itself)."""
+    get(name)
+    del _REGISTRY[name]
+
+
+def get(name: str) -> PolicySpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; choose one of: {', '.join(_REGISTRY)}"
+                          f" (a policy of your own: MPSYNC_PLUGINS=your.module)") from None
+
+
+def names() -> tuple[str, ...]:
+    """Registered policy names, in registration order (mpsync's own first)."""
+    return tuple(_REGISTRY)
+
+
+def specs() -> tuple[PolicySpec, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def default_topology(name: str) -> str:
+    return get(name).default_topology
+
+
+def resolve(ref: str):
+    """Import ``"module:attribute"`` and return the attribute."""
+    module, _, attr = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise PolicyError(f"cannot load {ref!r}: {e}") from e
+
+
+def load_plugins(modules: str | None) -> None:
+    """Import each module of a comma-separated list (each registers its policies)."""
+    for module in (m.strip() for m in (modules or "").split(",")):
+        if not module:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise PolicyError(f"plugins: cannot import {module!r} ({e}); is it on PYTHONPATH "
+                              f"of every rank?") from e
+
+
+def policy_table() -> str:
+    """The README's policy table (Markdown), generated from the registry."""
+    rows = ["| policy | topology | when workers synchronize | paper |", "|---|---|---|---|"]
+    for s in specs():
+        rows.append(f"| `{s.name}` | {', '.join(s.topologies)} | {s.description} | {s.paper} |")
+    return "\n".join(rows)
+
+
+def _check_ref(name: str, what: str, ref) -> None:
+    module, sep, attr = str(ref).partition(":")
+    if not (isinstance(ref, str) and sep and module and attr):
+        raise PolicyError(f"policy {name!r}: {what} must be 'module:Class', got {ref!r}")
+
+
+# -- mpsync's policies ------------------------------------------------------------------------
+_SERVER = "mpsync.server._policies:"
+_STRATEGY = "mpsync.torch.strategies:"
+
+register(
+    "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
+    server=_SERVER + "BSP",
+    strategies={"ring": _STRATEGY + "GradientAveraging", "ps": "default"},
+    fast_path="tables")
+register(
+    "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
+    server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables")
+register(
+    "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
+    paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},
+    fast_path="tables", options=("staleness",))
+register(
+    "dssp", description="SSP whose bound moves within `[s_L, s_U]`, set per push by a controller",
+    paper="DSSP Alg. 1-2", server=_SERVER + "DSSP", strategies={"ps": "default"},
+    fast_path="tables", options=("staleness_low", "staleness_high"))
+register(
+    "ebsp", description="ElasticBSP: the server predicts `R` iterations of every worker and picks "
+                        "the barrier with the least waiting (ZipLine)",
+    paper="ZipLine §3-5, Alg. 2", server=_SERVER + "ElasticBSP",
+    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
+    fast_path="planned", options=("lookahead", "zipline_variant"), ps_average=True)
+register(
+    "esync", description="fast workers run extra local iterations until the slowest is ready; "
+                         "model deltas averaged",
+    paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_SERVER + "ESync",
+    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
+    fast_path="query_state", options=("epsilon", "esync_slack", "esync_delayed_ack"),
+    ps_average=True)
+register(
+    "osp", description="important layers sync at once, the rest overlapped with the next "
+                       "iteration, with local-gradient correction",
+    paper="OSP §3-4, Alg. 1, Eq. 6-7", server=_SERVER + "OSP",
+    strategies={"ring": _STRATEGY + "TwoStageSync"}, fast_path="tables",
+    options=("osp_ics_max_fraction",))

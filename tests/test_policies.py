@@ -1,0 +1,168 @@
+"""The policy registry: one entry per policy, read by everything else; a policy added from
+outside mpsync runs on the ring under mpirun; policy names are compared nowhere else."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi_harness import REPO, run_mpi
+
+from mpsync import policies
+from mpsync.config import ConfigError, SyncConfig
+
+BUILTIN = policies.names()   # mpsync's own, read before any test registers one
+
+
+@pytest.fixture
+def scratch_policy():
+    """Registers nothing itself; removes whatever the test registered under ``name``."""
+    names = []
+    yield names.append
+    for name in names:
+        if name in policies.names():
+            policies.unregister(name)
+
+
+# -- the registry ------------------------------------------------------------------------------
+def test_every_builtin_entry_resolves_to_its_classes():
+    from mpsync.server import Policy
+    from mpsync.torch.strategies import Strategy
+
+    assert BUILTIN == ("bsp", "asp", "ssp", "dssp", "ebsp", "esync", "osp")
+    for spec in policies.specs():
+        assert issubclass(spec.server_class(), Policy), spec.name
+        for topology in spec.topologies:
+            assert issubclass(spec.strategy_class(topology), Strategy), (spec.name, topology)
+        assert spec.fast_path in policies.FAST_PATH_KINDS + (None,)
+        assert spec.paper and spec.description
+        fields = set(SyncConfig.__dataclass_fields__)
+        assert set(spec.options) <= fields, (spec.name, set(spec.options) - fields)
+
+
+def test_importing_the_registry_and_config_loads_no_numba_torch_or_mpi():
+    code = ("import sys, mpsync.config, mpsync.policies, mpsync.jobs, mpsync.apps.train; "
+            "print(sorted(m for m in ('numba', 'torch', 'mpi4py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_readme_policy_table_is_the_registry():
+    readme = (REPO / "README.md").read_text()
+    table = policies.policy_table()
+    assert table in readme, "README's policy table differs from policies.policy_table():\n" + table
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="Bad Name"), "lower-case"),
+    (dict(strategies={"mesh": "m:C"}), "unknown topology 'mesh'"),
+    (dict(strategies={}), "at least one topology"),
+    (dict(server="no_colon"), "server must be 'module:Class'"),
+    (dict(fast_path="warp"), "fast_path must be None or one of"),
+])
+def test_register_rejects_malformed_entries(kwargs, message):
+    entry = dict(name="toy", description="d", server="m:C", strategies={"ring": "m:S"})
+    entry.update(kwargs)
+    with pytest.raises(policies.PolicyError, match=message):
+        policies.register(entry.pop("name"), **entry)
+    assert "toy" not in policies.names()
+
+
+def test_register_refuses_to_overwrite_a_different_entry():
+    with pytest.raises(policies.PolicyError, match="already registered"):
+        policies.register("bsp", description="other", server="m:C", strategies={"ring": "m:S"})
+    assert policies.get("bsp").server.endswith(":BSP")
+
+
+def test_a_registered_policy_is_configurable_with_its_topology_rules(scratch_policy):
+    scratch_policy("ps-toy")
+    policies.register("ps-toy", description="d", server="mpsync.server._policies:ASP",
+                      strategies={"ps": "default"})
+    cfg = SyncConfig.from_options(env={}, policy="ps-toy")
+    assert cfg.topology == "ps"
+    assert policies.get("ps-toy").strategy_class("ps").__name__ == "ParameterServer"
+    with pytest.raises(ConfigError, match="policy='ps-toy' needs a central copy"):
+        SyncConfig.from_options(env={}, policy="ps-toy", topology="ring")
+
+
+def test_plugins_are_imported_by_validation_and_a_bad_one_is_named(scratch_policy):
+    scratch_policy("every3")
+    sys.modules.pop("toy_policy", None)
+    cfg = SyncConfig.from_options(env={"MPSYNC_PLUGINS": "toy_policy"}, policy="every3")
+    assert (cfg.policy, cfg.topology) == ("every3", "ring")
+    with pytest.raises(ConfigError, match="plugins: cannot import 'no_such_plugin_module'"):
+        SyncConfig.from_options(env={"MPSYNC_PLUGINS": "no_such_plugin_module"})
+    with pytest.raises(ConfigError, match="unknown policy 'every4'.*MPSYNC_PLUGINS"):
+        SyncConfig.from_options(env={}, policy="every4")
+
+
+def test_make_policy_builds_the_registered_server_class():
+    from mpsync.server._policies import ElasticBSP, make_policy
+
+    cfg = SyncConfig.from_options(env={}, policy="ebsp")
+    assert type(make_policy(cfg, 3)) is ElasticBSP
+    with pytest.raises(ValueError, match="runs only on topology='ring'"):
+        make_policy(SyncConfig(policy="osp", topology="ps"), 2)
+
+
+# -- a policy from outside mpsync, on the ring, under mpirun -------------------------------------
+@pytest.mark.mpi
+def test_toy_policy_syncs_every_third_iteration_on_the_ring():
+    env = dict(os.environ, MPSYNC_PLUGINS="toy_policy")
+    run = run_mpi("toy_policy:train_ring", np=3, timeout=120, env=env)
+    results = [json.loads(line[7:]) for r in (1, 2) for line in run.rank_out(r).splitlines()
+               if line.startswith("RESULT ")]
+    assert len(results) == 2, run.report()
+    for res in results:
+        # 7 steps: SYNC after local iterations 3 and 6 only; the models are equal right after
+        # those aggregations and differ after every local step (different data per worker).
+        assert res["equal_after_step"] == [False, False, True, False, False, True, False], res
+        assert (res["iterations"], res["rounds"]) == (7, 2), res
+        assert res["server_policy"] == "every3" and res["final_equal"], res
+
+
+# -- names are compared only in the registry -------------------------------------------------------
+
+
+def _policy_name_literals(path: Path) -> list[tuple[int, str]]:
+    """String constants equal to a policy name, except docstrings and ``help=`` texts."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                skip.add(id(body[0].value))
+        if isinstance(node, ast.keyword) and node.arg in ("help", "description"):
+            skip.update(id(n) for n in ast.walk(node.value))
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value in BUILTIN and id(n) not in skip]
+
+
+def test_policy_names_appear_only_in_the_registry():
+    found = {}
+    for path in sorted((REPO / "mpsync").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == "mpsync/policies.py":
+            continue
+        hits = _policy_name_literals(path)
+        if hits:
+            found[rel] = hits
+    assert not found, f"policy names compared outside mpsync/policies.py: {found}"
+
+
+def test_the_name_check_catches_a_comparison(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""bsp in a docstring is fine."""\n'
+                     'import argparse\n'
+                     'argparse.ArgumentParser().add_argument("--p", help="esync")\n'
+                     'def f(c):\n    return c.policy == "ssp"\n')
+    assert _policy_name_literals(probe) == [(5, "ssp")]
