@@ -203,7 +203,7 @@ def _check_ref(name: str, what: str, ref) -> None:
 
 
 # -- mpsync's policies ------------------------------------------------------------------------
-_SERVER = "mpsync.server._policies:"
+_SERVER = "mpsync.server.policies:"
 _STRATEGY = "mpsync.torch.strategies:"
 
 register(

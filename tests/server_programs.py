@@ -185,7 +185,7 @@ def transport() -> None:
         with open(o["out"], "w") as f:
             json.dump(stats, f)
         return
-    from mpsync.server import _wire as W
+    from mpsync.server import wire as W
 
     speeds = [float(x) for x in o.get("speeds", "1,1,2,4").split(",")]
     base = float(o.get("base", "0.002"))
@@ -233,7 +233,7 @@ def _fuzz_strategy(worker: bool):
     worker rank: it would legitimately end that rank's membership."""
     from hypothesis import strategies as st
 
-    from mpsync.server import _wire as W
+    from mpsync.server import wire as W
 
     nan, inf = float("nan"), float("inf")
     specials = st.sampled_from([nan, inf, -inf, -1.0, 0.5, -0.0, 1e300, 2.0 ** 53, 2.0 ** 60])
@@ -271,7 +271,7 @@ def fuzz() -> None:
     from hypothesis import HealthCheck, Phase, seed, settings
     from hypothesis import given, strategies as st
 
-    from mpsync.server import _wire as W
+    from mpsync.server import wire as W
 
     o = _args()
     world = MPI.COMM_WORLD
@@ -422,7 +422,7 @@ def outsider() -> None:
     """Rank 0 serves bsp for workers 1..size-2; the last rank is not one of its workers and
     sends well-formed requests anyway: each must be dropped (no reply), logged once.  The
     server also writes its stats and Chrome trace through the public writers."""
-    from mpsync.server import _wire as W
+    from mpsync.server import wire as W
     from mpsync.server import write_chrome_trace, write_stats_json
 
     o = _args()
@@ -471,7 +471,7 @@ def late_payload() -> None:
     rank 1 keeps stepping, pushing and pulling meanwhile and times every answer; rank 2 sends
     the raw headers.  The server must go on serving rank 1, apply the late push when its DATA
     arrives, and drop the other header after ``deadline`` (args: hold=S deadline=S)."""
-    from mpsync.server import _wire as W
+    from mpsync.server import wire as W
 
     o = _args()
     world = MPI.COMM_WORLD

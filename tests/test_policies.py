@@ -83,7 +83,7 @@ def test_register_refuses_to_overwrite_a_different_entry():
 
 def test_a_registered_policy_is_configurable_with_its_topology_rules(scratch_policy):
     scratch_policy("ps-toy")
-    policies.register("ps-toy", description="d", server="mpsync.server._policies:ASP",
+    policies.register("ps-toy", description="d", server="mpsync.server.policies:ASP",
                       strategies={"ps": "default"})
     cfg = SyncConfig.from_options(env={}, policy="ps-toy")
     assert cfg.topology == "ps"
@@ -104,7 +104,7 @@ def test_plugins_are_imported_by_validation_and_a_bad_one_is_named(scratch_polic
 
 
 def test_make_policy_builds_the_registered_server_class():
-    from mpsync.server._policies import ElasticBSP, make_policy
+    from mpsync.server.policies import ElasticBSP, make_policy
 
     cfg = SyncConfig.from_options(env={}, policy="ebsp")
     assert type(make_policy(cfg, 3)) is ElasticBSP

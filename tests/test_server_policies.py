@@ -13,7 +13,7 @@ import pytest
 
 from mpsync.config import SyncConfig
 from mpsync.server import make_policy
-from mpsync.server._wire import SYNC
+from mpsync.server.wire import SYNC
 
 
 def _drive_ebsp(intervals, offsets, rounds, lookahead=15):

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from mpsync.server import _wire as W, rules
+from mpsync.server import rules, wire as W
 
 N = 6
 
@@ -191,7 +191,7 @@ def test_the_python_loop_and_the_compiled_loop_call_the_same_rules():
 
     server = Path(rules.__file__).parent
     for path in server.glob("*.py"):
-        if path.name != "_wire.py":
+        if path.name != "wire.py":
             assert not re.search(r"(reply|msg|_rep|_req|msgs)\[\d\]", path.read_text()), path
     compiled = (server / "_fastpath.py").read_text()
     serve = compiled[compiled.index("def _serve("):compiled.index("return QUIET\n\n")]

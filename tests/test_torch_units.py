@@ -59,15 +59,15 @@ def test_bound_gradients_live_in_the_fusion_buffer_and_survive_set_to_none():
     buf.bind_grads()
     x = torch.randn(5, 3)
     m(x).sum().backward()  # accumulates in place into the views
-    assert buf._all_bound()
+    assert buf.all_bound()
     expected = torch.cat([p.grad.reshape(-1).clone() for p in m.parameters()])
     assert torch.equal(buf.pack_grads(), expected)
     m.zero_grad(set_to_none=True)  # unbinds
     m(x).sum().backward()
-    assert not buf._all_bound()
+    assert not buf.all_bound()
     assert torch.equal(buf.pack_grads(), expected)  # copied in
     buf.unpack_to_grads()  # binds again without copying
-    assert buf._all_bound()
+    assert buf.all_bound()
 
 
 def test_gather_and_scatter_of_layer_ranges_are_inverse():
@@ -149,4 +149,4 @@ def test_frozen_parameters_get_no_gradient():
     buf.bind_grads()
     assert m[0].weight.grad is None and m[0].bias.grad is not None
     m(torch.randn(2, 3)).sum().backward()
-    assert buf._all_bound()
+    assert buf.all_bound()

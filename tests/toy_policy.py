@@ -4,7 +4,7 @@ on the ring (local SGD with periodic model averaging).
 Importing this module registers the policy; ``MPSYNC_PLUGINS=toy_policy`` makes every rank
 import it before its configuration is validated.  Nothing in mpsync names it.
 
-``train_ring`` is the rank program of tests/test_policies.py (run through the harness).
+``train_ring`` is the rank program of tests/testpolicies.py (run through the harness).
 """
 
 from __future__ import annotations

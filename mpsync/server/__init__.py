@@ -16,7 +16,7 @@ Worker side::
 
 ``control_comm`` is a ``Dup()`` of the job's communicator made by the caller on every rank, so
 no user message can ever match the server's receives.  The policies are ``Policy`` subclasses
-(``mpsync.server._policies``), looked up in the registry :mod:`mpsync.policies`; their
+(``mpsync.server.policies``), looked up in the registry :mod:`mpsync.policies`; their
 decisions are the kernels of ``mpsync.sched``.  A policy of your own subclasses ``Policy``
 (tables in ``WorkerTable``) and registers itself with ``mpsync.policies.register``.
 """
@@ -56,9 +56,9 @@ def __getattr__(name):
 
         return getattr(_colocated, name)
     if name in ("ServerView", "make_policy", "WorkerTable", "Policy", "WeightStore"):
-        from mpsync.server import _policies, _view, weights
+        from mpsync.server import _view, policies, weights
 
-        for module in (_policies, _view, weights):
+        for module in (policies, _view, weights):
             if hasattr(module, name):
                 return getattr(module, name)
     raise AttributeError(f"module 'mpsync.server' has no attribute {name!r}")

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpsync.server import _fastpath, _wire as W
+from mpsync.server import _fastpath, wire as W
 
 __all__ = ["SyncClient", "Decision", "ServerError", "DeadlineExceeded", "LOCAL", "SYNC"]
 

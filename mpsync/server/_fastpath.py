@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpsync.server import _wire as W, rules
+from mpsync.server import rules, wire as W
 
 __all__ = ["FastPath", "ClientPath", "query", "unavailable_reason"]
 

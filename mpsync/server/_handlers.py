@@ -13,7 +13,7 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from mpsync.server import _wire as W, rules
+from mpsync.server import rules, wire as W
 
 __all__ = ["MessageHandlers"]
 

@@ -39,9 +39,9 @@ from mpi4py import MPI
 
 from mpsync import policies
 from mpsync.config import ConfigError
-from mpsync.server import _fastpath, _wire as W, rules
+from mpsync.server import _fastpath, rules, wire as W
 from mpsync.server._handlers import MessageHandlers
-from mpsync.server._policies import make_policy
+from mpsync.server.policies import make_policy
 from mpsync.server._stats import EventLog, ServerCounters, rss_kb
 from mpsync.server._view import ServerView
 from mpsync.server.weights import WeightStore

@@ -54,7 +54,7 @@ class ServerView:
 
     @property
     def held(self) -> tuple:
-        from mpsync.server import _wire as W
+        from mpsync.server import wire as W
 
         return tuple((W.TAG_NAMES[tag], w, arg) for tag, _, w, _, arg in self._server.held)
 

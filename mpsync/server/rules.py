@@ -12,8 +12,8 @@ Every jitted rule has a plain-Python reference beside it (``*_reference``), writ
 reading, not speed; ``tests/test_server_rules.py`` runs both on seeded random tables and
 messages and compares every array afterwards (the way ``mpsync.sched`` tests its kernels).
 
-Message layouts are ``_wire``'s: the request slots ``SEQ, ITER, COMPUTE, ROUND, AGG, WAIT,
-COUNT, FLAG`` and the reply slots ``R_*``; nothing outside ``_wire`` and this module indexes a
+Message layouts are ``wire``'s: the request slots ``SEQ, ITER, COMPUTE, ROUND, AGG, WAIT,
+COUNT, FLAG`` and the reply slots ``R_*``; nothing outside ``wire`` and this module indexes a
 message by number.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 from mpsync.sched.esync import esync_query_state, esync_reset
-from mpsync.server import _wire as W
+from mpsync.server import wire as W
 
 __all__ = [
     "Tables", "Counters", "Events", "ESyncTables", "EBSPTables", "EVENT_KINDS",

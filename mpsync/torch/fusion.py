@@ -92,7 +92,7 @@ class FusionBuffer:
         return [flat[s.offset:s.offset + s.numel].view(s.param.shape) for s in self.slots]
 
     # -- packing ------------------------------------------------------------------------------
-    def _all_bound(self) -> bool:
+    def all_bound(self) -> bool:
         """Every gradient is its view of ``flat`` (the steady state after ``bind_grads``)."""
         for p, ptr in self._bound_ptrs:
             g = p.grad
@@ -106,7 +106,7 @@ class FusionBuffer:
         A gradient that already *is* its view of ``flat`` (see ``bind_grads``) is not copied."""
         out = self.flat if out is None else out
         bound = self.grads_bound and out is self.flat
-        if bound and self._all_bound():
+        if bound and self.all_bound():
             return out
         with torch.no_grad():
             for s, v in zip(self.slots, self.views(out)):
@@ -122,7 +122,7 @@ class FusionBuffer:
         becomes its view of ``flat`` instead of receiving a copy."""
         src = self.flat if src is None else src
         bind = self.grads_bound and src is self.flat
-        if bind and self._all_bound():
+        if bind and self.all_bound():
             return
         with torch.no_grad():
             for s, v in zip(self.slots, self.views(src)):

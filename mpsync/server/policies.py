@@ -19,7 +19,7 @@ import numpy as np
 
 from mpsync import sched
 from mpsync.server import rules
-from mpsync.server._wire import LOCAL, SYNC
+from mpsync.server.wire import LOCAL, SYNC
 
 __all__ = ["WorkerTable", "Policy", "make_policy"]
 
