@@ -158,7 +158,7 @@ def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_wai
         assert ideal - 1 <= med <= ideal, (w, per_round[w].tolist())
         assert per_round[w].max() <= ideal + 1, (w, per_round[w].tolist())
     fast_ratio = [float(np.median(per_round[w])) for w in (0, 1)]  # the slowest runs 1
-    assert all(3 <= r <= 5 for r in fast_ratio), fast_ratio      # "about 4x" (issue 4 item 8)
+    assert all(3 <= r <= 5 for r in fast_ratio), fast_ratio      # "about 4x"
     assert np.median(per_round[0]) > np.median(per_round[2])     # 1x runs more than 2x
     # ESync §4.1: once ready, the slowest waits at most the fastest's iteration time + ε.
     # Asserted on the 75th percentile with 5 ms of scheduling allowance (5 ranks on 2 shared
