@@ -239,5 +239,5 @@ register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
                        "iteration, with local-gradient correction",
     paper="OSP §3-4, Alg. 1, Eq. 6-7", server=_SERVER + "OSP",
-    strategies={"ring": _STRATEGY + "TwoStageSync"}, fast_path="tables",
+    strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
     options=("osp_ics_max_fraction",))

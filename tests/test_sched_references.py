@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mpsync.sched import _zipline_kernels as _k
+from mpsync.sched import _zipline_scans as _s
 from mpsync.sched import (
     dssp_fastest,
     dssp_is_fastest,
@@ -217,10 +218,10 @@ def test_locate_matches_lower_bound(seed):
     head = int(rng.integers(0, N))
     tail = int(rng.integers(head + 1, N + 1))
     for j in range(head, tail):  # every element of the slice: the case OptBS relies on
-        assert _k._locate(t, key, head, tail, t[j], key[j]) == j
+        assert _s._locate(t, key, head, tail, t[j], key[j]) == j
     for _ in range(5):  # absent keys: the kernel is still a lower bound on the slice
         qt, qk = float(rng.integers(-1, 6)), int(rng.integers(-1, 101))
-        assert _k._locate(t, key, head, tail, qt, qk) == ref.locate_reference(t, key, head, tail, qt, qk)
+        assert _s._locate(t, key, head, tail, qt, qk) == ref.locate_reference(t, key, head, tail, qt, qk)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -241,7 +242,7 @@ def test_z_at_matches_canonical_z(seed):
     probes = [float(rng.choice(M.ravel())), float(M.min()) - 1.0, float(M.max()) + 1.0]
     probes.append(float(rng.uniform(M.min(), M.max() + 1e-9)))
     for t_sync in probes:
-        np.testing.assert_array_equal(_k._z_at(M, t_sync), ref.canonical_z(M, t_sync))
+        np.testing.assert_array_equal(_s._z_at(M, t_sync), ref.canonical_z(M, t_sync))
 
 
 # --- ZipLineOpt and ZipLineOptBS: references and the Alg. 2 candidate sequence -----------------

@@ -294,7 +294,7 @@ def _osp_child(sizes, max_repeats, budget) -> None:
     from mpsync.torch._counters import LocalCounters
     from mpsync.torch.backends import EmulatedLink, MPIAggregator
     from mpsync.torch.fusion import group_by_dtype
-    from mpsync.torch.strategies import TwoStageSync
+    from mpsync.torch.two_stage import TwoStageSync
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

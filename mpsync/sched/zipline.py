@@ -16,7 +16,8 @@ Variants (``ZIPLINE_VARIANTS``):
                     paper, the fastest exact variant (``FASTEST_EXACT_VARIANT``).
 
 All variants but ``"gridscan"`` are exact and return the same result (same z, d and t_sync).
-The kernels live in :mod:`mpsync.sched._zipline_kernels`; plain-Python references, including
+The kernels live in :mod:`mpsync.sched._zipline_kernels` (Ω) and
+:mod:`mpsync.sched._zipline_scans` (the variants); plain-Python references, including
 the brute-force search over all R^n solutions (§5.1 "naive search"), in
 :mod:`mpsync.sched.zipline_reference`.
 
@@ -42,6 +43,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpsync.sched import _zipline_kernels as _k
+from mpsync.sched import _zipline_scans as _s
 from mpsync.zipline_variants import EXACT_VARIANTS, FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
@@ -56,14 +58,14 @@ __all__ = [
 
 # Variants that scan Ω (§5.2 Step 1) take it as arguments; the grid baselines read 𝓜 only.
 _OMEGA_KERNELS = {
-    "basic": _k._basic,
-    "opt": _k._opt,
-    "optbs": _k._optbs,
-    "window": _k._window,
+    "basic": _s._basic,
+    "opt": _s._opt,
+    "optbs": _s._optbs,
+    "window": _s._window,
 }
 _GRID_KERNELS = {
-    "gridscan": _k._gridscan,
-    "fullgridscan": _k._fullgridscan,
+    "gridscan": _s._gridscan,
+    "fullgridscan": _s._fullgridscan,
 }
 
 
