@@ -63,6 +63,11 @@ class Worker:
     def __init__(self, args, config: SyncConfig, resume: dict | None):
         self.args, self.config, self.resume = args, config, resume
         self.out = Path(args.out) if args.out else None
+        self.me = self.n = 0          # this worker's rank and the number of workers
+        # Built by start(): data set, shard, heterogeneity, model, the mpsync.torch module,
+        # optimizers, test tensors and loss.
+        self.ds = self.shard = self.hetero = self.model = self.mps = None
+        self.inner = self.opt = self.x_test = self.y_test = self.loss_fn = None
         self.epoch = self.index = self.samples = self.step_count = 0
         self.wall_offset, self.eval_s, self.round_offset = 0.0, 0.0, 0
         self.evals: list[dict] = []
