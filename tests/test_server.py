@@ -269,7 +269,7 @@ def test_ebsp_with_equal_speeds_degenerates_to_bsp(tmp_path):
     # the shift fits in the lookahead (after gamma / delta_gamma iterations). With 50 ms
     # iterations and R = 15 that needs a measured difference above 3.3 ms. On a machine loaded
     # by other jobs it still happens in a round now and then, so most rounds, not all, must be
-    # BSP-like here; test_serverpolicies.py checks the exact property on a noise-free clock.
+    # BSP-like here; test_server_policies.py checks the exact property on a noise-free clock.
     def clean_rounds(workers):
         # A round's plan is made from intervals measured in the round before: a round is clean
         # if no worker's iteration ran over its 50 ms by 3 ms or more in it or the one before.

@@ -195,7 +195,7 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         return
     client = SyncClient(control, cfg)
     paced = _paced(client, clients, pace_ms, paced_iters)
-    paced["fast_path"] = client._fast is not None   # off where this MPI cannot be bound
+    paced["fast_path"] = client.compiled   # off where this MPI cannot be bound
     gathered = {k: clients.gather(v, root=0) for k, v in (
         ("paced", paced["latency"]), ("paced_span", paced["span"]),
         ("lat", blocks["lat"]), ("spans", blocks["spans"]))}
