@@ -25,7 +25,7 @@ from mpsync.sched._numba import jit
 
 __all__ = ["run_ps"]
 
-_DONE, _REPLIED, _PUSHED, _PULL, _PULLED = 0, 1, 2, 3, 4
+_DONE, _REPLIED, _PUSHED, _PULL = 0, 1, 2, 3
 ASP, SSP, DSSP = 0, 1, 2
 
 
@@ -38,6 +38,22 @@ def _iteration_time(base, w, t, sched_t, sched_f, jitter):
     if jitter > 0.0:
         c *= np.exp(np.random.normal(-0.5 * jitter * jitter, jitter))
     return c
+
+
+@jit
+def _resume(w, t, link_free, link_s, half, start, phase, time_, heap, base, sched_t, sched_f,
+            jitter):
+    """The pull of ``w`` answered at ``t``: the weights take the link, come back, the reset is
+    sent and the next iteration starts (its end is the next event); returns the link's next
+    free time."""
+    link_free = max(t, link_free) + link_s
+    back = link_free + half
+    time_[w, 2] += back - start[w]
+    start[w] = back
+    phase[w] = 0
+    c = _iteration_time(base, w, back, sched_t, sched_f, jitter)
+    heapq.heappush(heap, (back + c, _DONE, w))
+    return link_free
 
 
 @jit
@@ -137,8 +153,8 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                         if kind == DSSP:
                             dssp_held[v] = False
                         stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                        link_free = max(t, link_free) + link_s
-                        heapq.heappush(heap, (link_free + half, _PULLED, v))
+                        link_free = _resume(v, t, link_free, link_s, half, start, phase, time_,
+                                            heap, base, sched_t, sched_f, jitter)
                     else:
                         held[keep] = v
                         keep += 1
@@ -156,20 +172,16 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                 if kind == DSSP:
                     dssp_held[w] = False
                 stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                link_free = max(t, link_free) + link_s
-                heapq.heappush(heap, (link_free + half, _PULLED, w))
+                link_free = _resume(w, t, link_free, link_s, half, start, phase, time_, heap,
+                                    base, sched_t, sched_f, jitter)
             else:
                 held[n_held] = w
                 n_held += 1
-        else:  # _PULLED: the weights are back, reset sent, next iteration starts
-            messages += 1
-            time_[w, 2] += t - start[w]
-            start[w] = t
-            phase[w] = 0
-            c = _iteration_time(base, w, t, sched_t, sched_f, jitter)
-            heapq.heappush(heap, (t + c, _DONE, w))
     for w in range(n):
-        time_[w, phase[w]] += max(0.0, t_end - start[w])
+        if start[w] > t_end:   # its weights were still on the way back
+            time_[w, 2] -= start[w] - t_end
+        else:
+            time_[w, phase[w]] += t_end - start[w]
     out[0] = t_end
     out[1] = messages
     out[2] = pushes.sum()
