@@ -61,47 +61,49 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
                 res = sched.zipline(sched.predict(last, np.maximum(interval, 1e-9),
                                                   config.lookahead), config.zipline_variant)
                 plan_j = res.z + 1
-        # per local iteration i: start S, compute c, report D (server sees D + half)
-        running = np.ones(n, dtype=bool)
+        # per local iteration i, over the workers still running: start S, compute c, report
+        # D (the server sees it at D + half); the time each spends is booked as it goes
+        idx = np.arange(n)
+        Si = S
         j = np.zeros(n, dtype=np.int64)
         D_sync = np.zeros(n)
         D_prev = np.full(n, np.nan)
-        reports = []                  # (D, c) of every report this round, for the stop check
-        comp = np.zeros(n)
-        if policy == "esync" and not first_round:
+        reports = []                  # report times of this round, for the stop check
+        esync = policy == "esync" and not first_round
+        if esync:
             s = int(np.argmax(cap))
             cap_s = cap[s]
             lf_s = T0 + half
         i = 0
-        while running.any():
+        while idx.size:
             i += 1
-            c = speeds.times(S)
-            D = S + c
-            idx = running
-            reports.append((D[idx], c[idx], idx.copy()))
-            comp[idx] += c[idx]
+            c = speeds.times(Si, idx)
+            D = Si + c
+            reports.append((D, c, idx))
             j[idx] += 1
             if policy in ("bsp", "osp") or (policy == "esync" and first_round):
-                sync = idx.copy()
+                sync = np.ones(idx.size, dtype=bool)
             elif policy == "ebsp":
-                sync = idx & (j >= plan_j)
+                sync = j[idx] >= plan_j[idx]
             else:  # esync, Alg. 2 per report
                 N = D + half
                 if i == 1:
                     N_s = N[s]                  # the slowest's first report: it is READY
-                sync = idx & ((N >= N_s) | (c + config.esync_slack > cap_s - N + lf_s) |
-                              (c > cap_s))
-                sync[s] = idx[s]
+                sync = (N >= N_s) | (c + config.esync_slack > cap_s - N + lf_s) | (c > cap_s)
+                if i == 1:
+                    sync[s] = True
             if policy == "esync":
-                cap[idx] = c[idx]
+                cap[idx] = c
             if policy == "ebsp":
-                # the interval this report closes: from the previous report, or from the reset
-                interval[idx] = np.where(np.isnan(D_prev[idx]), (D[idx] + half) - (T0 + half),
-                                         (D[idx] + half) - (D_prev[idx] + half))
-                D_prev[idx] = D[idx]
-            D_sync[sync] = D[sync]
-            running &= ~sync
-            S = np.where(running, (D + half) + half, S)
+                prev = D_prev[idx]
+                # the interval this report closes: from the previous report, or the reset
+                interval[idx] = np.where(np.isnan(prev), (D + half) - (T0 + half),
+                                         (D + half) - (prev + half))
+                D_prev[idx] = D
+            D_sync[idx[sync]] = D[sync]
+            keep = ~sync
+            idx = idx[keep]
+            Si = (D[keep] + half) + half
         E = (D_sync + half) + half
         start_agg = float(E.max())
         blocking = cost.ring(n, 1.0 - osp)
@@ -109,15 +111,16 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
                                                        _min_c(reports))) if osp else 0.0
         done = start_agg + blocking + hidden
         # stop inside this round?
-        all_D = np.concatenate([r[0] for r in reports])
+        count = int(j.sum())
         t_end = None
-        if target is not None and total + all_D.size >= target:
+        if target is not None and total + count >= target:
+            all_D = np.concatenate([r[0] for r in reports])
             t_end = float(np.partition(all_D, target - total - 1)[target - total - 1])
         if horizon < done and (t_end is None or horizon < t_end):
             t_end = horizon
         if t_end is None:
             _account(rec, reports, T0, E, done, q, np.inf, blocking + hidden)
-            total += all_D.size
+            total += count
             k_done += j
             rec.rounds += 1
             rec.collectives += 1
@@ -144,13 +147,20 @@ def _min_c(reports) -> float:
 def _account(rec, reports, T0, E, done, q, t_end, agg_cost) -> int:
     """Book one round's time per worker up to ``t_end``; returns the iterations counted."""
     counted = 0
-    for D, c, idx in reports:
-        S = D - c
-        rec.time[idx, 0] += np.clip(np.minimum(D, t_end) - S, 0, None)
-        rec.time[idx, 1] += np.clip(np.minimum(D + q, t_end) - D, 0, None)
-        done_here = D <= t_end
-        rec.iters[idx] += done_here
-        counted += int(done_here.sum())
+    if t_end == np.inf:
+        for D, c, idx in reports:
+            rec.time[idx, 0] += c
+            rec.time[idx, 1] += q
+            rec.iters[idx] += 1
+            counted += idx.size
+    else:
+        for D, c, idx in reports:
+            S = D - c
+            rec.time[idx, 0] += np.clip(np.minimum(D, t_end) - S, 0, None)
+            rec.time[idx, 1] += np.clip(np.minimum(D + q, t_end) - D, 0, None)
+            done_here = D <= t_end
+            rec.iters[idx] += done_here
+            counted += int(done_here.sum())
     rec.time[:, 2] += np.clip(np.minimum(done, t_end) - E, 0, None)
     if t_end >= done:
         rec.agg_cost_s += agg_cost * rec.n

@@ -9,6 +9,7 @@ SPEC strings (``parse_speeds``):
 
 ``lognormal:SIGMA``           base_w = iter_time * exp(N(0, SIGMA^2)), seeded
 ``groups:1x256,1.5x128,3x128``  factor x count: 256 workers at iter_time, 128 at 1.5x, 128 at 3x
+                               (another --workers keeps these proportions)
 ``trace:FILE``                 the per-worker iteration times measured by a real run: the
                                ``metrics.json`` of ``mpsync train`` (compute_s / iterations per
                                worker; the wall time, aggregation and query costs it measured are
@@ -63,11 +64,19 @@ class SpeedModel:
             f = np.where(t >= at, values, f)
         return f
 
-    def times(self, start) -> np.ndarray:
-        """One iteration of every worker, each starting at ``start[w]`` (float64[n])."""
-        c = self.base * self.factors_at(start) if self.schedule else self.base.copy()
+    def times(self, start, idx=None) -> np.ndarray:
+        """One iteration of every worker (or of workers ``idx``), each starting at ``start``
+        (float64 of the same length)."""
+        base = self.base if idx is None else self.base[idx]
+        if self.schedule:
+            f = np.ones(base.size)
+            for at, values in self.schedule:
+                f = np.where(start >= at, values if idx is None else values[idx], f)
+            c = base * f
+        else:
+            c = base.copy()
         if self.jitter > 0:
-            c *= self.rng.lognormal(-0.5 * self.jitter ** 2, self.jitter, self.n)
+            c *= self.rng.lognormal(-0.5 * self.jitter ** 2, self.jitter, base.size)
         return c
 
     def time_of(self, w: int, start: float) -> float:
@@ -129,7 +138,7 @@ def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: i
             raise ConfigError("--speeds lognormal needs --workers")
         base = iter_time * np.random.default_rng([seed, 1]).lognormal(0.0, sigma, workers)
     elif kind == "groups":
-        base = []
+        factors, counts = [], []
         for part in filter(None, (p.strip() for p in arg.split(","))):
             f, sep, count = part.partition("x")
             if not sep:
@@ -140,13 +149,19 @@ def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: i
                 raise ConfigError(f"--speeds groups: count {count!r} is not an integer") from None
             if c < 1:
                 raise ConfigError(f"--speeds groups: count must be >= 1, got {c}")
-            base += [iter_time * _positive(f, "factor")] * c
-        if not base:
+            factors.append(_positive(f, "factor"))
+            counts.append(c)
+        if not counts:
             raise ConfigError("--speeds groups: no groups given")
-        if workers is not None and workers != len(base):
-            raise ConfigError(f"--speeds groups: the groups add up to {len(base)} workers, "
-                              f"--workers says {workers}")
-        base = np.array(base)
+        if workers is not None and workers != sum(counts):
+            # a sweep over N keeps the groups' proportions
+            if workers < len(counts):
+                raise ConfigError(f"--speeds groups: {len(counts)} groups need at least as "
+                                  f"many workers, --workers says {workers}")
+            scaled = [max(1, round(c * workers / sum(counts))) for c in counts]
+            scaled[int(np.argmax(scaled))] += workers - sum(scaled)
+            counts = scaled
+        base = np.repeat(iter_time * np.array(factors), counts)
     elif kind == "trace":
         trace = read_trace(arg)
         base = np.array(trace["base"])
