@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop at this virtual time instead (s); default for trace: the run's")
     p.add_argument("--iter-time", type=float, default=0.1,
                    help="iteration time at factor 1 / the lognormal median (s)")
-    p.add_argument("--jitter", type=float, default=0.0,
-                   help="per-iteration lognormal sigma of every iteration time")
+    p.add_argument("--jitter", type=float, default=None,
+                   help="per-iteration lognormal sigma of every iteration time (default 0, or "
+                        "the spread a trace's server measured)")
     p.add_argument("--slowdown-schedule", default=None,
                    help="'T:f0,f1,...;T2:...' factors from virtual time T on (as mpsync train)")
     p.add_argument("--model-bytes", default="100M", help="bytes aggregated per round")

@@ -58,6 +58,8 @@ def run_events(config, speeds, cost, *, iterations=None, duration=None, batch_si
 
     def link(t):
         nonlocal link_free
+        if not cost.shared_link:
+            return t + cost.link()
         link_free = max(t, link_free) + cost.link()
         return link_free
 

@@ -41,24 +41,24 @@ def _iteration_time(base, w, t, sched_t, sched_f, jitter):
 
 
 @jit
-def _resume(w, t, link_free, link_s, half, start, phase, time_, heap, base, sched_t, sched_f,
-            jitter):
+def _resume(w, t, link_free, link_s, shared, half, start, phase, time_, heap, base, sched_t,
+            sched_f, jitter):
     """The pull of ``w`` answered at ``t``: the weights take the link, come back, the reset is
     sent and the next iteration starts (its end is the next event); returns the link's next
     free time."""
-    link_free = max(t, link_free) + link_s
-    back = link_free + half
+    end = max(t, link_free) + link_s if shared else t + link_s
+    back = end + half
     time_[w, 2] += back - start[w]
     start[w] = back
     phase[w] = 0
     c = _iteration_time(base, w, back, sched_t, sched_f, jitter)
     heapq.heappush(heap, (back + c, _DONE, w))
-    return link_free
+    return end if shared else link_free
 
 
 @jit
 def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, link_s,
-          total_target, duration, time_, iters, stale_hist, out):
+          shared, total_target, duration, time_, iters, stale_hist, out):
     """``out``: [t_end, messages, pushes]; ``time_[w]``: compute, wait, aggregate seconds."""
     np.random.seed(seed)
     n = base.shape[0]
@@ -104,8 +104,11 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
             if total_target > 0 and total >= total_target:
                 break
         elif ev == _REPLIED:
-            link_free = max(t, link_free) + link_s
-            heapq.heappush(heap, (link_free, _PUSHED, w))
+            if shared:
+                link_free = max(t, link_free) + link_s
+                heapq.heappush(heap, (link_free, _PUSHED, w))
+            else:
+                heapq.heappush(heap, (t + link_s, _PUSHED, w))
         elif ev == _PUSHED:
             time_[w, 1] += query
             time_[w, 2] += t - start[w] - query
@@ -153,7 +156,7 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                         if kind == DSSP:
                             dssp_held[v] = False
                         stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                        link_free = _resume(v, t, link_free, link_s, half, start, phase, time_,
+                        link_free = _resume(v, t, link_free, link_s, shared, half, start, phase, time_,
                                             heap, base, sched_t, sched_f, jitter)
                     else:
                         held[keep] = v
@@ -172,7 +175,7 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                 if kind == DSSP:
                     dssp_held[w] = False
                 stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                link_free = _resume(w, t, link_free, link_s, half, start, phase, time_, heap,
+                link_free = _resume(w, t, link_free, link_s, shared, half, start, phase, time_, heap,
                                     base, sched_t, sched_f, jitter)
             else:
                 held[n_held] = w
@@ -202,7 +205,7 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     stale = np.zeros(4096, dtype=np.int64)
     out = np.zeros(3)
     _loop(kind, s, config.staleness_low, config.staleness_high, speeds.base, sched_t, sched_f,
-          float(speeds.jitter), int(speeds.seed), cost.query, cost.link(),
+          float(speeds.jitter), int(speeds.seed), cost.query, cost.link(), cost.shared_link,
           0 if iterations is None else n * iterations, 0.0 if duration is None else duration,
           time_, iters, stale, out)
     rec.time[:] = time_

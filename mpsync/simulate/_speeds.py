@@ -101,6 +101,7 @@ def read_trace(path: str | Path) -> dict:
                           f"per-worker compute_s and iterations ({type(e).__name__}: {e})") \
             from None
     rounds = [max(w["rounds"], 1) for w in workers]
+    jitter = _jitter_from_events(m.get("server", {}).get("events") or [])
     iters = [max(w["iterations"], 1) for w in workers]
     cfg = m.get("config", {})
     return {
@@ -111,8 +112,27 @@ def read_trace(path: str | Path) -> dict:
         # The worker that waits least for its peers shows the aggregation's own cost.
         "aggregation_s": min(w["aggregation_s"] / r for w, r in zip(workers, rounds)),
         "query_s": float(np.median([w["wait_s"] / k for w, k in zip(workers, iters)])),
-        "iterations": iters, "workers": len(workers),
+        "iterations": iters, "workers": len(workers), "jitter": jitter,
     }
+
+
+def _jitter_from_events(events: list) -> float | None:
+    """The spread of iteration times a run's server saw: the standard deviation of the log of
+    the intervals between a worker's consecutive reports (a LOCAL answer in between, so the
+    interval is one iteration plus one query), the median over workers with at least 10 such
+    intervals; None when the run has none (policies that synchronize every iteration)."""
+    last: dict = {}
+    intervals: dict = {}
+    for t, w, kind, _ in events:
+        if kind == "report":
+            if last.get(w) is not None:
+                intervals.setdefault(w, []).append(t - last[w])
+            last[w] = t
+        else:
+            last[w] = None
+    sigmas = [float(np.std(np.log(v))) for v in intervals.values()
+              if len(v) >= 10 and min(v) > 0]
+    return float(np.median(sigmas)) if sigmas else None
 
 
 def _positive(text: str, what: str) -> float:
@@ -126,8 +146,9 @@ def _positive(text: str, what: str) -> float:
 
 
 def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: int = 0,
-                 jitter: float = 0.0, schedule: str | None = None) -> SpeedModel:
-    """A :class:`SpeedModel` from a SPEC string (module doc); ``workers`` None: from the SPEC."""
+                 jitter: float | None = None, schedule: str | None = None) -> SpeedModel:
+    """A :class:`SpeedModel` from a SPEC string (module doc); ``workers`` None: from the SPEC;
+    ``jitter`` None: the trace's measured spread for ``trace:``, else none."""
     kind, _, arg = spec.partition(":")
     trace = None
     if kind == "lognormal":
@@ -182,6 +203,8 @@ def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: i
         from mpsync.apps.heterogeneity import parse_schedule
 
         sched = parse_schedule(schedule, len(base))
+    if jitter is None:
+        jitter = (trace or {}).get("jitter") or 0.0
     if not jitter >= 0:
         raise ConfigError(f"--jitter must be >= 0, got {jitter}")
     return SpeedModel(base, jitter=jitter, schedule=sched, seed=seed, trace=trace, label=spec)
