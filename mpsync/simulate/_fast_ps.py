@@ -25,7 +25,9 @@ from mpsync.sched._numba import jit
 
 __all__ = ["run_ps"]
 
-_DONE, _REPLIED, _PUSHED, _PULL = 0, 1, 2, 3
+# ordered as the event engine orders simultaneous events (server messages first), ties
+# then in scheduling order (a sequence number), so both engines agree event for event
+_PUSHED, _PULL, _DONE, _REPLIED = 2, 3, 4, 5
 ASP, SSP, DSSP = 0, 1, 2
 
 
@@ -41,24 +43,26 @@ def _iteration_time(base, w, t, sched_t, sched_f, jitter):
 
 
 @jit
-def _resume(w, t, link_free, link_s, shared, half, start, phase, time_, heap, base, sched_t,
-            sched_f, jitter):
+def _resume(w, t, link_free, link_s, shared, half, start, phase, time_, rounds, heap, seq, base,
+            sched_t, sched_f, jitter):
     """The pull of ``w`` answered at ``t``: the weights take the link, come back, the reset is
     sent and the next iteration starts (its end is the next event); returns the link's next
     free time."""
     end = max(t, link_free) + link_s if shared else t + link_s
     back = end + half
+    rounds[w] += 1
     time_[w, 2] += back - start[w]
     start[w] = back
     phase[w] = 0
     c = _iteration_time(base, w, back, sched_t, sched_f, jitter)
-    heapq.heappush(heap, (back + c, _DONE, w))
+    seq[0] += 1
+    heapq.heappush(heap, (back + c, _DONE, seq[0], w))
     return end if shared else link_free
 
 
 @jit
 def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, link_s,
-          shared, total_target, duration, time_, iters, stale_hist, out):
+          shared, total_target, duration, time_, iters, rounds, stale_hist, out):
     """``out``: [t_end, messages, pushes]; ``time_[w]``: compute, wait, aggregate seconds."""
     np.random.seed(seed)
     n = base.shape[0]
@@ -80,14 +84,16 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
     link_free = 0.0
     messages = 0
     total = 0
-    heap = [(0.0, 0, 0)]
+    heap = [(0.0, 0, 0, 0)]
     heap.pop()
+    seq = np.zeros(1, dtype=np.int64)
     for w in range(n):
         c = _iteration_time(base, w, 0.0, sched_t, sched_f, jitter)
-        heapq.heappush(heap, (c, _DONE, w))
+        seq[0] += 1
+        heapq.heappush(heap, (c, _DONE, seq[0], w))
     t_end = 0.0
     while len(heap) > 0:
-        t, ev, w = heapq.heappop(heap)
+        t, ev, _, w = heapq.heappop(heap)
         if duration > 0.0 and t > duration:
             t_end = duration
             break
@@ -100,15 +106,17 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
             phase[w] = 1
             messages += 1
             # step query (always SYNC); the push takes the server's link when the reply is in
-            heapq.heappush(heap, ((t + half) + half, _REPLIED, w))  # as the event engine adds
+            seq[0] += 1  # (t + half) + half: the sum the event engine computes
+            heapq.heappush(heap, ((t + half) + half, _REPLIED, seq[0], w))
             if total_target > 0 and total >= total_target:
                 break
         elif ev == _REPLIED:
+            end = t + link_s
             if shared:
                 link_free = max(t, link_free) + link_s
-                heapq.heappush(heap, (link_free, _PUSHED, w))
-            else:
-                heapq.heappush(heap, (t + link_s, _PUSHED, w))
+                end = link_free
+            seq[0] += 1
+            heapq.heappush(heap, (end, _PUSHED, seq[0], w))
         elif ev == _PUSHED:
             time_[w, 1] += query
             time_[w, 2] += t - start[w] - query
@@ -144,7 +152,8 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                     ok, r_new = sched.dssp_on_push(pushes, r_extra[w], table, w, s_low, r_max)
                     r_extra[w] = r_new
                     dssp_held[w] = not ok
-            heapq.heappush(heap, (t + query, _PULL, w))
+            seq[0] += 1
+            heapq.heappush(heap, (t + query, _PULL, seq[0], w))
             if raised and n_held > 0:
                 # the slowest moved on: held pulls may go now (the loop retries after a message)
                 keep = 0
@@ -156,8 +165,9 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                         if kind == DSSP:
                             dssp_held[v] = False
                         stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                        link_free = _resume(v, t, link_free, link_s, shared, half, start, phase, time_,
-                                            heap, base, sched_t, sched_f, jitter)
+                        link_free = _resume(v, t, link_free, link_s, shared, half, start,
+                                            phase, time_, rounds, heap, seq, base, sched_t,
+                                            sched_f, jitter)
                     else:
                         held[keep] = v
                         keep += 1
@@ -175,14 +185,15 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                 if kind == DSSP:
                     dssp_held[w] = False
                 stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                link_free = _resume(w, t, link_free, link_s, shared, half, start, phase, time_, heap,
-                                    base, sched_t, sched_f, jitter)
+                link_free = _resume(w, t, link_free, link_s, shared, half, start, phase,
+                                    time_, rounds, heap, seq, base, sched_t, sched_f, jitter)
             else:
                 held[n_held] = w
                 n_held += 1
     for w in range(n):
         if start[w] > t_end:   # its weights were still on the way back
             time_[w, 2] -= start[w] - t_end
+            rounds[w] -= 1
         else:
             time_[w, phase[w]] += t_end - start[w]
     out[0] = t_end
@@ -202,16 +213,17 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     n = speeds.n
     time_ = np.zeros((n, 3))
     iters = np.zeros(n, dtype=np.int64)
+    rounds = np.zeros(n, dtype=np.int64)
     stale = np.zeros(4096, dtype=np.int64)
     out = np.zeros(3)
     _loop(kind, s, config.staleness_low, config.staleness_high, speeds.base, sched_t, sched_f,
           float(speeds.jitter), int(speeds.seed), cost.query, cost.link(), cost.shared_link,
           0 if iterations is None else n * iterations, 0.0 if duration is None else duration,
-          time_, iters, stale, out)
+          time_, iters, rounds, stale, out)
     rec.time[:] = time_
     rec.iters[:] = iters
     rec.total_iterations = int(iters.sum())
-    rec.rounds[:] = iters  # one push per iteration
+    rec.rounds[:] = rounds
     rec.add_local_steps(np.ones(1, dtype=np.int64) * 1)
     rec.local_hist[1] = rec.total_iterations
     rec.add_staleness(stale)
