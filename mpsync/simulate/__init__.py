@@ -70,9 +70,10 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
         raise ValueError("give exactly one of iterations or duration")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    fast_ok = config.policy in FAST_POLICIES[config.topology]
+    fast_ok = config.policy in FAST_POLICIES[config.topology] and speeds.pause is None
     if engine == "fast" and not fast_ok:
-        raise ValueError(f"no fast engine for {config.policy} on {config.topology}; "
+        raise ValueError(f"no fast engine for {config.policy} on {config.topology}"
+                         f"{' with pauses' if speeds.pause is not None else ''}; "
                          f"use engine='exact'")
     use_fast = fast_ok and engine != "exact"
     t0 = time.perf_counter()

@@ -50,10 +50,16 @@ def run_events(config, speeds, cost, *, iterations=None, duration=None, batch_si
     total_target = None if iterations is None else n * iterations
     osp_ics = config.osp_ics_max_fraction if config.policy == "osp" else 0.0
 
+    pause = speeds.pause
+
     def start_iteration(w, t):
         c = speeds.time_of(w, t)
         last_c[w] = c
-        rec.phase(w, "compute", t)
+        if pause is not None and pause[w] > 0:
+            rec.pause(w, t, pause[w])
+            t += pause[w]
+        else:
+            rec.phase(w, "compute", t)
         push_event(t + c, _DONE, w)
 
     def link(t):

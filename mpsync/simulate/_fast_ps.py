@@ -220,7 +220,7 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
           float(speeds.jitter), int(speeds.seed), cost.query, cost.link(), cost.shared_link,
           0 if iterations is None else n * iterations, 0.0 if duration is None else duration,
           time_, iters, rounds, stale, out)
-    rec.time[:] = time_
+    rec.time[:, :3] = time_
     rec.iters[:] = iters
     rec.total_iterations = int(iters.sum())
     rec.rounds[:] = rounds

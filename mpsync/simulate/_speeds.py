@@ -38,6 +38,7 @@ class SpeedModel:
     seed: int = 0
     trace: dict | None = None             # the run a trace: SPEC came from
     label: str = ""
+    pause: np.ndarray | None = None       # seconds per iteration outside the phases (replay)
 
     def __post_init__(self):
         self.base = np.asarray(self.base, dtype=np.float64)
@@ -48,6 +49,10 @@ class SpeedModel:
             if f.shape != self.base.shape:
                 raise ConfigError(f"slowdown schedule at {t:g}s has {f.size} factors for "
                                   f"{self.base.size} workers")
+        if self.pause is not None:
+            self.pause = np.asarray(self.pause, dtype=np.float64)
+            if self.pause.shape != self.base.shape or np.any(self.pause < 0):
+                raise ConfigError("pause: one value >= 0 per worker")
         self.rng = np.random.default_rng([self.seed, 7])
 
     @property
@@ -104,6 +109,12 @@ def read_trace(path: str | Path) -> dict:
     jitter = _jitter_from_events(m.get("server", {}).get("events") or [])
     iters = [max(w["iterations"], 1) for w in workers]
     cfg = m.get("config", {})
+    # Each worker's counters book compute, server waits and aggregation; what they miss
+    # (worker 0's evaluations, which wall_s also leaves out, the loop's own work) shows as a
+    # worker booking less time than the others.  The span the run trained for is the most any
+    # worker booked; the rest of each worker's span is a pause per iteration in a replay.
+    busy = [w["compute_s"] + w["wait_s"] + w["aggregation_s"] for w in workers]
+    span = max(busy)
     return {
         "path": str(path), "base": base, "policy": cfg.get("policy"),
         "topology": cfg.get("topology"), "wall_s": m.get("wall_s"),
@@ -113,6 +124,8 @@ def read_trace(path: str | Path) -> dict:
         "aggregation_s": min(w["aggregation_s"] / r for w, r in zip(workers, rounds)),
         "query_s": float(np.median([w["wait_s"] / k for w, k in zip(workers, iters)])),
         "iterations": iters, "workers": len(workers), "jitter": jitter,
+        "span_s": span, "pause": [max(0.0, span - b) / k for b, k in zip(busy, iters)],
+        "samples": sum(w.get("samples", 0) for w in workers),
     }
 
 

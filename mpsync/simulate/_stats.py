@@ -6,7 +6,7 @@ import numpy as np
 
 __all__ = ["Recorder", "distribution"]
 
-_PHASES = {"compute": 0, "wait": 1, "aggregate": 2}
+_PHASES = {"compute": 0, "wait": 1, "aggregate": 2, "other": 3}
 
 
 def _grow(hist: np.ndarray, top: int) -> np.ndarray:
@@ -35,14 +35,16 @@ def distribution(hist: np.ndarray) -> dict | None:
 
 
 class Recorder:
-    """Per-worker time in compute / waiting for the server / aggregating, on the virtual clock;
-    a worker is in exactly one phase at a time, so the three add up to the simulated time."""
+    """Per-worker time in compute / waiting for the server / aggregating / other (a replayed
+    run's time its counters did not book, ``SpeedModel.pause``), on the virtual clock; a worker
+    is in exactly one phase at a time, so the four add up to the simulated time.  The
+    fractions are over the first three, as ``mpsync train`` computes them."""
 
     def __init__(self, n: int, *, ps: bool, batch_size: int):
         self.n = n
         self.ps = ps
         self.batch_size = batch_size
-        self.time = np.zeros((n, 3))
+        self.time = np.zeros((n, 4))
         self.phase_of = np.zeros(n, dtype=np.int64)
         self.phase_since = np.zeros(n)
         self.iters = np.zeros(n, dtype=np.int64)
@@ -65,6 +67,11 @@ class Recorder:
         self.time[w, p] += t - self.phase_since[w]
         self.phase_of[w] = _PHASES[name]
         self.phase_since[w] = t
+
+    def pause(self, w: int, t: float, seconds: float) -> None:
+        """``w`` is busy with unbooked work from ``t`` for ``seconds``, then computes."""
+        self.phase(w, "other", t)
+        self.phase(w, "compute", t + seconds)
 
     def iteration(self, w: int, compute: float) -> None:
         self.iters[w] += 1
@@ -114,13 +121,17 @@ class Recorder:
     def finish(self, t_end: float) -> None:
         """Close every worker's open phase at the end of the simulated time."""
         for w in range(self.n):
-            self.time[w, self.phase_of[w]] += max(0.0, t_end - self.phase_since[w])
+            overrun = self.phase_since[w] - t_end
+            if overrun > 0:   # ended inside a pause booked ahead
+                self.time[w, 3] -= overrun
+            else:
+                self.time[w, self.phase_of[w]] -= overrun
             self.phase_since[w] = t_end
         self.sim_time = t_end
 
     # -- the result ---------------------------------------------------------------------------
     def row(self) -> dict:
-        t = self.time
+        t = self.time[:, :3]
         busy = float(t.sum())
         T = self.sim_time
         total = int(self.iters.sum())
