@@ -43,7 +43,6 @@ def test_bsp_wait_fraction_is_the_analytic_value(engine):
 @pytest.mark.parametrize("engine", ["exact", "fast"])
 def test_asp_never_waits_and_each_worker_runs_at_its_own_speed(engine):
     c = np.array([0.05, 0.1, 0.2, 0.4])
-    row, rec = None, None
     cost = CostModel(query=0.0, fixed_aggregation=0.0)
     row = simulate(_config("asp"), SpeedModel(c), cost, duration=10.01, engine=engine)
     assert row["wait_fraction"] == 0.0

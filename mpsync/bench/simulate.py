@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", default="bench/compare",
                    help="directory of a compare run (one sub-directory per policy)")
     p.add_argument("--run", action="store_true",
-                   help="first run mpsync compare (4 workers, slowdown 1,1,2,4) into OUT/compare-runs")
+                   help="first run mpsync compare (4 workers, slowdown 1,1,2,4) into "
+                        "OUT/compare-runs")
     p.add_argument("--policies", default=_POLICIES)
     p.add_argument("--budget", type=float, default=25.0, help="per policy, with --run (s)")
     p.add_argument("--np", type=int, default=4)

@@ -11,8 +11,6 @@ what changes.
 
 from __future__ import annotations
 
-import numpy as np
-
 from mpsync.server._policies import make_policy
 
 __all__ = ["PolicyDriver"]

@@ -71,7 +71,6 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
     table = np.zeros((n, 2), dtype=np.float64)
     r_extra = np.zeros(n, dtype=np.int64)
     dssp_held = np.zeros(n, dtype=np.bool_)
-    waiting = np.zeros(n, dtype=np.bool_)     # pull held
     start = np.zeros(n)                       # when the current phase began
     phase = np.zeros(n, dtype=np.int64)
     cap = 1024

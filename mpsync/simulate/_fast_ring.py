@@ -37,6 +37,7 @@ __all__ = ["run_ring"]
 
 
 def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
+    """Fill the recorder ``rec`` with a simulated run of bsp / osp / esync / ebsp on the ring."""
     n = speeds.n
     q = cost.query
     half = q / 2
@@ -49,7 +50,6 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
     cap = np.zeros(n)                 # ESync capability table (last compute per worker)
     interval = np.full(n, np.nan)     # ElasticBSP: the interval each worker's last report closed
     first_round = True
-    k_done = np.zeros(n, dtype=np.int64)
     while True:
         S = np.full(n, T0)
         plan_j = None
@@ -121,7 +121,6 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
         if t_end is None:
             _account(rec, reports, T0, E, done, q, np.inf, blocking + hidden)
             total += count
-            k_done += j
             rec.rounds += 1
             rec.collectives += 1
             rec.add_local_steps(j)
