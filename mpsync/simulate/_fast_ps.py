@@ -8,8 +8,9 @@ costs well under a microsecond.
 Decisions: the staleness rule of SSP / BSP-on-PS (``ssp_may_continue``: pushes[w] - min <= s)
 is evaluated with the minimum kept incrementally (a histogram of push counts), which is the
 kernel's own comparison without its O(n) scan.  DSSP: lines 3-9 of Alg. 1 (an extra iteration
-left, or within s_L) are that same O(1) test; every other push calls the real kernel
-``sched.dssp_on_push`` on the full table (controller grants, line 17 holds), with the
+left, or within s_L) are that same O(1) test, and line 11 (is p a fastest worker?) compares
+with the maximum, also kept incrementally; a push of a fastest worker beyond s_L calls the
+real kernel ``sched.dssp_on_push`` on the full table (the controller, Alg. 2), with the
 allowance r_max computed as ``server._policies.DSSP.on_push`` computes it.  Tests run both
 engines on the same seeded cases and require identical iteration counts.
 """
@@ -146,6 +147,8 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                     dssp_held[w] = False
                 elif gap <= s_low:
                     dssp_held[w] = False
+                elif pushes[w] < hi:
+                    dssp_held[w] = True     # not the fastest: line 11 fails, line 17 holds
                 else:
                     r_max = max(0, min(s_high - s_low, s_high - gap + 1))
                     ok, r_new = sched.dssp_on_push(pushes, r_extra[w], table, w, s_low, r_max)

@@ -13,7 +13,8 @@ How many iterations each worker runs in a round is the policy's answer:
   R))``, on the table the server holds at the last reset of the round before (last event =
   the reset, interval = the one each worker's last report closed), i.e. what
   ``ElasticBSP._try_plan`` computes; the monitoring phase (two reports from everyone first)
-  is replayed the same way.
+  is replayed the same way (with jitter it draws its own iteration times, a first round that
+  differs in its draws from the event engine's).
 * esync: Alg. 2's test (``sched.esync_ready``), evaluated for all workers at once per local
   iteration: READY at the first report where the slowest device (largest capability, lowest
   index) has reported, or p cannot finish another iteration before it does
