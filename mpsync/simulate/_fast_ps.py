@@ -33,6 +33,13 @@ ASP, SSP, DSSP = 0, 1, 2
 
 
 @jit
+def _key(ev, seq, w):
+    """Heap order after the time: event kind, then scheduling order; the worker rides in the
+    low 20 bits (up to 1,048,576 workers, 2**38 events)."""
+    return (np.int64(ev) << 58) | (np.int64(seq) << 20) | np.int64(w)
+
+
+@jit
 def _iteration_time(base, w, t, sched_t, sched_f, jitter):
     c = base[w]
     for i in range(sched_t.shape[0]):
@@ -57,7 +64,7 @@ def _resume(w, t, link_free, link_s, shared, half, start, phase, time_, rounds, 
     phase[w] = 0
     c = _iteration_time(base, w, back, sched_t, sched_f, jitter)
     seq[0] += 1
-    heapq.heappush(heap, (back + c, _DONE, seq[0], w))
+    heapq.heappush(heap, (back + c, _key(_DONE, seq[0], w)))
     return end if shared else link_free
 
 
@@ -84,16 +91,18 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
     link_free = 0.0
     messages = 0
     total = 0
-    heap = [(0.0, 0, 0, 0)]
+    heap = [(0.0, np.int64(0))]
     heap.pop()
     seq = np.zeros(1, dtype=np.int64)
     for w in range(n):
         c = _iteration_time(base, w, 0.0, sched_t, sched_f, jitter)
         seq[0] += 1
-        heapq.heappush(heap, (c, _DONE, seq[0], w))
+        heapq.heappush(heap, (c, _key(_DONE, seq[0], w)))
     t_end = 0.0
     while len(heap) > 0:
-        t, ev, _, w = heapq.heappop(heap)
+        t, key = heapq.heappop(heap)
+        ev = key >> 58
+        w = key & 0xFFFFF
         if duration > 0.0 and t > duration:
             t_end = duration
             break
@@ -107,7 +116,7 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
             messages += 1
             # step query (always SYNC); the push takes the server's link when the reply is in
             seq[0] += 1  # (t + half) + half: the sum the event engine computes
-            heapq.heappush(heap, ((t + half) + half, _REPLIED, seq[0], w))
+            heapq.heappush(heap, ((t + half) + half, _key(_REPLIED, seq[0], w)))
             if total_target > 0 and total >= total_target:
                 break
         elif ev == _REPLIED:
@@ -116,7 +125,7 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                 link_free = max(t, link_free) + link_s
                 end = link_free
             seq[0] += 1
-            heapq.heappush(heap, (end, _PUSHED, seq[0], w))
+            heapq.heappush(heap, (end, _key(_PUSHED, seq[0], w)))
         elif ev == _PUSHED:
             time_[w, 1] += query
             time_[w, 2] += t - start[w] - query
@@ -155,7 +164,7 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
                     r_extra[w] = r_new
                     dssp_held[w] = not ok
             seq[0] += 1
-            heapq.heappush(heap, (t + query, _PULL, seq[0], w))
+            heapq.heappush(heap, (t + query, _key(_PULL, seq[0], w)))
             if raised and n_held > 0:
                 # the slowest moved on: held pulls may go now (the loop retries after a message)
                 keep = 0
@@ -206,6 +215,8 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
 def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     """Fill the recorder ``rec`` with a simulated run of asp / ssp / dssp / bsp on PS."""
     kind = {"asp": ASP, "ssp": SSP, "bsp": SSP, "dssp": DSSP}[config.policy]
+    if speeds.n > 1 << 20:
+        raise ValueError(f"the PS engine handles up to {1 << 20} workers, got {speeds.n}")
     s = 0 if config.policy == "bsp" else config.staleness
     if speeds.schedule:
         sched_t = np.array([t for t, _ in speeds.schedule])
