@@ -108,8 +108,8 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
         E = (D_sync + half) + half
         start_agg = float(E.max())
         blocking = cost.ring(n, 1.0 - osp)
-        hidden = max(0.0, cost.ring(n, osp) - float(cap.min() if policy == "esync" else
-                                                       _min_c(reports))) if osp else 0.0
+        # OSP's In-Computation Sync overlaps the next iteration (as in the event engine)
+        hidden = max(0.0, cost.ring(n, osp) - _min_c(reports)) if osp else 0.0
         done = start_agg + blocking + hidden
         # stop inside this round?
         count = int(j.sum())
