@@ -171,6 +171,10 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
     plt = _pyplot()
     flat = [_flat(r) for r in rows]
+    policies = list(dict.fromkeys(r["policy"] for r in flat))
+    specs = list(dict.fromkeys(r["speeds"] for r in flat))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
     paths = []
     for metric in PLOTTED:
         series: dict = {}
@@ -181,10 +185,13 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        # colour = policy, line style = speed distribution
         for (policy, spec), pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{policy} ({spec})" if len({k[1] for k in series}) > 1 else policy)
+                    color=colors[policies.index(policy) % len(colors)],
+                    ls=styles[specs.index(spec) % len(styles)],
+                    label=f"{policy} ({spec})" if len(specs) > 1 else policy)
         ax.set_xscale("log", base=2)
         if metric in ("samples_per_s", "decisions_per_s"):
             ax.set_yscale("log")
