@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="run every policy R times, interleaved; medians with min-max")
+    p.add_argument("--seeds", default=None,
+                   help="comma list, one seed per repeat (default: --seed, --seed+1, ...)")
 
 
 def train_argv(args, policy: str, out: Path) -> list[str]:
@@ -119,9 +123,14 @@ def _validate(args) -> list[str]:
 def main(args) -> int:
     try:
         policies = _validate(args)
+        if args.repeats is not None or args.seeds:
+            from mpsync.apps import repeats
+            seeds = repeats.seeds_of(args)
     except ConfigError as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
+    if args.repeats is not None or args.seeds:
+        return repeats.main(args, policies, seeds)
     from mpsync.launch import run_with_deadline
 
     out = Path(args.out)
