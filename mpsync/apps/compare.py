@@ -169,7 +169,7 @@ def main(args) -> int:
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
               "setup": _setup_line(args, runs)}
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
-    from mpsync.apps.report import format_table, plot_accuracy
+    from mpsync.apps.report import format_table
 
     table = format_table(rows)
     (out / "table.md").write_text(f"{result['setup']}\n\n{table}\n")

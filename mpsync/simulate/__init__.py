@@ -22,7 +22,7 @@ fraction is (wait + aggregate) / total, as ``mpsync train`` reports it.
 Engines (the design)
 --------------------
 * ``exact`` (``_events``): a heap of events, one at a time; every decision is made by the
-  server's own policy object (``server._policies``: ``make_policy``, ``on_step``,
+  server's own policy object (``server.policies``: ``make_policy``, ``on_step``,
   ``decide_held``, ``on_reset``, ``on_push``, ``may_pull``), called through one adapter
   (``_adapter.PolicyDriver``) with the serve loop's bookkeeping around it.  A few µs per
   event: the reference, and the engine for trace replays and small clusters.

@@ -1,7 +1,7 @@
 """The one place the simulator calls into the state server's policy objects.
 
 Every call the event engine makes on a policy goes through :class:`PolicyDriver`, in the order
-and with the bookkeeping the serve loop (``mpsync.server._loop.StateServer``) does around them:
+and with the bookkeeping the serve loop (``mpsync.server.StateServer``) does around them:
 a step report is recorded in the worker table before ``on_step``; a held reply is decided
 again with ``decide_held`` after every message and, when released, the worker's last event is
 moved to the release time; pushes go to ``on_push`` and pulls ask ``may_pull``; an aggregation's
@@ -11,7 +11,7 @@ what changes.
 
 from __future__ import annotations
 
-from mpsync.server._policies import make_policy
+from mpsync.server.policies import make_policy
 
 __all__ = ["PolicyDriver"]
 

@@ -13,7 +13,7 @@ import heapq
 
 import numpy as np
 
-from mpsync.server._wire import SYNC
+from mpsync.server.wire import SYNC
 from mpsync.simulate._adapter import PolicyDriver
 from mpsync.simulate._stats import Recorder
 

@@ -11,7 +11,7 @@ kernel's own comparison without its O(n) scan.  DSSP: lines 3-9 of Alg. 1 (an ex
 left, or within s_L) are that same O(1) test, and line 11 (is p a fastest worker?) compares
 with the maximum, also kept incrementally; a push of a fastest worker beyond s_L calls the
 real kernel ``sched.dssp_on_push`` on the full table (the controller, Alg. 2), with the
-allowance r_max computed as ``server._policies.DSSP.on_push`` computes it.  Tests run both
+allowance r_max computed as ``server.policies.DSSP.on_push`` computes it.  Tests run both
 engines on the same seeded cases and require identical iteration counts.
 """
 
