@@ -1,6 +1,6 @@
 """Numba kernels of the ZipLine variants that scan Ω or the grid (ZipLine paper §5.1-5.3);
 Ω itself, the input checks and the conventions every kernel follows (ordering, tie rule,
-canonical ``z``) are in :mod:`mpsync.sched._zipline_kernels`.  References in
+canonical ``z``) are in :mod:`mpsync.sched.zipline_omega`.  References in
 :mod:`mpsync.sched.zipline_reference`.
 """
 
@@ -10,8 +10,11 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
+__all__ = ["z_at", "locate", "scan_basic", "scan_opt", "scan_optbs", "scan_window",
+           "scan_grid", "scan_fullgrid"]
+
 @jit
-def _z_at(M, t_sync):
+def z_at(M, t_sync):
     """Canonical z: for each row the last index whose timestamp is <= t_sync (binary search)."""
     n, R = M.shape
     z = np.empty(n, dtype=np.int64)
@@ -29,7 +32,7 @@ def _z_at(M, t_sync):
 
 
 @jit
-def _basic(M, ts, ws, want_candidates):
+def scan_basic(M, ts, ws, want_candidates):
     """ZipLine, Alg. 2 (§5.2): O(Rn^2).
 
     Z is an unordered array of n (timestamp, worker) slots: finding the slot of the incoming
@@ -87,11 +90,11 @@ def _basic(M, ts, ws, want_candidates):
         if d < best_d:
             best_d = d
             best_t = t
-    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+    return z_at(M, best_t), best_d, best_t, cand[:nc]
 
 
 @jit
-def _opt(M, ts, ws, want_candidates):
+def scan_opt(M, ts, ws, want_candidates):
     """ZipLineOpt (§5.3.1): Z kept in arrival order, hence sorted; Thm. 3 pruning.
 
     Case (i), the oldest element of Z is the incoming worker's: drop it from the front and
@@ -146,11 +149,11 @@ def _opt(M, ts, ws, want_candidates):
             elif want_candidates:
                 cand[nc] = t - zt[head]
                 nc += 1
-    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+    return z_at(M, best_t), best_d, best_t, cand[:nc]
 
 
 @jit
-def _locate(zt, zk, head, tail, t, key):
+def locate(zt, zk, head, tail, t, key):
     """Position of (t, key) in the sorted slice [head, tail) of (zt, zk), which holds it.
 
     Branch-free lower bound: the trip count depends only on the length, and the comparison
@@ -175,7 +178,7 @@ def _locate(zt, zk, head, tail, t, key):
 # state (Z, its front, the finger, the best candidate); split up, that state would pass through
 # every call.  The docstring walks through the steps.
 @jit
-def _optbs(M, ts, ws, want_candidates):
+def scan_optbs(M, ts, ws, want_candidates):
     """ZipLineOptBS (§5.3.2): ZipLineOpt that locates the old element by binary search.
 
     The incoming element e_i^p tells, through the auxiliary matrix 𝓜, the timestamp of the
@@ -248,7 +251,7 @@ def _optbs(M, ts, ws, want_candidates):
             j = finger[w]
             # Slots below tail hold distinct entries, so a matching key is the element itself.
             if not (j < tail and zk[j] == old):
-                j = np.uint32(_locate(zt, zk, head, tail, prev_t[w], old))
+                j = np.uint32(locate(zt, zk, head, tail, prev_t[w], old))
             evaluate = size == n and j == head  # case (i): the oldest element is replaced
             alive[j] = False
             if j == head:
@@ -291,11 +294,11 @@ def _optbs(M, ts, ws, want_candidates):
             elif want_candidates:
                 cand[nc] = t - zt[head]
                 nc += 1
-    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+    return z_at(M, best_t), best_d, best_t, cand[:nc]
 
 
 @jit
-def _window(M, ts, ws, want_candidates):
+def scan_window(M, ts, ws, want_candidates):
     """Two-pointer window over Ω: O(Rn) scan (mpsync's own variant). Ω comes from
     :func:`omega`: a k-way merge of the sorted rows, O(Rn log n), or, for large matrices, a
     vectorized sort of integer keys, O(Rn log Rn) but faster where numpy's sort is vectorized.
@@ -312,7 +315,7 @@ def _window(M, ts, ws, want_candidates):
     nc = 0
     count = np.zeros(n, dtype=np.int32)
     covered = 0
-    # Unsigned indices: no negative-index wraparound code on the accesses (see _optbs).
+    # Unsigned indices: no negative-index wraparound code on the accesses (see scan_optbs).
     one = np.uint32(1)
     left = np.uint32(0)
     best_d = np.inf
@@ -336,7 +339,7 @@ def _window(M, ts, ws, want_candidates):
             if d < best_d:
                 best_d = d
                 best_t = t
-    return _z_at(M, best_t), best_d, best_t, cand[:nc]
+    return z_at(M, best_t), best_d, best_t, cand[:nc]
 
 
 @jit
@@ -368,7 +371,7 @@ def _grid_candidate(M, q, i):
 
 
 @jit
-def _gridscan(M, want_candidates):
+def scan_grid(M, want_candidates):
     """GridScan, Alg. 1 (§5.1), a heuristic: O(R^2 n).
 
     The designated row is the one with the earliest first timestamp (line 4; ties: lowest id).
@@ -402,7 +405,7 @@ def _gridscan(M, want_candidates):
 
 
 @jit
-def _fullgridscan(M, want_candidates):
+def scan_fullgrid(M, want_candidates):
     """FullGridScan (§5.1): GridScan with every row designated in turn (line 4 skipped),
     Rn candidates, O(R^2 n^2). Exact: the optimum's earliest element is designated once, and
     the earliest element not before it in every other row is no later than the optimum's."""
@@ -418,4 +421,4 @@ def _fullgridscan(M, want_candidates):
             if d < best_d or (d == best_d and t < best_t):
                 best_d = d
                 best_t = t
-    return _z_at(M, best_t), best_d, best_t, cand
+    return z_at(M, best_t), best_d, best_t, cand

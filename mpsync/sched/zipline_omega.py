@@ -1,6 +1,6 @@
 """Numba kernels behind :func:`mpsync.sched.zipline` (ZipLine paper §5; references in
 :mod:`mpsync.sched.zipline_reference`): the input check and Ω; the variants' scans over Ω and
-the grid are in :mod:`mpsync.sched._zipline_scans`.
+the grid are in :mod:`mpsync.sched.zipline_scans`.
 
 Conventions shared by every kernel:
 
@@ -8,8 +8,8 @@ Conventions shared by every kernel:
   :func:`_check` before any kernel runs).
 * Ω, the merged timeline of §5.2 Step 1, is ordered by (timestamp, worker id, iteration index):
   §5.2 sorts equal timestamps by worker id, and within a row equal timestamps keep their index
-  order. :func:`omega` builds it, by merging the rows (:func:`_merge`, small matrices) or by
-  sorting one unique integer key per element (:func:`_omega_keys`, :func:`_omega_unpack`);
+  order. :func:`omega` builds it, by merging the rows (:func:`merge_pushes`, small matrices) or by
+  sorting one unique integer key per element (:func:`omega_keys`, :func:`omega_unpack`);
   both give the same arrays bit for bit. The variants that scan Ω take it as ``ts, ws``.
 * Every kernel returns ``(z, d, t_sync, candidates)``. ``d`` is always computed as
   ``max(Z) - min(Z)`` of actual timestamps, so two variants that find the same pair of end
@@ -17,7 +17,7 @@ Conventions shared by every kernel:
 * Tie rule (§4.2, Thm. 1 and Corollary 1): minimum d, then the earliest t_sync. Scanning Ω from
   the left and keeping a candidate only when it is strictly better implements it.
 * ``z`` of an exact variant is canonical: for each worker the last predicted push not after
-  t_sync, ``z[p] = max{i : M[p, i] <= t_sync}`` (:func:`_z_at`). Among solutions with the same
+  t_sync, ``z[p] = max{i : M[p, i] <= t_sync}`` (:func:`z_at`). Among solutions with the same
   d and t_sync this is the one in which every worker waits least. Alg. 2 taken literally may
   return an earlier element for a worker whose push at exactly t_sync comes later in the
   equal-timestamp order; finishing that tie group is what makes z independent of the scan.
@@ -31,6 +31,9 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
+__all__ = ["OK", "NOT_FINITE", "NOT_SORTED", "OMEGA_SORT_MIN", "check_prediction",
+           "merge_pushes", "omega_keys", "omega_unpack", "omega"]
+
 # Status codes of _check; zipline() turns them into ValueError messages.
 OK = 0
 NOT_FINITE = 1
@@ -38,7 +41,7 @@ NOT_SORTED = 2
 
 
 @jit
-def _check(M):
+def check_prediction(M):
     """(status, row): the first row that is non-finite or decreasing, else (OK, -1)."""
     n, R = M.shape
     # Valid input is the common case: one pass without early exits, which compiles to vector
@@ -69,7 +72,7 @@ def _check(M):
 # One kernel of this length on purpose: the passes share the run cursors and the two
 # buffers they merge between; the docstring explains each part.
 @jit
-def _merge(M):
+def merge_pushes(M):
     """Ω as two arrays (timestamps, worker ids): a k-way merge of the n sorted rows.
 
     The k = n runs are merged pairwise, bottom-up, in ceil(log2 n) passes of Rn element moves
@@ -156,7 +159,7 @@ def _merge(M):
     return src_t, src_w
 
 
-# Below this many elements Ω is built by _merge: for small matrices the fixed costs of the sort
+# Below this many elements Ω is built by merge_pushes: for small matrices the fixed costs of the sort
 # path (three calls, numpy's sort dispatch, the workspace lookup) exceed the whole merge.
 # Measured on §6.1 data: 60 elements 1.9 µs merged, 2.9 µs sorted; 300 elements 4.5 vs 4.1 µs.
 OMEGA_SORT_MIN = 256
@@ -177,7 +180,7 @@ def _float_key(b):
 
 
 @jit
-def _omega_keys(M, keys):
+def omega_keys(M, keys):
     """Fill ``keys`` with one unique uint64 sort key per element of M (§5.2 Step 1); return
     ``(ibits, exact)``.
 
@@ -186,7 +189,7 @@ def _omega_keys(M, keys):
     ``ibits`` bits, so equal timestamps sort by worker, then column: Ω's order. When the
     timestamp span and the index together need more than 64 bits, the lowest bits of the
     timestamp are dropped and ``exact`` is False; timestamps that then share a key prefix sort
-    by index and :func:`_omega_unpack` puts them back in time order. (§6.1 data at n = 1000,
+    by index and :func:`omega_unpack` puts them back in time order. (§6.1 data at n = 1000,
     R = 150: the timestamps span 55 key bits, the index 18, so 9 bits are dropped.)
     """
     n, R = M.shape
@@ -218,8 +221,8 @@ def _omega_keys(M, keys):
 
 
 @jit
-def _omega_unpack(M, keys, ibits, ts, ws):
-    """Ω from the sorted keys of :func:`_omega_keys`: ``ts[k]``, ``ws[k]`` are the timestamp
+def omega_unpack(M, keys, ibits, ts, ws):
+    """Ω from the sorted keys of :func:`omega_keys`: ``ts[k]``, ``ws[k]`` are the timestamp
     (bit for bit, -0.0 included) and worker of the k-th element. Returns False, leaving the
     arrays unspecified, if restoring time order among truncated keys would take more than
     4·Rn element moves (the caller then merges instead).
@@ -286,18 +289,18 @@ def omega(M, sort_min=None):
     column). Plain Python around the kernels, because the sort is numpy's.
 
     Small matrices (fewer than ``sort_min`` elements, default :data:`OMEGA_SORT_MIN`) are
-    merged (:func:`_merge`). Larger ones are sorted as unique integer keys
-    (:func:`_omega_keys`) with ``ndarray.sort``, which uses the CPU's vector sort where numpy
-    has one (AVX-512 here), then unpacked (:func:`_omega_unpack`). Both give the same arrays bit
+    merged (:func:`merge_pushes`). Larger ones are sorted as unique integer keys
+    (:func:`omega_keys`) with ``ndarray.sort``, which uses the CPU's vector sort where numpy
+    has one (AVX-512 here), then unpacked (:func:`omega_unpack`). Both give the same arrays bit
     for bit. The sort path returns views of this thread's workspace, valid until its next call.
     """
     n, R = M.shape
     N = n * R
     if N < (OMEGA_SORT_MIN if sort_min is None else sort_min):
-        return _merge(M)
+        return merge_pushes(M)
     keys, ts, ws = _buffers(N)
-    ibits, _ = _omega_keys(M, keys)
+    ibits, _ = omega_keys(M, keys)
     keys.sort()
-    if _omega_unpack(M, keys, ibits, ts, ws):
+    if omega_unpack(M, keys, ibits, ts, ws):
         return ts, ws
-    return _merge(M)
+    return merge_pushes(M)
