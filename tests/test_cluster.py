@@ -137,32 +137,58 @@ def test_mpirun_options_keep_open_mpi_on_the_cluster_subnet():
     assert "--allow-run-as-root" not in P.mpirun_options(s, hostfile="/h", standalone=False)
 
 
-def test_agent_maps_each_node_to_its_namespace_and_hostname():
+def test_agent_script_carries_the_node_table_and_the_agent_code():
     s = P.plan("c", 2, "10.213.0.0/24")
-    text = P.agent_script(s)
-    assert "10.213.0.12|node2|c-node2) ns=c-node2; node=node2 ;;" in text
-    assert "nsenter --net=/run/netns/$ns unshare --uts" in text
+    text = P.agent_script(s, python="/opt/py")
+    assert text.startswith("#!/opt/py -I\n")
+    ns = {}
+    exec(compile(text.split("\n", 1)[1].replace('if __name__ == "__main__"', "if False"),
+                 "agent", "exec"), ns)
+    node2 = {"name": "node2", "namespace": "c-node2", "address": "10.213.0.12"}
+    assert ns["NODES"]["10.213.0.12"] == ns["NODES"]["node2"] == node2
 
 
-def test_agent_skips_ssh_options_and_refuses_unknown_hosts(tmp_path):
-    # Run the agent's argument handling with nsenter replaced by a recorder on PATH.
+def test_agent_reads_ssh_command_lines_like_ssh():
+    from mpsync.cluster import agent
+
+    assert agent.split_ssh_args(["-o", "StrictHostKeyChecking=no", "-p", "22", "-x", "-T",
+                                 "10.213.0.12", "cd", "/tmp", "&&", "true"]) == \
+        ("10.213.0.12", ["cd", "/tmp", "&&", "true"])
+    assert agent.split_ssh_args(["-oBatchMode=yes", "node1"]) == ("node1", [])
+    assert agent.split_ssh_args(["-p", "22"]) == (None, [])
+    node = {"name": "node2", "namespace": "c-node2", "address": "10.213.0.12"}
+    assert agent.remote_argv(node, ["PATH=/x:$PATH", ";", "orted", "-mca", "a", "b"]) == [
+        "nsenter", "--net=/run/netns/c-node2", "unshare", "--uts", "sh", "-c",
+        "hostname node2 && PATH=/x:$PATH ; orted -mca a b"]
+
+
+def test_agent_refuses_an_unknown_host(tmp_path):
     s = P.plan("c", 2, "10.213.0.0/24")
-    agent = tmp_path / "agent"
-    agent.write_text(P.agent_script(s))
-    agent.chmod(0o755)
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nsenter").write_text('#!/bin/sh\necho "$@"\n')
-    (fake / "nsenter").chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
-    out = subprocess.run([str(agent), "-o", "StrictHostKeyChecking=no", "-p", "22", "-x",
-                          "10.213.0.12", "cd", "/tmp", "&&", "true"], env=env,
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("--net=/run/netns/c-node2 unshare --uts sh -c hostname node2 "
-                                  "&& cd /tmp && true")
-    bad = subprocess.run([str(agent), "node7", "true"], env=env, capture_output=True, text=True)
-    assert bad.returncode == 255 and "no node node7" in bad.stderr
+    path = tmp_path / "agent"
+    path.write_text(P.agent_script(s, python=sys.executable))
+    path.chmod(0o755)
+    bad = subprocess.run([str(path), "node7", "true"], capture_output=True, text=True)
+    assert bad.returncode == 255 and "no node node7 (nodes: node1 node2)" in bad.stderr
+
+
+def test_agent_ends_the_whole_remote_tree():
+    from mpsync.cluster import agent
+
+    # A shell with a grandchild that ignores SIGTERM: both must be gone afterwards.
+    child = subprocess.Popen(["sh", "-c", "sh -c 'trap \"\" TERM; sleep 60' & wait"],
+                             start_new_session=True)
+    import time
+
+    deadline = time.monotonic() + 5
+    while not agent.descendants(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tree = agent.descendants(child.pid)
+    assert tree
+    agent.end_session(child, grace=1.0)
+    assert child.poll() is not None
+    for pid in tree:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
 
 
 def test_a_second_up_with_other_settings_is_described():
