@@ -75,19 +75,25 @@ def _step(model, opt, seed: int) -> None:
 
 
 def train() -> None:
-    """``steps`` iterations with unequal speeds (worker k sleeps (k+1) x ``iter_time``); after
+    """Unequal speeds (worker k sleeps (k+1) x ``iter_time`` per iteration).  Ring: until
+    ``rounds`` aggregation rounds (workers may only stop together, at a round boundary, as
+    ESync lets the fast ones take local steps); PS: ``steps`` iterations each.  After
     ``mps.shutdown`` every worker must hold the same model."""
     a = _args()
     model, opt = _start(a, deadline=60)
     me = mps.rank()
-    steps, base = int(a.get("steps", 30)), float(a.get("iter_time", 0.01))
-    for step in range(steps):
+    rounds, steps = int(a.get("rounds", 10)), int(a.get("steps", 20))
+    base = float(a.get("iter_time", 0.01))
+    step = 0
+    while (opt.strategy.round < rounds if a.get("topology", "ring") == "ring"
+           else step < steps):
         time.sleep(base * (me + 1))
         _step(model, opt, 1000 * me + step)
+        step += 1
     local = mps.stats()["local"]
     mps.shutdown()
     _result(rank=me, host=socket.gethostname(), iterations=local["iterations"],
-            digest=_digest(model))
+            rounds=local["rounds"], digest=_digest(model))
 
 
 def cut_link() -> None:

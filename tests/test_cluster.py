@@ -8,12 +8,15 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mpi_harness import run_mpi
 from mpsync import cluster
 from mpsync.cluster import layout as P
 
@@ -205,3 +208,166 @@ def test_cli_rejects_a_bad_rate_with_exit_2(capsys):
 
     assert main(["cluster", "up", "--nodes", "2", "--bandwidth", "fast"]) == 2
     assert "bandwidth 'fast'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- real namespaces (root)
+
+AVAILABLE, WHY = cluster.available()
+needs_namespaces = pytest.mark.skipif(not AVAILABLE,
+                                      reason=f"network namespaces unavailable: {WHY}")
+PROGRAMS = str(Path(__file__).resolve().parent / "cluster_programs.py")
+FAULT_LIMIT = 30.0  # seconds from a cut link to the end of the job
+
+
+def _name(tag: str) -> str:
+    """A cluster name of this test process (several suites may run at once on one host)."""
+    return f"{tag}{os.getpid() % 100000}"
+
+
+def cli(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    res = subprocess.run([sys.executable, "-m", "mpsync.cli", "cluster", "--name", name, *args],
+                         capture_output=True, text=True, env=env, timeout=120)
+    if check and res.returncode != 0:
+        raise AssertionError(f"mpsync cluster {' '.join(args)}: exit {res.returncode}\n"
+                             f"{res.stdout}\n{res.stderr}")
+    return res
+
+
+def leftovers(name: str) -> list[str]:
+    """Every kernel object or process of cluster ``name`` still on this host."""
+    found = [f"netns {ns}" for ns in
+             subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+             .stdout.split() if ns.startswith(f"{name}-")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    found += [f"link {ln.split(':')[1].strip()}" for ln in links.splitlines()
+              if f" {name}-" in ln]
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    found += [f"qdisc {ln}" for ln in qdiscs.splitlines() if f"{name}-" in ln]
+    if Path(cluster.RUN_ROOT, name).exists():
+        found.append(f"state {cluster.RUN_ROOT / name}")
+    return found
+
+
+class Cluster:
+    """``mpsync cluster up`` on entry; ``down`` on exit, even when the test failed, then a check
+    that nothing of it is left."""
+
+    def __init__(self, tag: str, *up_args: str):
+        self.name, self.up_args = _name(tag), up_args
+
+    def __enter__(self):
+        cli(self.name, "down", check=False)  # a previous run killed before its cleanup
+        cli(self.name, "up", *self.up_args)
+        return self
+
+    def __exit__(self, *exc):
+        res = cli(self.name, "down", check=False)
+        left = leftovers(self.name)
+        if exc[0] is None:
+            assert res.returncode == 0, res.stderr
+            assert not left, left
+
+    def mpirun_args(self, *args: str) -> list[str]:
+        return shlex.split(cli(self.name, "mpirun-args", *args).stdout)
+
+    def status(self) -> dict:
+        return json.loads(cli(self.name, "status", "--json").stdout)
+
+
+def hosts_of(run) -> dict[int, str]:
+    out = {}
+    for r in run.ranks:
+        for m in re.finditer(r"^HOST (\d+) (\S+)$", run.rank_out(r), flags=re.M):
+            out[int(m.group(1))] = m.group(2)
+    return out
+
+
+def results_of(run) -> dict[int, dict]:
+    res = {}
+    for r in run.ranks:
+        for line in run.rank_out(r).splitlines():
+            if line.startswith("RESULT "):
+                res[r] = json.loads(line[7:])
+    return res
+
+
+@pytest.fixture(scope="module")
+def four_nodes():
+    if not AVAILABLE:
+        pytest.skip(f"network namespaces unavailable: {WHY}")
+    with Cluster("acc", "--nodes", "4", "--bandwidth", "1gbit") as c:
+        yield c
+
+
+@needs_namespaces
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy,topology", [("esync", "ring"), ("bsp", "ring"), ("ssp", "ps")])
+def test_a_horovod_style_script_trains_across_four_nodes(four_nodes, policy, topology):
+    # Exactly the line a user pastes: mpirun $(mpsync cluster mpirun-args) -np 5 python x.py
+    run = run_mpi(PROGRAMS, np=5, args=["train", f"policy={policy}", f"topology={topology}"],
+                  timeout=150, mpirun_extra=four_nodes.mpirun_args())
+    hosts = hosts_of(run)
+    assert sorted(hosts) == [0, 1, 2, 3, 4], run.report()
+    assert len(set(hosts.values())) >= 2, hosts
+    assert set(hosts.values()) <= {"node1", "node2", "node3", "node4"}, hosts
+    res = results_of(run)
+    assert sorted(res) == [1, 2, 3, 4], run.report()
+    if topology == "ring":
+        assert all(r["rounds"] == 10 for r in res.values()), res
+        if policy == "esync":  # the fast workers took local steps between rounds
+            assert res[1]["iterations"] > res[4]["iterations"] >= 10, res
+    else:
+        assert all(r["iterations"] == 20 for r in res.values()), res
+    assert len({r["digest"] for r in res.values()}) == 1, res  # identical parameters
+
+
+@needs_namespaces
+def test_status_link_faults_and_down_leave_nothing_behind():
+    with Cluster("st", "--nodes", "2", "--bandwidth", "1gbit", "--slots", "3") as c:
+        st = c.status()
+        assert [n["name"] for n in st["nodes"]] == ["node1", "node2"]
+        for n in st["nodes"]:
+            assert n["present"] and n["slots"] == 3
+            for end in ("switch_port", "eth0"):
+                assert n["link"][end]["tbf_rate_bps"] == 10**9, n
+            assert n["link"]["eth0"]["state"] == "UP"
+        # Same settings: nothing to do; other settings: refused, saying what differs.
+        assert cli(c.name, "up", "--nodes", "2", "--bandwidth", "1gbit", "--slots", "3")\
+            .returncode == 0
+        other = cli(c.name, "up", "--nodes", "3", check=False)
+        assert other.returncode == 1
+        assert "nodes: 2 running, 3 asked" in other.stderr
+        assert "bandwidth: 1gbit running, unlimited asked" in other.stderr
+        cli(c.name, "link", "node2", "--down")
+        n2 = c.status()["nodes"][1]
+        assert n2["cut"] and not n2["link"]["switch_port"]["admin_up"]
+        assert n2["link"]["eth0"]["state"] in ("DOWN", "LOWERLAYERDOWN")  # carrier lost
+        cli(c.name, "link", "node2", "--up")
+        cli(c.name, "link", "node2", "--bandwidth", "100mbit")
+        n2 = c.status()["nodes"][1]
+        assert not n2["cut"] and n2["link"]["switch_port"]["admin_up"]
+        assert n2["link"]["eth0"]["tbf_rate_bps"] == 10**8
+        assert n2["link"]["switch_port"]["tbf_rate_bps"] == 10**8
+        cli(c.name, "link", "node2", "--unlimited")
+        assert c.status()["nodes"][1]["link"]["eth0"]["tbf_rate_bps"] is None
+        # A process left running on a node goes when the cluster goes down.
+        sleeper = subprocess.Popen(["ip", "netns", "exec", f"{c.name}-node1", "sleep", "300"])
+    assert sleeper.wait(timeout=10) != 0
+    assert leftovers(c.name) == []
+    assert cli(c.name, "status", check=False).returncode == 1
+
+
+def test_without_root_the_command_says_why_and_exits_3():
+    if os.geteuid() != 0:
+        res = cli("nr", "up", "--nodes", "2", check=False)
+    else:  # drop root for this one command, as a user without sudo would run it
+        env = dict(os.environ, PYTHONPATH=str(REPO), HOME="/tmp")
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              sys.executable, "-m", "mpsync.cli", "cluster", "--name", "nr",
+                              "up", "--nodes", "2"], capture_output=True, text=True, env=env,
+                             cwd="/tmp", timeout=60)
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "network namespaces unavailable" in lines[0], res.stderr
