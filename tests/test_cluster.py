@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -371,3 +372,40 @@ def test_without_root_the_command_says_why_and_exits_3():
     assert res.returncode == 3, (res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "network namespaces unavailable" in lines[0], res.stderr
+
+
+def _all_output(run) -> str:
+    return run.stderr + run.stdout + "".join(
+        o.get("stderr", "") + o.get("stdout", "") for o in run.ranks.values())
+
+
+@needs_namespaces
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy,topology", [("bsp", "ring"), ("ssp", "ps")])
+def test_a_cut_link_ends_the_job_within_30s_naming_the_ranks_on_that_node(policy, topology):
+    # Rank 0 (the server) alone on node1, workers round-robin over node2..node4: node3 holds
+    # world rank 2 only.  Worker 0 (node2) cuts node3's cable after 5 steps.  Nothing is set
+    # but the defaults: what ends the job is the server's silence detection (10 s) and the
+    # launcher losing the node (the agent's 15 s), not a test timeout.
+    with Cluster("cut", "--nodes", "4", "--bandwidth", "1gbit") as c:
+        mpirun_extra = [a for a in c.mpirun_args("--np", "5")
+                        if a not in ("--allow-run-as-root", "--oversubscribe")]
+        start = time.time()
+        run = run_mpi(PROGRAMS, np=5, args=["cut_link", f"cluster={c.name}", "victim=node3",
+                                            f"policy={policy}", f"topology={topology}"],
+                      timeout=150, check=False, mpirun_extra=mpirun_extra)
+        end = start + run.elapsed
+    assert hosts_of(run).get(2) == "node3", run.report()
+    faults = [float(m) for r in run.ranks
+              for m in re.findall(r"^FAULT (\S+)$", run.rank_out(r), flags=re.M)]
+    assert len(faults) == 1, run.report()
+    assert not run.timed_out and run.returncode not in (0, None), run.report()
+    to_end = end - faults[0]
+    print(f"\n{policy}/{topology}: job ended {to_end:.1f} s after the cut "
+          f"(exit {run.returncode})")
+    assert to_end < FAULT_LIMIT, run.report()
+    text = _all_output(run)
+    named = re.search(r"worker rank\(s\) \[([\d, ]+)\] silent", text)
+    assert named, run.report()
+    print(named.group(0))
+    assert 2 in [int(x) for x in named.group(1).split(",")], named.group(0)
