@@ -117,29 +117,29 @@ def cut_link() -> None:
 
 
 def slow_link() -> None:
-    """Train ``steps`` iterations; at ``slow_at`` worker ``cutter`` lowers node ``victim``'s
-    link to ``rate``.  Every worker records the wall time of each iteration (the job must end
-    normally); the server's view comes from ``mps.stats()``."""
+    """Ring training until ``rounds`` rounds; when worker ``cutter`` starts round ``slow_at``
+    it lowers node ``victim``'s link to ``rate``.  The job must end normally; worker 0 prints
+    the server's statistics (its event log holds every report and reset on the server clock)."""
     a = _args()
     model, opt = _start(a, deadline=60)
     me = mps.rank()
-    steps, slow_at = int(a.get("steps", 40)), int(a.get("slow_at", 20))
+    rounds, slow_at = int(a.get("rounds", 16)), int(a.get("slow_at", 8))
     base = float(a.get("iter_time", 0.02))
-    times = []
-    for step in range(steps):
-        if step == slow_at and me == int(a.get("cutter", 0)):
+    step, slowed = 0, False
+    while opt.strategy.round < rounds:
+        if not slowed and opt.strategy.round >= slow_at and me == int(a.get("cutter", 0)):
             subprocess.run([sys.executable, "-m", "mpsync.cli", "cluster", "--name",
                             a["cluster"], "link", a["victim"], "--bandwidth", a["rate"]],
                            check=True, stdout=subprocess.DEVNULL)
-            print(f"SLOWED {time.time():.6f}", flush=True)
-        t0 = time.monotonic()
-        time.sleep(base)
+            slowed = True
+            print(f"SLOWED {opt.strategy.round}", flush=True)
+        time.sleep(base * (me + 1))
         _step(model, opt, 1000 * me + step)
-        times.append(time.monotonic() - t0)
-    stats = mps.stats()
+        step += 1
+    done, stats = opt.strategy.round, mps.stats()
     mps.shutdown()
-    _result(rank=me, host=socket.gethostname(), times=times, server=stats.get("server"),
-            digest=_digest(model))
+    _result(rank=me, host=socket.gethostname(), rounds=done,
+            server=stats["server"] if me == 0 else None, digest=_digest(model))
 
 
 if __name__ == "__main__":

@@ -409,3 +409,47 @@ def test_a_cut_link_ends_the_job_within_30s_naming_the_ranks_on_that_node(policy
     assert named, run.report()
     print(named.group(0))
     assert 2 in [int(x) for x in named.group(1).split(",")], named.group(0)
+
+
+def _aggregation_times(events, rank: int) -> dict[int, float]:
+    """Round k's aggregation for ``rank`` as the server saw it: from the SYNC it sent to the
+    reset the worker sent after the collective (the server's own timestamps)."""
+    out, told = {}, None
+    for t, r, kind, value in events:
+        if r != rank:
+            continue
+        if kind == "sync":
+            told = t
+        elif kind == "reset" and told is not None:
+            out[value] = t - told
+            told = None
+    return out
+
+
+@needs_namespaces
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy", ["esync", "ebsp"])
+def test_a_link_slowed_mid_run_hangs_nothing_and_the_server_sees_longer_aggregations(policy):
+    # 10gbit -> 100mbit on node3 (world rank 2) at round 8 of 16; the model is 1.3 MB, so each
+    # ring aggregation crossing that link takes >= 2 x 1.3 MB x 3/4 / 12.5 MB/s = 0.16 s more.
+    with Cluster("slow", "--nodes", "4", "--bandwidth", "10gbit") as c:
+        mpirun_extra = [a for a in c.mpirun_args("--np", "5")
+                        if a not in ("--allow-run-as-root", "--oversubscribe")]
+        run = run_mpi(PROGRAMS, np=5, args=["slow_link", f"cluster={c.name}", "victim=node3",
+                                            "rate=100mbit", f"policy={policy}", "width=16000",
+                                            "rounds=16", "slow_at=8"],
+                      timeout=180, mpirun_extra=mpirun_extra)
+    assert hosts_of(run).get(2) == "node3", run.report()
+    res = results_of(run)
+    assert sorted(res) == [1, 2, 3, 4] and all(r["rounds"] == 16 for r in res.values()), res
+    assert len({r["digest"] for r in res.values()}) == 1, res
+    slowed = [int(m) for r in run.ranks
+              for m in re.findall(r"^SLOWED (\d+)$", run.rank_out(r), flags=re.M)]
+    assert len(slowed) == 1, run.report()
+    times = _aggregation_times(res[1]["server"]["events"], rank=2)
+    before = sorted(t for k, t in times.items() if 2 <= k <= slowed[0])
+    after = sorted(t for k, t in times.items() if k >= slowed[0] + 2)
+    med_before, med_after = before[len(before) // 2], after[len(after) // 2]
+    print(f"\n{policy}: server's view of world rank 2's aggregations (node3): median "
+          f"{med_before * 1e3:.0f} ms at 10gbit, {med_after * 1e3:.0f} ms at 100mbit")
+    assert med_after > med_before + 0.1, (before, after)
