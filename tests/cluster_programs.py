@@ -142,5 +142,16 @@ def slow_link() -> None:
             server=stats["server"] if me == 0 else None, digest=_digest(model))
 
 
+def horovod_sum() -> None:
+    """Plain Horovod (no mpsync) under horovodrun: a sum over every rank, with each rank's
+    hostname."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+    print(f"HVD rank={hvd.rank()} size={hvd.size()} host={socket.gethostname()} "
+          f"sum={total.item():g}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -160,6 +160,9 @@ def test_agent_reads_ssh_command_lines_like_ssh():
         ("10.213.0.12", ["cd", "/tmp", "&&", "true"])
     assert agent.split_ssh_args(["-oBatchMode=yes", "node1"]) == ("node1", [])
     assert agent.split_ssh_args(["-p", "22"]) == (None, [])
+    # horovodrun's form: options after the host too.
+    assert agent.split_ssh_args(["-o", "PasswordAuthentication=no", "10.213.0.11", "-p", "22",
+                                 "-o", "ConnectTimeout=10", "true"]) == ("10.213.0.11", ["true"])
     node = {"name": "node2", "namespace": "c-node2", "address": "10.213.0.12"}
     assert agent.remote_argv(node, ["PATH=/x:$PATH", ";", "orted", "-mca", "a", "b"]) == [
         "nsenter", "--net=/run/netns/c-node2", "unshare", "--uts", "sh", "-c",
@@ -453,3 +456,28 @@ def test_a_link_slowed_mid_run_hangs_nothing_and_the_server_sees_longer_aggregat
     print(f"\n{policy}: server's view of world rank 2's aggregations (node3): median "
           f"{med_before * 1e3:.0f} ms at 10gbit, {med_after * 1e3:.0f} ms at 100mbit")
     assert med_after > med_before + 0.1, (before, after)
+
+
+@needs_namespaces
+@pytest.mark.mpi
+def test_horovodrun_runs_across_the_nodes_with_the_ssh_stand_in(four_nodes):
+    # The README's lines: eval "$(mpsync cluster env)"; horovodrun --mpi -np 4
+    #   -H "$(mpsync cluster hosts)" --network-interfaces eth0 python x.py
+    from mpsync.launch import run_with_deadline
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(REPO), str(REPO / "tests"))),
+               OMP_NUM_THREADS="1")
+    for line in cli(four_nodes.name, "env").stdout.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = shlex.split(value)[0]
+    hosts = cli(four_nodes.name, "hosts").stdout.strip()
+    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
+    res = run_with_deadline([horovodrun, "--mpi", "-np", "4", "-H", hosts,
+                             "--network-interfaces", "eth0", sys.executable, PROGRAMS,
+                             "horovod_sum"], 150, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    found = re.findall(r"HVD rank=(\d) size=4 host=(\S+) sum=(\S+)", out)
+    assert sorted(int(r) for r, _, _ in found) == [0, 1, 2, 3], out[-4000:]
+    assert {s for _, _, s in found} == {"10"}, found
+    assert len({h for _, h, _ in found}) >= 2, found

@@ -39,14 +39,19 @@ SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")
 
 
 def split_ssh_args(argv):
-    """(host, remote command words) from an ssh command line; ssh's options are skipped."""
-    i = 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
-        opt = argv[i]
-        i += 2 if len(opt) == 2 and opt[1] in SSH_OPTIONS_WITH_VALUE else 1
-    if i >= len(argv):
-        return None, []
-    return argv[i], argv[i + 1:]
+    """(host, remote command words) from an ssh command line.  As OpenSSH does, options are
+    read before and after the host, up to the first word of the command (horovodrun puts
+    ``-p``/``-o ConnectTimeout=...`` after the host)."""
+    host, i = None, 0
+    while i < len(argv):
+        word = argv[i]
+        if word.startswith("-") and word != "-":
+            i += 2 if len(word) == 2 and word[1] in SSH_OPTIONS_WITH_VALUE else 1
+        elif host is None:
+            host, i = word, i + 1
+        else:
+            break
+    return host, argv[i:]
 
 
 def remote_argv(node, command):
