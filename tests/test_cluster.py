@@ -214,6 +214,35 @@ def test_cli_rejects_a_bad_rate_with_exit_2(capsys):
     assert "bandwidth 'fast'" in capsys.readouterr().err
 
 
+def test_train_flags_round_trip_for_the_relaunch_under_mpirun():
+    import argparse
+
+    from mpsync.apps import train
+    from mpsync.cluster.launching import argv_from_namespace
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    argv = ["--policy", "esync", "--time-budget", "20", "--no-progress", "--cluster", "abc",
+            "--np", "3", "--slowdown", "1,2,1", "--out", "r1"]
+    args = parser.parse_args(argv)
+    assert args.cluster == "abc" and args.np == 3
+    again = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np"))
+    assert "--cluster" not in again and "--np" not in again
+    assert vars(parser.parse_args(again)) == dict(vars(args), cluster=None, np=None)
+    assert parser.parse_args(["--cluster"]).cluster == ""  # the default cluster
+
+
+def test_compare_without_cluster_launches_as_before(tmp_path):
+    import argparse
+
+    from mpsync.apps import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    argv = compare.launch_argv(parser.parse_args([]), "bsp", tmp_path)
+    assert "--hostfile" not in argv and "plm_rsh_agent" not in argv
+
+
 # ---------------------------------------------------------------- real namespaces (root)
 
 AVAILABLE, WHY = cluster.available()
@@ -481,3 +510,25 @@ def test_horovodrun_runs_across_the_nodes_with_the_ssh_stand_in(four_nodes):
     assert sorted(int(r) for r, _, _ in found) == [0, 1, 2, 3], out[-4000:]
     assert {s for _, _, s in found} == {"10"}, found
     assert len({h for _, h, _ in found}) >= 2, found
+
+
+@needs_namespaces
+@pytest.mark.mpi
+def test_mpsync_train_cluster_starts_itself_on_the_nodes(four_nodes, tmp_path):
+    from mpsync.cluster.launching import cluster_mpirun_extra
+
+    extra = cluster_mpirun_extra(3, four_nodes.name)
+    hostfile = Path(extra[extra.index("--hostfile") + 1]).read_text().split("\n")
+    addrs = {n["name"]: n["address"] for n in four_nodes.status()["nodes"]}
+    assert [ln for ln in hostfile if ln and not ln.startswith("#")] == [
+        addrs["node1"], addrs["node2"], addrs["node3"]]  # the server alone on node1
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "mpsync.cli", "train", "--cluster",
+                          four_nodes.name, "--np", "2", "--policy", "bsp", "--epochs", "0.3",
+                          "--out", str(tmp_path / "run"), "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"3 ranks on cluster {four_nodes.name}" in res.stderr
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["config"]["workers"] == 2
+    assert metrics["evals"][-1]["samples"] >= 0.3 * 1438, metrics["evals"][-1]  # digits train
