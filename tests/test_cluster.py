@@ -506,7 +506,7 @@ def test_horovodrun_runs_across_the_nodes_with_the_ssh_stand_in(four_nodes):
                              "horovod_sum"], 150, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    found = re.findall(r"HVD rank=(\d) size=4 host=(\S+) sum=(\S+)", out)
+    found = re.findall(r"HVD rank=(\d) size=4 host=(node\d+) sum=(\d+)", out)
     assert sorted(int(r) for r, _, _ in found) == [0, 1, 2, 3], out[-4000:]
     assert {s for _, _, s in found} == {"10"}, found
     assert len({h for _, h, _ in found}) >= 2, found
