@@ -32,8 +32,8 @@ import subprocess
 import sys
 import time
 
-ALIVE_INTERVAL = 2.0
-ALIVE_TIMEOUT = 15.0
+ALIVE_INTERVAL = 1.0
+ALIVE_TIMEOUT = 13.0
 PROBE_PORT = 9  # discard: nothing listens there, so a reachable node answers with a refusal
 SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")
 
@@ -166,7 +166,8 @@ def main(argv, nodes, cluster):
     last_answer = time.monotonic()
     while True:
         try:
-            return child.wait(timeout=ALIVE_INTERVAL)
+            code = child.wait(timeout=ALIVE_INTERVAL)
+            return 128 - code if code < 0 else code  # killed by a signal: as a shell says it
         except subprocess.TimeoutExpired:
             pass
         if reachable(node["address"], ALIVE_INTERVAL):

@@ -1,7 +1,7 @@
 """The virtual cluster as data: names, addresses, rates and the ``ip``/``tc`` command lines.
 
-Everything here is pure (no root, no subprocess, no file system), so the layout and every
-command line can be tested on any machine.  ``mpsync.cluster`` runs what these functions build.
+Everything here is pure (no root, no subprocess; the only file read is the agent's own source),
+so the layout and every command line can be tested on any machine.  ``mpsync.cluster`` runs what these functions build.
 
 Layout of a cluster called NAME with N nodes on subnet S (a /24):
 
