@@ -113,14 +113,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
+    # Fault injection for the resume test: SIGKILL worker 0 right after this step.
+    g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("across nodes (started from the login node, not under mpirun)")
     from mpsync.cluster.launching import add_cluster_arguments
 
     add_cluster_arguments(g)
     g.add_argument("--np", type=int, default=None,
                    help="with --cluster: workers (default one per node besides node1)")
-    # Fault injection for the resume test: SIGKILL worker 0 right after this step.
-    g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def build_config(args) -> SyncConfig:
