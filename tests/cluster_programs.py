@@ -10,7 +10,6 @@ job is mpsync's own machinery.  Every rank prints ``HOST <world rank> <hostname>
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
