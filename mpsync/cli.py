@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("mpsync.apps.simulate", "simulate the policies on a virtual cluster of N workers"),
     "bench": ("mpsync.bench.__main__", "microbenchmarks: zipline, server, allreduce, memory"),
     "jobs": ("mpsync.jobs", "render Slurm / PBS / horovodrun job scripts"),
+    "cluster": ("mpsync.cluster.cli", "a virtual cluster of network-namespace nodes on this "
+                                      "machine (root)"),
     "doctor": ("mpsync.doctor", "check the installation: versions, MPI, Numba, Horovod build"),
 }
 
