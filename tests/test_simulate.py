@@ -19,7 +19,7 @@ PY = sys.executable
 
 
 def _config(policy, topology=None, **kw):
-    from mpsync.apps.train import default_topology
+    from mpsync.policies import default_topology
 
     return SyncConfig(policy=policy, topology=topology or default_topology(policy), **kw)
 

@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from mpsync.policies import BASELINE
+
 __all__ = ["main", "seeds_of", "summarize_repeats", "format_table"]
 
 
@@ -71,7 +73,7 @@ def summarize_repeats(runs: dict[str, list[dict]]) -> list[dict]:
             "seeds": [m["config"]["seed"] for m in ms],
             "topology": ms[0]["config"]["topology"],
         })
-    base = next((r["time_to_target_s"] for r in rows if r["policy"] == "bsp"), None)
+    base = next((r["time_to_target_s"] for r in rows if r["policy"] == BASELINE), None)
     for r in rows:
         t = r["time_to_target_s"]
         r["speedup_vs_bsp"] = base / t if base is not None and t else None
