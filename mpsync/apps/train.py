@@ -42,6 +42,7 @@ import json
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train for S seconds of wall time (evaluation excluded)")
     g.add_argument("--dataset", default="digits", help="digits | synthetic | npz:PATH")
     g.add_argument("--partition", default="iid", help="iid | noniid (class-sorted shards)")
+    g.add_argument("--model", default="auto",
+                   help="auto (cnn for images, mlp for features) | cnn | mlp | wide-mlp "
+                        "(8.7 MB of gradients on digits: communication shows on a network)")
     g.add_argument("--synthetic-samples", type=int, default=4096)
     g.add_argument("--synthetic-features", type=int, default=32)
     g.add_argument("--synthetic-classes", type=int, default=10)
@@ -177,6 +181,9 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError("--checkpoint-every/--resume need --out DIR (checkpoints and the "
                           "resumed run's results go there)")
     check_dataset_spec(args.dataset)
+    from mpsync.apps.models import MODELS
+    if args.model not in MODELS:
+        raise ConfigError(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
     if workers is not None:
         if workers < 1:
             raise ConfigError(f"need at least 1 worker, got {workers}")
@@ -257,7 +264,7 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
         shard = partition(ds, workers, me, args.partition, seed=args.seed)
         hetero = Heterogeneity.from_flags(me, workers, args.slowdown, args.slowdown_schedule,
                                           args.iter_time, args.comm_delay)
-        model = build_model(ds.input_shape, ds.n_classes, args.seed)
+        model = build_model(ds.input_shape, ds.n_classes, args.seed, args.model)
     mps.init(policy=config.policy, topology=config.topology, backend=config.backend,
              server=config.server,
              stats_path=str(out / "server_stats.json") if out else None,
@@ -429,7 +436,8 @@ def _train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
     mine = {k: local[k] + before.get(k, 0) for k in ("iterations", "rounds", "compute_s",
                                                      "wait_s", "aggregation_s", "bytes_sent")}
     mine.update(samples=samples, slept_s=hetero.slept_s + before.get("slept_s", 0.0),
-                param_sha256=_param_sha256(model), events=local["events"])
+                param_sha256=_param_sha256(model), events=local["events"],
+                host=socket.gethostname())
     gathered = mps.gather_object(mine, root_rank=0, name="final metrics")
     final_wall = wall()
     mps.shutdown()
