@@ -220,11 +220,13 @@ def _node_states(d: Path) -> dict[str, str]:
 
 
 def start(nodes: list[SlurmNode], *, login_host: str, login_addr: str,
-          directory: Path = DEFAULT_DIR, timeout: float = START_TIMEOUT) -> dict:
+          directory: Path = DEFAULT_DIR, ctld_port: int = CTLD_PORT,
+          timeout: float = START_TIMEOUT) -> dict:
     """Start munged, slurmctld and one slurmd per node; wait until every node is idle.
 
     Idempotent: daemons already running with the same configuration are left alone (a changed
-    configuration restarts them).  Returns ``{"conf": path, "started": [daemons]}``.  On any
+    configuration restarts them).  ``ctld_port``: slurmctld's port on the login node (the
+    slurmds listen in their own namespaces and never clash).  Returns ``{"conf": path, "started": [daemons]}``.  On any
     failure everything this call started is stopped again before the error is raised.
     """
     if os.geteuid() != 0:
@@ -240,7 +242,8 @@ def start(nodes: list[SlurmNode], *, login_host: str, login_addr: str,
             raise SlurmError(f"node {n.name}: no network namespace at {n.netns} "
                              "(is the cluster up? `mpsync cluster up`)")
     conf = d / "etc" / "slurm.conf"
-    text = slurm_conf(login_host=login_host, login_addr=login_addr, nodes=nodes, directory=d)
+    text = slurm_conf(login_host=login_host, login_addr=login_addr, nodes=nodes, directory=d,
+                      ctld_port=ctld_port)
     if conf.exists() and conf.read_text() != text:
         _stop_daemons(d)  # a different cluster: its daemons go, munged stays
     conf.write_text(text)
@@ -349,10 +352,11 @@ def status(directory: Path = DEFAULT_DIR) -> dict:
 
 
 # -- from the virtual cluster's state ------------------------------------------------------------
-def nodes_from_cluster(state: dict) -> tuple[list[SlurmNode], str]:
-    """The Slurm nodes and the login node's switch address, from ``mpsync cluster``'s state."""
-    nodes = [SlurmNode(n["name"], n["addr"], n["netns_path"]) for n in state["nodes"]]
-    return nodes, state["login_addr"]
+def nodes_from_cluster(state) -> tuple[list[SlurmNode], str]:
+    """The Slurm nodes and the login node's switch address, from ``mpsync.cluster``'s state
+    (a ``ClusterState``)."""
+    nodes = [SlurmNode(n.name, n.address, f"/run/netns/{n.namespace}") for n in state.nodes]
+    return nodes, state.login_address
 
 
 # -- command line ------------------------------------------------------------------------------
