@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("mpsync.apps.compare", "run every policy under mpirun and compare time-to-accuracy"),
     "bench": ("mpsync.bench.__main__", "microbenchmarks: zipline, server, allreduce, memory"),
     "jobs": ("mpsync.jobs", "render Slurm / PBS / horovodrun job scripts"),
+    "cluster": ("mpsync.cluster.cli", "a virtual cluster of network-namespace nodes on this "
+                                      "machine (root)"),
     "doctor": ("mpsync.doctor", "check the installation: versions, MPI, Numba, Horovod build"),
 }
 

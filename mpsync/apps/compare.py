@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")
+    from mpsync.cluster.launching import add_cluster_arguments
+
+    add_cluster_arguments(p)
 
 
 def train_argv(args, policy: str, out: Path) -> list[str]:
@@ -86,11 +89,15 @@ def ranks(args) -> int:
 
 
 def launch_argv(args, policy: str, out: Path) -> list[str]:
-    """The ``mpirun`` command line of one policy's run (pure: no launch, no file written)."""
+    """The ``mpirun`` command line of one policy's run (no launch; with ``--cluster`` it
+    writes the cluster's hostfile for this rank count)."""
+    from mpsync.cluster.launching import cluster_mpirun_extra
     from mpsync.launch import mpirun_argv, python_argv
 
+    extra = cluster_mpirun_extra(ranks(args), getattr(args, "cluster", None),
+                                 placement=getattr(args, "cluster_placement", "server-alone"))
     return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
-                                                *train_argv(args, policy, out)))
+                                                *train_argv(args, policy, out)), extra=extra)
 
 
 def _validate(args) -> list[str]:
@@ -119,6 +126,13 @@ def main(args) -> int:
     except ConfigError as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "cluster", None) is not None and not args.from_runs:
+        from mpsync import cluster
+
+        if cluster.load_state(args.cluster or None) is None:
+            print(f"mpsync compare: error: cluster {args.cluster or cluster.default_name()!r} "
+                  f"is not up (mpsync cluster up --nodes N)", file=sys.stderr)
+            return 2
     from mpsync.launch import run_with_deadline
 
     out = Path(args.out)
@@ -200,7 +214,15 @@ def _setup_line(args, runs) -> str:
         f"{args.time_budget or 25.0:g} s per policy"
     server = ("+ 1 server rank" if args.server == "dedicated" else
               "(server thread on rank 0)")
-    return (f"{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
+    where = ""
+    if getattr(args, "cluster", None) is not None:
+        from mpsync import cluster
+
+        st = cluster.load_state(args.cluster or None)
+        if st is not None:
+            where = (f"across {len(st.nodes)} nodes (links {st.bandwidth or 'unlimited'}, "
+                     f"{args.cluster_placement}), ")
+    return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
             f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
             f"target accuracy {args.target_acc}")
 

@@ -117,6 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
+    g = p.add_argument_group("across nodes (started from the login node, not under mpirun)")
+    from mpsync.cluster.launching import add_cluster_arguments
+
+    add_cluster_arguments(g)
+    g.add_argument("--np", type=int, default=None,
+                   help="with --cluster: workers (default one per node besides node1)")
     # Fault injection for the resume test: SIGKILL worker 0 right after this step.
     g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -202,6 +208,10 @@ def _world_size() -> int:
 
 def main(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.cluster is not None and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        from mpsync.cluster.launching import run_train_on_cluster
+
+        return run_train_on_cluster(args, add_arguments)
     try:
         size = _world_size()
         workers = args.workers or (size - 1 if args.server == "dedicated" else size)
