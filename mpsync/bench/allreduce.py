@@ -81,7 +81,7 @@ def _sizes(text: str | None) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
 
-    if args.cluster:
+    if args.cluster is not None:
         from mpsync.bench.nodes import run_allreduce
 
         return run_allreduce(args)

@@ -18,9 +18,10 @@ with ``algbw = bytes / time``: every link must carry 2(n-1)/n of the buffer each
 equals the link rate when the links are the only limit, whatever n.  ``link_fraction`` is
 busbw over the configured rate.
 
-The cluster is the one named ``--cluster-name`` (default ``bench``): made here with the most
-nodes asked for and removed at the end, or, when one of that name is already up with enough
-nodes, used as it is and left up (its link rates are changed for the sweep and restored).
+The cluster is the one named by ``--cluster NAME`` (default ``$MPSYNC_CLUSTER`` or ``mpsync``):
+made here with the most nodes asked for and removed at the end, or, when one of that name is
+already up with enough nodes, used as it is and left up (its link rates are changed for the
+sweep and restored).
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def link_fraction(nbytes: int, seconds: float, n: int, rate_bits: int) -> float:
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, *, rates: str, nodes: str) -> None:
-    p.add_argument("--cluster", action="store_true",
-                   help="run across the nodes of a virtual cluster (root; network namespaces)")
-    p.add_argument("--cluster-name", default="bench",
-                   help="the virtual cluster to use or make (default: bench)")
+    p.add_argument("--cluster", nargs="?", const="", default=None, metavar="NAME",
+                   help="run across the nodes of the virtual cluster NAME (default "
+                        "$MPSYNC_CLUSTER or mpsync): used as it is when up (its link rates "
+                        "are set for the run and restored), else made and removed after")
     p.add_argument("--cluster-rates", default=rates,
                    help=f"with --cluster: link rates to sweep (default {rates})")
     p.add_argument("--cluster-nodes", default=nodes,
@@ -81,7 +82,7 @@ def _parse_list(text: str, what: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def bench_cluster(nodes: int, rate: str, name: str):
+def bench_cluster(nodes: int, rate: str, name: str | None):
     """The cluster ``name`` with at least ``nodes`` nodes at ``rate``; yields its state.
 
     Made here (and removed on exit, also on error) unless already up, in which case its
@@ -89,6 +90,7 @@ def bench_cluster(nodes: int, rate: str, name: str):
     """
     from mpsync import cluster
 
+    name = name or cluster.default_name()
     ok, why = cluster.available()
     if not ok:
         raise SystemExit(f"--cluster: network namespaces unavailable: {why}")
@@ -114,7 +116,7 @@ def bench_cluster(nodes: int, rate: str, name: str):
                 cluster.set_link(node, bandwidth=old, unlimited=old is None, name=name)
 
 
-def set_rate(name: str, rate: str | None) -> None:
+def set_rate(name: str | None, rate: str | None) -> None:
     """Every node's link of cluster ``name`` at ``rate`` (None: unlimited)."""
     from mpsync import cluster
 
@@ -123,14 +125,14 @@ def set_rate(name: str, rate: str | None) -> None:
             cluster.set_link(n.name, bandwidth=rate, unlimited=rate is None, name=name)
 
 
-def cluster_argv(n: int, command: list[str], name: str, *, server_alone: bool = False,
+def cluster_argv(n: int, command: list[str], name: str | None, *, server_alone: bool = False,
                  extra: tuple = ()) -> list[str]:
     """``mpirun`` of ``command`` on ``n`` ranks over the nodes of cluster ``name`` (rank i on
     node i+1 unless ``server_alone``: rank 0 alone on node1)."""
     from mpsync import cluster
     from mpsync.launch import forwarded_env, mpirun_argv
 
-    opts = cluster.launch_options(n, name=name, server_alone=server_alone)
+    opts = cluster.launch_options(n, name=name or None, server_alone=server_alone)
     return mpirun_argv(n, command, forward_env=forwarded_env(),
                        extra=tuple(opts) + tuple(extra))
 
@@ -148,7 +150,7 @@ def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:
 
 def run_allreduce(args: argparse.Namespace) -> int:
     from mpsync.bench.allreduce import _sizes
-    from mpsync.cluster.plan import parse_rate  # noqa: F401  (validates the rates below)
+    from mpsync.cluster.layout import parse_rate
     from mpsync.launch import python_argv
 
     rates = _parse_list(args.cluster_rates, "rates")
@@ -168,33 +170,33 @@ def run_allreduce(args: argparse.Namespace) -> int:
                          f"{', '.join(PROBE_VARIANTS)}")
     results = []
     started = time.time()
-    with bench_cluster(max(counts), rates[0], args.cluster_name) as state:
+    with bench_cluster(max(counts), rates[0], args.cluster) as state:
         for rate in rates:
-            set_rate(args.cluster_name, rate)
+            set_rate(args.cluster, rate)
             for n in counts:
-                print(f"[cluster {args.cluster_name}] {n} nodes at {rate}: ring job",
+                print(f"[cluster {state.name}] {n} nodes at {rate}: ring job",
                       file=sys.stderr, flush=True)
                 rows = {s: {"bytes": s} for s in sizes}
                 for row in _run_job(cluster_argv(n, python_argv(
                         "mpsync.bench.allreduce", "--child", "ring", *common),
-                        args.cluster_name), args.timeout, f"ring, {n} nodes at {rate}"):
+                        args.cluster), args.timeout, f"ring, {n} nodes at {rate}"):
                     rows[row["bytes"]].update(row)
                 for variant in ["defaults"] + variants:
-                    print(f"[cluster {args.cluster_name}] {n} nodes at {rate}: link probe "
+                    print(f"[cluster {state.name}] {n} nodes at {rate}: link probe "
                           f"({variant})", file=sys.stderr, flush=True)
                     extra = PROBE_VARIANTS.get(variant, ())
                     for row in _run_job(cluster_argv(n, python_argv(
                             "mpsync.bench.nodes", "--child", "probe", *common),
-                            args.cluster_name, extra=extra), args.timeout,
+                            args.cluster, extra=extra), args.timeout,
                             f"probe {variant}, {n} nodes at {rate}"):
                         suffix = "" if variant == "defaults" else f"_{variant}"
                         rows[row["bytes"]].update({f"{k[:-3]}{suffix}_ms": v
                                                    for k, v in row.items() if k != "bytes"})
                 table = [_derive(rows[s], n, rate) for s in sizes]
                 results.append({"rate": rate, "nodes": n, "rows": table})
-    summary = {"cluster": {"name": args.cluster_name, "subnet": state.subnet,
+    summary = {"cluster": {"name": state.name, "subnet": state.subnet,
                            "tbf_burst_bytes_at_first_rate": state.burst,
-                           "mpirun_options": cluster_options_text(args.cluster_name, state)},
+                           "mpirun_options": cluster_options_text(state)},
                "probe_variants": {v: " ".join(PROBE_VARIANTS[v]) for v in variants},
                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                "elapsed_s": time.time() - started, "runs": results,
@@ -213,14 +215,14 @@ def run_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def cluster_options_text(name: str, state) -> str:
+def cluster_options_text(state) -> str:
     return (f"--mca btl tcp,self --mca btl_tcp_if_include {state.subnet} "
-            f"--mca oob_tcp_if_include {state.subnet} (rsh agent of cluster {name})")
+            f"--mca oob_tcp_if_include {state.subnet} (rsh agent of cluster {state.name})")
 
 
 def _derive(row: dict, n: int, rate: str) -> dict:
     """Ratios, bus bandwidths and link fractions of one size's row."""
-    from mpsync.cluster.plan import parse_rate
+    from mpsync.cluster.layout import parse_rate
 
     bits = parse_rate(rate)
     out = dict(row, nodes=n, rate=rate)
