@@ -1,5 +1,10 @@
 """A multi-node Slurm on the virtual cluster (``mpsync cluster slurm up|status|env|down``).
 
+    mpsync cluster up --nodes 2 --bandwidth 1gbit
+    mpsync cluster slurm up                  # prints export SLURM_CONF=...
+    sbatch -N 2 jobs/slurm/train.sbatch
+    mpsync cluster down                      # stops this Slurm too
+
 slurmctld runs on the login node (the host, which holds an address on the cluster's switch);
 one slurmd runs inside each node's network namespace under that node's hostname, so a job
 allocated two nodes has its batch script and its ``srun`` steps on two network stacks, and
@@ -11,7 +16,7 @@ vanish from the daemon's view and slurmd refuses to start ("Unable to initialize
 plugin"); ``nsenter --net`` switches only the network stack, ``unshare --uts`` only the
 hostname.
 
-Everything lives in one private directory (``--dir``, default /var/lib/mpsync-slurm-cluster):
+Everything lives in one private directory (default /var/lib/mpsync-slurm-cluster/<cluster>):
 its own slurm.conf (clients find it through ``SLURM_CONF``), munge key and socket, state, one
 spool folder per node, logs and pid files, on ports apart from Slurm's defaults and from the
 single-node test cluster of ``.ci/slurm.sh`` (which stays the way to run the job templates on a
@@ -38,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["SlurmNode", "slurm_conf", "slurmd_argv", "start", "stop", "status", "client_env",
-           "SlurmError", "DEFAULT_DIR", "add_arguments", "main"]
+           "SlurmError", "DEFAULT_DIR", "nodes_from_cluster", "directory_of", "stop_for",
+           "add_arguments", "main"]
 
 DEFAULT_DIR = Path("/var/lib/mpsync-slurm-cluster")
 # Apart from Slurm's defaults (6817/6818) and from .ci/slurm.sh's single-node cluster (16817/8):
@@ -359,54 +365,68 @@ def nodes_from_cluster(state) -> tuple[list[SlurmNode], str]:
     return nodes, state.login_address
 
 
-# -- command line ------------------------------------------------------------------------------
+# -- command line (``mpsync cluster [--name NAME] slurm ACTION``) ------------------------------
+def directory_of(cluster_name: str) -> Path:
+    """The Slurm directory of the virtual cluster ``cluster_name``."""
+    return DEFAULT_DIR / cluster_name
+
+
+def stop_for(cluster_name: str) -> bool:
+    """Stop and remove the Slurm of cluster ``cluster_name`` if it has one (``mpsync cluster
+    down`` calls this first: a slurmd would outlive its namespace's removal)."""
+    d = directory_of(cluster_name)
+    if not d.exists():
+        return False
+    stop(d)
+    return True
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("up", "status", "env", "down"),
+    p.add_argument("slurm_action", choices=("up", "status", "env", "down"),
                    help="up: start Slurm on the running cluster; status; env: print "
-                        "`export SLURM_CONF=...`; down: cancel jobs, stop and remove")
-    p.add_argument("--dir", default=str(DEFAULT_DIR), help=f"private directory ({DEFAULT_DIR})")
+                        "`export SLURM_CONF=...`; down: cancel its jobs, stop and remove it")
+    p.add_argument("--dir", default=None,
+                   help=f"private directory (default {DEFAULT_DIR}/<cluster name>)")
+    p.add_argument("--port", type=int, default=CTLD_PORT,
+                   help=f"slurmctld's port on this host (default {CTLD_PORT})")
     p.add_argument("--json", action="store_true", help="status as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    d = Path(args.dir)
-    try:
-        if args.action == "up":
-            from mpsync import cluster
+    from mpsync import cluster
 
-            state = cluster.load_state()
+    name = getattr(args, "name", None) or cluster.default_name()
+    d = Path(args.dir) if args.dir else directory_of(name)
+    action = args.slurm_action
+    try:
+        if action == "up":
+            state = cluster.load_state(name)
             if state is None:
-                print("mpsync cluster slurm: no cluster is up (run `mpsync cluster up` first)",
-                      file=sys.stderr)
-                return 3
+                print(f"mpsync cluster slurm: cluster {name!r} is not up (mpsync cluster up "
+                      f"--nodes N)", file=sys.stderr)
+                return 1
             nodes, login_addr = nodes_from_cluster(state)
             res = start(nodes, login_host=os.uname().nodename.split(".")[0],
-                        login_addr=login_addr, directory=d)
-            print(f"Slurm up on {', '.join(n.name for n in nodes)} "
-                  f"(started: {', '.join(res['started']) or 'nothing, already running'}); "
-                  f"use: export SLURM_CONF={res['conf']}")
-        elif args.action == "down":
+                        login_addr=login_addr, directory=d, ctld_port=args.port)
+            print(f"Slurm on {', '.join(n.name for n in nodes)} "
+                  f"(started: {', '.join(res['started']) or 'nothing, all running'})")
+            print(f"export SLURM_CONF={res['conf']}")
+        elif action == "down":
             stop(d)
-            print(f"Slurm of the virtual cluster stopped, {d} removed")
-        elif args.action == "env":
+            print(f"Slurm of cluster {name} stopped; {d} removed")
+        elif action == "env":
             print(f"export SLURM_CONF={d / 'etc' / 'slurm.conf'}")
         else:
             st = status(d)
             if args.json:
                 print(json.dumps(st))
             else:
-                for name, pid in st["daemons"].items():
-                    print(f"{name}: {'running (pid %d)' % pid if pid else 'stopped'}")
-                for node, state in st["nodes"].items():
-                    print(f"{node}: {state}")
+                for daemon, pid in st["daemons"].items():
+                    print(f"{daemon}: {'running (pid %d)' % pid if pid else 'stopped'}")
+                for node, node_state in st["nodes"].items():
+                    print(f"{node}: {node_state}")
             return 0 if st["daemons"]["slurmctld"] else 1
     except SlurmError as e:
         print(f"mpsync cluster slurm: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m mpsync.cluster_slurm")
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))

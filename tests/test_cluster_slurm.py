@@ -1,9 +1,10 @@
 """The Slurm job templates on a multi-node Slurm across the virtual cluster.
 
-The fixture builds a 2-node virtual cluster of its own (network namespaces, 1 Gbit/s links),
-starts munged and slurmctld on the host and one slurmd inside each node's namespace under the
-node's hostname (``mpsync.cluster_slurm``), and at the end cancels the jobs, stops every daemon
-it started and removes the cluster, also when a test fails.  The template is submitted as a
+The fixture builds a 2-node virtual cluster of its own (``mpsync cluster up``: network
+namespaces, 1 Gbit/s links), starts munged and slurmctld on the host and one slurmd inside each
+node's namespace under the node's hostname (``mpsync cluster slurm up``), and at the end
+``mpsync cluster down`` cancels the jobs, stops every daemon and removes the cluster, also when
+a test fails; the fixture then checks that no daemon and no namespace is left.  The template is submitted as a
 user would submit it to a real cluster (``sbatch -N 2``); Open MPI's ``mpirun`` inside the job
 reads the allocation from Slurm and starts its daemon on the second node through ``srun``.
 
@@ -17,7 +18,7 @@ import json
 import os
 import socket
 import subprocess
-import tempfile
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mpsync(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpsync.cli", "cluster", "--name", CLUSTER_NAME,
+                           *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
 @pytest.fixture(scope="module")
 def cluster_slurm():
     from mpsync import cluster
@@ -49,15 +56,17 @@ def cluster_slurm():
     if res.returncode == 3:
         pytest.skip(f"this machine cannot run Slurm: {res.stderr.strip()}")
     assert res.returncode == 0, f".ci/slurm.sh install failed:\n{res.stderr}"
-    # A short path: munged's socket lives under it (unix socket paths stop at 108 bytes).
-    directory = Path(tempfile.mkdtemp(prefix="mpsync-cslurm-"))
+    directory = cs.directory_of(CLUSTER_NAME)
     pids: dict = {}
     try:
-        state, diff = cluster.up(2, bandwidth="1gbit", slots=4, name=CLUSTER_NAME)
-        assert not diff, f"a cluster {CLUSTER_NAME!r} with other settings is up: {diff}"
-        nodes, login_addr = cs.nodes_from_cluster(state)
-        cs.start(nodes, login_host=socket.gethostname().split(".")[0], login_addr=login_addr,
-                 directory=directory, ctld_port=_free_port())
+        # As a user would: the commands, not the Python API.
+        res = _mpsync("up", "--nodes", "2", "--bandwidth", "1gbit", "--slots", "4")
+        assert res.returncode == 0, res.stderr
+        # A free port for slurmctld: another Slurm (the single-node one) may run here.
+        res = _mpsync("slurm", "up", "--port", str(_free_port()))
+        assert res.returncode == 0, res.stdout + res.stderr
+        conf = res.stdout.strip().splitlines()[-1]
+        assert conf == f"export SLURM_CONF={directory / 'etc' / 'slurm.conf'}", res.stdout
         pids = cs.status(directory)["daemons"]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "PBS_"))}
@@ -65,11 +74,19 @@ def cluster_slurm():
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         yield env
     finally:
+        # `cluster down` stops the cluster's Slurm first; the direct calls are the safety net
+        # when the command itself failed.
+        res = _mpsync("down")
         cs.stop(directory)
         cluster.down(CLUSTER_NAME)
+    assert res.returncode == 0 and "stopped the cluster's Slurm" in res.stdout, (
+        res.stdout + res.stderr)
     alive = [f"{name} (pid {pid})" for name, pid in pids.items() if pid and _alive(pid)]
-    assert not alive, f"still running after stop: {alive}"
+    assert not alive, f"still running after `mpsync cluster down`: {alive}"
     assert not directory.exists()
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout.split()
+                if ns.startswith(f"{CLUSTER_NAME}-")]
 
 
 def _alive(pid: int) -> bool:

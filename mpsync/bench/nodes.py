@@ -33,7 +33,7 @@ import os
 import sys
 import time
 
-__all__ = ["bus_bandwidth", "link_fraction", "bench_cluster", "run_allreduce", "cluster_argv",
+__all__ = ["bus_bandwidth", "link_fraction", "cluster_at_rate", "run_allreduce", "cluster_argv",
            "PROBE_VARIANTS", "add_cluster_arguments"]
 
 KB, MB = 1 << 10, 1 << 20
@@ -82,7 +82,7 @@ def _parse_list(text: str, what: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def bench_cluster(nodes: int, rate: str, name: str | None):
+def cluster_at_rate(nodes: int, rate: str, name: str | None):
     """The cluster ``name`` with at least ``nodes`` nodes at ``rate``; yields its state.
 
     Made here (and removed on exit, also on error) unless already up, in which case its
@@ -170,7 +170,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                          f"{', '.join(PROBE_VARIANTS)}")
     results = []
     started = time.time()
-    with bench_cluster(max(counts), rates[0], args.cluster) as state:
+    with cluster_at_rate(max(counts), rates[0], args.cluster) as state:
         for rate in rates:
             set_rate(args.cluster, rate)
             for n in counts:

@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
         extra: tuple = ()
         if args.cluster is not None:
             from mpsync import cluster
-            from mpsync.bench.nodes import bench_cluster
+            from mpsync.bench.nodes import cluster_at_rate
 
-            state = stack.enter_context(bench_cluster(args.np, args.cluster_rate, args.cluster))
+            state = stack.enter_context(cluster_at_rate(args.np, args.cluster_rate, args.cluster))
             extra = tuple(cluster.launch_options(args.np, name=state.name, server_alone=True))
             where = {"cluster": state.name, "nodes": args.np, "link_rate": args.cluster_rate,
                      "transport": "tcp across namespace links"}
