@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-variants", default="links2,ring",
                    help="with --cluster: Open MPI settings the link probe also runs with "
                         "(links2, ring, links2+ring; empty: defaults only)")
+    p.add_argument("--job-variants", default="",
+                   help="with --cluster: run the whole ring job (mpsync, Horovod, MPI) again "
+                        "with these Open MPI settings (same names as --probe-variants)")
 
 
 def _sizes(text: str | None) -> list[int]:

@@ -168,6 +168,11 @@ def run_allreduce(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--probe-variants: unknown {unknown}; choose from "
                          f"{', '.join(PROBE_VARIANTS)}")
+    job_variants = _parse_list(args.job_variants, "variants") if args.job_variants else []
+    unknown = [v for v in job_variants if v not in PROBE_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--job-variants: unknown {unknown}; choose from "
+                         f"{', '.join(PROBE_VARIANTS)}")
     results = []
     started = time.time()
     with cluster_at_rate(max(counts), rates[0], args.cluster) as state:
@@ -177,10 +182,17 @@ def run_allreduce(args: argparse.Namespace) -> int:
                 print(f"[cluster {state.name}] {n} nodes at {rate}: ring job",
                       file=sys.stderr, flush=True)
                 rows = {s: {"bytes": s} for s in sizes}
-                for row in _run_job(cluster_argv(n, python_argv(
-                        "mpsync.bench.allreduce", "--child", "ring", *common),
-                        args.cluster), args.timeout, f"ring, {n} nodes at {rate}"):
-                    rows[row["bytes"]].update(row)
+                for variant in ["defaults"] + job_variants:
+                    if variant != "defaults":
+                        print(f"[cluster {state.name}] {n} nodes at {rate}: ring job "
+                              f"({variant})", file=sys.stderr, flush=True)
+                    suffix = "" if variant == "defaults" else f"_{variant}"
+                    for row in _run_job(cluster_argv(n, python_argv(
+                            "mpsync.bench.allreduce", "--child", "ring", *common),
+                            args.cluster, extra=PROBE_VARIANTS.get(variant, ())),
+                            args.timeout, f"ring {variant}, {n} nodes at {rate}"):
+                        rows[row["bytes"]].update({f"{k[:-3]}{suffix}_ms": v
+                                                   for k, v in row.items() if k != "bytes"})
                 for variant in ["defaults"] + variants:
                     print(f"[cluster {state.name}] {n} nodes at {rate}: link probe "
                           f"({variant})", file=sys.stderr, flush=True)
@@ -192,12 +204,13 @@ def run_allreduce(args: argparse.Namespace) -> int:
                         suffix = "" if variant == "defaults" else f"_{variant}"
                         rows[row["bytes"]].update({f"{k[:-3]}{suffix}_ms": v
                                                    for k, v in row.items() if k != "bytes"})
-                table = [_derive(rows[s], n, rate) for s in sizes]
+                table = [_derive(rows[s], n, rate, job_variants) for s in sizes]
                 results.append({"rate": rate, "nodes": n, "rows": table})
     summary = {"cluster": {"name": state.name, "subnet": state.subnet,
                            "tbf_burst_bytes_at_first_rate": state.burst,
                            "mpirun_options": cluster_options_text(state)},
                "probe_variants": {v: " ".join(PROBE_VARIANTS[v]) for v in variants},
+               "job_variants": {v: " ".join(PROBE_VARIANTS[v]) for v in job_variants},
                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                "elapsed_s": time.time() - started, "runs": results,
                "targets": _targets(results)}
@@ -210,7 +223,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
     else:
         for run in results:
             print(f"\n{run['nodes']} nodes, links at {run['rate']}")
-            print(format_table(run["rows"], variants))
+            print(format_table(run["rows"], variants, job_variants))
         print("\ntargets:", json.dumps(summary["targets"], indent=1))
     return 0
 
@@ -220,7 +233,7 @@ def cluster_options_text(state) -> str:
             f"--mca oob_tcp_if_include {state.subnet} (rsh agent of cluster {state.name})")
 
 
-def _derive(row: dict, n: int, rate: str) -> dict:
+def _derive(row: dict, n: int, rate: str, job_variants=()) -> dict:
     """Ratios, bus bandwidths and link fractions of one size's row."""
     from mpsync.cluster.layout import parse_rate
 
@@ -228,6 +241,9 @@ def _derive(row: dict, n: int, rate: str) -> dict:
     out = dict(row, nodes=n, rate=rate)
     if row.get("horovod_ms"):
         out["mpsync_vs_horovod"] = row["mpsync_ms"] / row["horovod_ms"]
+    for v in job_variants:
+        if row.get(f"horovod_{v}_ms"):
+            out[f"mpsync_vs_horovod_{v}"] = row[f"mpsync_{v}_ms"] / row[f"horovod_{v}_ms"]
     if row.get("mpi_ms"):
         out["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
     for key in list(row):
@@ -254,6 +270,10 @@ def _targets(results: list[dict]) -> dict:
         at64 = next((r for r in run["rows"] if r["bytes"] == 64 * MB), None)
         out[key] = {
             "mpsync_vs_horovod_median_ge_1MB": statistics.median(big) if big else None,
+            **{f"mpsync_vs_horovod_{v}_median_ge_1MB": statistics.median(
+                [r[f"mpsync_vs_horovod_{v}"] for r in run["rows"]
+                 if r["bytes"] >= MB and f"mpsync_vs_horovod_{v}" in r] or [float("nan")])
+               for v in variants_of(run)},
             "link_fraction_64MB": None if at64 is None else {
                 k[:-len("_link_fraction")]: v for k, v in at64.items()
                 if k.endswith("_link_fraction")},
@@ -261,7 +281,14 @@ def _targets(results: list[dict]) -> dict:
     return out
 
 
-def format_table(rows: list[dict], variants: list[str]) -> str:
+def variants_of(run: dict) -> list[str]:
+    """The ring-job variants measured in ``run`` (from its column names)."""
+    keys = set().union(*(r.keys() for r in run["rows"]))
+    return sorted(k[len("mpsync_vs_horovod_"):] for k in keys
+                  if k.startswith("mpsync_vs_horovod_"))
+
+
+def format_table(rows: list[dict], variants: list[str], job_variants=()) -> str:
     cols = [("bytes", "bytes", "d"), ("mpsync_ms", "mpsync ms", ".2f"),
             ("horovod_ms", "hvd ms", ".2f"), ("mpsync_vs_horovod", "ratio", ".2f"),
             ("mpi_ms", "mpi4py ms", ".2f"),
@@ -269,6 +296,10 @@ def format_table(rows: list[dict], variants: list[str]) -> str:
             ("horovod_link_fraction", "hvd busbw/link", ".2f"),
             ("mpi_link_fraction", "mpi busbw/link", ".2f"),
             ("shift_link_fraction", "shift/link", ".2f")]
+    for v in job_variants:
+        cols += [(f"mpsync_vs_horovod_{v}", f"ratio {v}", ".2f"),
+                 (f"mpsync_{v}_link_fraction", f"mpsync {v}", ".2f"),
+                 (f"horovod_{v}_link_fraction", f"hvd {v}", ".2f")]
     for v in variants:
         cols += [(f"probe_mpi_{v}_link_fraction", f"mpi {v}", ".2f"),
                  (f"shift_{v}_link_fraction", f"shift {v}", ".2f")]
