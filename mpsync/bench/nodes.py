@@ -105,15 +105,38 @@ def cluster_at_rate(nodes: int, rate: str, name: str | None):
                          f"--cluster-name)")
     else:
         saved = {n.name: state.rate_of(n.name) for n in state.nodes}
+    # A SIGTERM (a batch system's or a user's kill) must still remove what was made here.
+    previous = _raise_on_sigterm()
     try:
         set_rate(name, rate)
         yield cluster.load_state(name)
     finally:
+        _restore_sigterm(previous)
         if created:
             cluster.down(name)
         else:
             for node, old in saved.items():
                 cluster.set_link(node, bandwidth=old, unlimited=old is None, name=name)
+
+
+def _raise_on_sigterm():
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def set_rate(name: str | None, rate: str | None) -> None:
