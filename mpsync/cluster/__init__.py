@@ -25,7 +25,9 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from mpsync.cluster.layout import (DEFAULT_NAME, ClusterError, ClusterState, Node, agent_script,
@@ -155,7 +157,7 @@ def _write_files(state: ClusterState) -> None:
     d = Path(state.state_dir)
     d.mkdir(parents=True, exist_ok=True)
     agent = d / "agent"
-    agent.write_text(agent_script(state))
+    agent.write_text(agent_script(state, python=sys.executable))
     agent.chmod(0o755)
     (d / "bin").mkdir(exist_ok=True)
     ssh = d / "bin" / "ssh"
@@ -213,6 +215,13 @@ def _teardown(state: ClusterState) -> list[str]:
     "not there"."""
     errors = []
     have = _namespaces()
+    # Powering the nodes off: whatever still runs on them (ranks and daemons of a job that
+    # lost its node) goes with them; a namespace with processes in it outlives its name.
+    for ns in [n.namespace for n in state.nodes] + [state.switch_namespace]:
+        if ns in have:
+            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
     for argv in down_commands(state):
         if argv[:3] == ["ip", "netns", "del"] and argv[3] not in have:
             continue

@@ -263,40 +263,23 @@ def link_state_commands(state: ClusterState, node: Node, up: bool) -> list[list[
              "up" if up else "down"]]
 
 
-def agent_script(state: ClusterState) -> str:
-    """An ``ssh`` look-alike that runs a command on a node of the cluster.
+def agent_script(state: ClusterState, python: str = "/usr/bin/python3") -> str:
+    """The executable agent (``mpsync/cluster/agent.py``) with this cluster's node table: an
+    ``ssh`` look-alike that runs a command on a node (see that module)."""
+    import json
+    from pathlib import Path
 
-    Open MPI's rsh launcher (``plm_rsh_agent``) and horovodrun call it as they would call ssh:
-    ``agent [ssh options] HOST COMMAND...``.  It enters the node's network namespace with
-    ``nsenter --net`` (which, unlike ``ip netns exec``, leaves the mount namespace and so
-    /sys and the cgroup mounts alone), gives the command its own UTS namespace with the node's
-    hostname, and keeps the caller's environment and working directory, as a shared home and
-    a login shell would on a real cluster.
-    """
-    cases = "\n".join(
-        f"  {n.address}|{n.name}|{n.namespace}) ns={n.namespace}; node={n.name} ;;"
-        for n in state.nodes)
-    return f"""#!/bin/sh
-# Runs a command on a node of the mpsync virtual cluster {state.name!s} (written by
-# `mpsync cluster up`; removed by `mpsync cluster down`).  Called like ssh:
-#   agent [ssh options] HOST [COMMAND...]
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -[BbcDEeFIiJLlmOoPpQRSWw]) shift 2 ;;  # ssh options that take a value
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-if [ $# -eq 0 ]; then echo "usage: $0 [ssh options] HOST [COMMAND...]" >&2; exit 255; fi
-host=$1; shift
-case "$host" in
-{cases}
-  *) echo "mpsync cluster {state.name}: no node $host (nodes: \
-{' '.join(n.name for n in state.nodes)})" >&2; exit 255 ;;
-esac
-if [ $# -eq 0 ]; then set -- exec sh -i; fi
-exec nsenter --net=/run/netns/$ns unshare --uts sh -c "hostname $node && $*"
-"""
+    table = {}
+    for n in state.nodes:
+        entry = {"name": n.name, "namespace": n.namespace, "address": n.address}
+        for key in (n.address, n.name, n.namespace):
+            table[key] = entry
+    source = (Path(__file__).with_name("agent.py")).read_text()
+    return (f"#!{python} -I\n# Written by `mpsync cluster up` for the cluster {state.name}; removed "
+            f"by `mpsync cluster down`.\n" + source +
+            f"\n\nNODES = {json.dumps(table, indent=1, sort_keys=True)}\n\n"
+            f"if __name__ == \"__main__\":\n"
+            f"    sys.exit(main(sys.argv[1:], NODES, {state.name!r}))\n")
 
 
 def placement(state: ClusterState, np: int, *, server_alone: bool = True) -> list[str]:
