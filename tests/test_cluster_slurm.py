@@ -117,7 +117,10 @@ def test_train_template_with_two_nodes_runs_ranks_on_both(cluster_slurm, tmp_pat
     # sbatch -N 2 as on a real cluster: 2 tasks per node = the state server and 3 workers.
     job_id, record = submit_and_wait(
         cluster_slurm, JOBS / "train.sbatch", tmp_path,
-        ("-N", "2", "--ntasks-per-node=2", "--time=10"), POLICY="bsp", EPOCHS="1")
+        ("-N", "2", "--ntasks-per-node=2", "--time=10"), POLICY="bsp", EPOCHS="1",
+        # The first cross-node allreduce (TCP connections, Horovod's start) took 16 s in one
+        # run on a loaded machine, past the server's default 10 s for a silent worker.
+        TRAIN_ARGS="--silent-timeout 60")
     log = job_log(tmp_path, "mpsync-train", job_id)
     assert_completed(record, log)
     assert record.get("NodeList") == "node[1-2]", record
