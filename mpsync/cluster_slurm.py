@@ -195,7 +195,7 @@ def _check_tools() -> None:
                if shutil.which(t, path=DAEMONS_PATH) is None]
     if missing:
         raise SlurmError(f"missing {', '.join(missing)}: install Slurm with "
-                         "`bash .ci/slurm.sh install` (or `make setup-slurm`)")
+                         "`bash .ci/slurm.sh install` (Debian's slurm-wlm and munge)")
 
 
 def _start_munged(d: Path) -> bool:
