@@ -95,7 +95,9 @@ TESTED = {
     ("slurm", "train"): [
         "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05",
         "(slurmctld + slurmd started by .ci/slurm.sh) with a small run and checks the job's",
-        "final state and the metrics.json it wrote. Multi-node runs were not tested."],
+        "final state and the metrics.json it wrote. tests/test_cluster_slurm.py submits it",
+        "with sbatch -N 2 to a two-node Slurm on the virtual cluster (mpsync cluster slurm:",
+        "one slurmd per network-namespace node) and checks that ranks ran on both nodes."],
     ("slurm", "compare"): [
         "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05,",
         "once with DRY_RUN=1 (the command built from the allocation) and once for real with",

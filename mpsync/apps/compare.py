@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from mpsync.cluster.launching import add_cluster_arguments
 
     add_cluster_arguments(p)
+    p.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="with --cluster: every node's link at RATE (e.g. 1gbit) for the "
+                        "comparison; the cluster is made with one node per rank if it is not "
+                        "up (and removed after), else its rates are restored after")
 
 
 def train_argv(args, policy: str, out: Path) -> list[str]:
@@ -128,6 +132,28 @@ def _validate(args) -> list[str]:
 
 
 def main(args) -> int:
+    bandwidth = getattr(args, "bandwidth", None)
+    if bandwidth is None or args.from_runs:
+        return _compare(args)
+    from mpsync.cluster.layout import ClusterError, parse_rate
+
+    if getattr(args, "cluster", None) is None:
+        print("mpsync compare: error: --bandwidth sets the links of a virtual cluster; "
+              "give --cluster [NAME] too", file=sys.stderr)
+        return 2
+    try:
+        parse_rate(bandwidth)
+        _validate(args)
+    except (ConfigError, ClusterError) as e:
+        print(f"mpsync compare: error: {e}", file=sys.stderr)
+        return 2
+    from mpsync.bench.nodes import cluster_at_rate
+
+    with cluster_at_rate(ranks(args), bandwidth, args.cluster or None):
+        return _compare(args)
+
+
+def _compare(args) -> int:
     try:
         policies = _validate(args)
         if args.repeats is not None or args.seeds:

@@ -14,6 +14,7 @@ import hashlib
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -104,7 +105,7 @@ class Worker:
             w.hetero = Heterogeneity.from_flags(w.me, workers, args.slowdown,
                                                 args.slowdown_schedule, args.iter_time,
                                                 args.comm_delay)
-            w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed)
+            w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed, args.model)
         init_kw = {k: v for k, v in config.to_dict().items() if k != "extra"}
         mps.init(**init_kw, stats_path=str(w.out / "server_stats.json") if w.out else None,
                  trace_path=str(w.out / "server_trace.json") if w.out else None)
@@ -346,7 +347,8 @@ def finish(w: Worker) -> int:
     before = w.counters_before
     mine = {k: local[k] + before.get(k, 0) for k in COUNTERS}
     mine.update(samples=w.samples, slept_s=w.hetero.slept_s + before.get("slept_s", 0.0),
-                param_sha256=_param_sha256(w.model), events=local["events"])
+                param_sha256=_param_sha256(w.model), events=local["events"],
+                host=socket.gethostname())
     gathered = w.mps.gather_object(mine, root_rank=0, name="final metrics")
     final_wall = w.wall()
     w.mps.shutdown()

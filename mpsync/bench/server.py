@@ -31,6 +31,7 @@ JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the mpirun")
+    parser.add_argument("--cluster", nargs="?", const="", default=None, metavar="NAME",
+                        help="one rank per node of the virtual cluster NAME (default "
+                             "$MPSYNC_CLUSTER or mpsync; made for the run unless up), the "
+                             "server alone on node1: every query and ping crosses a link")
+    parser.add_argument("--cluster-rate", default="1gbit",
+                        help="with --cluster: the links' rate during the run (default 1gbit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,28 +76,40 @@ def run(args: argparse.Namespace) -> int:
         print("mpsync bench server: --pace-ms must be >= 0 and --paced-iters >= 1",
               file=sys.stderr)
         return 2
-    argv = mpirun_argv(args.np, python_argv("mpsync.bench.server", "--rank-program",
-                                            str(args.queries), str(args.pace_ms),
-                                            str(args.paced_iters),
-                                            str(int(not args.no_wake_ahead)),
-                                            str(int(not args.no_fast_path))),
-                       forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
+    command = python_argv("mpsync.bench.server", "--rank-program", str(args.queries),
+                          str(args.pace_ms), str(args.paced_iters),
+                          str(int(not args.no_wake_ahead)), str(int(not args.no_fast_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = run_with_deadline(argv, args.timeout, env=env)
+    where = {}
+    with contextlib.ExitStack() as stack:
+        extra: tuple = ()
+        if args.cluster is not None:
+            from mpsync import cluster
+            from mpsync.bench.nodes import cluster_at_rate
+
+            state = stack.enter_context(cluster_at_rate(args.np, args.cluster_rate, args.cluster))
+            extra = tuple(cluster.launch_options(args.np, name=state.name, server_alone=True))
+            where = {"cluster": state.name, "nodes": args.np, "link_rate": args.cluster_rate,
+                     "transport": "tcp across namespace links"}
+        argv = mpirun_argv(args.np, command, forward_env=("PYTHONPATH", "OMP_NUM_THREADS"),
+                           extra=extra)
+        res = run_with_deadline(argv, args.timeout, env=env)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
     if res.timed_out or res.returncode != 0 or line is None:
         why = "timed out" if res.timed_out else f"exit {res.returncode}"
         print(f"mpsync bench server: the mpirun run failed ({why}):\n{res.stderr[-3000:]}",
               file=sys.stderr)
         return 1
-    result = json.loads(line)
+    result = dict(json.loads(line), **where)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"state server, {result['clients']} client(s), {args.queries} queries each")
+        print(f"state server, {result['clients']} client(s), {args.queries} queries each"
+              + (f", one rank per node of cluster {where['cluster']} ({where['link_rate']} "
+                 f"links)" if where else ""))
         print(f"  query round trip  p50 {result['p50_us']:.1f} µs  p99 {result['p99_us']:.1f} µs")
         print(f"  raw ping-pong     p50 {result['raw_p50_us']:.1f} µs  (same run)  "
               f"ratio {result['p50_ratio']:.2f}x")

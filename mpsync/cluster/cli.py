@@ -52,7 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--up", action="store_true", help="reconnect it")
     g.add_argument("--bandwidth", default=None, metavar="RATE")
     g.add_argument("--unlimited", action="store_true", help="remove the rate limit")
-    sub.add_parser("down", help="remove everything `up` made")
+    sub.add_parser("down", help="remove everything `up` made (and its Slurm, if started)")
+    from mpsync import cluster_slurm
+
+    cluster_slurm.add_arguments(sub.add_parser(
+        "slurm", help="a multi-node Slurm: slurmctld here, one slurmd per node"))
 
 
 def main(args) -> int:
@@ -156,6 +160,10 @@ def _link(args) -> int:
 
 
 def _down(args) -> int:
+    from mpsync import cluster_slurm
+
+    if cluster_slurm.stop_for(args.name or cluster.default_name()):
+        print("stopped the cluster's Slurm")
     state = cluster.down(args.name)
     if state is None:
         print(f"cluster {args.name or cluster.default_name()}: not up (nothing to remove)")
@@ -165,5 +173,11 @@ def _down(args) -> int:
     return 0
 
 
+def _slurm(args) -> int:
+    from mpsync import cluster_slurm
+
+    return cluster_slurm.main(args)
+
+
 _ACTIONS = {"up": _up, "status": _status, "mpirun-args": _mpirun_args, "hosts": _hosts,
-            "env": _env, "link": _link, "down": _down}
+            "env": _env, "link": _link, "down": _down, "slurm": _slurm}
