@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mpsync.config import ConfigError, SyncConfig
+from mpsync.policies import default_topology
 from mpsync.simulate import CostModel, parse_speeds, simulate
 from mpsync.simulate._events import run_events
 from mpsync.simulate._speeds import SpeedModel
@@ -19,8 +20,6 @@ PY = sys.executable
 
 
 def _config(policy, topology=None, **kw):
-    from mpsync.apps.train import default_topology
-
     return SyncConfig(policy=policy, topology=topology or default_topology(policy), **kw)
 
 

@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from mpsync.config import POLICIES, ConfigError, SyncConfig
+from mpsync import policies as registry
+from mpsync.config import ConfigError, SyncConfig
 
 __all__ = ["add_arguments", "main", "run_rows", "PLOTTED"]
 
@@ -59,9 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args, policy: str) -> SyncConfig:
-    from mpsync.apps.train import default_topology
-
-    kw = {"policy": policy, "topology": args.topology or default_topology(policy)}
+    kw = {"policy": policy, "topology": args.topology or registry.default_topology(policy)}
     for name in ("staleness", "lookahead", "esync_slack"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -77,9 +76,9 @@ def run_rows(args, log=None) -> list[dict]:
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        if p not in POLICIES:
+        if p not in registry.names():
             raise ConfigError(f"unknown policy {p!r} in --policies; choose from "
-                              f"{', '.join(POLICIES)}")
+                              f"{', '.join(registry.names())}")
     if not policies:
         raise ConfigError("--policies: empty list")
     counts = [None] if args.workers is None else [_count(x) for x in str(args.workers).split(",")]
