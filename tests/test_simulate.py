@@ -12,9 +12,7 @@ import pytest
 
 from mpsync.config import ConfigError, SyncConfig
 from mpsync.policies import default_topology
-from mpsync.simulate import CostModel, parse_speeds, simulate
-from mpsync.simulate._events import run_events
-from mpsync.simulate._speeds import SpeedModel
+from mpsync.simulate import CostModel, SpeedModel, parse_speeds, run_events, simulate
 
 PY = sys.executable
 
