@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 
 from mpsync.config import ConfigError, SyncConfig
-from mpsync.simulate import CostModel, parse_speeds, simulate
-from mpsync.simulate._events import run_events
-from mpsync.simulate._speeds import SpeedModel
+from mpsync.policies import default_topology
+from mpsync.simulate import CostModel, SpeedModel, parse_speeds, run_events, simulate
 
 PY = sys.executable
 
 
 def _config(policy, topology=None, **kw):
-    from mpsync.policies import default_topology
-
     return SyncConfig(policy=policy, topology=topology or default_topology(policy), **kw)
 
 

@@ -15,6 +15,10 @@ import numba
 __all__ = ["jit"]
 
 
-def jit(func):
-    """Compile ``func`` in nopython mode with the on-disk cache enabled."""
-    return numba.njit(cache=True, nogil=True)(func)
+def jit(func=None, *, inline: bool = False):
+    """Compile ``func`` in nopython mode with the on-disk cache enabled.  ``@jit(inline=True)``
+    also inlines it into every compiled caller (Numba IR inlining): for the small helpers of
+    a loop that runs once per event, where a call each time costs measurably."""
+    if func is None:
+        return lambda f: jit(f, inline=inline)
+    return numba.njit(cache=True, nogil=True, inline="always" if inline else "never")(func)

@@ -41,6 +41,9 @@ Engines (the design)
   times (exactly with constant speeds; with jitter the random draws come in another order).
   ``engine="auto"`` takes the fast engine where there is one (esync and ebsp on the PS
   topology have none) and the exact one otherwise.
+
+API: :func:`simulate` returns one summary row; :func:`run_events` runs the exact engine and
+returns its :class:`Recorder` itself (per-worker time in each phase, iterations, rounds).
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ from __future__ import annotations
 import time
 
 from mpsync.config import SyncConfig
+from mpsync.simulate._events import run_events
 from mpsync.simulate._model import CostModel, parse_rate
 from mpsync.simulate._speeds import SpeedModel, parse_speeds, read_trace
 from mpsync.simulate._stats import Recorder
 
-__all__ = ["simulate", "CostModel", "SpeedModel", "parse_speeds", "parse_rate", "read_trace",
-           "FAST_POLICIES", "ENGINES"]
+__all__ = ["simulate", "run_events", "Recorder", "CostModel", "SpeedModel", "parse_speeds",
+           "parse_rate", "read_trace", "FAST_POLICIES", "ENGINES"]
 
 ENGINES = ("auto", "exact", "fast")
 FAST_POLICIES = {"ring": ("bsp", "osp", "esync", "ebsp"), "ps": ("asp", "ssp", "dssp", "bsp")}
@@ -86,7 +90,6 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
             from mpsync.simulate._fast_ring import run_ring
             run_ring(config, speeds, cost, rec, iterations=iterations, duration=duration)
     else:
-        from mpsync.simulate._events import run_events
         rec = run_events(config, speeds, cost, iterations=iterations, duration=duration,
                          batch_size=batch_size)
     row = {"policy": config.policy, "topology": config.topology,

@@ -13,6 +13,9 @@ with the maximum, also kept incrementally; a push of a fastest worker beyond s_L
 real kernel ``sched.dssp_on_push`` on the full table (the controller, Alg. 2), with the
 allowance r_max computed as ``server.policies.DSSP.on_push`` computes it.  Tests run both
 engines on the same seeded cases and require identical iteration counts.
+
+``_loop`` is the dispatch over the four event kinds; each step it takes is a small helper
+compiled into it (``jit(inline=True)``), so naming the steps adds no function call per event.
 """
 
 from __future__ import annotations
@@ -39,8 +42,18 @@ def _key(ev, seq, w):
     return (np.int64(ev) << 58) | (np.int64(seq) << 20) | np.int64(w)
 
 
-@jit
-def _iteration_time(base, w, t, sched_t, sched_f, jitter):
+@jit(inline=True)
+def _schedule(heap, seq, t, ev, w):
+    """Event ``ev`` of worker ``w`` at ``t``, after every event already scheduled for ``t``."""
+    seq[0] += 1
+    heapq.heappush(heap, (t, _key(ev, seq[0], w)))
+
+
+@jit(inline=True)
+def _iteration_time(speed, w, t):
+    """One iteration of ``w`` starting at ``t``; ``speed``: (base, schedule times, schedule
+    factors, jitter), as ``SpeedModel.time_of`` draws it."""
+    base, sched_t, sched_f, jitter = speed
     c = base[w]
     for i in range(sched_t.shape[0]):
         if t >= sched_t[i]:
@@ -50,30 +63,155 @@ def _iteration_time(base, w, t, sched_t, sched_f, jitter):
     return c
 
 
-@jit
-def _resume(w, t, link_free, link_s, shared, half, start, phase, time_, rounds, heap, seq, base,
-            sched_t, sched_f, jitter):
-    """The pull of ``w`` answered at ``t``: the weights take the link, come back, the reset is
-    sent and the next iteration starts (its end is the next event); returns the link's next
-    free time."""
-    end = max(t, link_free) + link_s if shared else t + link_s
+@jit(inline=True)
+def _take_link(t, link_free, link_s, shared):
+    """A transfer ready at ``t``: when it is done, and when the server's link is free again
+    (transfers queue for it when ``shared``, else each takes ``link_s`` on its own)."""
+    if shared:
+        link_free = max(t, link_free) + link_s
+        return link_free, link_free
+    return t + link_s, link_free
+
+
+@jit(inline=True)
+def _computed(book, w, t):
+    """``w``'s iteration ended at ``t``: compute time booked, waiting for the server begins."""
+    start, phase, time_, _ = book
+    time_[w, 0] += t - start[w]
+    start[w] = t
+    phase[w] = 1
+
+
+@jit(inline=True)
+def _pushed(book, w, t, query):
+    """``w``'s push reached the server at ``t``: the step query's round trip was waiting, the
+    rest of the time since the iteration ended aggregating, which goes on until the pull."""
+    start, phase, time_, _ = book
+    time_[w, 1] += query
+    time_[w, 2] += t - start[w] - query
+    start[w] = t
+    phase[w] = 2
+
+
+@jit(inline=True)
+def _record_push(w, t, pushes, table):
+    """Count ``w``'s push at ``t`` and keep its last two push times (the table the DSSP
+    controller reads); returns its push count before this one."""
+    old = pushes[w]
+    pushes[w] = old + 1
+    table[w, 0] = table[w, 1] if old > 0 else t
+    table[w, 1] = t
+    return old
+
+
+@jit(inline=True)
+def _count_push(count, old, lo, hi):
+    """A worker's push count went from ``old`` to ``old + 1``: move it in the histogram
+    ``count`` (grown when needed) and keep min (``lo``) and max (``hi``) of the push counts
+    without a scan; returns (count, lo, hi, whether the minimum rose)."""
+    if old + 1 >= count.shape[0]:
+        bigger = np.zeros(2 * count.shape[0], dtype=np.int64)
+        bigger[:count.shape[0]] = count
+        count = bigger
+    count[old] -= 1
+    count[old + 1] += 1
+    if old + 1 > hi:
+        hi = old + 1
+    raised = False
+    while count[lo] == 0:
+        lo += 1
+        raised = True
+    return count, lo, hi, raised
+
+
+@jit(inline=True)
+def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
+    """DSSP at ``w``'s push (Alg. 1): will its next pull be held?  Lines 3-9 (an extra
+    iteration left, or within s_L) in O(1); a fastest worker beyond s_L asks the controller
+    (Alg. 2, the real kernel) with r_max as ``server.policies.DSSP.on_push`` computes it."""
+    gap = pushes[w] - lo
+    if r_extra[w] > 0:
+        r_extra[w] -= 1
+        dssp_held[w] = False
+    elif gap <= s_low:
+        dssp_held[w] = False
+    elif pushes[w] < hi:
+        dssp_held[w] = True     # not the fastest: line 11 fails, line 17 holds
+    else:
+        r_max = max(0, min(s_high - s_low, s_high - gap + 1))
+        ok, r_new = sched.dssp_on_push(pushes, r_extra[w], table, w, s_low, r_max)
+        r_extra[w] = r_new
+        dssp_held[w] = not ok
+
+
+@jit(inline=True)
+def _may_pull(kind, gap, s, s_low, held_by_dssp):
+    """The staleness rule at a pull request, ``gap`` = pushes[w] - min(pushes)."""
+    if kind == ASP:
+        return True
+    if kind == SSP:
+        return gap <= s
+    return (not held_by_dssp) or gap <= s_low
+
+
+@jit(inline=True)
+def _resume(w, t, gap, link_free, link_s, shared, half, book, stale_hist, heap, seq, speed):
+    """The pull of ``w`` answered at ``t`` with staleness ``gap``: the weights take the link,
+    come back, the reset is sent and the next iteration starts (its end is the next event);
+    returns the link's next free time.  ``book``: (start, phase, time_, rounds) per worker."""
+    start, phase, time_, rounds = book
+    stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
+    end, link_free = _take_link(t, link_free, link_s, shared)
     back = end + half
     rounds[w] += 1
     time_[w, 2] += back - start[w]
     start[w] = back
     phase[w] = 0
-    c = _iteration_time(base, w, back, sched_t, sched_f, jitter)
-    seq[0] += 1
-    heapq.heappush(heap, (back + c, _key(_DONE, seq[0], w)))
-    return end if shared else link_free
+    _schedule(heap, seq, back + _iteration_time(speed, w, back), _DONE, w)
+    return link_free
+
+
+@jit(inline=True)
+def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, link_free, link_s, shared,
+                  half, book, stale_hist, heap, seq, speed):
+    """The minimum push count rose: answer every held pull now within ``bound`` of it (SSP's
+    s, DSSP's s_L: a held DSSP pull waits for the slowest), in the order they were held;
+    returns (how many are still held, the link's next free time)."""
+    keep = 0
+    for i in range(n_held):
+        v = held[i]
+        gap = pushes[v] - lo
+        if gap <= bound:
+            dssp_held[v] = False
+            link_free = _resume(v, t, gap, link_free, link_s, shared, half, book, stale_hist,
+                                heap, seq, speed)
+        else:
+            held[keep] = v
+            keep += 1
+    return keep, link_free
+
+
+@jit(inline=True)
+def _close_phases(t_end, book):
+    """Book each worker's open phase up to ``t_end``; weights still on the way back at
+    ``t_end`` do not count as a round."""
+    start, phase, time_, rounds = book
+    for w in range(start.shape[0]):
+        if start[w] > t_end:
+            time_[w, 2] -= start[w] - t_end
+            rounds[w] -= 1
+        else:
+            time_[w, phase[w]] += t_end - start[w]
 
 
 @jit
-def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, link_s,
-          shared, total_target, duration, time_, iters, rounds, stale_hist, out):
-    """``out``: [t_end, messages, pushes]; ``time_[w]``: compute, wait, aggregate seconds."""
+def _loop(kind, s, s_low, s_high, speed, seed, query, link_s, shared, total_target, duration,
+          time_, iters, rounds, stale_hist, out):
+    """``out``: [t_end, messages, pushes]; ``time_[w]``: compute, wait, aggregate seconds.
+    Per event: an iteration done (the step query goes out), its reply in (the push takes the
+    server's link), the push at the server, the pull request (answered or held)."""
     np.random.seed(seed)
-    n = base.shape[0]
+    n = speed[0].shape[0]
     half = query / 2.0
     pushes = np.zeros(n, dtype=np.int64)
     table = np.zeros((n, 2), dtype=np.float64)
@@ -81,11 +219,10 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
     dssp_held = np.zeros(n, dtype=np.bool_)
     start = np.zeros(n)                       # when the current phase began
     phase = np.zeros(n, dtype=np.int64)
-    cap = 1024
-    count = np.zeros(cap, dtype=np.int64)     # workers per push count
+    book = (start, phase, time_, rounds)
+    count = np.zeros(1024, dtype=np.int64)    # workers per push count
     count[0] = n
-    lo = 0                                    # min(pushes)
-    hi = 0
+    lo, hi = 0, 0                             # min(pushes), max(pushes)
     held = np.empty(n, dtype=np.int64)
     n_held = 0
     link_free = 0.0
@@ -95,9 +232,7 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
     heap.pop()
     seq = np.zeros(1, dtype=np.int64)
     for w in range(n):
-        c = _iteration_time(base, w, 0.0, sched_t, sched_f, jitter)
-        seq[0] += 1
-        heapq.heappush(heap, (c, _key(_DONE, seq[0], w)))
+        _schedule(heap, seq, _iteration_time(speed, w, 0.0), _DONE, w)
     t_end = 0.0
     while len(heap) > 0:
         t, key = heapq.heappop(heap)
@@ -110,103 +245,41 @@ def _loop(kind, s, s_low, s_high, base, sched_t, sched_f, jitter, seed, query, l
         if ev == _DONE:
             iters[w] += 1
             total += 1
-            time_[w, 0] += t - start[w]
-            start[w] = t
-            phase[w] = 1
+            _computed(book, w, t)
             messages += 1
-            # step query (always SYNC); the push takes the server's link when the reply is in
-            seq[0] += 1  # (t + half) + half: the sum the event engine computes
-            heapq.heappush(heap, ((t + half) + half, _key(_REPLIED, seq[0], w)))
+            # step query (always SYNC); the push takes the server's link when the reply is in;
+            # (t + half) + half: the sum the event engine computes
+            _schedule(heap, seq, (t + half) + half, _REPLIED, w)
             if total_target > 0 and total >= total_target:
                 break
         elif ev == _REPLIED:
-            end = t + link_s
-            if shared:
-                link_free = max(t, link_free) + link_s
-                end = link_free
-            seq[0] += 1
-            heapq.heappush(heap, (end, _key(_PUSHED, seq[0], w)))
+            end, link_free = _take_link(t, link_free, link_s, shared)
+            _schedule(heap, seq, end, _PUSHED, w)
         elif ev == _PUSHED:
-            time_[w, 1] += query
-            time_[w, 2] += t - start[w] - query
-            start[w] = t
-            phase[w] = 2
+            _pushed(book, w, t, query)
             messages += 1
-            old = pushes[w]
-            pushes[w] = old + 1
-            table[w, 0] = table[w, 1] if old > 0 else t
-            table[w, 1] = t
-            if old + 1 >= cap:
-                bigger = np.zeros(2 * cap, dtype=np.int64)
-                bigger[:cap] = count
-                count = bigger
-                cap *= 2
-            count[old] -= 1
-            count[old + 1] += 1
-            if old + 1 > hi:
-                hi = old + 1
-            raised = False
-            while count[lo] == 0:
-                lo += 1
-                raised = True
+            old = _record_push(w, t, pushes, table)
+            count, lo, hi, raised = _count_push(count, old, lo, hi)
             if kind == DSSP:
-                gap = pushes[w] - lo
-                if r_extra[w] > 0:
-                    r_extra[w] -= 1
-                    dssp_held[w] = False
-                elif gap <= s_low:
-                    dssp_held[w] = False
-                elif pushes[w] < hi:
-                    dssp_held[w] = True     # not the fastest: line 11 fails, line 17 holds
-                else:
-                    r_max = max(0, min(s_high - s_low, s_high - gap + 1))
-                    ok, r_new = sched.dssp_on_push(pushes, r_extra[w], table, w, s_low, r_max)
-                    r_extra[w] = r_new
-                    dssp_held[w] = not ok
-            seq[0] += 1
-            heapq.heappush(heap, (t + query, _key(_PULL, seq[0], w)))
+                _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high)
+            _schedule(heap, seq, t + query, _PULL, w)
             if raised and n_held > 0:
                 # the slowest moved on: held pulls may go now (the loop retries after a message)
-                keep = 0
-                for i in range(n_held):
-                    v = held[i]
-                    gap = pushes[v] - lo
-                    ok = gap <= s if kind == SSP else gap <= s_low
-                    if ok:
-                        if kind == DSSP:
-                            dssp_held[v] = False
-                        stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                        link_free = _resume(v, t, link_free, link_s, shared, half, start,
-                                            phase, time_, rounds, heap, seq, base, sched_t,
-                                            sched_f, jitter)
-                    else:
-                        held[keep] = v
-                        keep += 1
-                n_held = keep
+                n_held, link_free = _release_held(held, n_held, s if kind == SSP else s_low,
+                                                  pushes, lo, dssp_held, t, link_free, link_s,
+                                                  shared, half, book, stale_hist, heap, seq,
+                                                  speed)
         elif ev == _PULL:
             messages += 1
             gap = pushes[w] - lo
-            if kind == ASP:
-                ok = True
-            elif kind == SSP:
-                ok = gap <= s
-            else:
-                ok = (not dssp_held[w]) or gap <= s_low
-            if ok:
-                if kind == DSSP:
-                    dssp_held[w] = False
-                stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-                link_free = _resume(w, t, link_free, link_s, shared, half, start, phase,
-                                    time_, rounds, heap, seq, base, sched_t, sched_f, jitter)
+            if _may_pull(kind, gap, s, s_low, dssp_held[w]):
+                dssp_held[w] = False
+                link_free = _resume(w, t, gap, link_free, link_s, shared, half, book,
+                                    stale_hist, heap, seq, speed)
             else:
                 held[n_held] = w
                 n_held += 1
-    for w in range(n):
-        if start[w] > t_end:   # its weights were still on the way back
-            time_[w, 2] -= start[w] - t_end
-            rounds[w] -= 1
-        else:
-            time_[w, phase[w]] += t_end - start[w]
+    _close_phases(t_end, book)
     out[0] = t_end
     out[1] = messages
     out[2] = pushes.sum()
@@ -229,8 +302,9 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     rounds = np.zeros(n, dtype=np.int64)
     stale = np.zeros(4096, dtype=np.int64)
     out = np.zeros(3)
-    _loop(kind, s, config.staleness_low, config.staleness_high, speeds.base, sched_t, sched_f,
-          float(speeds.jitter), int(speeds.seed), cost.query, cost.link(), cost.shared_link,
+    speed = (speeds.base, sched_t, sched_f, float(speeds.jitter))
+    _loop(kind, s, config.staleness_low, config.staleness_high, speed, int(speeds.seed),
+          cost.query, cost.link(), cost.shared_link,
           0 if iterations is None else n * iterations, 0.0 if duration is None else duration,
           time_, iters, rounds, stale, out)
     rec.time[:, :3] = time_

@@ -42,102 +42,149 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
     n = speeds.n
     q = cost.query
     half = q / 2
-    policy = config.policy
-    osp = config.osp_ics_max_fraction if policy == "osp" else 0.0
+    osp = config.osp_ics_max_fraction if config.policy == "osp" else 0.0
     target = None if iterations is None else n * iterations
     horizon = np.inf if duration is None else duration
     T0 = 0.0
     total = 0
-    cap = np.zeros(n)                 # ESync capability table (last compute per worker)
-    interval = np.full(n, np.nan)     # ElasticBSP: the interval each worker's last report closed
+    state = _RingState(n)
     first_round = True
     while True:
-        S = np.full(n, T0)
-        plan_j = None
-        if policy == "ebsp":
-            if first_round:
-                plan_j = _ebsp_monitoring(config, speeds, cost, S.copy())
-            else:
-                last = np.full(n, T0 + half)
-                res = sched.zipline(sched.predict(last, np.maximum(interval, 1e-9),
-                                                  config.lookahead), config.zipline_variant)
-                plan_j = res.z + 1
-        # per local iteration i, over the workers still running: start S, compute c, report
-        # D (the server sees it at D + half); the time each spends is booked as it goes
-        idx = np.arange(n)
-        Si = S
-        j = np.zeros(n, dtype=np.int64)
-        D_sync = np.zeros(n)
-        D_prev = np.full(n, np.nan)
-        reports = []                  # report times of this round, for the stop check
-        esync = policy == "esync" and not first_round
-        if esync:
-            s = int(np.argmax(cap))
-            cap_s = cap[s]
-            lf_s = T0 + half
-        i = 0
-        while idx.size:
-            i += 1
-            c = speeds.times(Si, idx)
-            D = Si + c
-            reports.append((D, c, idx))
-            j[idx] += 1
-            if policy in ("bsp", "osp") or (policy == "esync" and first_round):
-                sync = np.ones(idx.size, dtype=bool)
-            elif policy == "ebsp":
-                sync = j[idx] >= plan_j[idx]
-            else:  # esync, Alg. 2 per report
-                N = D + half
-                if i == 1:
-                    N_s = N[s]                  # the slowest's first report: it is READY
-                sync = (N >= N_s) | (c + config.esync_slack > cap_s - N + lf_s) | (c > cap_s)
-                if i == 1:
-                    sync[s] = True
-            if policy == "esync":
-                cap[idx] = c
-            if policy == "ebsp":
-                prev = D_prev[idx]
-                # the interval this report closes: from the previous report, or the reset
-                interval[idx] = np.where(np.isnan(prev), (D + half) - (T0 + half),
-                                         (D + half) - (prev + half))
-                D_prev[idx] = D
-            D_sync[idx[sync]] = D[sync]
-            keep = ~sync
-            idx = idx[keep]
-            Si = (D[keep] + half) + half
+        plan_j = _ebsp_plan(config, speeds, cost, T0, state, first_round) \
+            if config.policy == "ebsp" else None
+        j, D_sync, reports = _local_iterations(config, speeds, half, T0, plan_j, state,
+                                               first_round)
         E = (D_sync + half) + half
         start_agg = float(E.max())
         blocking = cost.ring(n, 1.0 - osp)
         # OSP's In-Computation Sync overlaps the next iteration (as in the event engine)
         hidden = max(0.0, cost.ring(n, osp) - _min_c(reports)) if osp else 0.0
         done = start_agg + blocking + hidden
-        # stop inside this round?
         count = int(j.sum())
-        t_end = None
-        if target is not None and total + count >= target:
-            all_D = np.concatenate([r[0] for r in reports])
-            t_end = float(np.partition(all_D, target - total - 1)[target - total - 1])
-        if horizon < done and (t_end is None or horizon < t_end):
-            t_end = horizon
-        if t_end is None:
-            _account(rec, reports, T0, E, done, q, np.inf, blocking + hidden)
-            total += count
-            rec.rounds += 1
-            rec.collectives += 1
-            rec.add_local_steps(j)
-            T0 = done
-            first_round = False
-            continue
-        counted = _account(rec, reports, T0, E, done, q, t_end, blocking + hidden)
-        total += counted
-        rec.sim_time = t_end
-        break
+        t_end = _stop_time(reports, None if target is None else target - total, count,
+                           horizon, done)
+        if t_end is not None:
+            total += _account(rec, reports, T0, E, done, q, t_end, blocking + hidden)
+            rec.sim_time = t_end
+            break
+        _account(rec, reports, T0, E, done, q, np.inf, blocking + hidden)
+        total += count
+        rec.rounds += 1
+        rec.collectives += 1
+        rec.add_local_steps(j)
+        T0 = done
+        first_round = False
+    _finish(rec, total, n)
+    return rec
+
+
+class _RingState:
+    """What the server's tables carry from one round to the next."""
+
+    def __init__(self, n):
+        self.cap = np.zeros(n)                # ESync capability table (last compute per worker)
+        self.interval = np.full(n, np.nan)    # ElasticBSP: the interval each last report closed
+
+
+class _Slowest:
+    """ESync's reference for one round: the slowest device at the round's start (largest
+    capability, lowest index), its capability, its last fetch (the reset) and, once seen,
+    when its first report of the round reaches the server."""
+
+    def __init__(self, cap, reset_at):
+        self.w = int(np.argmax(cap))
+        self.cap = cap[self.w]
+        self.fetched = reset_at
+        self.report = None
+
+
+def _ebsp_plan(config, speeds, cost, T0, state, first_round):
+    """ElasticBSP: the iterations each worker runs this round, planned at the last reset of
+    the round before (or after the monitoring phase, in the first round)."""
+    n = speeds.n
+    if first_round:
+        return _ebsp_monitoring(config, speeds, cost, np.full(n, T0))
+    last = np.full(n, T0 + cost.query / 2)
+    res = sched.zipline(sched.predict(last, np.maximum(state.interval, 1e-9),
+                                      config.lookahead), config.zipline_variant)
+    return res.z + 1
+
+
+def _local_iterations(config, speeds, half, T0, plan_j, state, first_round):
+    """One round's local iterations, one vector step each over the workers still running:
+    start S, compute c, report D (the server sees it at D + half).  Returns the iterations
+    per worker, each worker's SYNC report time and the reports ``(D, c, idx)`` in order."""
+    n = speeds.n
+    policy = config.policy
+    idx = np.arange(n)
+    Si = np.full(n, T0)
+    j = np.zeros(n, dtype=np.int64)
+    D_sync = np.zeros(n)
+    D_prev = np.full(n, np.nan)
+    reports = []
+    slowest = _Slowest(state.cap, T0 + half) if policy == "esync" and not first_round else None
+    i = 0
+    while idx.size:
+        i += 1
+        c = speeds.times(Si, idx)
+        D = Si + c
+        reports.append((D, c, idx))
+        j[idx] += 1
+        if policy == "ebsp":
+            sync = j[idx] >= plan_j[idx]
+        elif slowest is not None:
+            sync = _esync_ready(slowest, i, D + half, c, config.esync_slack)
+        else:   # bsp, osp, and esync's first round: SYNC at every report
+            sync = np.ones(idx.size, dtype=bool)
+        if policy == "esync":
+            state.cap[idx] = c
+        if policy == "ebsp":
+            _close_intervals(state.interval, D_prev, idx, D, T0, half)
+        D_sync[idx[sync]] = D[sync]
+        keep = ~sync
+        idx = idx[keep]
+        Si = (D[keep] + half) + half
+    return j, D_sync, reports
+
+
+def _esync_ready(slowest, i, N, c, slack):
+    """Alg. 2's READY test for the reports ``N`` (server time) of local iteration ``i``."""
+    if i == 1:
+        slowest.report = N[slowest.w]       # the slowest's first report: it is READY
+    sync = (N >= slowest.report) | (c + slack > slowest.cap - N + slowest.fetched) | \
+        (c > slowest.cap)
+    if i == 1:
+        sync[slowest.w] = True
+    return sync
+
+
+def _close_intervals(interval, D_prev, idx, D, T0, half):
+    """ElasticBSP: the interval each report closes, from the previous report or the reset."""
+    prev = D_prev[idx]
+    interval[idx] = np.where(np.isnan(prev), (D + half) - (T0 + half),
+                             (D + half) - (prev + half))
+    D_prev[idx] = D
+
+
+def _stop_time(reports, left, count, horizon, done):
+    """When the run ends inside this round (``left`` iterations to go, ``horizon``), or None."""
+    t_end = None
+    if left is not None and count >= left:
+        all_D = np.concatenate([r[0] for r in reports])
+        t_end = float(np.partition(all_D, left - 1)[left - 1])
+    if horizon < done and (t_end is None or horizon < t_end):
+        t_end = horizon
+    return t_end
+
+
+def _finish(rec, total, n):
+    """The run's counters: a report per iteration, a SYNC per worker and collective, a reset
+    per round."""
     rec.total_iterations = total
     rec.syncs = int(rec.collectives) * n
     rec.locals = total - rec.syncs
-    rec.messages = total + rec.syncs   # a report per iteration, a reset per round
+    rec.messages = total + rec.syncs
     rec.phase_since[:] = rec.sim_time
-    return rec
 
 
 def _min_c(reports) -> float:
