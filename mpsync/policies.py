@@ -21,9 +21,9 @@ import importlib
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS", "register",
-           "unregister", "get", "names", "specs", "default_topology", "load_plugins", "resolve",
-           "policy_table"]
+__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS",
+           "SIMULATION_MODELS", "register", "unregister", "get", "names", "specs",
+           "default_topology", "load_plugins", "resolve", "policy_table"]
 
 TOPOLOGIES = ("ring", "ps")
 # What the other policies are measured against (``mpsync compare``'s speedup column).
@@ -35,6 +35,14 @@ BASELINE = "bsp"
 # "query_state" a per-query readiness rule over the workers' records (ESync Alg. 2).
 # None: the policy is served by the Python loop only.
 FAST_PATH_KINDS = ("tables", "planned", "query_state")
+
+# Models of ``mpsync simulate``'s fast engines (mpsync/simulate), for thousands of workers:
+# on the ring "every_step" (aggregate at every iteration), "overlap" (every iteration, part of
+# the model overlapped: OSP's ICS), "query_state" (ESync's readiness rule), "planned"
+# (ZipLine barriers); on the PS "no_wait", "staleness" (bounded by ``staleness``), "in_step"
+# (staleness 0), "dynamic_staleness" (DSSP's controller).
+SIMULATION_MODELS = {"ring": ("every_step", "overlap", "query_state", "planned"),
+                     "ps": ("no_wait", "staleness", "in_step", "dynamic_staleness")}
 
 # The strategy every policy uses on the parameter-server topology: push the local delta, pull
 # the global weights under the policy's staleness rule.
@@ -68,6 +76,12 @@ class PolicySpec:
     fast_path: str | None = None
     options: tuple[str, ...] = ()
     ps_average: bool = False
+    simulation: Mapping[str, str] | None = None
+
+    def simulation_model(self, topology: str) -> str | None:
+        """The simulator's fast model of this policy on ``topology`` (``SIMULATION_MODELS``),
+        or None: ``mpsync simulate`` then drives the policy's server class event by event."""
+        return (self.simulation or {}).get(topology)
 
     @property
     def default_topology(self) -> str:
@@ -106,7 +120,8 @@ _REGISTRY: dict[str, PolicySpec] = {}
 
 def register(name: str, *, description: str, server: str, strategies: Mapping[str, str],
              paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
-             ps_average: bool = False, replace: bool = False) -> PolicySpec:
+             ps_average: bool = False, simulation: Mapping[str, str] | None = None,
+             replace: bool = False) -> PolicySpec:
     """Add a policy; returns its entry.
 
     ``strategies`` maps each allowed topology to its worker strategy (``"module:Class"``); its
@@ -130,9 +145,14 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
     if fast_path is not None and fast_path not in FAST_PATH_KINDS:
         raise PolicyError(f"policy {name!r}: fast_path must be None or one of "
                           f"{', '.join(FAST_PATH_KINDS)}, got {fast_path!r}")
+    for topology, model in (simulation or {}).items():
+        if model not in SIMULATION_MODELS.get(topology, ()):
+            raise PolicyError(f"policy {name!r}: simulation model {model!r} on {topology!r}; "
+                              f"choose from {', '.join(SIMULATION_MODELS.get(topology, ()))}")
     spec = PolicySpec(name=name, description=description, paper=paper,
                       topologies=tuple(strategies), server=server, strategies=strategies,
-                      fast_path=fast_path, options=tuple(options), ps_average=ps_average)
+                      fast_path=fast_path, options=tuple(options), ps_average=ps_average,
+                      simulation=dict(simulation) if simulation else None)
     old = _REGISTRY.get(name)
     if old is not None and old != spec and not replace:
         raise PolicyError(f"policy {name!r} is already registered (pass replace=True)")
@@ -210,34 +230,37 @@ register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
     server=_SERVER + "BSP",
     strategies={"ring": _STRATEGY + "GradientAveraging", "ps": "default"},
-    fast_path="tables")
+    fast_path="tables", simulation={"ring": "every_step", "ps": "in_step"})
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
-    server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables")
+    server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",
+    simulation={"ps": "no_wait"})
 register(
     "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
     paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},
-    fast_path="tables", options=("staleness",))
+    fast_path="tables", options=("staleness",), simulation={"ps": "staleness"})
 register(
     "dssp", description="SSP whose bound moves within `[s_L, s_U]`, set per push by a controller",
     paper="DSSP Alg. 1-2", server=_SERVER + "DSSP", strategies={"ps": "default"},
-    fast_path="tables", options=("staleness_low", "staleness_high"))
+    fast_path="tables", options=("staleness_low", "staleness_high"),
+    simulation={"ps": "dynamic_staleness"})
 register(
     "ebsp", description="ElasticBSP: the server predicts `R` iterations of every worker and picks "
                         "the barrier with the least waiting (ZipLine)",
     paper="ZipLine §3-5, Alg. 2", server=_SERVER + "ElasticBSP",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
-    fast_path="planned", options=("lookahead", "zipline_variant"), ps_average=True)
+    fast_path="planned", options=("lookahead", "zipline_variant"), ps_average=True,
+    simulation={"ring": "planned"})
 register(
     "esync", description="fast workers run extra local iterations until the slowest is ready; "
                          "model deltas averaged",
     paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_SERVER + "ESync",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
     fast_path="query_state", options=("epsilon", "esync_slack", "esync_delayed_ack"),
-    ps_average=True)
+    ps_average=True, simulation={"ring": "query_state"})
 register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
                        "iteration, with local-gradient correction",
     paper="OSP §3-4, Alg. 1, Eq. 6-7", server=_SERVER + "OSP",
     strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
-    options=("osp_ics_max_fraction",))
+    options=("osp_ics_max_fraction",), simulation={"ring": "overlap"})

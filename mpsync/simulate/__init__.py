@@ -57,10 +57,17 @@ from mpsync.simulate._speeds import SpeedModel, parse_speeds, read_trace
 from mpsync.simulate._stats import Recorder
 
 __all__ = ["simulate", "run_events", "Recorder", "CostModel", "SpeedModel", "parse_speeds",
-           "parse_rate", "read_trace", "FAST_POLICIES", "ENGINES"]
+           "parse_rate", "read_trace", "fast_model", "ENGINES"]
 
 ENGINES = ("auto", "exact", "fast")
-FAST_POLICIES = {"ring": ("bsp", "osp", "esync", "ebsp"), "ps": ("asp", "ssp", "dssp", "bsp")}
+
+
+def fast_model(config: SyncConfig) -> str | None:
+    """The fast engine's model of ``config.policy`` on its topology (the registry's
+    ``simulation``), or None where only the exact engine can run it."""
+    from mpsync import policies
+
+    return policies.get(config.policy).simulation_model(config.topology)
 
 
 def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
@@ -74,7 +81,7 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
         raise ValueError("give exactly one of iterations or duration")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    fast_ok = config.policy in FAST_POLICIES[config.topology] and speeds.pause is None
+    fast_ok = fast_model(config) is not None and speeds.pause is None
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast engine for {config.policy} on {config.topology}"
                          f"{' with pauses' if speeds.pause is not None else ''}; "

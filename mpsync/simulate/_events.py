@@ -14,6 +14,7 @@ import heapq
 
 import numpy as np
 
+from mpsync import policies
 from mpsync.server.wire import SYNC
 from mpsync.simulate._adapter import PolicyDriver
 from mpsync.simulate._stats import Recorder
@@ -58,7 +59,8 @@ class _EventRun:
         self.entered: list = []                   # ring: workers in the current collective
         self.enter_max = 0.0
         self.link_free = 0.0                      # PS: when the server's link is free again
-        self.osp_ics = config.osp_ics_max_fraction if config.policy == "osp" else 0.0
+        overlapped = policies.get(config.policy).simulation_model(config.topology) == "overlap"
+        self.osp_ics = config.osp_ics_max_fraction if overlapped else 0.0
         self.handlers = {_SRV_STEP: self.server_step, _SRV_RESET: self.server_reset,
                          _SRV_PUSH: self.server_push, _SRV_PULL: self.server_pull,
                          _REPLY: self.replied, _AGG_DONE: self.aggregated,

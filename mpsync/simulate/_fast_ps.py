@@ -24,7 +24,7 @@ import heapq
 
 import numpy as np
 
-from mpsync import sched
+from mpsync import policies, sched
 from mpsync.sched._numba import jit
 
 __all__ = ["run_ps"]
@@ -287,10 +287,11 @@ def _loop(kind, s, s_low, s_high, speed, seed, query, link_s, shared, total_targ
 
 def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     """Fill the recorder ``rec`` with a simulated run of asp / ssp / dssp / bsp on PS."""
-    kind = {"asp": ASP, "ssp": SSP, "bsp": SSP, "dssp": DSSP}[config.policy]
+    model = policies.get(config.policy).simulation_model("ps")
+    kind = {"no_wait": ASP, "staleness": SSP, "in_step": SSP, "dynamic_staleness": DSSP}[model]
     if speeds.n > 1 << 20:
         raise ValueError(f"the PS engine handles up to {1 << 20} workers, got {speeds.n}")
-    s = 0 if config.policy == "bsp" else config.staleness
+    s = 0 if model == "in_step" else config.staleness
     if speeds.schedule:
         sched_t = np.array([t for t, _ in speeds.schedule])
         sched_f = np.array([f for _, f in speeds.schedule])

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpsync import sched
+from mpsync import policies, sched
 
 __all__ = ["run_ring"]
 
@@ -42,7 +42,8 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
     n = speeds.n
     q = cost.query
     half = q / 2
-    osp = config.osp_ics_max_fraction if config.policy == "osp" else 0.0
+    model = policies.get(config.policy).simulation_model("ring")
+    osp = config.osp_ics_max_fraction if model == "overlap" else 0.0
     target = None if iterations is None else n * iterations
     horizon = np.inf if duration is None else duration
     T0 = 0.0
@@ -51,7 +52,7 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
     first_round = True
     while True:
         plan_j = _ebsp_plan(config, speeds, cost, T0, state, first_round) \
-            if config.policy == "ebsp" else None
+            if model == "planned" else None
         j, D_sync, reports = _local_iterations(config, speeds, half, T0, plan_j, state,
                                                first_round)
         E = (D_sync + half) + half
@@ -115,14 +116,14 @@ def _local_iterations(config, speeds, half, T0, plan_j, state, first_round):
     start S, compute c, report D (the server sees it at D + half).  Returns the iterations
     per worker, each worker's SYNC report time and the reports ``(D, c, idx)`` in order."""
     n = speeds.n
-    policy = config.policy
+    policy = policies.get(config.policy).simulation_model("ring")
     idx = np.arange(n)
     Si = np.full(n, T0)
     j = np.zeros(n, dtype=np.int64)
     D_sync = np.zeros(n)
     D_prev = np.full(n, np.nan)
     reports = []
-    slowest = _Slowest(state.cap, T0 + half) if policy == "esync" and not first_round else None
+    slowest = _Slowest(state.cap, T0 + half) if policy == "query_state" and not first_round else None
     i = 0
     while idx.size:
         i += 1
@@ -130,15 +131,15 @@ def _local_iterations(config, speeds, half, T0, plan_j, state, first_round):
         D = Si + c
         reports.append((D, c, idx))
         j[idx] += 1
-        if policy == "ebsp":
+        if policy == "planned":
             sync = j[idx] >= plan_j[idx]
         elif slowest is not None:
             sync = _esync_ready(slowest, i, D + half, c, config.esync_slack)
         else:   # bsp, osp, and esync's first round: SYNC at every report
             sync = np.ones(idx.size, dtype=bool)
-        if policy == "esync":
+        if policy == "query_state":
             state.cap[idx] = c
-        if policy == "ebsp":
+        if policy == "planned":
             _close_intervals(state.interval, D_prev, idx, D, T0, half)
         D_sync[idx[sync]] = D[sync]
         keep = ~sync
