@@ -100,18 +100,18 @@ def test_bus_bandwidth_is_the_link_rate_when_the_links_are_the_only_limit():
 
 
 def test_cluster_bench_rows_get_ratios_and_link_fractions_per_method_and_variant():
-    from mpsync.bench.nodes import _derive, _targets
+    from mpsync.bench.nodes import derive_row, check_targets
 
     row = {"bytes": 64 << 20, "mpsync_ms": 1100.0, "horovod_ms": 1000.0,
            "mpsync_links2+ring_ms": 880.0, "horovod_links2+ring_ms": 800.0,
            "shift_ms": 600.0}
-    out = _derive(row, 4, "1gbit", ["links2+ring"])
+    out = derive_row(row, 4, "1gbit", ["links2+ring"])
     assert out["mpsync_vs_horovod"] == pytest.approx(1.1)
     assert out["mpsync_vs_horovod_links2+ring"] == pytest.approx(1.1)
     # 64 MiB, 4 ranks, 1 s: busbw = 1.5 * 64 MiB/s = 0.805 Gbit/s.
     assert out["horovod_link_fraction"] == pytest.approx(1.5 * (64 << 20) * 8 / 1e9)
     # A shift carries the buffer once per link and direction.
     assert out["shift_link_fraction"] == pytest.approx((64 << 20) * 8 / 0.6 / 1e9)
-    targets = _targets([{"rate": "1gbit", "nodes": 4, "rows": [out]}])["4nodes_1gbit"]
+    targets = check_targets([{"rate": "1gbit", "nodes": 4, "rows": [out]}])["4nodes_1gbit"]
     assert targets["mpsync_vs_horovod_median_ge_1MB"] == pytest.approx(1.1)
     assert targets["link_fraction_64MB"]["horovod"] == out["horovod_link_fraction"]

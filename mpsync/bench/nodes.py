@@ -33,7 +33,7 @@ import os
 import sys
 import time
 
-__all__ = ["bus_bandwidth", "link_fraction", "cluster_at_rate", "run_allreduce", "cluster_argv",
+__all__ = ["bus_bandwidth", "derive_row", "check_targets", "link_fraction", "cluster_at_rate", "run_allreduce", "cluster_argv",
            "PROBE_VARIANTS", "add_cluster_arguments"]
 
 KB, MB = 1 << 10, 1 << 20
@@ -227,7 +227,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                         suffix = "" if variant == "defaults" else f"_{variant}"
                         rows[row["bytes"]].update({f"{k[:-3]}{suffix}_ms": v
                                                    for k, v in row.items() if k != "bytes"})
-                table = [_derive(rows[s], n, rate, job_variants) for s in sizes]
+                table = [derive_row(rows[s], n, rate, job_variants) for s in sizes]
                 results.append({"rate": rate, "nodes": n, "rows": table})
     summary = {"cluster": {"name": state.name, "subnet": state.subnet,
                            "tbf_burst_bytes_at_first_rate": state.burst,
@@ -236,7 +236,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                "job_variants": {v: " ".join(PROBE_VARIANTS[v]) for v in job_variants},
                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                "elapsed_s": time.time() - started, "runs": results,
-               "targets": _targets(results)}
+               "targets": check_targets(results)}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cluster.json"), "w") as f:
@@ -256,7 +256,7 @@ def cluster_options_text(state) -> str:
             f"--mca oob_tcp_if_include {state.subnet} (rsh agent of cluster {state.name})")
 
 
-def _derive(row: dict, n: int, rate: str, job_variants=()) -> dict:
+def derive_row(row: dict, n: int, rate: str, job_variants=()) -> dict:
     """Ratios, bus bandwidths and link fractions of one size's row."""
     from mpsync.cluster.layout import parse_rate
 
@@ -281,7 +281,7 @@ def _derive(row: dict, n: int, rate: str, job_variants=()) -> dict:
     return out
 
 
-def _targets(results: list[dict]) -> dict:
+def check_targets(results: list[dict]) -> dict:
     """The two figures the cluster benchmark is judged by, where they were measured."""
     import statistics
 
