@@ -33,8 +33,8 @@ import os
 import sys
 import time
 
-__all__ = ["bus_bandwidth", "derive_row", "check_targets", "link_fraction", "cluster_at_rate", "run_allreduce", "cluster_argv",
-           "PROBE_VARIANTS", "add_cluster_arguments"]
+__all__ = ["bus_bandwidth", "derive_row", "check_targets", "link_fraction", "cluster_at_rate",
+           "run_allreduce", "cluster_argv", "PROBE_VARIANTS", "add_cluster_arguments"]
 
 KB, MB = 1 << 10, 1 << 20
 CLUSTER_SIZES = (256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB)
