@@ -11,8 +11,12 @@ DeltaAveraging      esync,      local step; ask; on SYNC average the model delta
                     ebsp (ring) last aggregation and apply them to the global model (ESync
                                 Eq. 6-8: w_{t+1} = w_t + ε·mean_i(w^i - w_t))
 ParameterServer     asp, ssp,   local step; ask; on SYNC push the delta since the last pull
-                    dssp, ebsp, (the server applies w += Δ on arrival) and pull the current
-                    esync (ps)  weights under the policy's staleness rule
+                    dssp,       (the server applies it on arrival) and pull the current
+                    esync (ps)  weights under the policy's staleness rule (ESync: a pull waits
+                                for every worker's delta of the round)
+ElasticSuperstep    ebsp (ps)   local step; ask; push and pull every iteration (ASP within
+                                the superstep); at the ZipLine barrier (SYNC) the pull waits
+                                for every worker's barrier push (BSP)
 TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), In-
                                 Computation Sync of the rest overlapped with the next
                                 iteration, LGP correction (Eq. 6-7) when it lands
@@ -37,7 +41,7 @@ from mpsync.torch.backends import Aggregator, Pending
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging", "ParameterServer",
-           "TwoStageSync", "make_strategy"]
+           "ElasticSuperstep", "TwoStageSync", "osp_u_max", "make_strategy"]
 
 
 _NOT_READY = Decision(LOCAL, 0, 0)
@@ -89,6 +93,10 @@ class Strategy:
         self.counters.wait_s += t1 - t0
         self.counters.event("wait_server", t0, t1)
         return decision
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        """The training loop's 1-based epoch and this iteration's loss, before ``step()``
+        (OSP's Alg. 1 schedules by them); other strategies ignore it."""
 
     @staticmethod
     def is_sync(decision) -> bool:
@@ -198,9 +206,26 @@ def average_gradients(buffers: list[FusionBuffer], backend: Aggregator) -> int:
 
 
 class LocalStepsThenAggregate(Strategy):
-    """A local optimizer step every iteration; aggregate when the server says SYNC."""
+    """A local optimizer step every iteration; aggregate when the server says SYNC.
 
-    local_steps = 0  # since the last aggregation (ESync's k)
+    Under ESync's QUERY-STATE (the registry's ``query_state`` family) two more steps of ESync
+    Alg. 1: before the first local step the worker reports iteration 0 with the time of its
+    first batch as capability (line 3, RUN-BATCH-DATA-TEST, and line 8's query with k = 0,
+    held by the server until every capability is known); and in delayed-ACK mode (§4.2) a
+    READY that has arrived by the time an iteration's gradients are computed aborts that
+    iteration (k + δ): its update is discarded and iterations 1..k + δ - 1 are aggregated.
+    Departure: the test batch is the first training batch (it is then trained on, not thrown
+    away), and the abort is checked between backward and the optimizer step, not as soon as
+    READY lands (a worker sees replies between iterations only).
+    """
+
+    local_steps = 0       # since the last aggregation (ESync's k)
+    aborted = 0           # §4.2: iterations discarded because READY arrived during them
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.capability_test = self.client is not None and \
+            _spec(self.config).fast_path == "query_state"
 
     def _prepare(self) -> None:
         """Before the first local step (after the user's broadcast_parameters)."""
@@ -208,9 +233,27 @@ class LocalStepsThenAggregate(Strategy):
     def _aggregate(self) -> None:
         raise NotImplementedError
 
+    def _test_capability(self, compute_time: float) -> None:
+        """ESync Alg. 1 lines 3-8, once: blocking even in delayed-ACK mode."""
+        self.capability_test = False
+        t0 = time.perf_counter()
+        self.client.step(0, compute_time)
+        t1 = time.perf_counter()
+        self.counters.wait_s += t1 - t0
+        self.counters.event("wait_server", t0, t1)
+
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._prepare()
+        if self.capability_test:
+            self._test_capability(compute_time)
+        if self.delayed_ack and self.local_steps > 0 and self.client.ready_arrived():
+            # ESync §4.2: READY for an earlier report came in while this iteration ran.
+            self.aborted += 1
+            self.counters.event("abort", time.perf_counter(), time.perf_counter())
+            self._aggregate()
+            self.local_steps = 0
+            return loss
         self.optimizer.step()  # ESync Eq. 5: the local update of the replica
         self.iteration += 1
         self.local_steps += 1
@@ -228,6 +271,11 @@ class DeltaAveraging(LocalStepsThenAggregate):
     restarts from w_{t+1} (Alg. 1 lines 17-22).  ElasticBSP uses the same aggregation with ε = 1
     once the server's ZipLine barrier is reached.  Memory: one global model copy per buffer
     (``_global``), reusing the fusion buffer for the delta.
+
+    Departure (ElasticBSP on the ring): the paper's superstep pushes every iteration to a
+    parameter server (ASP within it, ZipLine §6.2.5); a ring has no server copy of the
+    weights, so the iterations between ZipLine barriers are local SGD and the barrier
+    averages the model deltas: ElasticBSP barriers with local SGD between them.
     """
 
     memory_target = "at most one parameter copy beyond the fusion buffer"
@@ -332,8 +380,8 @@ class ParameterServer(LocalStepsThenAggregate):
         np.subtract(local.numpy(), self._base, out=self._base)
         return self._base
 
-    def _aggregate(self) -> None:
-        t0 = time.perf_counter()
+    def _push_pull(self) -> None:
+        """Push Δ since the last pull, pull the current weights (as the policy allows)."""
         self.client.push(self._delta_into_base(), self.iteration)
         self.version = self.client.pull(self._base, self.iteration)
         self.buf.flat.copy_(torch.from_numpy(self._base))
@@ -342,6 +390,10 @@ class ParameterServer(LocalStepsThenAggregate):
             # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):
             # inside the aggregation's time, so it is booked as aggregation, not compute.
             time.sleep(self.config.comm_delay)
+
+    def _aggregate(self) -> None:
+        t0 = time.perf_counter()
+        self._push_pull()
         self.reset(self._aggregated(t0, self._base.nbytes))
 
     def synchronize(self) -> None:
@@ -355,6 +407,55 @@ class ParameterServer(LocalStepsThenAggregate):
         self._aggregated(t0, self._base.nbytes)
 
 
+class ElasticSuperstep(ParameterServer):
+    """ElasticBSP on the PS (ZipLine paper §3, §6.2.5): every iteration pushes its update and
+    pulls the current weights (ASP within the superstep; the server answers such a pull at
+    once); the step the server answers SYNC is the ZipLine barrier, whose pull the server
+    holds until every active worker's barrier push is in (BSP), after which the worker resets
+    and the next superstep's monitoring phase begins.  ``supersteps`` records, per superstep,
+    this worker's pushes and barrier iteration."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.pushes_in_superstep = 0
+        self.supersteps: list[dict] = []
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        self._prepare()
+        self.optimizer.step()
+        self.iteration += 1
+        self.local_steps += 1
+        self.counters.iterations += 1
+        barrier = self.is_sync(self.ask(compute_time, self.iteration))
+        t0 = time.perf_counter()
+        self._push_pull()
+        self.pushes_in_superstep += 1
+        if barrier:
+            self.supersteps.append({"superstep": len(self.supersteps),
+                                    "barrier_iteration": self.iteration,
+                                    "pushes": self.pushes_in_superstep})
+            self.pushes_in_superstep = 0
+            self.local_steps = 0
+            self.reset(self._aggregated(t0, self._base.nbytes))
+        else:
+            t1 = time.perf_counter()
+            self.counters.aggregation_s += t1 - t0
+            self.counters.bytes_sent += self._base.nbytes
+            self.counters.event("aggregate", t0, t1)
+        return loss
+
+
+def osp_u_max(rate_bytes_s: float, t_compute: float, itemsize: int) -> float:
+    """OSP Eq. 5's U_max = b(1 + lr)·T_c / N in model elements, from a measured aggregation
+    rate.  An allreduce of S bytes that took T seconds over N workers moved the equivalent of
+    N·S bytes through a parameter server's link: b = N·S/T, so U_max = (S/T)·T_c; the loss
+    rate lr is 0 (retransmissions are already in the measured time)."""
+    if not (rate_bytes_s > 0 and t_compute > 0):
+        return 0.0
+    return rate_bytes_s * t_compute / itemsize
+
+
 class TwoStageSync(Strategy):
     """OSP (OSP paper §3-4) on the ring.
 
@@ -362,13 +463,20 @@ class TwoStageSync(Strategy):
 
     1. If the In-Computation Sync of iteration i-1 is in flight, finish it and apply the
        Local-Gradient-based Parameter correction, Eq. 7: P -= lr·(G^g - G^l) on its layers
-       (the local gradient used in step 3 of i-1 is replaced by the global one).
-    2. Importance I_l = Σ|g·p| per layer (Eq. 4) goes to the server, which returns the Gradient
-       Importance Bitmap for iteration i+1 (§3.2: computed while the worker trains).
+       (the local gradient used in step 3 of i-1 is replaced by the global one).  The worker
+       now holds G^g of iteration i-1 on every layer.
+    2. Importance I_l = Σ|G^g·P| per layer (Eq. 4) of those global gradients goes to the
+       server with this iteration's loss and epoch (``note_progress``) and the U_max this
+       worker measured (Eq. 5, :func:`osp_u_max`: the rate of its blocking allreduces and its
+       compute time); the server returns the Gradient Importance Bitmap of iteration i
+       (global gradients, one iteration of lag, §3.2; sized by Alg. 1).
     3. Routine Sync: the layers the bitmap for i marks important are averaged (blocking); the
        others start a non-blocking allreduce (ICS) that runs during the next forward/backward;
        the optimizer steps with global gradients on RS layers and local ones on ICS layers
        (LGP, Eq. 6).
+
+    Without ``note_progress`` (a training loop that does not report its epoch) every
+    iteration counts as epoch 1, where Alg. 1 keeps S(G^u) = 0: all Routine Sync, i.e. BSP.
 
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
     in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
@@ -393,8 +501,25 @@ class TwoStageSync(Strategy):
         self._ics_local: torch.Tensor | None = None
         self._ics_global: torch.Tensor | None = None
         self.ics_layers_total = 0
+        self._prev_global: torch.Tensor | None = None   # G^g of the previous iteration
+        self._epoch, self._loss = 0, None
+        self._rate = 0.0       # bytes/s of the blocking allreduces (moving average)
+        self._t_compute = 0.0  # seconds of computation per iteration (moving average)
         self._hooks = [p.register_hook(self._progress) for p in self.buf.params
                        if p.requires_grad]
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        self._epoch, self._loss = int(epoch), float(loss)
+
+    def _note_rate(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            rate = nbytes / seconds
+            self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+
+    @property
+    def u_max(self) -> float:
+        """This worker's U_max (Eq. 5) in model elements, from its measurements so far."""
+        return osp_u_max(self._rate, self._t_compute, self.buf.flat.element_size())
 
     def _lr_of_params(self) -> dict[int, float]:
         """Each parameter's current learning rate (read every time: schedulers change it)."""
@@ -412,6 +537,7 @@ class TwoStageSync(Strategy):
             return
         t0 = time.perf_counter()
         self._pending.wait()
+        self.buf.scatter(self._ics_global, self._prev_global, self._ics_ranges)
         correction = self._ics_global.sub_(self._ics_local)  # G^g - G^l, in place
         lr_of = self._lr_of_params()
         with torch.no_grad():
@@ -431,20 +557,25 @@ class TwoStageSync(Strategy):
         if not self.is_sync(decision):
             raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
                                f"two-stage sync synchronizes every iteration")
-        grads = self.buf.pack_grads()
-        bitmap_now = self.bitmap
+        self._t_compute = compute_time if self._t_compute == 0 else \
+            0.8 * self._t_compute + 0.2 * compute_time
         if self.client is not None:
             t0 = time.perf_counter()
-            p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
-            importance = _layer_importance(grads, p_flat, self.buf.layer_sizes)
-            next_bitmap = np.asarray(self.client.report_importance(
-                importance, self.buf.layer_sizes), dtype=bool)
+            if self._prev_global is None:   # iteration 1: no global gradients yet
+                importance = np.zeros(self.n_layers)
+            else:
+                p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
+                importance = _layer_importance(self._prev_global, p_flat, self.buf.layer_sizes)
+            bitmap_now = np.asarray(self.client.report_importance(
+                importance, self.buf.layer_sizes, loss=self._loss, epoch=self._epoch,
+                u_max=self.u_max), dtype=bool)
             self.counters.wait_s += time.perf_counter() - t0
-            if next_bitmap.shape != (self.n_layers,):
-                raise RuntimeError(f"OSP bitmap from the server has shape {next_bitmap.shape}, "
+            if bitmap_now.shape != (self.n_layers,):
+                raise RuntimeError(f"OSP bitmap from the server has shape {bitmap_now.shape}, "
                                    f"the model has {self.n_layers} layers")
         else:
-            next_bitmap = self.bitmap
+            bitmap_now = self.bitmap
+        grads = self.buf.pack_grads()
         t0 = time.perf_counter()
         nbytes = self.buf.nbytes
         if bitmap_now.any():
@@ -452,7 +583,9 @@ class TwoStageSync(Strategy):
             rs_ranges = self.buf.layer_ranges(~bitmap_now)
             if rs_ranges:  # Routine Sync first, blocking (§3.1)
                 rs = self.buf.gather(grads, rs_ranges)
+                t_rs = time.perf_counter()
                 self.backend.allreduce_average_(rs, "routine sync")
+                self._note_rate(rs.numel() * rs.element_size(), time.perf_counter() - t_rs)
                 self.buf.scatter(rs, grads, rs_ranges)
             # In-Computation Sync: in flight until the next step (or synchronize()); the
             # optimizer meanwhile uses the local gradient of these layers (LGP, Eq. 6).
@@ -462,11 +595,18 @@ class TwoStageSync(Strategy):
             self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
             self.ics_layers_total += int(bitmap_now.sum())
         else:
+            t_rs = time.perf_counter()
             self.backend.allreduce_average_(grads, "routine sync")
+            self._note_rate(nbytes, time.perf_counter() - t_rs)
+        # G^g of this iteration (ICS layers: local until their allreduce lands, _finish_ics).
+        if self._prev_global is None:
+            self._prev_global = grads.clone()
+        else:
+            self._prev_global.copy_(grads)
         self.buf.unpack_to_grads()
         self._aggregated(t0, nbytes)
         self.optimizer.step()
-        self.bitmap = next_bitmap
+        self.bitmap = bitmap_now
         self.iteration += 1
         self.counters.iterations += 1
         return loss
