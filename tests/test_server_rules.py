@@ -183,6 +183,8 @@ def test_the_compiled_loop_hands_over_monitoring_steps_resets_and_capability_tes
     eb.target[1] = 7
     assert rules.fast_hands_over(rules.FAST_EBSP, W.STEP, 3, 0, eb, 0)      # monitoring
     assert not rules.fast_hands_over(rules.FAST_EBSP, W.STEP, 3, 0, eb, 1)  # planned
+    eb.reports[0] = rules.EBSP_MONITOR_REPORTS   # monitored, waiting for the others: LOCAL
+    assert not rules.fast_hands_over(rules.FAST_EBSP, W.STEP, 3, 0, eb, 0)
     assert rules.fast_hands_over(rules.FAST_EBSP, W.RESET, 3, 0, eb, 1)
     assert rules.fast_hands_over(rules.FAST_ESYNC, W.STEP, 0, -1, eb, 0)
     assert not rules.fast_hands_over(rules.FAST_ESYNC, W.STEP, 1, -1, eb, 0)

@@ -221,7 +221,7 @@ class ElasticBSP(Policy):
     barrier, §4.2 Thm. 1): a superstep is then the monitoring iterations plus one.
     """
 
-    MONITOR_REPORTS = 2   # Fig. 5: "It requires at least two push requests per worker"
+    MONITOR_REPORTS = rules.EBSP_MONITOR_REPORTS   # Fig. 5: "at least two push requests"
 
     def __init__(self, table, config):
         super().__init__(table, config)

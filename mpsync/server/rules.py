@@ -41,7 +41,7 @@ __all__ = [
     "ebsp_new_superstep", "ebsp_new_superstep_reference", "esync_capability_test",
     "esync_capability_test_reference", "fast_hands_over", "fast_hands_over_reference",
     "fast_decision", "fast_decision_reference", "next_report_due",
-    "HOLD", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC", "FAST_KINDS",
+    "HOLD", "EBSP_MONITOR_REPORTS", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC", "FAST_KINDS",
 ]
 
 # The policy families the compiled loop serves (a registry entry names one): ``FAST_BASE``
@@ -52,6 +52,9 @@ FAST_BASE, FAST_EBSP, FAST_ESYNC = 0, 1, 2
 FAST_KINDS = {"tables": FAST_BASE, "planned": FAST_EBSP, "query_state": FAST_ESYNC}
 # A decision that cannot be made yet: the reply is held until the tables change.
 HOLD = -1
+# ElasticBSP's monitoring phase: reports per worker after a barrier before the next plan
+# (ZipLine Fig. 5: "It requires at least two push requests per worker").
+EBSP_MONITOR_REPORTS = 2
 
 # "pull": a PS pull answered (value: the worker's pushes so far); "held": a PS pull held back
 # by the staleness rule (same value).  Together they show which iterations ran without waiting.
@@ -424,11 +427,12 @@ def esync_capability_test_reference(es, members, w, c, now):
 @jit
 def fast_hands_over(kind, tag, k, epoch, eb, w):
     """True: the compiled loop hands this STEP or RESET to the Python loop.  ElasticBSP's
-    resets (they may plan, ZipLine) and its steps without a planned barrier (the monitoring
-    phase, whose last report plans); ESync's capability test (k = 0, whose reply may be
-    held)."""
+    resets and the monitoring reports that may complete the monitoring phase (either may
+    plan, ZipLine; a worker's further reports while the others are still monitored cannot,
+    and are answered here); ESync's capability test (k = 0, whose reply may be held)."""
     if kind == FAST_EBSP:
-        return tag == W.RESET or epoch < 0 or eb.target[w] < 0
+        return tag == W.RESET or epoch < 0 or (eb.target[w] < 0 and
+                                               eb.reports[w] < EBSP_MONITOR_REPORTS)
     if kind == FAST_ESYNC:
         return tag == W.STEP and k == 0
     return False
@@ -436,7 +440,8 @@ def fast_hands_over(kind, tag, k, epoch, eb, w):
 
 def fast_hands_over_reference(kind, tag, k, epoch, eb, w):
     if kind == FAST_EBSP:
-        return tag == W.RESET or epoch < 0 or int(eb.target[w]) < 0
+        return tag == W.RESET or epoch < 0 or (int(eb.target[w]) < 0 and
+                                               int(eb.reports[w]) < EBSP_MONITOR_REPORTS)
     return kind == FAST_ESYNC and tag == W.STEP and k == 0
 
 
