@@ -446,14 +446,18 @@ class ElasticSuperstep(ParameterServer):
         return loss
 
 
-def osp_u_max(rate_bytes_s: float, t_compute: float, itemsize: int) -> float:
-    """OSP Eq. 5's U_max = b(1 + lr)·T_c / N in model elements, from a measured aggregation
-    rate.  An allreduce of S bytes that took T seconds over N workers moved the equivalent of
-    N·S bytes through a parameter server's link: b = N·S/T, so U_max = (S/T)·T_c; the loss
-    rate lr is 0 (retransmissions are already in the measured time)."""
+def osp_u_max(rate_bytes_s: float, t_compute: float, itemsize: int, n_workers: int = 1) -> float:
+    """OSP Eq. 5's U_max = b(1 + lr)·T_c / N in model elements (``sched.osp_ics_budget``),
+    from a measured aggregation rate.  An allreduce of S bytes that took T seconds over N
+    workers moved the equivalent of N·S bytes through a parameter server's link: b = N·S/T,
+    so U_max = (S/T)·T_c whatever N; the loss rate lr is 0 (retransmissions are already in the
+    measured time).  The 0.8 cap of Alg. 1 line 2 is the server's (it knows the model size)."""
+    from mpsync.sched import osp_ics_budget
+
     if not (rate_bytes_s > 0 and t_compute > 0):
         return 0.0
-    return rate_bytes_s * t_compute / itemsize
+    n = max(int(n_workers), 1)
+    return float(osp_ics_budget(n * rate_bytes_s / itemsize, 0.0, t_compute, n, np.inf))
 
 
 class TwoStageSync(Strategy):
@@ -519,7 +523,8 @@ class TwoStageSync(Strategy):
     @property
     def u_max(self) -> float:
         """This worker's U_max (Eq. 5) in model elements, from its measurements so far."""
-        return osp_u_max(self._rate, self._t_compute, self.buf.flat.element_size())
+        return osp_u_max(self._rate, self._t_compute, self.buf.flat.element_size(),
+                         self.backend.size if self.backend is not None else 1)
 
     def _lr_of_params(self) -> dict[int, float]:
         """Each parameter's current learning rate (read every time: schedulers change it)."""
