@@ -24,7 +24,7 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # -- 1. system packages ------------------------------------------------------
 need_apt=()
-for pkg in openmpi-bin libopenmpi-dev cmake g++ make; do
+for pkg in openmpi-bin libopenmpi-dev cmake g++ make iproute2; do  # iproute2: ip, tc, ss (mpsync cluster)
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A real single-node Slurm cluster on this machine, for testing the job templates (root).
 #
+#   bash .ci/slurm.sh install   # install slurm-wlm + munge only (also used by the virtual
+#                               # cluster's multi-node Slurm, mpsync/cluster_slurm.py)
 #   bash .ci/slurm.sh start     # install (first time), start munged + slurmctld + slurmd
 #   bash .ci/slurm.sh status    # daemons, node state
 #   bash .ci/slurm.sh env       # prints `export SLURM_CONF=...` for sbatch/squeue/scontrol
@@ -234,9 +236,12 @@ cmd_status() {
 }
 
 case "${1:-}" in
+  install)
+    [ "$(id -u)" = 0 ] || command -v slurmd >/dev/null || cannot "installing Slurm needs root"
+    install_packages ;;
   start) shift; cmd_start "$@" ;;
   stop) shift; cmd_stop "$@" ;;
   status) cmd_status ;;
   env) echo "export SLURM_CONF=$CONF" ;;
-  *) echo "usage: $0 start | stop [munged slurmctld slurmd] | status | env" >&2; exit 2 ;;
+  *) echo "usage: $0 install | start | stop [munged slurmctld slurmd] | status | env" >&2; exit 2 ;;
 esac

@@ -297,7 +297,7 @@ register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
                        "iteration, with local-gradient correction",
     paper="OSP §3-4, Alg. 1, Eq. 4-7", server=_SERVER + "OSP",
-    strategies={"ring": _STRATEGY + "TwoStageSync"}, fast_path="tables",
+    strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
     options=("osp_ics_size", "osp_ics_max_fraction"),
     fidelity={
         "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) of the global gradients "
@@ -306,5 +306,5 @@ register(
                  "(Alg. 1), LGP correction (Eq. 6-7)",
                  f"ring allreduce instead of a PS; lr of Eq. 5 not measured (0); loss_i is the "
                  f"running mean of epoch i; GIB computed in the step's round trip "
-                 f"({_POL}OSP); Eq. 7 is exact for plain SGD only ({_STR}TwoStageSync)"),
+                 f"({_POL}OSP); Eq. 7 is exact for plain SGD only (mpsync.torch.two_stage:TwoStageSync)"),
     })

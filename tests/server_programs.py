@@ -269,7 +269,7 @@ def _fuzz_strategy(worker: bool):
 
 
 def fuzz() -> None:
-    """Property-based fuzzing of a live server (issue 8 item 4): rank 0 serves asp on the PS;
+    """Property-based fuzzing of a live server: rank 0 serves asp on the PS;
     the two last ranks send hypothesis-generated messages (random tags, sizes, types and
     payloads), one of them a worker of the server, the other a rank the server does not know;
     the other ranks are well-formed clients that check every model they pull."""

@@ -1,5 +1,5 @@
 """Smoke tests of ``mpsync bench allreduce`` and ``mpsync bench memory``: real mpirun jobs on
-tiny sizes, each under a hard subprocess timeout (20 + 40 s at most), checking the JSON shapes issue 5 asks for
+tiny sizes, each under a hard subprocess timeout (20 + 40 s at most), checking the JSON shapes the benchmarks promise
 and the memory accounting's basic facts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No rank hangs the job (issue 8, items 1-2): each fault ends the job non-zero within 30 s and
+"""No rank hangs the job: each fault ends the job non-zero within 30 s and
 the output names the failed rank.
 
 Each program runs as a plain script (not through the harness's runner), so what ends the job
@@ -20,7 +20,7 @@ from mpi_harness import run_mpi
 pytestmark = pytest.mark.mpi
 
 PROGRAMS = str(Path(__file__).resolve().parent / "torch_programs.py")
-LIMIT = 30.0  # seconds from the fault to the end of the job (issue 8)
+LIMIT = 30.0  # seconds from the fault to the end of the job
 
 
 def run_fault(name: str, *args: str, np: int = 4):
@@ -88,7 +88,7 @@ def test_a_worker_stopped_before_a_gather_is_named_at_the_deadline():
 
 
 def test_a_stopped_worker_ends_a_run_with_default_settings_within_30s():
-    # No deadline or silent_timeout given: the defaults alone must meet issue 8's 30 s.
+    # No deadline or silent_timeout given: the defaults alone must end the job within 30 s.
     run, to_abort = run_fault("fail_worker_sigstop", "victim=1", "deadline=default")
     text = all_output(run)
     # Whichever fires first names world rank 2 (worker 1): the state server's silent-worker

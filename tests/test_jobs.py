@@ -129,7 +129,7 @@ def test_default_script_headers_and_settings():
     assert text.startswith("#!/bin/bash\n#SBATCH --job-name=mpsync-train\n#SBATCH --nodes=1\n"
                            "#SBATCH --ntasks-per-node=5\n#SBATCH --cpus-per-task=1\n"
                            "#SBATCH --time=01:00:00\n#SBATCH --output=mpsync-train-%j.out\n#\n")
-    # The names the issue asks for, each as a ${VAR:-default} override documented in the header.
+    # The settings a user overrides, each as a ${VAR:-default} override documented in the header.
     for name in ("POLICY", "TOPOLOGY", "BACKEND", "SERVER", "EPOCHS", "DATASET", "SLOWDOWN",
                  "OUT_DIR", "VENV"):
         for scheduler in ("slurm", "pbs", "horovodrun"):

@@ -20,7 +20,7 @@ TESTS = Path(__file__).resolve().parent
 
 # The sched test modules whose kernel comparisons are repeated un-jitted. This module is not one
 # of them: it would start itself again.
-SCHED_TEST_FILES = ("test_sched_zipline.py", "test_schedpolicies.py", "test_sched_references.py")
+SCHED_TEST_FILES = ("test_sched_zipline.py", "test_sched_policies.py", "test_sched_references.py")
 # Interpreted, the large-input agreement tests take minutes (n*R up to 60,000 with O(Rn^2)
 # variants); the same comparisons run un-jitted on the small seeded and hypothesis inputs.
 UNJITTED_DESELECT = "not agree_on"
@@ -36,7 +36,7 @@ def fresh_env(**extra: str) -> dict[str, str]:
 def test_sched_tests_pass_without_jit(tmp_path):
     """NUMBA_DISABLE_JIT=1 turns every kernel into the Python function it is written as (the
     debugging mode the package promises); the results must not change. Among others this runs
-    the uint64 index arithmetic of _merge and _locate on numpy scalars instead of machine ints."""
+    the uint64 index arithmetic of merge_pushes and locate on numpy scalars instead of machine ints."""
     report = tmp_path / "unjitted.xml"
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

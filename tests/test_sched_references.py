@@ -14,7 +14,8 @@ import numba
 import numpy as np
 import pytest
 
-from mpsync.sched import _zipline_kernels as _k
+from mpsync.sched import zipline_omega as _k
+from mpsync.sched import zipline_scans as _s
 from mpsync.sched import (
     dssp_fastest,
     dssp_is_fastest,
@@ -83,7 +84,7 @@ def test_jit_state_matches_environment():
     """Guards the un-jitted run: with NUMBA_DISABLE_JIT=1 the kernels must be plain functions,
     otherwise that run would silently test the compiled code a second time."""
     disabled = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
-    is_dispatcher = isinstance(_k._merge, numba.core.dispatcher.Dispatcher)
+    is_dispatcher = isinstance(_k.merge_pushes, numba.core.dispatcher.Dispatcher)
     assert is_dispatcher != disabled
 
 
@@ -94,7 +95,7 @@ def test_jit_state_matches_environment():
 def test_merge_builds_omega_in_paper_order(seed):
     # Ω of §5.2 Step 1: by timestamp, equal timestamps by worker id (then by index in a row).
     M = random_matrix(seed)
-    ts, ws = _k._merge(M)
+    ts, ws = _k.merge_pushes(M)
     expected = ref.omega(M)
     np.testing.assert_array_equal(ts, [e[0] for e in expected])
     np.testing.assert_array_equal(ws, [e[1] for e in expected])
@@ -111,7 +112,7 @@ def test_merge_builds_omega_in_paper_order(seed):
     ids=["disjoint", "disjoint-reversed", "all-equal", "identical-rows"],
 )
 def test_merge_structured_inputs(M):
-    ts, ws = _k._merge(M)
+    ts, ws = _k.merge_pushes(M)
     expected = ref.omega(M)
     np.testing.assert_array_equal(ts, [e[0] for e in expected])
     np.testing.assert_array_equal(ws, [e[1] for e in expected])
@@ -135,7 +136,7 @@ def same_bits(a, b) -> bool:
 def test_omega_sort_path_matches_merge_and_reference(seed):
     # The two ways of building Ω (§5.2 Step 1) give the same arrays bit for bit, -0.0 included.
     M = signed_matrix(seed)
-    ts_m, ws_m = _k._merge(M)
+    ts_m, ws_m = _k.merge_pushes(M)
     ts, ws = _k.omega(M, sort_min=0)
     assert same_bits(ts, ts_m)
     np.testing.assert_array_equal(ws, ws_m)
@@ -153,7 +154,7 @@ def test_omega_keys_sort_like_lexsort(seed):
     N = M.size
     t = M.ravel() + 0.0
     keys = np.empty(N, dtype=np.uint64)
-    ibits, exact = _k._omega_keys(M, keys)
+    ibits, exact = _k.omega_keys(M, keys)
     assert exact or seed % 2
     index = keys & np.uint64((1 << ibits) - 1)
     np.testing.assert_array_equal(index, np.arange(N))
@@ -177,7 +178,7 @@ def near_tie_matrix(seed: int, n: int, R: int) -> np.ndarray:
 def test_omega_with_truncated_keys(seed):
     M = near_tie_matrix(seed, 3 + seed, 4 + seed % 3)
     keys = np.empty(M.size, dtype=np.uint64)
-    _, exact = _k._omega_keys(M, keys)
+    _, exact = _k.omega_keys(M, keys)
     assert not exact
     ts, ws = _k.omega(M, sort_min=0)
     expected = ref.omega(M)
@@ -192,10 +193,10 @@ def test_omega_falls_back_to_merge_past_the_move_budget():
     M = (1.0 + np.arange(n, 0, -1) * np.finfo(np.float64).eps).reshape(n, 1)
     M[0, 0], M[-1, 0] = 1e300, -1e300
     keys = np.empty(n, dtype=np.uint64)
-    ibits, exact = _k._omega_keys(M, keys)
+    ibits, exact = _k.omega_keys(M, keys)
     keys.sort()
     assert not exact
-    assert not _k._omega_unpack(M, keys, ibits, np.empty(n), np.empty(n, dtype=np.int32))
+    assert not _k.omega_unpack(M, keys, ibits, np.empty(n), np.empty(n, dtype=np.int32))
     ts, ws = _k.omega(M, sort_min=0)
     expected = ref.omega(M)
     assert same_bits(ts, [e[0] for e in expected])
@@ -217,10 +218,10 @@ def test_locate_matches_lower_bound(seed):
     head = int(rng.integers(0, N))
     tail = int(rng.integers(head + 1, N + 1))
     for j in range(head, tail):  # every element of the slice: the case OptBS relies on
-        assert _k._locate(t, key, head, tail, t[j], key[j]) == j
+        assert _s.locate(t, key, head, tail, t[j], key[j]) == j
     for _ in range(5):  # absent keys: the kernel is still a lower bound on the slice
         qt, qk = float(rng.integers(-1, 6)), int(rng.integers(-1, 101))
-        assert _k._locate(t, key, head, tail, qt, qk) == ref.locate_reference(t, key, head, tail, qt, qk)
+        assert _s.locate(t, key, head, tail, qt, qk) == ref.locate_reference(t, key, head, tail, qt, qk)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -230,7 +231,7 @@ def test_check_matches_reference(seed):
     for _ in range(int(rng.integers(0, 3))):  # plant up to two problems anywhere
         p, i = int(rng.integers(0, M.shape[0])), int(rng.integers(0, M.shape[1]))
         M[p, i] = rng.choice([np.nan, np.inf, -np.inf, -1.0, 99.0])
-    assert tuple(_k._check(M)) == ref.check_reference(M)
+    assert tuple(_k.check_prediction(M)) == ref.check_reference(M)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -241,7 +242,7 @@ def test_z_at_matches_canonical_z(seed):
     probes = [float(rng.choice(M.ravel())), float(M.min()) - 1.0, float(M.max()) + 1.0]
     probes.append(float(rng.uniform(M.min(), M.max() + 1e-9)))
     for t_sync in probes:
-        np.testing.assert_array_equal(_k._z_at(M, t_sync), ref.canonical_z(M, t_sync))
+        np.testing.assert_array_equal(_s.z_at(M, t_sync), ref.canonical_z(M, t_sync))
 
 
 # --- ZipLineOpt and ZipLineOptBS: references and the Alg. 2 candidate sequence -----------------

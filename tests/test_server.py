@@ -158,7 +158,7 @@ def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_wai
         assert ideal - 1 <= med <= ideal, (w, per_round[w].tolist())
         assert per_round[w].max() <= ideal + 1, (w, per_round[w].tolist())
     fast_ratio = [float(np.median(per_round[w])) for w in (0, 1)]  # the slowest runs 1
-    assert all(3 <= r <= 5 for r in fast_ratio), fast_ratio      # "about 4x" (issue 4 item 8)
+    assert all(3 <= r <= 5 for r in fast_ratio), fast_ratio      # "about 4x"
     assert np.median(per_round[0]) > np.median(per_round[2])     # 1x runs more than 2x
     # ESync §4.1: once ready, the slowest waits at most the fastest's iteration time + ε.
     # Asserted on the 75th percentile with 5 ms of scheduling allowance (5 ranks on 2 shared
@@ -257,7 +257,7 @@ def test_ebsp_with_equal_speeds_degenerates_to_bsp(tmp_path):
     # the shift fits in the lookahead (after gamma / delta_gamma iterations). With 50 ms
     # iterations and R = 15 that needs a measured difference above 3.3 ms. On a machine loaded
     # by other jobs it still happens in a round now and then, so most rounds, not all, must be
-    # BSP-like here; test_serverpolicies.py checks the exact property on a noise-free clock.
+    # BSP-like here; test_server_policies.py checks the exact property on a noise-free clock.
     def clean_rounds(workers):
         # A round's plan is made from intervals measured in the round before: a round is clean
         # if no worker's iteration ran over its 50 ms by 3 ms or more in it or the one before.

@@ -341,7 +341,7 @@ def gather_with_a_stopped_worker() -> None:
     raise AssertionError("gather_object returned although a worker was stopped")
 
 
-# -- failures (issue 8, items 1-2) ------------------------------------------------------------
+# -- failures ------------------------------------------------------------
 def _fault(kind: str) -> None:
     """BSP training on the mpi backend; at step 3 one rank suffers ``kind``.
 

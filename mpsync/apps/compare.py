@@ -61,6 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="run every policy R times, interleaved; medians with min-max")
+    p.add_argument("--seeds", default=None,
+                   help="comma list, one seed per repeat (default: --seed, --seed+1, ...)")
+    from mpsync.cluster.launching import add_cluster_arguments
+
+    add_cluster_arguments(p)
+    p.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="with --cluster: every node's link at RATE (e.g. 1gbit) for the "
+                        "comparison; the cluster is made with one node per rank if it is not "
+                        "up (and removed after), else its rates are restored after")
 
 
 def train_argv(args, policy: str, out: Path) -> list[str]:
@@ -88,12 +99,16 @@ def ranks(args) -> int:
 
 
 def launch_argv(args, policy: str, out: Path) -> list[str]:
-    """The ``mpirun`` command line of one policy's run (pure: no launch, no file written)."""
+    """The ``mpirun`` command line of one policy's run (no launch; with ``--cluster`` it
+    writes the cluster's hostfile for this rank count)."""
+    from mpsync.cluster.launching import cluster_mpirun_extra
     from mpsync.launch import forwarded_env, mpirun_argv, python_argv
 
+    extra = cluster_mpirun_extra(ranks(args), getattr(args, "cluster", None),
+                                 placement=getattr(args, "cluster_placement", "server-alone"))
     return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
                                                 *train_argv(args, policy, out)),
-                       forward_env=forwarded_env())
+                       forward_env=forwarded_env(), extra=extra)
 
 
 def _validate(args) -> list[str]:
@@ -117,11 +132,45 @@ def _validate(args) -> list[str]:
 
 
 def main(args) -> int:
+    bandwidth = getattr(args, "bandwidth", None)
+    if bandwidth is None or args.from_runs:
+        return _compare(args)
+    from mpsync.cluster.layout import ClusterError, parse_rate
+
+    if getattr(args, "cluster", None) is None:
+        print("mpsync compare: error: --bandwidth sets the links of a virtual cluster; "
+              "give --cluster [NAME] too", file=sys.stderr)
+        return 2
+    try:
+        parse_rate(bandwidth)
+        _validate(args)
+    except (ConfigError, ClusterError) as e:
+        print(f"mpsync compare: error: {e}", file=sys.stderr)
+        return 2
+    from mpsync.bench.nodes import cluster_at_rate
+
+    with cluster_at_rate(ranks(args), bandwidth, args.cluster or None):
+        return _compare(args)
+
+
+def _compare(args) -> int:
     try:
         policies = _validate(args)
+        if args.repeats is not None or args.seeds:
+            from mpsync.apps import repeats
+            seeds = repeats.seeds_of(args)
     except ConfigError as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "cluster", None) is not None and not args.from_runs:
+        from mpsync import cluster
+
+        if cluster.load_state(args.cluster or None) is None:
+            print(f"mpsync compare: error: cluster {args.cluster or cluster.default_name()!r} "
+                  f"is not up (mpsync cluster up --nodes N)", file=sys.stderr)
+            return 2
+    if args.repeats is not None or args.seeds:
+        return repeats.main(args, policies, seeds)
     from mpsync.launch import run_with_deadline
 
     out = Path(args.out)
@@ -160,7 +209,7 @@ def main(args) -> int:
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
               "setup": _setup_line(args, runs)}
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
-    from mpsync.apps.report import format_table, plot_accuracy
+    from mpsync.apps.report import format_table
 
     table = format_table(rows)
     (out / "table.md").write_text(f"{result['setup']}\n\n{table}\n")
@@ -203,7 +252,15 @@ def _setup_line(args, runs) -> str:
         f"{args.time_budget or 25.0:g} s per policy"
     server = ("+ 1 server rank" if args.server == "dedicated" else
               "(server thread on rank 0)")
-    return (f"{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
+    where = ""
+    if getattr(args, "cluster", None) is not None:
+        from mpsync import cluster
+
+        st = cluster.load_state(args.cluster or None)
+        if st is not None:
+            where = (f"across {len(st.nodes)} nodes (links {st.bandwidth or 'unlimited'}, "
+                     f"{args.cluster_placement}), ")
+    return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
             f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
             f"target accuracy {args.target_acc}")
 

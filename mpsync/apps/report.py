@@ -4,7 +4,7 @@
 
     {"schema": 1, "config": {...}, "evals": [{"wall_s","samples","accuracy","loss"}],
      "workers": {"<rank>": {"iterations","samples","rounds","compute_s","wait_s",
-                            "aggregation_s","bytes_sent","slept_s"}},
+                            "aggregation_s","bytes_sent","slept_s","host"}},
      "total_samples", "wall_s", "final_acc", "final_loss", "time_to_target_s" (null if not
      reached), "samples_per_s", "wait_fraction", "bytes_per_sample", "server": {...}}
 

@@ -14,6 +14,7 @@ import hashlib
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,11 @@ class Worker:
     def __init__(self, args, config: SyncConfig, resume: dict | None):
         self.args, self.config, self.resume = args, config, resume
         self.out = Path(args.out) if args.out else None
+        self.me = self.n = 0          # this worker's rank and the number of workers
+        # Built by start(): data set, shard, heterogeneity, model, the mpsync.torch module,
+        # optimizers, test tensors and loss.
+        self.ds = self.shard = self.hetero = self.model = self.mps = None
+        self.inner = self.opt = self.x_test = self.y_test = self.loss_fn = None
         self.epoch = self.index = self.samples = self.step_count = 0
         self.wall_offset, self.eval_s, self.round_offset = 0.0, 0.0, 0
         self.evals: list[dict] = []
@@ -99,7 +105,7 @@ class Worker:
             w.hetero = Heterogeneity.from_flags(w.me, workers, args.slowdown,
                                                 args.slowdown_schedule, args.iter_time,
                                                 args.comm_delay)
-            w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed)
+            w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed, args.model)
         init_kw = {k: v for k, v in config.to_dict().items() if k != "extra"}
         mps.init(**init_kw, stats_path=str(w.out / "server_stats.json") if w.out else None,
                  trace_path=str(w.out / "server_trace.json") if w.out else None)
@@ -343,7 +349,8 @@ def finish(w: Worker) -> int:
     before = w.counters_before
     mine = {k: local[k] + before.get(k, 0) for k in COUNTERS}
     mine.update(samples=w.samples, slept_s=w.hetero.slept_s + before.get("slept_s", 0.0),
-                param_sha256=_param_sha256(w.model), events=local["events"])
+                param_sha256=_param_sha256(w.model), events=local["events"],
+                host=socket.gethostname())
     gathered = w.mps.gather_object(mine, root_rank=0, name="final metrics")
     final_wall = w.wall()
     w.mps.shutdown()

@@ -61,6 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="write rows_npN.json (and osp_npN.json with --osp) into this dir")
     p.add_argument("--timeout", type=float, default=1800.0)
+    from mpsync.bench.nodes import add_cluster_arguments
+
+    # --cluster: one rank per node of a virtual cluster, swept over link rates and node counts
+    # (mpsync.bench.nodes); --sizes then defaults to 256 KB..64 MB.
+    add_cluster_arguments(p, rates="1gbit,10gbit", nodes="2,4")
+    p.add_argument("--probe-variants", default="links2,ring",
+                   help="with --cluster: Open MPI settings the link probe also runs with "
+                        "(links2, ring, links2+ring; empty: defaults only)")
+    p.add_argument("--job-variants", default="",
+                   help="with --cluster: run the whole ring job (mpsync, Horovod, MPI) again "
+                        "with these Open MPI settings (same names as --probe-variants)")
 
 
 def _sizes(text: str | None) -> list[int]:
@@ -75,6 +86,10 @@ def _sizes(text: str | None) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
 
+    if args.cluster is not None:
+        from mpsync.bench.nodes import run_allreduce
+
+        return run_allreduce(args)
     if args.np < 1:
         raise SystemExit(f"--np must be >= 1, got {args.np}")
     sizes = _sizes(args.sizes)
@@ -294,7 +309,7 @@ def _osp_child(sizes, max_repeats, budget) -> None:
     from mpsync.torch._counters import LocalCounters
     from mpsync.torch.backends import EmulatedLink, MPIAggregator
     from mpsync.torch.fusion import group_by_dtype
-    from mpsync.torch.strategies import TwoStageSync
+    from mpsync.torch.two_stage import TwoStageSync
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

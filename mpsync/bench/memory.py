@@ -1,6 +1,6 @@
 """``mpsync bench memory --np N [--json]``: what each policy keeps per worker, in bytes.
 
-Issue 5's memory target: at most one extra copy of the parameters per worker for ESync and
+The memory target: at most one extra copy of the parameters per worker for ESync and
 ElasticBSP (the global model), none for BSP beyond the fusion buffer.  This measures it instead
 of deriving it from the code.  One ``mpirun`` job of ``--np`` workers and a dedicated state
 server runs the cases one after another (BSP, ESync, ElasticBSP and OSP on the ring; ASP and

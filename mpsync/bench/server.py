@@ -31,6 +31,7 @@ JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the mpirun")
+    parser.add_argument("--cluster", nargs="?", const="", default=None, metavar="NAME",
+                        help="one rank per node of the virtual cluster NAME (default "
+                             "$MPSYNC_CLUSTER or mpsync; made for the run unless up), the "
+                             "server alone on node1: every query and ping crosses a link")
+    parser.add_argument("--cluster-rate", default="1gbit",
+                        help="with --cluster: the links' rate during the run (default 1gbit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,28 +76,40 @@ def run(args: argparse.Namespace) -> int:
         print("mpsync bench server: --pace-ms must be >= 0 and --paced-iters >= 1",
               file=sys.stderr)
         return 2
-    argv = mpirun_argv(args.np, python_argv("mpsync.bench.server", "--rank-program",
-                                            str(args.queries), str(args.pace_ms),
-                                            str(args.paced_iters),
-                                            str(int(not args.no_wake_ahead)),
-                                            str(int(not args.no_fast_path))),
-                       forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
+    command = python_argv("mpsync.bench.server", "--rank-program", str(args.queries),
+                          str(args.pace_ms), str(args.paced_iters),
+                          str(int(not args.no_wake_ahead)), str(int(not args.no_fast_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = run_with_deadline(argv, args.timeout, env=env)
+    where = {}
+    with contextlib.ExitStack() as stack:
+        extra: tuple = ()
+        if args.cluster is not None:
+            from mpsync import cluster
+            from mpsync.bench.nodes import cluster_at_rate
+
+            state = stack.enter_context(cluster_at_rate(args.np, args.cluster_rate, args.cluster))
+            extra = tuple(cluster.launch_options(args.np, name=state.name, server_alone=True))
+            where = {"cluster": state.name, "nodes": args.np, "link_rate": args.cluster_rate,
+                     "transport": "tcp across namespace links"}
+        argv = mpirun_argv(args.np, command, forward_env=("PYTHONPATH", "OMP_NUM_THREADS"),
+                           extra=extra)
+        res = run_with_deadline(argv, args.timeout, env=env)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
     if res.timed_out or res.returncode != 0 or line is None:
         why = "timed out" if res.timed_out else f"exit {res.returncode}"
         print(f"mpsync bench server: the mpirun run failed ({why}):\n{res.stderr[-3000:]}",
               file=sys.stderr)
         return 1
-    result = json.loads(line)
+    result = dict(json.loads(line), **where)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"state server, {result['clients']} client(s), {args.queries} queries each")
+        print(f"state server, {result['clients']} client(s), {args.queries} queries each"
+              + (f", one rank per node of cluster {where['cluster']} ({where['link_rate']} "
+                 f"links)" if where else ""))
         print(f"  query round trip  p50 {result['p50_us']:.1f} µs  p99 {result['p99_us']:.1f} µs")
         print(f"  raw ping-pong     p50 {result['raw_p50_us']:.1f} µs  (same run)  "
               f"ratio {result['p50_ratio']:.2f}x")
@@ -158,7 +177,6 @@ def _floor_block(world, rank: int, n: int, warm: int) -> list:
 
 def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool,
                   fast_path: bool) -> None:
-    import numpy as np
     from mpi4py import MPI
 
     from mpsync.config import SyncConfig
@@ -166,7 +184,7 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
     from mpsync.server import StateServer, SyncClient
 
     world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     clients = world.Split(0 if rank == 0 else 1, rank)
     control = world.Dup()
     cfg = SyncConfig.from_options(env={}, policy=BASELINE, topology="ring", silent_timeout=600.0,
@@ -181,21 +199,51 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+    blocks = _blocks(world, clients, control, cfg, wake_ahead, max(1, queries // _BLOCKS))
+    # 4. Idle, then paced like training: an emulated iteration (a sleep: accelerator time,
+    # the CPU is free), a query.
+    if rank == 0:
+        StateServer(control, cfg, wake_ahead=wake_ahead).serve()
+        done.set()
+        sampler.join()
+        window = world.bcast(None, root=1)
+        # Loaded: over the block servers' whole lives (a block is too short for the sampler).
+        busy = blocks["busy"]
+        world.send(dict(_cpu_pct(samples, window), load=100.0 * busy[0] / busy[1]),
+                   dest=1, tag=3)
+        return
+    client = SyncClient(control, cfg)
+    paced = _paced(client, clients, pace_ms, paced_iters)
+    paced["fast_path"] = client.compiled   # off where this MPI cannot be bound
+    gathered = {k: clients.gather(v, root=0) for k, v in (
+        ("paced", paced["latency"]), ("paced_span", paced["span"]),
+        ("lat", blocks["lat"]), ("spans", blocks["spans"]))}
+    client.shutdown()
+    if rank == 1:
+        _report(world, blocks, paced, gathered, pace_ms, wake_ahead)
+    else:
+        world.bcast(None, root=1)
 
-    # 1.-3. Baseline, Python floor and saturated queries in interleaved blocks: the speed of
-    # this VM drifts (the raw round trip moves between ~1.8 and ~3.1 µs from one minute to the
-    # next), so each is measured in every block and pooled, not once at the start.
-    rtts, floor, lat, spans = [], [], [], []
-    busy = [0.0, 0.0]   # rank 0: CPU and wall seconds of the block servers
-    per_block = max(1, queries // _BLOCKS)
+
+def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> dict:
+    """1.-3. Baseline, Python floor and saturated queries in interleaved blocks: the speed of
+    this VM drifts from one minute to the next, so each is measured in every block and pooled,
+    not once at the start."""
+    import numpy as np
+
+    from mpsync.server import StateServer, SyncClient
+
+    rank = world.Get_rank()
+    out = {"rtts": [], "floor": [], "lat": [], "spans": [], "per_block": per_block,
+           "busy": [0.0, 0.0]}   # rank 0: CPU and wall seconds of the block servers
     for block in range(_BLOCKS):
-        rtts += _raw_block(world, rank, 3000, 300 if block else 2000)
-        floor += _floor_block(world, rank, 3000, 300 if block else 2000)
+        out["rtts"] += _raw_block(world, rank, 3000, 300 if block else 2000)
+        out["floor"] += _floor_block(world, rank, 3000, 300 if block else 2000)
         if rank == 0:
             wall, cpu = time.time(), time.process_time()
             StateServer(control, cfg, wake_ahead=wake_ahead).serve()
-            busy[0] += time.process_time() - cpu
-            busy[1] += time.time() - wall
+            out["busy"][0] += time.process_time() - cpu
+            out["busy"][1] += time.time() - wall
         else:
             client = SyncClient(control, cfg)
             for k in range(200):  # warm-up
@@ -207,24 +255,20 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
                 t0 = time.perf_counter()
                 client.step(k, 0.0)
                 block_lat[k] = time.perf_counter() - t0
-            spans.append((start, time.time()))
-            lat.append(block_lat)
+            out["spans"].append((start, time.time()))
+            out["lat"].append(block_lat)
             client.shutdown()
         world.Barrier()
+    if rank != 0:
+        out["lat"] = np.concatenate(out["lat"])
+    return out
 
-    # 4. Idle, then paced like training: an emulated iteration (a sleep: accelerator time,
-    # the CPU is free), a query.
-    if rank == 0:
-        StateServer(control, cfg, wake_ahead=wake_ahead).serve()
-        done.set()
-        sampler.join()
-        window = world.bcast(None, root=1)
-        # Loaded: over the block servers' whole lives (a block is too short for the sampler).
-        world.send(dict(_cpu_pct(samples, window), load=100.0 * busy[0] / busy[1]),
-                   dest=1, tag=3)
-        return
-    client = SyncClient(control, cfg)
-    fast_path = client._fast is not None   # off where this MPI cannot be bound
+
+def _paced(client, clients, pace_ms: float, paced_iters: int) -> dict:
+    """An idle spell, then queries paced like training; latencies after the first ten (once
+    the intervals are known) and the wall-clock spans of both phases."""
+    import numpy as np
+
     t_idle0 = time.time()
     time.sleep(_IDLE_S)
     t_idle1 = time.time()
@@ -241,43 +285,43 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         if decision.sync:   # as a BSP worker does after its allreduce (here: none)
             client.reset(decision.round + 1, 0.0)
         ready = time.perf_counter()
-    paced_end = time.time()
-    all_paced = clients.gather(paced[min(10, paced_iters - 1):], root=0)  # after the first
-    paced_spans = clients.gather((paced_start, paced_end), root=0)        # intervals are known
-    all_lat = clients.gather(np.concatenate(lat), root=0)
-    all_spans = clients.gather(spans, root=0)
-    client.shutdown()
-    if rank == 1:
-        # Per block, from the first client's start to the last one's end.
-        blocks = [(min(s[b][0] for s in all_spans), max(s[b][1] for s in all_spans))
-                  for b in range(_BLOCKS)]
-        paced_window = (max(s for s, _ in paced_spans), min(e for _, e in paced_spans))
-        world.bcast({"idle": [(t_idle0 + 0.3, t_idle1 - 0.2)], "paced": [paced_window]},
-                    root=1)
-        cpu = world.recv(source=0, tag=3)
-        lat_all = np.concatenate(all_lat) * 1e6
-        raw = np.array(rtts) * 1e6
-        result = {
-            "clients": size - 1, "queries_per_client": per_block * _BLOCKS, "blocks": _BLOCKS,
-            "p50_us": float(np.percentile(lat_all, 50)),
-            "p99_us": float(np.percentile(lat_all, 99)),
-            "raw_p50_us": float(np.percentile(raw, 50)),
-            "raw_p99_us": float(np.percentile(raw, 99)),
-            "python_floor_p50_us": float(np.percentile(np.array(floor) * 1e6, 50)),
-            "queries_per_s": float(lat_all.size / sum(b - a for a, b in blocks)),
-            "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
-        }
-        paced_all = np.concatenate(all_paced) * 1e6
-        result.update({
-            "pace_ms": pace_ms, "wake_ahead": wake_ahead, "fast_path": fast_path,
-            "paced_p50_us": float(np.percentile(paced_all, 50)),
-            "paced_p99_us": float(np.percentile(paced_all, 99)),
-            "server_cpu_paced_pct": cpu["paced"],
-        })
-        result["p50_ratio"] = result["p50_us"] / result["raw_p50_us"]
-        print(json.dumps(result), flush=True)
-    else:
-        world.bcast(None, root=1)
+    return {"latency": paced[min(10, paced_iters - 1):], "span": (paced_start, time.time()),
+            "idle": (t_idle0, t_idle1)}
+
+
+def _report(world, blocks: dict, paced: dict, gathered: dict, pace_ms: float,
+            wake_ahead: bool) -> None:
+    """Rank 1: the CPU windows to the server, its CPU shares back, and the result line."""
+    import numpy as np
+
+    # Per block, from the first client's start to the last one's end.
+    spans = [(min(s[b][0] for s in gathered["spans"]), max(s[b][1] for s in gathered["spans"]))
+             for b in range(_BLOCKS)]
+    paced_window = (max(s for s, _ in gathered["paced_span"]),
+                    min(e for _, e in gathered["paced_span"]))
+    t_idle0, t_idle1 = paced["idle"]
+    world.bcast({"idle": [(t_idle0 + 0.3, t_idle1 - 0.2)], "paced": [paced_window]}, root=1)
+    cpu = world.recv(source=0, tag=3)
+    lat_all = np.concatenate(gathered["lat"]) * 1e6
+    raw = np.array(blocks["rtts"]) * 1e6
+    paced_all = np.concatenate(gathered["paced"]) * 1e6
+    result = {
+        "clients": world.Get_size() - 1, "queries_per_client": blocks["per_block"] * _BLOCKS,
+        "blocks": _BLOCKS,
+        "p50_us": float(np.percentile(lat_all, 50)),
+        "p99_us": float(np.percentile(lat_all, 99)),
+        "raw_p50_us": float(np.percentile(raw, 50)),
+        "raw_p99_us": float(np.percentile(raw, 99)),
+        "python_floor_p50_us": float(np.percentile(np.array(blocks["floor"]) * 1e6, 50)),
+        "queries_per_s": float(lat_all.size / sum(b - a for a, b in spans)),
+        "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
+        "pace_ms": pace_ms, "wake_ahead": wake_ahead, "fast_path": paced["fast_path"],
+        "paced_p50_us": float(np.percentile(paced_all, 50)),
+        "paced_p99_us": float(np.percentile(paced_all, 99)),
+        "server_cpu_paced_pct": cpu["paced"],
+    }
+    result["p50_ratio"] = result["p50_us"] / result["raw_p50_us"]
+    print(json.dumps(result), flush=True)
 
 
 def _cpu_pct(samples, windows) -> dict:

@@ -8,7 +8,8 @@ Writes ``zipline.csv`` and ``zipline.png`` (like the paper's Fig. 10) to ``--out
 GridScan miss rate and the JIT compile vs cached-start times.
 
 ``--n N --R R --json`` measures one size and prints one JSON object with keys ``n``, ``R``,
-``median_us`` (variant -> µs, null if skipped) and ``sort_us``.
+``median_us`` (variant -> µs, null if skipped), ``sort_us`` and ``ratio_to_sort`` (variant ->
+median / sort; the simulator plans ElasticBSP rounds at n = 4,096 with these kernels).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SIZES = (4, 10, 100, 200, 400, 600, 800, 1000, 2000, 5000)
+SIZES = (4, 10, 100, 200, 400, 600, 800, 1000, 2000, 4096, 5000)
 RS = (15, 150)
 
 # Rough cost model in elementary steps, to skip a variant whose single search would take longer
@@ -203,7 +204,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         res = measure(args.n, args.R, variants, args.seed, args.samples, args.max_call_s)
         if args.json:
-            print(json.dumps({k: res[k] for k in ("n", "R", "median_us", "sort_us")} | {"d": res["d"]}))
+            ratio = {v: None if us is None else us / res["sort_us"]
+                     for v, us in res["median_us"].items()}
+            print(json.dumps({k: res[k] for k in ("n", "R", "median_us", "sort_us")} |
+                             {"d": res["d"], "ratio_to_sort": ratio}))
         else:
             for v, us in res["median_us"].items():
                 print(f"{v:>13}: {'skipped' if us is None else f'{us:12.1f} µs'}  d={res['d'][v]}")

@@ -16,7 +16,8 @@ Variants (``ZIPLINE_VARIANTS``):
                     paper, the fastest exact variant (``FASTEST_EXACT_VARIANT``).
 
 All variants but ``"gridscan"`` are exact and return the same result (same z, d and t_sync).
-The kernels live in :mod:`mpsync.sched._zipline_kernels`; plain-Python references, including
+The kernels live in :mod:`mpsync.sched.zipline_omega` (Ω) and
+:mod:`mpsync.sched.zipline_scans` (the variants); plain-Python references, including
 the brute-force search over all R^n solutions (§5.1 "naive search"), in
 :mod:`mpsync.sched.zipline_reference`.
 
@@ -27,9 +28,9 @@ Departures from the paper, each explained where it is implemented:
   element (timestamp bits, then worker-major index), which is faster on CPUs where numpy's
   sort is vectorized although it is O(Rn log Rn). Same order either way (``omega``).
 * ZipLineOptBS checks the slot its old element was written to before binary searching
-  (``_optbs``).
-* ``z`` is canonical (each worker's last push not after t_sync), see ``_zipline_kernels``.
-* ZipLineOptBS marks removed elements dead instead of shifting the array (``_optbs``).
+  (``scan_optbs``).
+* ``z`` is canonical (each worker's last push not after t_sync), see ``zipline_omega``.
+* ZipLineOptBS marks removed elements dead instead of shifting the array (``scan_optbs``).
 * GridScan's "close to" (Alg. 1 line 10; the algorithm box is not in the text) is read as
   "earliest element not before the designated one", which makes FullGridScan exact as Table 3
   reports.
@@ -41,7 +42,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpsync.sched import _zipline_kernels as _k
+from mpsync.sched import zipline_omega as _k
+from mpsync.sched import zipline_scans as _s
 from mpsync.zipline_variants import EXACT_VARIANTS, FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
@@ -56,14 +58,14 @@ __all__ = [
 
 # Variants that scan Ω (§5.2 Step 1) take it as arguments; the grid baselines read 𝓜 only.
 _OMEGA_KERNELS = {
-    "basic": _k._basic,
-    "opt": _k._opt,
-    "optbs": _k._optbs,
-    "window": _k._window,
+    "basic": _s.scan_basic,
+    "opt": _s.scan_opt,
+    "optbs": _s.scan_optbs,
+    "window": _s.scan_window,
 }
 _GRID_KERNELS = {
-    "gridscan": _k._gridscan,
-    "fullgridscan": _k._fullgridscan,
+    "gridscan": _s.scan_grid,
+    "fullgridscan": _s.scan_fullgrid,
 }
 
 
@@ -110,7 +112,7 @@ def check_matrix(M) -> np.ndarray:
         raise ValueError("M is empty: no workers (n = 0)")
     if R < 1:
         raise ValueError(f"M has R = {R}: need at least one predicted iteration per worker")
-    status, row = _k._check(a)
+    status, row = _k.check_prediction(a)
     if status == _k.NOT_FINITE:
         raise ValueError(f"M contains NaN or inf (row {row})")
     if status == _k.NOT_SORTED:

@@ -222,6 +222,11 @@ class SyncClient:
                                      int(r[W.R_ROUND]), int(r[W.R_EXTRA])))
 
     # -- the calls --------------------------------------------------------------------------
+    @property
+    def compiled(self) -> bool:
+        """True where this client's steps run the compiled round trip (``_fastpath``)."""
+        return self._fast is not None
+
     def step(self, iteration: int, compute_time: float) -> Decision:
         """Report that local iteration ``iteration`` finished after ``compute_time`` seconds
         and ask what to do next, in one round trip."""

@@ -3,7 +3,7 @@
 A blocking ``MPI_Allreduce`` waits forever for a peer that stopped (SIGSTOP, a hung data
 loader, a livelocked GPU); Open MPI only ends the job when a process *dies*.  mpsync therefore
 starts every collective non-blocking and polls it (``Iallreduce`` + ``Test``, or Horovod's
-``poll``) until it completes or the deadline passes (issue 8, item 1).
+``poll``) until it completes or the deadline passes.
 
 A collective cannot say which peer is missing, so workers that have waited for a while tell
 each other so: :class:`PeerWatch` sends a one-integer "I am waiting in collective #s" notice to

@@ -1,0 +1,195 @@
+"""``mpsync compare --repeats R``: every policy R times, medians with their spread.
+
+Runs are interleaved, p1..pk, p1..pk, ..., so a drift of the machine's speed over the minutes
+of a comparison (other jobs, thermal state) hits every policy alike instead of the ones that
+happen to run last.  Repeat r uses seed ``--seeds[r]`` (default ``--seed + r``): a different
+data order and initialization, the same for every policy within the repeat.
+
+Time to target over the repeats: a run that never reached the target counts as slower than any
+run that did (an infinite time), so it moves the median up instead of being dropped; the
+median is "not reached" when more than half of the runs missed, and the max is "not reached"
+when any run did.  ``reached`` says how many runs made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from mpsync.policies import BASELINE
+
+__all__ = ["main", "seeds_of", "summarize_repeats", "format_table"]
+
+
+def seeds_of(args) -> list[int]:
+    from mpsync.config import ConfigError
+
+    if args.seeds:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ConfigError(f"--seeds: {args.seeds!r} is not a comma list of integers") \
+                from None
+        if args.repeats not in (None, len(seeds)):
+            raise ConfigError(f"--repeats {args.repeats} but --seeds lists {len(seeds)} seeds")
+        return seeds
+    repeats = 1 if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    return [args.seed + r for r in range(repeats)]
+
+
+def _median_time(times: list[float | None]) -> float | None:
+    """Median with misses as +inf (``None`` when the median itself is a miss)."""
+    ranked = sorted(math.inf if t is None else t for t in times)
+    m = statistics.median(ranked)
+    return None if math.isinf(m) else float(m)
+
+
+def summarize_repeats(runs: dict[str, list[dict]]) -> list[dict]:
+    """``runs``: policy -> the metrics.json of each of its repeats, in order."""
+    rows = []
+    for policy, ms in runs.items():
+        times = [m["time_to_target_s"] for m in ms]
+        reached = [t for t in times if t is not None]
+        accs = [m["final_acc"] for m in ms if m.get("final_acc") is not None]
+        rows.append({
+            "policy": policy, "repeats": len(ms), "reached": len(reached),
+            "time_to_target_s": _median_time(times),
+            "time_to_target_min_s": min(reached) if reached else None,
+            "time_to_target_max_s": max(reached) if len(reached) == len(ms) else None,
+            "time_to_target_runs_s": times,
+            "final_acc": statistics.median(accs) if accs else None,
+            "final_acc_min": min(accs) if accs else None,
+            "final_acc_max": max(accs) if accs else None,
+            "samples_per_s": statistics.median(m["samples_per_s"] for m in ms),
+            "wait_fraction": statistics.median(m["wait_fraction"] for m in ms),
+            "bytes_per_sample": statistics.median(m["bytes_per_sample"] or 0 for m in ms),
+            "seeds": [m["config"]["seed"] for m in ms],
+            "topology": ms[0]["config"]["topology"],
+        })
+    base = next((r["time_to_target_s"] for r in rows if r["policy"] == BASELINE), None)
+    for r in rows:
+        t = r["time_to_target_s"]
+        r["speedup_vs_bsp"] = base / t if base is not None and t else None
+    return rows
+
+
+def _fmt(v, spec, missing="-"):
+    return missing if v is None else format(v, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| policy | reached | time to target (s): median (min–max) | final acc: median "
+            "(min–max) | samples/s | wait fraction | speedup vs BSP (medians) |")
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        ttt = (f"{_fmt(r['time_to_target_s'], '.1f', 'not reached')} "
+               f"({_fmt(r['time_to_target_min_s'], '.1f')}–"
+               f"{_fmt(r['time_to_target_max_s'], '.1f', 'not reached')})")
+        acc = (f"{_fmt(r['final_acc'], '.3f')} ({_fmt(r['final_acc_min'], '.3f')}–"
+               f"{_fmt(r['final_acc_max'], '.3f')})")
+        speed = "-" if r["speedup_vs_bsp"] is None else f"{r['speedup_vs_bsp']:.2f}x"
+        lines.append(f"| {r['policy']} | {r['reached']}/{r['repeats']} | {ttt} | {acc} | "
+                     f"{r['samples_per_s']:.0f} | {r['wait_fraction']:.2f} | {speed} |")
+    return "\n".join(lines)
+
+
+def _plot(runs, rows, path: Path, target: float, setup: str) -> None:
+    """Accuracy curves of every run (one colour per policy) and each policy's times to target
+    as dots with the median as a bar; misses drawn as crosses above the budget."""
+    from mpsync.apps.report import _pyplot
+
+    plt = _pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    top = max((m["wall_s"] for ms in runs.values() for m in ms), default=1.0)
+    for i, (policy, ms) in enumerate(runs.items()):
+        col = colors[i % len(colors)]
+        for j, m in enumerate(ms):
+            ax.plot([e["wall_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
+                    color=col, alpha=0.6, lw=1, label=policy if j == 0 else None)
+    ax.axhline(target, color="gray", ls="--", lw=1)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    for i, r in enumerate(rows):
+        times = r["time_to_target_runs_s"]
+        hit = [t for t in times if t is not None]
+        bx.scatter([i] * len(hit), hit, color=colors[i % len(colors)], zorder=3)
+        misses = len(times) - len(hit)
+        if misses:
+            bx.scatter([i] * misses, [top * 1.05] * misses, marker="x", color="black", zorder=3)
+        if r["time_to_target_s"] is not None:
+            bx.hlines(r["time_to_target_s"], i - 0.3, i + 0.3, color="black", lw=2)
+    bx.set_xticks(range(len(rows)), [r["policy"] for r in rows])
+    bx.set_ylabel(f"time to {target:g} accuracy (s); bar: median, x: not reached")
+    bx.grid(alpha=0.3, axis="y")
+    fig.suptitle(setup, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args, policies: list[str], seeds: list[int]) -> int:
+    """Run (or, with --from-runs, read) every policy once per seed, interleaved."""
+    from mpsync.apps.compare import _setup_line, launch_argv
+    from mpsync.launch import run_with_deadline
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = args.time_budget or (25.0 if args.epochs is None else 0.0)
+    timeout = args.timeout or (budget + 240.0 if budget else 900.0)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    failures = []
+    for r, seed in enumerate(seeds):
+        for policy in policies:
+            run_dir = out / policy / f"repeat{r}"
+            path = run_dir / "metrics.json"
+            if not args.from_runs:
+                one = argparse.Namespace(**{**vars(args), "seed": seed})
+                res = run_with_deadline(launch_argv(one, policy, run_dir), timeout, env=env)
+                if res.returncode != 0 or not path.is_file():
+                    why = "timed out" if res.timed_out else f"exit code {res.returncode}"
+                    failures.append(f"{policy}#{r}")
+                    print(f"mpsync compare: {policy} repeat {r} failed ({why}):\n"
+                          f"{res.stderr[-2000:]}", file=sys.stderr)
+                    continue
+            elif not path.is_file():
+                failures.append(f"{policy}#{r}")
+                continue
+            m = json.loads(path.read_text())
+            runs[policy].append(m)
+            if not args.json and not args.from_runs:
+                ttt = m["time_to_target_s"]
+                print(f"[{policy} repeat {r + 1}/{len(seeds)}, seed {seed}] final acc "
+                      f"{m['final_acc']:.3f}, time to target "
+                      f"{'not reached' if ttt is None else f'{ttt:.1f}s'}", flush=True)
+    runs = {p: ms for p, ms in runs.items() if ms}
+    rows = summarize_repeats(runs)
+    setup = f"{_setup_line(args, {p: ms[0] for p, ms in runs.items()})}, {len(seeds)} " \
+            f"repeats (seeds {','.join(map(str, seeds))}), interleaved"
+    result = {"rows": rows, "target_acc": args.target_acc, "failed": failures, "setup": setup}
+    (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = format_table(rows)
+    (out / "table.md").write_text(f"{setup}\n\n{table}\n")
+    if runs:
+        _plot(runs, rows, out / "compare.png", args.target_acc, setup)
+    if args.json:
+        keys = ("policy", "time_to_target_s", "time_to_target_min_s", "time_to_target_max_s",
+                "reached", "repeats", "final_acc", "final_acc_min", "final_acc_max",
+                "samples_per_s", "wait_fraction", "speedup_vs_bsp")
+        print(json.dumps({"rows": [{k: r[k] for k in keys} for r in rows]}))
+    else:
+        print(setup)
+        print(table)
+        print(f"written: {out / 'compare.png'}, {out / 'table.md'}, {out / 'compare.json'}")
+    return 1 if failures else 0

@@ -1,0 +1,235 @@
+"""``mpsync simulate``: which policy wins on a cluster you do not have (``mpsync.simulate``).
+
+One row per (policy, worker count, speed spec): throughput, wait and aggregation fractions,
+rounds, staleness (PS policies), local steps per round (ESync, ElasticBSP) and the server
+decisions per second the run needs.  ``--workers`` and ``--speeds`` take lists for a sweep;
+``--out`` writes ``simulate.json``, ``table.md`` and one plot per metric against N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mpsync import policies as registry
+from mpsync.config import ConfigError, SyncConfig
+
+__all__ = ["add_arguments", "main", "run_rows", "PLOTTED"]
+
+PLOTTED = ("samples_per_s", "wait_fraction", "aggregation_fraction", "decisions_per_s",
+           "local_steps_mean", "staleness_p99")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default=None,
+                   help="worker count, or a comma list for a sweep (default: from the SPEC)")
+    p.add_argument("--speeds", default="lognormal:0.3",
+                   help="lognormal:SIGMA | groups:1x256,1.5x128,3x128 | trace:metrics.json | "
+                        "const; ';'-separated list for a sweep")
+    p.add_argument("--policies", default="bsp,ssp,dssp,ebsp,esync,asp,osp")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="stop after workers x ITERATIONS iterations in total (default 1000)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop at this virtual time instead (s); default for trace: the run's")
+    p.add_argument("--iter-time", type=float, default=0.1,
+                   help="iteration time at factor 1 / the lognormal median (s)")
+    p.add_argument("--jitter", type=float, default=None,
+                   help="per-iteration lognormal sigma of every iteration time (default 0, or "
+                        "the spread a trace's server measured)")
+    p.add_argument("--slowdown-schedule", default=None,
+                   help="'T:f0,f1,...;T2:...' factors from virtual time T on (as mpsync train)")
+    p.add_argument("--model-bytes", default="100M", help="bytes aggregated per round")
+    p.add_argument("--bandwidth", default="1.25G", help="bytes/s per link (1.25G = 10 Gbit/s)")
+    p.add_argument("--latency", type=float, default=5e-6, help="per ring step / PS message (s)")
+    p.add_argument("--query-latency", type=float, default=None,
+                   help="server query round trip (s); default 1e-4, or the trace's")
+    p.add_argument("--aggregation-s", type=float, default=None,
+                   help="fixed cost per aggregation round (s) instead of the model; default "
+                        "for trace: the run's measured cost")
+    p.add_argument("--topology", default=None, help="ring | ps (default: each policy's own)")
+    p.add_argument("--staleness", type=int, default=None)
+    p.add_argument("--lookahead", type=int, default=None)
+    p.add_argument("--esync-slack", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--engine", default="auto", help="auto | exact | fast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.add_argument("--out", default=None, help="directory for simulate.json, table.md, plots")
+
+
+def _config(args, policy: str) -> SyncConfig:
+    kw = {"policy": policy, "topology": args.topology or registry.default_topology(policy)}
+    for name in ("staleness", "lookahead", "esync_slack"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if registry.get(policy).reads("staleness_low") and args.staleness is not None:
+        kw["staleness_low"] = args.staleness
+        kw["staleness_high"] = max(args.staleness, SyncConfig.staleness_high)
+    return SyncConfig(**kw).validate()
+
+
+def run_rows(args, log=None) -> list[dict]:
+    """Every (speed spec, worker count, policy) of the arguments; one row each."""
+    from mpsync.simulate import CostModel, parse_rate, parse_speeds, simulate
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in registry.names():
+            raise ConfigError(f"unknown policy {p!r} in --policies; choose from "
+                              f"{', '.join(registry.names())}")
+    if not policies:
+        raise ConfigError("--policies: empty list")
+    counts = [None] if args.workers is None else [_count(x) for x in str(args.workers).split(",")]
+    specs = [s.strip() for s in args.speeds.split(";") if s.strip()]
+    if args.iterations is not None and args.iterations < 1:
+        raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.iterations is not None and args.duration is not None:
+        raise ConfigError("give only one of --iterations or --duration")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    rows = []
+    for spec in specs:
+        for n in counts:
+            speeds0 = parse_speeds(spec, n, args.iter_time, args.seed, args.jitter,
+                                   args.slowdown_schedule)
+            trace = speeds0.trace or {}
+            cost = CostModel(model_bytes=parse_rate(args.model_bytes, "--model-bytes"),
+                             bandwidth=parse_rate(args.bandwidth, "--bandwidth"),
+                             latency=args.latency,
+                             query=args.query_latency if args.query_latency is not None
+                             else trace.get("query_s", 1e-4),
+                             fixed_aggregation=args.aggregation_s
+                             if args.aggregation_s is not None else trace.get("aggregation_s"))
+            iterations, duration = args.iterations, args.duration
+            if iterations is None and duration is None:
+                if trace.get("wall_s"):
+                    duration = float(trace["wall_s"])
+                else:
+                    iterations = 1000
+            batch = trace.get("batch_size") or args.batch_size
+            for policy in policies:
+                config = _config(args, policy)
+                # a fresh speed model per policy: every policy sees the same draws
+                speeds = parse_speeds(spec, n, args.iter_time, args.seed, args.jitter,
+                                      args.slowdown_schedule)
+                try:
+                    row = simulate(config, speeds, cost, iterations=iterations,
+                                   duration=duration, engine=args.engine, batch_size=batch)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+                row["speeds"] = spec
+                row["cost_model"] = cost.describe()
+                rows.append(row)
+                if log:
+                    log(f"[{policy} n={row['workers']} {spec}] {row['runtime_s']:.1f}s: "
+                        f"{row['samples_per_s']:.0f} samples/s, wait {row['wait_fraction']:.3f}")
+    return rows
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"--workers: {text!r} is not an integer") from None
+    if n < 1:
+        raise ConfigError(f"--workers must be >= 1, got {n}")
+    return n
+
+
+def _flat(row: dict) -> dict:
+    """The plotted metrics of a row, nested distributions flattened."""
+    local = row.get("local_steps_per_round") or {}
+    stale = row.get("staleness") or {}
+    return {**row, "local_steps_mean": local.get("mean"), "staleness_p99": stale.get("p99")}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["policy", "topology", "N", "speeds", "samples/s", "iterations/s", "wait fraction",
+            "aggregation fraction", "rounds", "local steps/round (mean, max)",
+            "staleness (p50/p99/max)", "decisions/s", "engine, run time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        local = r.get("local_steps_per_round")
+        stale = r.get("staleness")
+        local_text = f"{local['mean']:.2f}, {local['max']}" if local else "-"
+        stale_text = f"{stale['p50']}/{stale['p99']}/{stale['max']}" if stale else "-"
+        cells = [r["policy"], r["topology"], str(r["workers"]), r["speeds"],
+                 f"{r['samples_per_s']:.0f}", f"{r['iterations_per_s']:.1f}",
+                 f"{r['wait_fraction']:.3f}", f"{r['aggregation_fraction']:.3f}",
+                 f"{r['rounds']:.0f}", local_text, stale_text, f"{r['decisions_per_s']:.0f}",
+                 f"{r['engine']}, {r['runtime_s']:.1f}s"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    """One PNG per metric: the metric against N, a line per (policy, speeds)."""
+    from mpsync.apps.report import _pyplot
+
+    plt = _pyplot()
+    flat = [_flat(r) for r in rows]
+    policies = list(dict.fromkeys(r["policy"] for r in flat))
+    specs = list(dict.fromkeys(r["speeds"] for r in flat))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    paths = []
+    for metric in PLOTTED:
+        series: dict = {}
+        for r in flat:
+            if r.get(metric) is not None:
+                series.setdefault((r["policy"], r["speeds"]), []).append((r["workers"],
+                                                                           r[metric]))
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        # colour = policy, line style = speed distribution
+        for (policy, spec), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    color=colors[policies.index(policy) % len(colors)],
+                    ls=styles[specs.index(spec) % len(styles)],
+                    label=f"{policy} ({spec})" if len(specs) > 1 else policy)
+        ax.set_xscale("log", base=2)
+        if metric in ("samples_per_s", "decisions_per_s"):
+            ax.set_yscale("log")
+        ax.set_xlabel("workers N")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{metric}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(args) -> int:
+    log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        rows = run_rows(args, log)
+    except ConfigError as e:
+        print(f"mpsync simulate: error: {e}", file=sys.stderr)
+        return 2
+    result = {"rows": rows}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "simulate.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "table.md").write_text(format_table(rows) + "\n")
+        plot(rows, out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(rows))
+        if args.out:
+            print(f"written: {args.out}/simulate.json, table.md and one plot per metric")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="mpsync simulate")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,203 @@
+"""OSP's worker strategy (OSP paper §3-4): Routine Sync of the important layers, In-Computation
+Sync of the rest overlapped with the next iteration, and the local-gradient correction."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from mpsync.torch.backends import Pending
+from mpsync.torch.strategies import Strategy
+
+__all__ = ["TwoStageSync", "osp_u_max"]
+
+
+def osp_u_max(rate_bytes_s: float, t_compute: float, itemsize: int, n_workers: int = 1) -> float:
+    """OSP Eq. 5's U_max = b(1 + lr)·T_c / N in model elements (``sched.osp_ics_budget``),
+    from a measured aggregation rate.  An allreduce of S bytes that took T seconds over N
+    workers moved the equivalent of N·S bytes through a parameter server's link: b = N·S/T,
+    so U_max = (S/T)·T_c whatever N; the loss rate lr is 0 (retransmissions are already in the
+    measured time).  The 0.8 cap of Alg. 1 line 2 is the server's (it knows the model size)."""
+    from mpsync.sched import osp_ics_budget
+
+    if not (rate_bytes_s > 0 and t_compute > 0):
+        return 0.0
+    n = max(int(n_workers), 1)
+    return float(osp_ics_budget(n * rate_bytes_s / itemsize, 0.0, t_compute, n, np.inf))
+
+
+class TwoStageSync(Strategy):
+    """OSP (OSP paper §3-4) on the ring.
+
+    Iteration i, after backward (local gradients G^l):
+
+    1. If the In-Computation Sync of iteration i-1 is in flight, finish it and apply the
+       Local-Gradient-based Parameter correction, Eq. 7: P -= lr·(G^g - G^l) on its layers
+       (the local gradient used in step 3 of i-1 is replaced by the global one).  The worker
+       now holds G^g of iteration i-1 on every layer.
+    2. Importance I_l = Σ|G^g·P| per layer (Eq. 4) of those global gradients goes to the
+       server with this iteration's loss and epoch (``note_progress``) and the U_max this
+       worker measured (Eq. 5, :func:`osp_u_max`: the rate of its blocking allreduces and its
+       compute time); the server returns the Gradient Importance Bitmap of iteration i
+       (global gradients, one iteration of lag, §3.2; sized by Alg. 1).
+    3. Routine Sync: the layers the bitmap for i marks important are averaged (blocking); the
+       others start a non-blocking allreduce (ICS) that runs during the next forward/backward;
+       the optimizer steps with global gradients on RS layers and local ones on ICS layers
+       (LGP, Eq. 6).
+
+    Without ``note_progress`` (a training loop that does not report its epoch) every
+    iteration counts as epoch 1, where Alg. 1 keeps S(G^u) = 0: all Routine Sync, i.e. BSP.
+
+    No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
+    in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
+    correction is the same SGD-shaped term (the optimizer state keeps the local gradient).
+    With the ``mpi`` backend Open MPI progresses a non-blocking collective only inside MPI
+    calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
+    thread.
+    """
+
+    aggregates_every_step = True
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        if len(self.buffers) != 1:
+            raise ValueError(f"policy={self.config.policy!r} needs all parameters in one dtype, got "
+                             f"{[str(b.dtype) for b in self.buffers]}")
+        self.buf = self.buffers[0]
+        self.n_layers = len(self.buf.layer_names)
+        self.bitmap = np.zeros(self.n_layers, dtype=bool)  # iteration 1: all Routine Sync
+        self._pending: Pending | None = None
+        self._ics_ranges: list | None = None
+        self._ics_local: torch.Tensor | None = None
+        self._ics_global: torch.Tensor | None = None
+        self.ics_layers_total = 0
+        self._prev_global: torch.Tensor | None = None   # G^g of the previous iteration
+        self._epoch, self._loss = 0, None
+        self._rate = 0.0       # bytes/s of the blocking allreduces (moving average)
+        self._t_compute = 0.0  # seconds of computation per iteration (moving average)
+        self._hooks = [p.register_hook(self._progress) for p in self.buf.params
+                       if p.requires_grad]
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        self._epoch, self._loss = int(epoch), float(loss)
+
+    def _note_rate(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            rate = nbytes / seconds
+            self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+
+    @property
+    def u_max(self) -> float:
+        """This worker's U_max (Eq. 5) in model elements, from its measurements so far."""
+        return osp_u_max(self._rate, self._t_compute, self.buf.flat.element_size(),
+                         self.backend.size if self.backend is not None else 1)
+
+    def _lr_of_params(self) -> dict[int, float]:
+        """Each parameter's current learning rate (read every time: schedulers change it)."""
+        return {id(p): group["lr"] for group in self.optimizer.param_groups
+                for p in group["params"]}
+
+    def _progress(self, grad):
+        if self._pending is not None:
+            self._pending.test()
+        return grad
+
+    def _finish_ics(self) -> None:
+        """Wait for the in-flight ICS and apply the LGP correction (Eq. 7) on its layers."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        self._pending.wait()
+        self.buf.scatter(self._ics_global, self._prev_global, self._ics_ranges)
+        correction = self._ics_global.sub_(self._ics_local)  # G^g - G^l, in place
+        lr_of = self._lr_of_params()
+        with torch.no_grad():
+            for slot, pos in self.buf.slots_in(self._ics_ranges):
+                piece = correction[pos:pos + slot.numel].view(slot.param.shape)
+                slot.param.add_(piece, alpha=-lr_of[id(slot.param)])
+        self._pending = None
+        self._ics_local = self._ics_global = self._ics_ranges = None
+        t1 = time.perf_counter()
+        self.counters.aggregation_s += t1 - t0
+        self.counters.event("ics_wait", t0, t1)
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        self._finish_ics()
+        decision = self.ask(compute_time, self.iteration + 1)
+        if not self.is_sync(decision):
+            raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
+                               f"two-stage sync synchronizes every iteration")
+        self._t_compute = compute_time if self._t_compute == 0 else \
+            0.8 * self._t_compute + 0.2 * compute_time
+        if self.client is not None:
+            t0 = time.perf_counter()
+            if self._prev_global is None:   # iteration 1: no global gradients yet
+                importance = np.zeros(self.n_layers)
+            else:
+                p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
+                importance = _layer_importance(self._prev_global, p_flat, self.buf.layer_sizes)
+            bitmap_now = np.asarray(self.client.report_importance(
+                importance, self.buf.layer_sizes, loss=self._loss, epoch=self._epoch,
+                u_max=self.u_max), dtype=bool)
+            self.counters.wait_s += time.perf_counter() - t0
+            if bitmap_now.shape != (self.n_layers,):
+                raise RuntimeError(f"OSP bitmap from the server has shape {bitmap_now.shape}, "
+                                   f"the model has {self.n_layers} layers")
+        else:
+            bitmap_now = self.bitmap
+        grads = self.buf.pack_grads()
+        t0 = time.perf_counter()
+        nbytes = self.buf.nbytes
+        if bitmap_now.any():
+            ics_ranges = self.buf.layer_ranges(bitmap_now)
+            rs_ranges = self.buf.layer_ranges(~bitmap_now)
+            if rs_ranges:  # Routine Sync first, blocking (§3.1)
+                rs = self.buf.gather(grads, rs_ranges)
+                t_rs = time.perf_counter()
+                self.backend.allreduce_average_(rs, "routine sync")
+                self._note_rate(rs.numel() * rs.element_size(), time.perf_counter() - t_rs)
+                self.buf.scatter(rs, grads, rs_ranges)
+            # In-Computation Sync: in flight until the next step (or synchronize()); the
+            # optimizer meanwhile uses the local gradient of these layers (LGP, Eq. 6).
+            self._ics_local = self.buf.gather(grads, ics_ranges)
+            self._ics_global = self._ics_local.clone()
+            self._ics_ranges = ics_ranges
+            self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
+            self.ics_layers_total += int(bitmap_now.sum())
+        else:
+            t_rs = time.perf_counter()
+            self.backend.allreduce_average_(grads, "routine sync")
+            self._note_rate(nbytes, time.perf_counter() - t_rs)
+        # G^g of this iteration (ICS layers: local until their allreduce lands, _finish_ics).
+        if self._prev_global is None:
+            self._prev_global = grads.clone()
+        else:
+            self._prev_global.copy_(grads)
+        self.buf.unpack_to_grads()
+        self._aggregated(t0, nbytes)
+        self.optimizer.step()
+        self.bitmap = bitmap_now
+        self.iteration += 1
+        self.counters.iterations += 1
+        return loss
+
+    def synchronize(self) -> None:
+        self._finish_ics()
+        self._broadcast_model()
+
+    def close(self) -> None:
+        self._finish_ics()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _layer_importance(grads: torch.Tensor, params: torch.Tensor, layer_sizes) -> np.ndarray:
+    from mpsync.sched import osp_layer_importance
+
+    return osp_layer_importance(grads.detach().to(torch.float64).numpy(),
+                                params.detach().to(torch.float64).numpy(),
+                                np.asarray(layer_sizes, dtype=np.int64))

@@ -1,0 +1,38 @@
+"""The simulator against real runs: short `mpsync compare` runs (4 workers, slowdown 1,1,2,4,
+the demo's setting), each replayed by the event engine from its own metrics.json; the
+simulated wait fraction and samples/s must be within the targets of ``bench simulate``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpi_harness import REPO
+
+from mpsync.bench.simulate import SAMPLES_TARGET, WAIT_TARGET
+
+PY = sys.executable
+
+
+@pytest.mark.slow
+def test_simulator_replays_real_runs_within_targets(tmp_path):
+    # one ring policy that synchronizes every step, one with local steps, one PS policy
+    policies = "bsp,esync,ssp"
+    r = subprocess.run([PY, "-m", "mpsync.cli", "bench", "simulate", "--run", "--budget", "6",
+                        "--policies", policies, "--out", str(tmp_path), "--json"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+    assert [row["policy"] for row in rows] == policies.split(",")
+    for row in rows:
+        assert abs(row["delta_wait_fraction"]) <= WAIT_TARGET, row
+        assert abs(row["samples_error"]) <= SAMPLES_TARGET, row
+        # the replay ran the workers it was given, at their measured speeds
+        measured = row["iterations_per_worker_measured"]
+        simulated = row["iterations_per_worker_simulated"]
+        assert simulated["max"] == pytest.approx(max(measured), rel=0.25), row
+    assert (tmp_path / "validation.md").read_text().count("| yes |") + \
+        (tmp_path / "validation.md").read_text().count("| NO |") == len(rows)
