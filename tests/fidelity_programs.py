@@ -30,7 +30,9 @@ def esync_one_step_rounds() -> None:
     waits for every delta of the round: worker 0 is 3x slower, so a fast worker's pull would
     otherwise miss its delta."""
     a = _args()
-    steps, batch, lr, base = int(a.get("steps", 6)), 4, 0.3, 0.02
+    # 80 ms iterations: far longer than a reset message takes, even on a loaded machine, so
+    # every worker is back in the round before the next report (else one more local step).
+    steps, batch, lr, base = int(a.get("steps", 6)), 4, 0.3, 0.08
     mps.init(policy="esync", topology=a["topology"], backend="mpi", server="dedicated",
              epsilon=1.0, esync_slack=100.0, deadline=60)
     model = _model()
