@@ -20,13 +20,14 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
-    "ZIPLINE_VARIANTS", "DEFAULTS", "parse_float_list", "plugins_from_env",
+    "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "plugins_from_env",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
 TOPOLOGIES = policies.TOPOLOGIES
 BACKENDS = ("mpi", "horovod")
 SERVER_PLACEMENTS = ("dedicated", "colocated")
+OSP_ICS_SIZES = ("measured", "fixed")
 
 ENV_PREFIX = "MPSYNC_"
 
@@ -61,7 +62,11 @@ class SyncConfig:
     epsilon: float = 1.0
     esync_slack: float = 0.0
     esync_delayed_ack: bool = False
-    # OSP: fraction of the model allowed in In-Computation Sync (OSP §4.1.2 caps it at 0.8).
+    # OSP: how U_max, the In-Computation Sync bound, is set: "measured" (Eq. 5 from the
+    # measured aggregation rate and compute time, capped at osp_ics_max_fraction of the model,
+    # Alg. 1 line 2) or "fixed" (osp_ics_max_fraction of the model); Alg. 1 schedules S(G^u)
+    # within it either way.  OSP §4.1.2 caps the fraction at 0.8.
+    osp_ics_size: str = "measured"
     osp_ics_max_fraction: float = 0.8
     # Reliability: a worker silent for this long is taken out of ZipLine/ESync decisions (PS) or
     # aborts the job (ring); every blocking wait has this deadline.  Both stay below 30 s so a
@@ -108,6 +113,7 @@ class SyncConfig:
         _one_of("backend", self.backend, BACKENDS)
         _one_of("server", self.server, SERVER_PLACEMENTS)
         _one_of("zipline_variant", self.zipline_variant, ZIPLINE_VARIANTS)
+        _one_of("osp_ics_size", self.osp_ics_size, OSP_ICS_SIZES)
         _int_at_least("staleness", self.staleness, 0)
         _int_at_least("staleness_low", self.staleness_low, 0)
         _int_at_least("staleness_high", self.staleness_high, 0)

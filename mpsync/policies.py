@@ -23,7 +23,7 @@ from typing import Mapping
 
 __all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS",
            "SIMULATION_MODELS", "register", "unregister", "get", "names", "specs",
-           "default_topology", "load_plugins", "resolve", "policy_table"]
+           "default_topology", "load_plugins", "resolve", "policy_table", "fidelity_table"]
 
 TOPOLOGIES = ("ring", "ps")
 # What the other policies are measured against (``mpsync compare``'s speedup column).
@@ -65,6 +65,10 @@ class PolicySpec:
     report without waiting for the reply (ESync §4.2).
     ``ps_average``: on the PS, the server averages the workers' deltas (times the global step
     size) instead of applying each as it arrives (Downpour style).
+    ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
+    the README's fidelity table (:func:`fidelity_table`).  Each departure names, in
+    parentheses, the ``module:Class`` whose docstring states it where the code makes it
+    (``tests/test_policies.py`` checks both).
     """
 
     name: str
@@ -76,6 +80,7 @@ class PolicySpec:
     fast_path: str | None = None
     options: tuple[str, ...] = ()
     ps_average: bool = False
+    fidelity: Mapping[str, tuple[str, str]] = None
     simulation: Mapping[str, str] | None = None
 
     def simulation_model(self, topology: str) -> str | None:
@@ -121,6 +126,7 @@ _REGISTRY: dict[str, PolicySpec] = {}
 def register(name: str, *, description: str, server: str, strategies: Mapping[str, str],
              paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
              ps_average: bool = False, simulation: Mapping[str, str] | None = None,
+             fidelity: Mapping[str, tuple[str, str]] | None = None,
              replace: bool = False) -> PolicySpec:
     """Add a policy; returns its entry.
 
@@ -152,7 +158,8 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
     spec = PolicySpec(name=name, description=description, paper=paper,
                       topologies=tuple(strategies), server=server, strategies=strategies,
                       fast_path=fast_path, options=tuple(options), ps_average=ps_average,
-                      simulation=dict(simulation) if simulation else None)
+                      simulation=dict(simulation) if simulation else None,
+                      fidelity=dict(fidelity or {}))
     old = _REGISTRY.get(name)
     if old is not None and old != spec and not replace:
         raise PolicyError(f"policy {name!r} is already registered (pass replace=True)")
@@ -216,6 +223,18 @@ def policy_table() -> str:
     return "\n".join(rows)
 
 
+def fidelity_table() -> str:
+    """The README's fidelity table (Markdown): per policy and topology, the paper's section,
+    what is implemented as written, and each departure with where the code states it."""
+    rows = ["| policy | topology | paper | implemented as written | departures (where stated) |",
+            "|---|---|---|---|---|"]
+    for s in specs():
+        for topology, (as_written, departures) in (s.fidelity or {}).items():
+            rows.append(f"| `{s.name}` | {topology} | {s.paper} | {as_written} | "
+                        f"{departures} |")
+    return "\n".join(rows)
+
+
 def _check_ref(name: str, what: str, ref) -> None:
     module, sep, attr = str(ref).partition(":")
     if not (isinstance(ref, str) and sep and module and attr):
@@ -230,37 +249,85 @@ register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
     server=_SERVER + "BSP",
     strategies={"ring": _STRATEGY + "GradientAveraging", "ps": "default"},
-    fast_path="tables", simulation={"ring": "every_step", "ps": "in_step"})
+    fast_path="tables", simulation={"ring": "every_step", "ps": "in_step"},
+    fidelity={"ring": ("gradients averaged every iteration (one fused allreduce)", "none"),
+              "ps": ("every worker pushes every iteration; a pull waits until every worker "
+                     "pushed as often", "none")})
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
     server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",
-    simulation={"ps": "no_wait"})
+    simulation={"ps": "no_wait"},
+    fidelity={"ps": ("push every iteration, applied on arrival; pull whatever is current",
+                     "none")})
 register(
     "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
     paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},
-    fast_path="tables", options=("staleness",), simulation={"ps": "staleness"})
+    fast_path="tables", options=("staleness",), simulation={"ps": "staleness"},
+    fidelity={"ps": ("a pull waits while the worker is more than s pushes ahead of the "
+                     "slowest", "none")})
 register(
     "dssp", description="SSP whose bound moves within `[s_L, s_U]`, set per push by a controller",
     paper="DSSP Alg. 1-2", server=_SERVER + "DSSP", strategies={"ps": "default"},
     fast_path="tables", options=("staleness_low", "staleness_high"),
-    simulation={"ps": "dynamic_staleness"})
+    simulation={"ps": "dynamic_staleness"},
+    fidelity={"ps": ("Alg. 1 server and Alg. 2 synchronization controller on every push",
+                     "the controller is given the allowance left, not the full r_max, so the "
+                     "gap never exceeds s_U (mpsync.server.policies:DSSP)")})
+_POL = "mpsync.server.policies:"
+_STR = "mpsync.torch.strategies:"
 register(
-    "ebsp", description="ElasticBSP: the server predicts `R` iterations of every worker and picks "
-                        "the barrier with the least waiting (ZipLine)",
-    paper="ZipLine §3-5, Alg. 2", server=_SERVER + "ElasticBSP",
-    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
-    fast_path="planned", options=("lookahead", "zipline_variant"), ps_average=True,
-    simulation={"ring": "planned"})
+    "ebsp", description="ElasticBSP: supersteps ending at a barrier that the server places "
+                        "with ZipLine from `R` predicted iterations per worker, after a "
+                        "monitoring phase; within a superstep the PS gets a push every "
+                        "iteration (ASP), the ring runs local SGD (an adaptation)",
+    paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_SERVER + "ElasticBSP",
+    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": _STRATEGY + "ElasticSuperstep"},
+    fast_path="planned", options=("lookahead", "zipline_variant"),
+    simulation={"ring": "planned"},
+    fidelity={
+        "ps": ("superstep of Fig. 5 after every barrier: monitoring (2 reports per worker), "
+               "prediction (R iterations), ZipLine barrier (Alg. 2, ties to the earliest); "
+               "a push and an ungated pull every iteration within it (§6.2.5 ASP-like "
+               "mode); at the barrier every pull waits for every barrier push (BSP)",
+               f"intervals from step reports, not push timestamps ({_POL}ElasticBSP)"),
+        "ring": ("the same monitoring, prediction and ZipLine barriers as on the PS",
+                 f"ElasticBSP barriers with local SGD between them: no server copy of the "
+                 f"weights to push to, so iterations within a superstep stay local and the "
+                 f"model deltas are averaged at the barrier ({_POL}ElasticBSP, "
+                 f"{_STR}DeltaAveraging)"),
+    })
 register(
     "esync", description="fast workers run extra local iterations until the slowest is ready; "
-                         "model deltas averaged",
+                         "model deltas averaged in synchronous rounds",
     paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_SERVER + "ESync",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
     fast_path="query_state", options=("epsilon", "esync_slack", "esync_delayed_ack"),
-    ps_average=True, simulation={"ring": "query_state"})
+    ps_average=True, simulation={"ring": "query_state"},
+    fidelity={
+        "ring": ("Alg. 1 (capability test, local steps, Eq. 6-8 delta averaging, restart from "
+                 "w_{t+1}), Alg. 2 QUERY-STATE, §4.2 delayed ACK with the abort of iteration "
+                 "k+δ",
+                 f"t_e stamped by the server on receipt, not the device's clock; READY only "
+                 f"once every device (not only the slowest) pulled the last round; the "
+                 f"capability test reply is held until every capability is known ({_POL}ESync); "
+                 f"the test batch is the first training batch, and the §4.2 abort is checked "
+                 f"between backward and the optimizer step ({_STR}LocalStepsThenAggregate)"),
+        "ps": ("as on the ring: synchronous rounds (every Δ in before any pull of w_{t+1}), "
+               "so PS and ring compute the same model",
+               f"as on the ring; the weights are float64 on the server ({_POL}ESync)"),
+    })
 register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
                        "iteration, with local-gradient correction",
-    paper="OSP §3-4, Alg. 1, Eq. 6-7", server=_SERVER + "OSP",
+    paper="OSP §3-4, Alg. 1, Eq. 4-7", server=_SERVER + "OSP",
     strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
-    options=("osp_ics_max_fraction",), simulation={"ring": "overlap"})
+    options=("osp_ics_size", "osp_ics_max_fraction"), simulation={"ring": "overlap"},
+    fidelity={
+        "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) of the global gradients "
+                 "with a one-iteration lag (§3.2), U_max = b·T_c/N from measured rates (Eq. 5) "
+                 "capped at 0.8 (Alg. 1 line 2), S(G^u) = 0 in epoch 1 then (1 - loss_i/L)·U_max "
+                 "(Alg. 1), LGP correction (Eq. 6-7)",
+                 f"ring allreduce instead of a PS; lr of Eq. 5 not measured (0); loss_i is the "
+                 f"running mean of epoch i; GIB computed in the step's round trip "
+                 f"({_POL}OSP); Eq. 7 is exact for plain SGD only (mpsync.torch.two_stage:TwoStageSync)"),
+    })

@@ -99,8 +99,13 @@ def policy_run() -> None:
             round_overrun = max(round_overrun, time.perf_counter() - t0 - base * speeds[w])
         if cfg.policy == "osp":
             # Every worker must get the same bitmap for the next iteration.
+            # Epochs of 5 iterations with a falling loss and a bound of 150 elements
+            # (differing per worker: the smallest counts), so Alg. 1 opens ICS after epoch 1.
             imp = np.random.default_rng(k * 100 + w).random(6)
-            bitmap = client.report_importance(imp, np.array([10, 20, 30, 40, 50, 60]))
+            epoch = 1 + (k - 1) // 5
+            bitmap = client.report_importance(imp, np.array([10, 20, 30, 40, 50, 60]),
+                                              loss=1.0 / epoch, epoch=epoch,
+                                              u_max=150.0 + 10 * w)
             code = np.array([int("".join("1" if b else "0" for b in bitmap), 2)], dtype=np.int64)
             lo, hi = np.empty_like(code), np.empty_like(code)
             workers.Allreduce(code, lo, op=MPI.MIN)

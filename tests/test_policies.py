@@ -166,3 +166,25 @@ def test_the_name_check_catches_a_comparison(tmp_path):
                      'argparse.ArgumentParser().add_argument("--p", help="esync")\n'
                      'def f(c):\n    return c.policy == "ssp"\n')
     assert _policy_name_literals(probe) == [(5, "ssp")]
+
+
+def test_readme_fidelity_table_is_the_registry_and_every_departure_is_stated_in_the_code():
+    """The README's fidelity table is generated from the registry; each departure names the
+    classes that make it, and each of those states a departure in its docstring."""
+    import inspect
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    table = policies.fidelity_table()
+    assert table in readme, "README's fidelity table differs from policies.fidelity_table():\n" + table
+    for spec in policies.specs():
+        if not spec.server.startswith("mpsync.server."):
+            continue   # a plugin registered by another test
+        assert set(spec.fidelity) == set(spec.topologies), spec.name
+        for topology, (as_written, departures) in spec.fidelity.items():
+            assert as_written, (spec.name, topology)
+            refs = re.findall(r"mpsync\.[\w.]+:\w+", departures)
+            assert departures == "none" or refs, (spec.name, topology, departures)
+            for ref in refs:
+                doc = inspect.getdoc(policies.resolve(ref)) or ""
+                assert "departure" in doc.lower(), f"{ref} does not state its departure"

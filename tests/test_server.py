@@ -189,45 +189,33 @@ def test_esync_delayed_ack_one_ready_per_round_and_no_waiting_for_not_ready(tmp_
 def _ebsp_inputs_from_events(events, ranks):
     """Replay the server's event log (its own receipt times) into the inputs of each ElasticBSP
     plan, independently of what the policy recorded: an iteration's interval is the time from
-    the worker's previous event (registration, report or reset) to its report; the plan of the
-    first round is made at the report that gives every worker two reports (the monitoring
-    phase), the plan of round e >= 1 at the reset that completes barrier e - 1 for everyone;
-    ``last`` is each worker's latest report or reset time then (ZipLine paper §4), except for
-    a worker already waiting for that plan (it reported after its reset): it resumes when the
-    plan is made, so its ``last`` is the plan's time, and its next interval starts at its
-    ``resume`` event."""
+    the worker's previous event (registration, report or reset) to its report; a plan is made
+    at the report that ends the monitoring phase (ZipLine Fig. 5): every worker has passed
+    every earlier barrier (its reset) and reported twice since; ``last`` is each worker's
+    latest report then."""
     last, interval, iteration = {}, {}, {}
-    reports = dict.fromkeys(ranks, 0)
+    since = dict.fromkeys(ranks, 0)     # reports since the worker's last reset
     resets = dict.fromkeys(ranks, 0)
-    waiting = set()   # reported after its reset: held until the next plan
     plans = []
     for t, rank, kind, value in events:
-        if rank not in reports:
+        if rank not in since:
             continue
-        if kind in ("register", "resume"):
+        if kind == "register":
             last[rank] = t
-            waiting.discard(rank)
         elif kind == "report":
             if rank in last:
                 interval[rank] = t - last[rank]
             last[rank] = t
             iteration[rank] = value
-            reports[rank] += 1
-            if plans and resets[rank] == len(plans):
-                waiting.add(rank)
-            if not plans and min(reports.values()) >= 2:
-                plans.append(None)
+            since[rank] += 1
+            if all(resets[r] == len(plans) and since[r] >= 2 for r in ranks):
+                plans.append({"last": [last[r] for r in ranks],
+                              "interval": [interval[r] for r in ranks],
+                              "base_iteration": [iteration[r] for r in ranks]})
         elif kind == "reset":
             last[rank] = t
             resets[rank] += 1
-            if plans and min(resets.values()) == len(plans):
-                plans.append(None)
-        else:
-            continue
-        if plans and plans[-1] is None:
-            plans[-1] = {"last": [t if r in waiting else last[r] for r in ranks],
-                         "interval": [interval[r] for r in ranks],
-                         "base_iteration": [iteration[r] for r in ranks]}
+            since[rank] = 0
     return plans
 
 
@@ -292,6 +280,12 @@ def test_osp_every_worker_gets_the_same_bitmap(tmp_path):
     _, stats, workers = _policy_run(tmp_path, "osp", iters=20, base=0.001)
     assert stats["policy_state"]["ics_layers_total"] > 0
     assert all(rec["ics_layers"] > 0 for rec in workers)
+    # Alg. 1 on the reported epochs and losses: nothing in ICS in epoch 1, then
+    # S(G^u) = (1 - loss_i / L)·U_max with U_max the smallest worker's bound (150).
+    per_epoch = stats["policy_state"]["metrics"]["osp_ics_fraction"]
+    assert per_epoch[0]["epoch"] == 1 and per_epoch[0]["ics_fraction"] == 0.0
+    assert [e["s_gu"] for e in per_epoch[1:]] == pytest.approx([75.0, 100.0, 112.5])
+    assert all(e["u_max"] == 150.0 for e in per_epoch)
 
 
 @pytest.mark.parametrize("policy, topology", [

@@ -61,11 +61,12 @@ def test_ebsp_with_exactly_equal_speeds_runs_the_same_iterations_everywhere():
     per_round, policy = _drive_ebsp([0.05, 0.05, 0.05], [0.0, 0.0004, 0.0011], rounds=12)
     for rnd, ran in enumerate(per_round):
         assert len(set(ran.tolist())) == 1, f"round {rnd}: {ran.tolist()}"
-    # After the monitoring phase every barrier is the earliest one (§4.2 Thm. 1): one local
-    # iteration per round, i.e. BSP.
-    assert all(ran.tolist() == [1, 1, 1] for ran in per_round[1:])
-    # The first plan (after the monitoring phase) may pick a later common index: with exactly
-    # equal intervals every common index has the same d up to rounding.
+    # Every superstep: the monitoring phase (two reports each, Fig. 5), then the earliest
+    # barrier (§4.2 Thm. 1: z = 0), one iteration later: three iterations per superstep.
+    assert all(ran.tolist() == [3, 3, 3] for ran in per_round[1:])
+    # The first plan may pick a later common index: with exactly equal intervals every common
+    # index has the same d up to rounding.
+    assert len(policy.plans) == 12
     assert all(len(set(p["z"])) == 1 for p in policy.plans)
     assert all(p["z"] == [0, 0, 0] for p in policy.plans[1:])
 
@@ -116,3 +117,187 @@ def test_the_compiled_path_runs_here_for_every_policy_and_follows_the_config(pol
         assert StateServer(comm, cfg, workers=[0], fast_path=True).view().fast_path
     finally:
         comm.Free()
+
+
+# -- the papers' worked scenarios, by hand ---------------------------------------------------------
+
+class _PsClock:
+    """Drives a PS policy the way the serve loop does, on an exact clock: a worker's step is
+    record_report + on_step (+ record_answer's in_sync on SYNC), then its push (on_push) and
+    its pull (may_pull; a held pull is retried after every event), then, after a barrier,
+    its reset."""
+
+    def __init__(self, policy_name, n, **config):
+        from mpsync.server import rules
+
+        self.rules = rules
+        self.policy = make_policy(SyncConfig(policy=policy_name, topology="ps", **config), n)
+        self.t = self.policy.t
+        self.t.registered[:] = True
+
+
+def test_ebsp_ps_superstep_pushes_every_iteration_and_holds_the_barrier_pull_at_zipline_z():
+    """ZipLine §3, Fig. 5, §6.2.5 on two workers, 1.0 s and 2.4 s per iteration, both starting
+    at t = 0.  Monitoring: worker 1's second report (t = 4.8) completes it; worker 0 has
+    reported 4 times (t = 1..4).  Prediction from the latest reports: worker 0 at 4 + j,
+    worker 1 at 4.8 + 2.4 j; the only exact meeting within R = 15 is t = 12 (worker 0's
+    iteration 12, z = 7; worker 1's iteration 5, z = 2): the barrier.  Worker 0 pushes 12 times
+    (ASP: its pulls answered at once), its barrier pull waits for worker 1's barrier push."""
+    from mpsync.server.wire import LOCAL
+
+    c = _PsClock("ebsp", 2, lookahead=15)
+    p, t = c.policy, c.t
+    t.last_event[:] = 0.0
+    interval = [1.0, 2.4]
+    k = [0, 0]
+    pushes = [0, 0]
+    held = []
+    events = sorted([(round(j * interval[w], 9), w) for w in (0, 1) for j in range(1, 14)])
+    synced_at = {}
+    for now, w in events:
+        if w in synced_at:
+            continue
+        k[w] += 1
+        t.record_report(w, k[w], interval[w], now)
+        action, local, _ = p.on_step(w, k[w], interval[w], now)
+        if action == SYNC:
+            t.in_sync[w] = True
+        p.on_push(w, now)
+        pushes[w] += 1
+        if action == SYNC:
+            synced_at[w] = (k[w], now)
+            assert not p.may_pull(w) or len(synced_at) == 2
+            held.append(w)
+        else:
+            assert action == LOCAL and p.may_pull(w), (w, k[w])   # ASP within the superstep
+        if len(synced_at) == 2:
+            break
+    plan = p.plans[0]
+    assert plan["base_iteration"] == [4, 2] and plan["z"] == [7, 2]
+    assert plan["target_iteration"] == [12, 5] and plan["last_push"] == [4.0, 4.8]
+    assert synced_at == {0: (12, 12.0), 1: (5, 12.0)}
+    assert pushes == [12, 5]
+    assert all(p.may_pull(w) for w in (0, 1))            # every barrier push is in
+    for w in (0, 1):
+        c.rules.record_reset(t.cells, w, 1, 12.1)
+        p.on_reset(w, 1, 12.1)
+    got = p.superstep_metrics()[0]
+    assert got["barrier_iteration"] == {"0": 12, "1": 5} and got["pushes"] == {"0": 12, "1": 5}
+
+
+def test_ebsp_runs_the_monitoring_phase_after_every_barrier_and_learns_a_new_speed():
+    """Fig. 5's lower half: after a barrier no barrier is planned until every worker has
+    reported twice more; a worker that changed speed during monitoring is predicted with its
+    new interval."""
+    from mpsync.server.wire import LOCAL
+
+    policy = make_policy(SyncConfig(policy="ebsp", topology="ring", lookahead=8), 2)
+    t = policy.t
+    t.registered[:] = True
+    t.last_event[:] = 0.0
+    # Superstep 0 with equal speeds (1 s): monitoring ends at t = 2, barrier at iteration 3.
+    for now in (1.0, 2.0, 3.0):
+        for w in (0, 1):
+            t.record_report(w, int(now), 1.0, now)
+            action = policy.on_step(w, int(now), 1.0, now)[0]
+    assert action == SYNC and policy.plans[0]["target_iteration"] == [3, 3]
+    for w in (0, 1):
+        policy.on_reset(w, 1, 3.0)
+    assert policy.target.tolist() == [-1, -1] and policy.reports.tolist() == [0, 0]
+    # Worker 1 now takes 0.5 s: its two monitoring reports arrive at 3.5 and 4.0; worker 0's
+    # first one at 4.0: still monitoring, so no plan and LOCAL without a count-down.
+    t.record_report(1, 4, 0.5, 3.5)
+    assert policy.on_step(1, 4, 0.5, 3.5) == (LOCAL, 0, 0)
+    t.record_report(1, 5, 0.5, 4.0)
+    assert policy.on_step(1, 5, 0.5, 4.0) == (LOCAL, 0, 0)
+    t.record_report(0, 4, 1.0, 4.0)
+    assert policy.on_step(0, 4, 1.0, 4.0) == (LOCAL, 0, 0) and len(policy.plans) == 1
+    t.record_report(0, 5, 1.0, 5.0)
+    policy.on_step(0, 5, 1.0, 5.0)
+    # Second plan at t = 5 (worker 0's second report); worker 1 last reported at 4.0 (it is
+    # computing iteration 6, due at 4.5, then 5.0, ...): predicted with 0.5 s.
+    plan = policy.plans[1]
+    assert plan["interval"] == [1.0, 0.5] and plan["last_push"] == [5.0, 4.0]
+    assert plan["monitor_reports"] == [2, 2]
+    # Worker 1's predictions 4.5, 5.0, ..., worker 0's 6, 7, ...: the first exact meeting is
+    # at t = 6 (worker 0 z = 0, worker 1 z = 3).
+    assert plan["z"] == [0, 3] and plan["target_iteration"] == [6, 9]
+
+
+def test_esync_on_the_ps_holds_every_pull_until_every_delta_of_the_round_is_in():
+    """ESync Alg. 1 lines 17-22 on the PS: w_{t+1} is read only when every Δ of round t is in."""
+    c = _PsClock("esync", 3)
+    p, t = c.policy, c.t
+    p.on_push(0, 1.0)
+    assert not p.may_pull(0)
+    p.on_push(2, 1.1)
+    assert not p.may_pull(0) and not p.may_pull(2)
+    p.on_push(1, 1.5)
+    assert all(p.may_pull(w) for w in range(3))
+    # A worker that sent its last push does not hold the others.
+    p.on_push(0, 2.0)
+    t.final_pushed[1] = True
+    assert not p.may_pull(0)
+    p.on_push(2, 2.1)
+    assert p.may_pull(0)
+
+
+def _osp(n=2, **config):
+    return make_policy(SyncConfig(policy="osp", topology="ring", **config), n)
+
+
+def test_osp_ics_is_zero_in_epoch_1_and_follows_alg_1_with_the_loss():
+    """Alg. 1: S(G^u) = 0 in epoch 1 (L = its mean loss, here 2.0); in epoch i,
+    (1 - loss_i / L)·U_max.  Four layers of 10 elements, U_max reported 30 elements (below the
+    0.8 cap of 32); importance ranks layer 3 < 2 < 1 < 0."""
+    policy = _osp()
+    imp = np.array([4.0, 3.0, 2.0, 1.0])
+    sizes = np.full(4, 10.0)
+    k = 0
+    for loss in (3.0, 1.0):          # epoch 1: mean 2.0
+        k += 1
+        assert not policy.bitmap_for(k, imp, sizes, loss, 1, 30.0, 0).any()
+    # Epoch 2, loss 1.5: S = (1 - 0.75)·30 = 7.5 < 10: no layer fits.
+    k += 1
+    assert not policy.bitmap_for(k, imp, sizes, 1.5, 2, 30.0, 0).any()
+    # Epoch 3, loss 0.5: S = 0.75·30 = 22.5: the two least important layers (20 elements).
+    k += 1
+    assert policy.bitmap_for(k, imp, sizes, 0.5, 3, 30.0, 0).tolist() == [False, False, True, True]
+    # Another worker's report of the same iteration gets the same bitmap (one per iteration).
+    assert policy.bitmap_for(k, imp[::-1].copy(), sizes, 0.4, 3, 30.0, 1).tolist() == \
+        [False, False, True, True]
+    # Epoch 4, loss 0.1: S = 0.95·min(30, 32) = 28.5: still two layers (a third would be 30).
+    k += 1
+    assert policy.bitmap_for(k, imp, sizes, 0.1, 4, 30.0, 0).sum() == 2
+    fractions = {e["epoch"]: e["ics_fraction"] for e in policy.ics_fraction_per_epoch()}
+    assert fractions == {1: 0.0, 2: 0.0, 3: 0.5, 4: 0.5}
+    assert policy.first_loss == 2.0
+
+
+def test_osp_u_max_follows_the_measured_rate_halving_it_shrinks_ics():
+    """Eq. 5 from measurements: U_max = rate·T_c / itemsize.  A 4 MB/s aggregation rate and
+    0.01 s of compute give 40 kB = 10 000 float32 elements; halving the rate halves U_max and
+    with it the layers that fit in ICS."""
+    from mpsync.torch.two_stage import osp_u_max
+
+    assert osp_u_max(4e6, 0.01, 4) == pytest.approx(10_000)
+    assert osp_u_max(2e6, 0.01, 4) == pytest.approx(5_000)
+    sizes = np.array([4000.0, 4000.0, 4000.0, 4000.0])    # 16 000 elements, cap 12 800
+    imp = np.array([4.0, 3.0, 2.0, 1.0])
+
+    def ics_layers(rate):
+        policy = _osp(n=1)
+        policy.bitmap_for(1, imp, sizes, 1.0, 1, osp_u_max(rate, 0.01, 4), 0)
+        return int(policy.bitmap_for(2, imp, sizes, 0.0, 2, osp_u_max(rate, 0.01, 4), 0).sum())
+
+    # Loss 0 in epoch 2: S(G^u) = U_max.  10 000 elements: 2 layers; 5 000: 1 layer.
+    assert ics_layers(4e6) == 2 and ics_layers(2e6) == 1
+    # The fixed fraction is an option: U_max = 0.5 of the model whatever the rate.
+    policy = _osp(n=1, osp_ics_size="fixed", osp_ics_max_fraction=0.5)
+    policy.bitmap_for(1, imp, sizes, 1.0, 1, 1.0, 0)
+    assert policy.bitmap_for(2, imp, sizes, 0.0, 2, 1.0, 0).sum() == 2
+    # The smallest worker's bound counts (every worker's ICS must land in time).
+    policy = _osp(n=2)
+    policy.bitmap_for(1, imp, sizes, 1.0, 1, 12_000.0, 0)
+    policy.bitmap_for(1, imp, sizes, 1.0, 1, 4_000.0, 1)
+    assert policy.bitmap_for(2, imp, sizes, 0.0, 2, 12_000.0, 0).sum() == 1

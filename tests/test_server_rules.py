@@ -106,6 +106,13 @@ def test_decision_rules_equal_their_references(seed):
             out.append((int(action), int(local)))
         out.append(tuple(int(x) for x in rule("ebsp_decide")(s["ebsp"], (w + 1) % N, k)))
         rule("esync_new_round")(s["esync"], (w + 2) % N, now)
+        out.append(int(rule("esync_capability_test")(s["esync"], members, (w + 3) % N,
+                                                      compute, now)))
+        rule("ebsp_new_superstep")(s["ebsp"], (w + 4) % N)
+        for kind in (rules.FAST_BASE, rules.FAST_ESYNC, rules.FAST_EBSP):
+            for tag in (W.STEP, W.RESET):
+                out.append(bool(rule("fast_hands_over")(kind, tag, k % 2, seed % 2 - 1,
+                                                        s["ebsp"], w)))
         return out
 
     got, want = _both(seed, call)
@@ -131,12 +138,57 @@ def test_esync_step_sends_ready_to_the_slowest_and_not_ready_to_a_fast_worker_in
     assert es.rtt[1] == 0.05
 
 
-def test_ebsp_decide_holds_without_a_plan_and_counts_down_to_the_barrier():
+def test_ebsp_trains_on_while_monitored_and_counts_down_to_the_barrier():
     eb = rules.new_ebsp_tables(2)
-    assert rules.ebsp_decide(eb, 0, 5) == (rules.HOLD, 0) and eb.held[0]
+    # No barrier planned (the monitoring phase): keep training, reports counted.
+    assert rules.ebsp_step(eb, 0, 5) == (W.LOCAL, 0) and eb.reports[0] == 1
     eb.target[0] = 8
-    assert rules.ebsp_decide(eb, 0, 5) == (W.LOCAL, 3) and not eb.held[0]
-    assert rules.ebsp_step(eb, 0, 8) == (W.SYNC, 0) and eb.reports[0] == 1
+    assert rules.ebsp_decide(eb, 0, 5) == (W.LOCAL, 3)
+    assert rules.ebsp_step(eb, 0, 8) == (W.SYNC, 0) and eb.reports[0] == 2
+    eb.barrier_pushed[0] = True
+    rules.ebsp_new_superstep(eb, 0)
+    assert (eb.target[0], eb.reports[0], eb.barrier_pushed[0]) == (-1, 0, False)
+
+
+def test_esync_gives_no_ready_before_every_worker_pulled_the_last_round():
+    """Worker 0 is in round 4, worker 1 (not the slowest) still in round 3 (its pull of the
+    last aggregate has not been reset yet): worker 0 would be READY by Alg. 2 alone (it is the
+    slowest), but gets NOT-READY until worker 1 has pulled; its record is written anyway."""
+    es = rules.new_esync_tables(2)
+    es.capability[:] = [0.3, 0.1]
+    es.rounds[:] = [4, 3]
+    members = np.arange(2)
+    assert rules.esync_step(es, members, 0, 0.3, 10.0, 0.0, False, 0.0) == W.LOCAL
+    assert (es.k[0], es.capability[0], es.last_finish[0]) == (1, 0.3, 10.0)
+    es.rounds[1] = 4
+    assert rules.esync_step(es, members, 0, 0.3, 10.3, 0.0, False, 0.0) == W.SYNC
+
+
+def test_esync_capability_test_is_not_ready_and_held_until_every_capability_is_known():
+    """ESync Alg. 1 line 3 and line 8 with k = 0."""
+    es = rules.new_esync_tables(3)
+    members = np.arange(3)
+    assert rules.esync_capability_test(es, members, 1, 0.2, 5.0) == rules.HOLD
+    assert rules.esync_capability_test(es, members, 0, 0.1, 5.1) == rules.HOLD
+    assert rules.esync_capability_test(es, members, 2, 0.4, 5.2) == W.LOCAL
+    assert es.capability.tolist() == [0.1, 0.2, 0.4] and es.k.tolist() == [0, 0, 0]
+    # Over the active workers only: a worker taken out does not hold the others.
+    es2 = rules.new_esync_tables(3)
+    assert rules.esync_capability_test(es2, np.array([0, 2]), 0, 0.1, 1.0) == rules.HOLD
+    assert rules.esync_capability_test(es2, np.array([0, 2]), 2, 0.1, 1.0) == W.LOCAL
+
+
+def test_the_compiled_loop_hands_over_monitoring_steps_resets_and_capability_tests():
+    eb = rules.new_ebsp_tables(2)
+    eb.target[1] = 7
+    assert rules.fast_hands_over(rules.FAST_EBSP, W.STEP, 3, 0, eb, 0)      # monitoring
+    assert not rules.fast_hands_over(rules.FAST_EBSP, W.STEP, 3, 0, eb, 1)  # planned
+    eb.reports[0] = rules.EBSP_MONITOR_REPORTS   # monitored, waiting for the others: LOCAL
+    assert not rules.fast_hands_over(rules.FAST_EBSP, W.STEP, 3, 0, eb, 0)
+    assert rules.fast_hands_over(rules.FAST_EBSP, W.RESET, 3, 0, eb, 1)
+    assert rules.fast_hands_over(rules.FAST_ESYNC, W.STEP, 0, -1, eb, 0)
+    assert not rules.fast_hands_over(rules.FAST_ESYNC, W.STEP, 1, -1, eb, 0)
+    assert not rules.fast_hands_over(rules.FAST_BASE, W.STEP, 0, -1, eb, 0)
 
 
 def test_the_request_check_accepts_exactly_what_its_reference_accepts_and_says_why():

@@ -248,7 +248,7 @@ def osp_run() -> None:
     steps, batch, lr = int(a.get("steps", 12)), 4, 0.2
     frac = float(a.get("ics", 0.0))
     mps.init(policy="osp", backend=a.get("backend", "mpi"), server="dedicated", deadline=30,
-          osp_ics_max_fraction=frac)
+          osp_ics_size="fixed", osp_ics_max_fraction=frac)
     me, n = mps.rank(), mps.size()
     model = _model()
     w0 = _flat(model).clone()
@@ -263,6 +263,9 @@ def osp_run() -> None:
         torch.nn.functional.cross_entropy(model(x[me * batch:(me + 1) * batch]),
                                           y[me * batch:(me + 1) * batch]).backward()
         grad_sum += torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # Three "epochs" with a falling loss, so Alg. 1 opens ICS from the second one on.
+        epoch = 1 + 3 * step // steps
+        opt.strategy.note_progress(epoch, 1.0 / epoch)
         opt.step()
     ics_layers = opt.strategy.ics_layers_total
     opt.synchronize()

@@ -200,7 +200,9 @@ class Worker:
         t_iter = time.perf_counter()
         xb, yb = self.shard.batch(self.epoch, self.index, args.batch_size)
         self.opt.zero_grad()
-        self.loss_fn(self.model(torch.from_numpy(xb)), torch.from_numpy(yb)).backward()
+        loss = self.loss_fn(self.model(torch.from_numpy(xb)), torch.from_numpy(yb))
+        loss.backward()
+        self.opt.strategy.note_progress(self.epoch + 1, float(loss))   # OSP's Alg. 1
         self.hetero.pad(time.perf_counter() - t_iter, self.wall())
         round_before = self.opt.strategy.round
         self.opt.step()
@@ -371,7 +373,10 @@ def finish(w: Worker) -> int:
 
 def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
     args, ds, hetero = w.args, w.ds, w.hetero
-    return {
+    server = w.mps.stats()["server"]
+    # The policy's own per-epoch / per-superstep record (osp_ics_fraction, ebsp_supersteps).
+    policy_metrics = ((server or {}).get("policy_state") or {}).get("metrics") or {}
+    return {**policy_metrics,
         "schema": 1,
         "config": {**w.config.to_dict(), "workers": w.n, "dataset": ds.name,
                    "partition": args.partition, "batch_size": args.batch_size, "lr": args.lr,
@@ -385,7 +390,7 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         "workers": {str(i): g for i, g in enumerate(gathered)},
         "wall_s": final_wall,
         "final_param_sha256": _param_sha256(w.model),
-        "server": w.mps.stats()["server"],
+        "server": server,
     }
 
 

@@ -141,7 +141,9 @@ def esync_ready_delayed_ack(local_iters, compute_time, rtt, last_finish, ready, 
     process b samples *plus* the RTT of a state query on device i, so both slow devices and
     slow links count as slow. Devices keep training on an implicit NOT-READY; only READY is
     sent (this function returning True). The worker then aborts iteration k + δ and aggregates
-    iterations 1..k + δ - 1, δ from :func:`esync_delta`.
+    iterations 1..k + δ - 1 (``mpsync.torch.strategies.LocalStepsThenAggregate``, which sees
+    the READY between the iteration's backward and its optimizer step), δ as in
+    :func:`esync_delta`.
     """
     capability = compute_time + rtt
     return esync_ready(local_iters, capability, last_finish, ready, round_, p, now, eps)

@@ -278,15 +278,24 @@ class SyncClient:
         self.comm.Send(header, dest=self.server, tag=W.STEP)
         return self._pending
 
+    def ready_arrived(self) -> bool:
+        """Delayed-ACK mode (§4.2): has the READY to an earlier report arrived?  Checked
+        without sending anything (the worker asks between backward and the optimizer step,
+        to abort the iteration READY interrupted)."""
+        pending = self._pending
+        return pending is not None and pending.poll() is not None
+
     def reset(self, round_: int, aggregation_time: float) -> None:
         """The aggregation that ends round ``round_ - 1`` finished (no reply is awaited)."""
         header = self._header(self.iteration, 0.0, round_, aggregation_time)
         self.comm.Send(header, dest=self.server, tag=W.RESET)
 
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,
-                          epoch: int = 0) -> np.ndarray:
-        """OSP: this iteration's layer importance (and layer sizes); returns the bitmap of the
-        next iteration, True = In-Computation Sync (the same for every worker)."""
+                          epoch: int = 0, u_max: float | None = None) -> np.ndarray:
+        """OSP: the layer importance of the previous iteration's global gradients (and layer
+        sizes), this iteration's loss and 1-based epoch, and the ICS bound ``u_max`` (model
+        elements) this worker measured; returns this iteration's bitmap, True = In-Computation
+        Sync (the same for every worker)."""
         imp = np.ascontiguousarray(importance, dtype=np.float64)
         sizes = (np.ones_like(imp) if layer_sizes is None
                  else np.ascontiguousarray(layer_sizes, dtype=np.float64))
@@ -294,8 +303,8 @@ class SyncClient:
             raise ValueError(f"layer_sizes has shape {sizes.shape}, importance {imp.shape}")
         out = np.empty(imp.size, dtype=np.float64)
         flag = int(epoch) if loss is not None else 0
-        header = self._header(self.iteration, 0.0, 0, 0.0 if loss is None else float(loss),
-                              count=imp.size, flag=flag)
+        header = self._header(self.iteration, 0.0 if not u_max else float(u_max), 0,
+                              0.0 if loss is None else float(loss), count=imp.size, flag=flag)
         self._call(W.IMPORTANCE, "importance", header=header,
                    data=np.concatenate([imp, sizes]), reply_data=out)
         return out.astype(bool)

@@ -16,8 +16,9 @@ What it serves, and what it leaves to the Python loop:
   ``fast_path``, ``mpsync.policies``):
   ``FAST_BASE`` (bsp, asp, ssp, dssp, osp: steps answered SYNC; their decisions live in
   push/pull and importance messages, which stay in Python), ``FAST_ESYNC`` (Alg. 2, both
-  query modes), ``FAST_EBSP`` (steps whose barrier is planned; its resets may plan the next
-  barrier, ZipLine, so they stay in Python).
+  query modes; the capability test stays in Python), ``FAST_EBSP`` (steps whose barrier is
+  planned; resets and monitoring-phase steps may plan the next barrier, ZipLine, so they
+  stay in Python: ``rules.fast_hands_over``).
 * A message of another type, from a rank that is no worker, or of the wrong size is left in
   the queue: the Python loop probes it again.  A message received here that it does not
   complete (malformed, from a worker taken out, an ElasticBSP case above) is handed to the
@@ -241,7 +242,7 @@ def _serve(io, state, members, last_msg, hot_s, until, max_messages, t0, kind, e
         # Can it be completed here?  (Decided before anything is written.)
         if rules.request_problem(msg) != 0 or tables.removed[w]:
             return RECEIVED
-        if kind == rules.FAST_EBSP and (tag == W.RESET or epoch < 0 or eb.target[w] < 0):
+        if rules.fast_hands_over(kind, tag, np.int64(msg[W.ITER]), epoch, eb, w):
             return RECEIVED
         rules.record_heard(tables, w, now)
         t = now - t0

@@ -78,8 +78,9 @@ class MessageHandlers:
         if not np.all(np.isfinite(data)) or np.any(data[n_layers:] < 0):
             return self._reject(src, W.IMPORTANCE, "importance or layer sizes not finite/>= 0")
         loss = float(msg[W.AGG]) if msg[W.FLAG] >= 1 else None
+        u_max = float(msg[W.COMPUTE]) if msg[W.COMPUTE] > 0 else None
         bitmap = self.policy.bitmap_for(int(msg[W.ITER]), data[:n_layers], data[n_layers:],
-                                        loss, int(msg[W.FLAG]))
+                                        loss, int(msg[W.FLAG]), u_max, w)
         out = bitmap.astype(np.float64)
         self._send_reply(src, msg[W.SEQ], count=n_layers)
         self.comm.Send([out, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)

@@ -113,7 +113,8 @@ class StateServer(MessageHandlers):
         self.events = EventLog()
         self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
         # On the PS, policies that average deltas apply each push scaled by (global step) / n
-        # (ESync Eq. 7-8); the others apply each update as it is (Downpour style).
+        # (ESync Eq. 7-8: its pulls wait for every delta of the round, so each reads w_{t+1});
+        # the others apply each update as it is (Downpour style).
         n = len(self.ranks)
         self.weights = WeightStore(spec.global_step(config) / n if spec.ps_average else 1.0)
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))

@@ -38,8 +38,10 @@ __all__ = [
     "log_event", "log_event_reference", "fill_reply", "fill_reply_reference",
     "esync_step", "esync_step_reference", "esync_new_round", "esync_new_round_reference",
     "ebsp_decide", "ebsp_decide_reference", "ebsp_step", "ebsp_step_reference",
+    "ebsp_new_superstep", "ebsp_new_superstep_reference", "esync_capability_test",
+    "esync_capability_test_reference", "fast_hands_over", "fast_hands_over_reference",
     "fast_decision", "fast_decision_reference", "next_report_due",
-    "HOLD", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC", "FAST_KINDS",
+    "HOLD", "EBSP_MONITOR_REPORTS", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC", "FAST_KINDS",
 ]
 
 # The policy families the compiled loop serves (a registry entry names one): ``FAST_BASE``
@@ -50,6 +52,9 @@ FAST_BASE, FAST_EBSP, FAST_ESYNC = 0, 1, 2
 FAST_KINDS = {"tables": FAST_BASE, "planned": FAST_EBSP, "query_state": FAST_ESYNC}
 # A decision that cannot be made yet: the reply is held until the tables change.
 HOLD = -1
+# ElasticBSP's monitoring phase: reports per worker after a barrier before the next plan
+# (ZipLine Fig. 5: "It requires at least two push requests per worker").
+EBSP_MONITOR_REPORTS = 2
 
 # "pull": a PS pull answered (value: the worker's pushes so far); "held": a PS pull held back
 # by the staleness rule (same value).  Together they show which iterations ran without waiting.
@@ -111,10 +116,10 @@ class ESyncTables(NamedTuple):
 
 
 class EBSPTables(NamedTuple):
-    """ElasticBSP's per-worker plan state."""
-    target: np.ndarray    # int64: iteration at which the worker synchronizes (-1: none)
-    reports: np.ndarray   # int64
-    held: np.ndarray      # bool: its report waits for the next plan
+    """ElasticBSP's per-worker superstep state."""
+    target: np.ndarray          # int64: iteration of the worker's next barrier (-1: none yet)
+    reports: np.ndarray         # int64: reports since its last barrier (the monitoring phase)
+    barrier_pushed: np.ndarray  # bool: PS: its push at the barrier is in
 
 
 def new_tables(n: int) -> Tables:
@@ -335,6 +340,16 @@ def esync_step(es, members, w, compute, now, eps, delayed, rtt):
             return W.LOCAL
     k_w = es.k[w] + 1
     cap = compute + es.rtt[w] if delayed else compute
+    # Alg. 2 line 5 waits for the *slowest* device's PULL; a READY is given only once every
+    # device has completed it, so on the PS no round-t+1 delta can reach the weights before a
+    # slower-to-pull device has read w_{t+1} (on the ring the allreduce ends everywhere at once
+    # and the two readings agree).
+    for m in members:
+        if es.rounds[m] < es.rounds[w]:
+            es.k[w] = k_w
+            es.capability[w] = cap
+            es.last_finish[w] = now
+            return W.LOCAL
     if members.shape[0] == es.k.shape[0]:
         ready = esync_query_state(es.k, es.capability, es.last_finish, es.ready, es.rounds,
                                   w, k_w, cap, now, now, eps)
@@ -371,6 +386,9 @@ def esync_step_reference(es, members, w, compute, now, eps, delayed, rtt):
     k_w = int(es.k[w]) + 1
     cap = compute + es.rtt[w] if delayed else compute
     members = [int(m) for m in members]
+    if any(es.rounds[m] < es.rounds[w] for m in members):
+        es.k[w], es.capability[w], es.last_finish[w] = k_w, cap, now
+        return W.LOCAL
     records = [(m, int(es.k[m]), float(es.capability[m]), float(es.last_finish[m]),
                 bool(es.ready[m]), int(es.rounds[m])) for m in members]
     records, ready = esync_query_state_reference(records, members.index(w), k_w, cap, now,
@@ -383,6 +401,48 @@ def esync_step_reference(es, members, w, compute, now, eps, delayed, rtt):
         es.ready_log[es.ready_count[0]] = (w, k_w)
         es.ready_count[0] = es.ready_count[0] + 1
     return W.SYNC
+
+
+@jit
+def esync_capability_test(es, members, w, c, now):
+    """ESync Alg. 1 lines 3-8: the capability ``c`` a worker measured on one batch
+    (RUN-BATCH-DATA-TEST) and its first QUERY-STATE with k = 0, which is always NOT-READY
+    (Alg. 2 line 5).  The reply is held (``HOLD``) until every active worker's capability is
+    known, so the first round's decisions compare real capabilities (without the test, the
+    first reporter would find no slower device and be READY after one iteration)."""
+    es.k[w] = 0
+    es.capability[w] = c
+    es.last_finish[w] = now
+    for m in members:
+        if not es.capability[m] > 0.0:
+            return HOLD
+    return W.LOCAL
+
+
+def esync_capability_test_reference(es, members, w, c, now):
+    es.k[w], es.capability[w], es.last_finish[w] = 0, c, now
+    return HOLD if any(not es.capability[int(m)] > 0.0 for m in members) else W.LOCAL
+
+
+@jit
+def fast_hands_over(kind, tag, k, epoch, eb, w):
+    """True: the compiled loop hands this STEP or RESET to the Python loop.  ElasticBSP's
+    resets and the monitoring reports that may complete the monitoring phase (either may
+    plan, ZipLine; a worker's further reports while the others are still monitored cannot,
+    and are answered here); ESync's capability test (k = 0, whose reply may be held)."""
+    if kind == FAST_EBSP:
+        return tag == W.RESET or epoch < 0 or (eb.target[w] < 0 and
+                                               eb.reports[w] < EBSP_MONITOR_REPORTS)
+    if kind == FAST_ESYNC:
+        return tag == W.STEP and k == 0
+    return False
+
+
+def fast_hands_over_reference(kind, tag, k, epoch, eb, w):
+    if kind == FAST_EBSP:
+        return tag == W.RESET or epoch < 0 or (int(eb.target[w]) < 0 and
+                                               int(eb.reports[w]) < EBSP_MONITOR_REPORTS)
+    return kind == FAST_ESYNC and tag == W.STEP and k == 0
 
 
 @jit
@@ -400,17 +460,16 @@ def esync_new_round_reference(es, w, now):
     es.rounds[w] = es.rounds[w] + 1
 
 
-# -- ElasticBSP: the answer from a barrier already planned ----------------------------------------
+# -- ElasticBSP: the answer within a superstep ----------------------------------------------------
 
 @jit
 def ebsp_decide(eb, w, k):
-    """``(action, local_iters)`` for ``w`` at local iteration ``k``: SYNC once it reached the
-    planned barrier, else LOCAL with the iterations left; ``(HOLD, 0)`` while no barrier is
-    planned for it (the reply waits for the next plan)."""
+    """``(action, local_iters)`` for ``w`` at local iteration ``k``: SYNC once it reached its
+    planned barrier, else LOCAL with the iterations left; ``(LOCAL, 0)`` while no barrier is
+    planned for it (the monitoring phase of ZipLine Fig. 5: it trains on, asynchronously,
+    while the server learns its iteration interval)."""
     if eb.target[w] < 0:
-        eb.held[w] = True
-        return HOLD, 0
-    eb.held[w] = False
+        return W.LOCAL, 0
     if k >= eb.target[w]:
         return W.SYNC, 0
     return W.LOCAL, eb.target[w] - k
@@ -418,16 +477,15 @@ def ebsp_decide(eb, w, k):
 
 def ebsp_decide_reference(eb, w, k):
     target = int(eb.target[w])
-    eb.held[w] = target < 0
     if target < 0:
-        return HOLD, 0
+        return W.LOCAL, 0
     return (W.SYNC, 0) if k >= target else (W.LOCAL, target - k)
 
 
 @jit
 def ebsp_step(eb, w, k):
-    """A report of ``w`` at iteration ``k`` once plans are being made: counted, then
-    :func:`ebsp_decide`."""
+    """A report of ``w`` at iteration ``k``: counted (reports since its last barrier are the
+    monitoring phase's pushes), then :func:`ebsp_decide`."""
     eb.reports[w] += 1
     return ebsp_decide(eb, w, k)
 
@@ -435,6 +493,20 @@ def ebsp_step(eb, w, k):
 def ebsp_step_reference(eb, w, k):
     eb.reports[w] = eb.reports[w] + 1
     return ebsp_decide_reference(eb, w, k)
+
+
+@jit
+def ebsp_new_superstep(eb, w):
+    """``w`` passed its barrier (its reset): no barrier is planned for it until the next
+    monitoring phase has seen it report (ZipLine Fig. 5: the two phases repeat after every
+    synchronization)."""
+    eb.target[w] = -1
+    eb.reports[w] = 0
+    eb.barrier_pushed[w] = False
+
+
+def ebsp_new_superstep_reference(eb, w):
+    eb.target[w], eb.reports[w], eb.barrier_pushed[w] = -1, 0, False
 
 
 # -- the compiled loop's decision, by family -----------------------------------------------------

@@ -18,7 +18,8 @@ class WeightStore:
 
     ``scale`` is the factor every pushed update is applied with, from the policy's registry
     entry (``ps_average``, ``global_step``): 1 applies each worker's update as it is (ASP, SSP, DSSP, BSP,
-    Downpour style); 1/n averages the deltas of a round (ElasticBSP); ε/n is ESync's Eq. 7-8.
+    ElasticBSP, Downpour style); ε/n is ESync's Eq. 7-8, where the policy's pull rule makes
+    every delta of a round arrive before anyone reads the result.
     ``version`` counts the updates applied, so a worker can tell how fresh its pull is.
     """
 

@@ -12,6 +12,7 @@ what changes.
 from __future__ import annotations
 
 from mpsync.server.policies import make_policy
+from mpsync.server.wire import SYNC
 
 __all__ = ["PolicyDriver"]
 
@@ -30,14 +31,21 @@ class PolicyDriver:
     def step(self, w: int, k: int, compute: float, now: float):
         """Worker ``w`` reported iteration ``k`` (compute seconds); the decision or None (held)."""
         self.table.record_report(w, k, compute, now)
-        return self.policy.on_step(w, k, compute, now)
+        return self._answered(w, self.policy.on_step(w, k, compute, now))
+
+    def _answered(self, w: int, decision):
+        # As the serve loop's record_answer: a SYNC puts w in the aggregation until its reset
+        # (ElasticBSP's barrier pull is held by it).
+        if decision is not None and decision[0] == SYNC:
+            self.table.in_sync[w] = True
+        return decision
 
     def retry(self, w: int, k: int, now: float):
         """A held step decided again at ``now``; on release the worker resumes from ``now``."""
         decision = self.policy.decide_held(w, k, now)
         if decision is not None:
             self.table.last_event[w] = now
-        return decision
+        return self._answered(w, decision)
 
     def reset(self, w: int, round_: int, now: float) -> None:
         self.policy.on_reset(w, round_, now)

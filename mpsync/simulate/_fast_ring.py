@@ -100,15 +100,9 @@ class _Slowest:
 
 
 def _ebsp_plan(config, speeds, cost, T0, state, first_round):
-    """ElasticBSP: the iterations each worker runs this round, planned at the last reset of
-    the round before (or after the monitoring phase, in the first round)."""
-    n = speeds.n
-    if first_round:
-        return _ebsp_monitoring(config, speeds, cost, np.full(n, T0))
-    last = np.full(n, T0 + cost.query / 2)
-    res = sched.zipline(sched.predict(last, np.maximum(state.interval, 1e-9),
-                                      config.lookahead), config.zipline_variant)
-    return res.z + 1
+    """ElasticBSP: the iterations each worker runs this superstep; every superstep starts
+    with the monitoring phase (ZipLine Fig. 5), whose reports the plan is made from."""
+    return _ebsp_monitoring(config, speeds, cost, np.full(speeds.n, T0))
 
 
 def _local_iterations(config, speeds, half, T0, plan_j, state, first_round):
@@ -216,8 +210,9 @@ def _account(rec, reports, T0, E, done, q, t_end, agg_cost) -> int:
 
 
 def _ebsp_monitoring(config, speeds, cost, S):
-    """ElasticBSP's first round: everyone LOCAL until every worker has reported twice; the
-    plan is made at that report (``_try_plan`` in ``on_step``), from each worker's latest
+    """An ElasticBSP superstep's monitoring phase (ZipLine Fig. 5, after every barrier):
+    everyone LOCAL until every worker has reported twice since the round began; the plan is
+    made at that report (``_try_plan`` in ``on_step``), from each worker's latest
     report and the interval it closed; returns the iterations each worker runs this round."""
     n = speeds.n
     half = cost.query / 2

@@ -11,8 +11,12 @@ DeltaAveraging      esync,      local step; ask; on SYNC average the model delta
                     ebsp (ring) last aggregation and apply them to the global model (ESync
                                 Eq. 6-8: w_{t+1} = w_t + ε·mean_i(w^i - w_t))
 ParameterServer     asp, ssp,   local step; ask; on SYNC push the delta since the last pull
-                    dssp, ebsp, (the server applies w += Δ on arrival) and pull the current
-                    esync (ps)  weights under the policy's staleness rule
+                    dssp,       (the server applies it on arrival) and pull the current
+                    esync (ps)  weights under the policy's staleness rule (ESync: a pull waits
+                                for every worker's delta of the round)
+ElasticSuperstep    ebsp (ps)   local step; ask; push and pull every iteration (ASP within
+                                the superstep); at the ZipLine barrier (SYNC) the pull waits
+                                for every worker's barrier push (BSP)
 TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), In-
 (``two_stage``)                 Computation Sync of the rest overlapped with the next
                                 iteration, LGP correction (Eq. 6-7) when it lands
@@ -37,7 +41,7 @@ from mpsync.torch.backends import Aggregator
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging", "ParameterServer",
-           "make_strategy"]
+           "ElasticSuperstep", "make_strategy"]
 
 
 _NOT_READY = Decision(LOCAL, 0, 0)
@@ -89,6 +93,10 @@ class Strategy:
         self.counters.wait_s += t1 - t0
         self.counters.event("wait_server", t0, t1)
         return decision
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        """The training loop's 1-based epoch and this iteration's loss, before ``step()``
+        (OSP's Alg. 1 schedules by them); other strategies ignore it."""
 
     @staticmethod
     def is_sync(decision) -> bool:
@@ -198,9 +206,26 @@ def average_gradients(buffers: list[FusionBuffer], backend: Aggregator) -> int:
 
 
 class LocalStepsThenAggregate(Strategy):
-    """A local optimizer step every iteration; aggregate when the server says SYNC."""
+    """A local optimizer step every iteration; aggregate when the server says SYNC.
 
-    local_steps = 0  # since the last aggregation (ESync's k)
+    Under ESync's QUERY-STATE (the registry's ``query_state`` family) two more steps of ESync
+    Alg. 1: before the first local step the worker reports iteration 0 with the time of its
+    first batch as capability (line 3, RUN-BATCH-DATA-TEST, and line 8's query with k = 0,
+    held by the server until every capability is known); and in delayed-ACK mode (§4.2) a
+    READY that has arrived by the time an iteration's gradients are computed aborts that
+    iteration (k + δ): its update is discarded and iterations 1..k + δ - 1 are aggregated.
+    Departure: the test batch is the first training batch (it is then trained on, not thrown
+    away), and the abort is checked between backward and the optimizer step, not as soon as
+    READY lands (a worker sees replies between iterations only).
+    """
+
+    local_steps = 0       # since the last aggregation (ESync's k)
+    aborted = 0           # §4.2: iterations discarded because READY arrived during them
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.capability_test = self.client is not None and \
+            _spec(self.config).fast_path == "query_state"
 
     def _prepare(self) -> None:
         """Before the first local step (after the user's broadcast_parameters)."""
@@ -208,9 +233,27 @@ class LocalStepsThenAggregate(Strategy):
     def _aggregate(self) -> None:
         raise NotImplementedError
 
+    def _test_capability(self, compute_time: float) -> None:
+        """ESync Alg. 1 lines 3-8, once: blocking even in delayed-ACK mode."""
+        self.capability_test = False
+        t0 = time.perf_counter()
+        self.client.step(0, compute_time)
+        t1 = time.perf_counter()
+        self.counters.wait_s += t1 - t0
+        self.counters.event("wait_server", t0, t1)
+
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._prepare()
+        if self.capability_test:
+            self._test_capability(compute_time)
+        if self.delayed_ack and self.local_steps > 0 and self.client.ready_arrived():
+            # ESync §4.2: READY for an earlier report came in while this iteration ran.
+            self.aborted += 1
+            self.counters.event("abort", time.perf_counter(), time.perf_counter())
+            self._aggregate()
+            self.local_steps = 0
+            return loss
         self.optimizer.step()  # ESync Eq. 5: the local update of the replica
         self.iteration += 1
         self.local_steps += 1
@@ -228,6 +271,11 @@ class DeltaAveraging(LocalStepsThenAggregate):
     restarts from w_{t+1} (Alg. 1 lines 17-22).  ElasticBSP uses the same aggregation with ε = 1
     once the server's ZipLine barrier is reached.  Memory: one global model copy per buffer
     (``_global``), reusing the fusion buffer for the delta.
+
+    Departure (ElasticBSP on the ring): the paper's superstep pushes every iteration to a
+    parameter server (ASP within it, ZipLine §6.2.5); a ring has no server copy of the
+    weights, so the iterations between ZipLine barriers are local SGD and the barrier
+    averages the model deltas: ElasticBSP barriers with local SGD between them.
     """
 
     memory_target = "at most one parameter copy beyond the fusion buffer"
@@ -332,8 +380,8 @@ class ParameterServer(LocalStepsThenAggregate):
         np.subtract(local.numpy(), self._base, out=self._base)
         return self._base
 
-    def _aggregate(self) -> None:
-        t0 = time.perf_counter()
+    def _push_pull(self) -> None:
+        """Push Δ since the last pull, pull the current weights (as the policy allows)."""
         self.client.push(self._delta_into_base(), self.iteration)
         self.version = self.client.pull(self._base, self.iteration)
         self.buf.flat.copy_(torch.from_numpy(self._base))
@@ -342,6 +390,10 @@ class ParameterServer(LocalStepsThenAggregate):
             # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):
             # inside the aggregation's time, so it is booked as aggregation, not compute.
             time.sleep(self.config.comm_delay)
+
+    def _aggregate(self) -> None:
+        t0 = time.perf_counter()
+        self._push_pull()
         self.reset(self._aggregated(t0, self._base.nbytes))
 
     def synchronize(self) -> None:
@@ -353,6 +405,45 @@ class ParameterServer(LocalStepsThenAggregate):
         self._pull(final=True)  # every push is in: no staleness rule left to wait for
         self._broadcast_model()
         self._aggregated(t0, self._base.nbytes)
+
+
+class ElasticSuperstep(ParameterServer):
+    """ElasticBSP on the PS (ZipLine paper §3, §6.2.5): every iteration pushes its update and
+    pulls the current weights (ASP within the superstep; the server answers such a pull at
+    once); the step the server answers SYNC is the ZipLine barrier, whose pull the server
+    holds until every active worker's barrier push is in (BSP), after which the worker resets
+    and the next superstep's monitoring phase begins.  ``supersteps`` records, per superstep,
+    this worker's pushes and barrier iteration."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.pushes_in_superstep = 0
+        self.supersteps: list[dict] = []
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        self._prepare()
+        self.optimizer.step()
+        self.iteration += 1
+        self.local_steps += 1
+        self.counters.iterations += 1
+        barrier = self.is_sync(self.ask(compute_time, self.iteration))
+        t0 = time.perf_counter()
+        self._push_pull()
+        self.pushes_in_superstep += 1
+        if barrier:
+            self.supersteps.append({"superstep": len(self.supersteps),
+                                    "barrier_iteration": self.iteration,
+                                    "pushes": self.pushes_in_superstep})
+            self.pushes_in_superstep = 0
+            self.local_steps = 0
+            self.reset(self._aggregated(t0, self._base.nbytes))
+        else:
+            t1 = time.perf_counter()
+            self.counters.aggregation_s += t1 - t0
+            self.counters.bytes_sent += self._base.nbytes
+            self.counters.event("aggregate", t0, t1)
+        return loss
 
 
 def make_strategy(config, optimizer, buffers, backend, client, counters, *, worker_rank=0):

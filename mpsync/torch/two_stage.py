@@ -11,7 +11,21 @@ import torch
 from mpsync.torch.backends import Pending
 from mpsync.torch.strategies import Strategy
 
-__all__ = ["TwoStageSync"]
+__all__ = ["TwoStageSync", "osp_u_max"]
+
+
+def osp_u_max(rate_bytes_s: float, t_compute: float, itemsize: int, n_workers: int = 1) -> float:
+    """OSP Eq. 5's U_max = b(1 + lr)·T_c / N in model elements (``sched.osp_ics_budget``),
+    from a measured aggregation rate.  An allreduce of S bytes that took T seconds over N
+    workers moved the equivalent of N·S bytes through a parameter server's link: b = N·S/T,
+    so U_max = (S/T)·T_c whatever N; the loss rate lr is 0 (retransmissions are already in the
+    measured time).  The 0.8 cap of Alg. 1 line 2 is the server's (it knows the model size)."""
+    from mpsync.sched import osp_ics_budget
+
+    if not (rate_bytes_s > 0 and t_compute > 0):
+        return 0.0
+    n = max(int(n_workers), 1)
+    return float(osp_ics_budget(n * rate_bytes_s / itemsize, 0.0, t_compute, n, np.inf))
 
 
 class TwoStageSync(Strategy):
@@ -21,13 +35,20 @@ class TwoStageSync(Strategy):
 
     1. If the In-Computation Sync of iteration i-1 is in flight, finish it and apply the
        Local-Gradient-based Parameter correction, Eq. 7: P -= lr·(G^g - G^l) on its layers
-       (the local gradient used in step 3 of i-1 is replaced by the global one).
-    2. Importance I_l = Σ|g·p| per layer (Eq. 4) goes to the server, which returns the Gradient
-       Importance Bitmap for iteration i+1 (§3.2: computed while the worker trains).
+       (the local gradient used in step 3 of i-1 is replaced by the global one).  The worker
+       now holds G^g of iteration i-1 on every layer.
+    2. Importance I_l = Σ|G^g·P| per layer (Eq. 4) of those global gradients goes to the
+       server with this iteration's loss and epoch (``note_progress``) and the U_max this
+       worker measured (Eq. 5, :func:`osp_u_max`: the rate of its blocking allreduces and its
+       compute time); the server returns the Gradient Importance Bitmap of iteration i
+       (global gradients, one iteration of lag, §3.2; sized by Alg. 1).
     3. Routine Sync: the layers the bitmap for i marks important are averaged (blocking); the
        others start a non-blocking allreduce (ICS) that runs during the next forward/backward;
        the optimizer steps with global gradients on RS layers and local ones on ICS layers
        (LGP, Eq. 6).
+
+    Without ``note_progress`` (a training loop that does not report its epoch) every
+    iteration counts as epoch 1, where Alg. 1 keeps S(G^u) = 0: all Routine Sync, i.e. BSP.
 
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
     in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
@@ -52,8 +73,26 @@ class TwoStageSync(Strategy):
         self._ics_local: torch.Tensor | None = None
         self._ics_global: torch.Tensor | None = None
         self.ics_layers_total = 0
+        self._prev_global: torch.Tensor | None = None   # G^g of the previous iteration
+        self._epoch, self._loss = 0, None
+        self._rate = 0.0       # bytes/s of the blocking allreduces (moving average)
+        self._t_compute = 0.0  # seconds of computation per iteration (moving average)
         self._hooks = [p.register_hook(self._progress) for p in self.buf.params
                        if p.requires_grad]
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        self._epoch, self._loss = int(epoch), float(loss)
+
+    def _note_rate(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            rate = nbytes / seconds
+            self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+
+    @property
+    def u_max(self) -> float:
+        """This worker's U_max (Eq. 5) in model elements, from its measurements so far."""
+        return osp_u_max(self._rate, self._t_compute, self.buf.flat.element_size(),
+                         self.backend.size if self.backend is not None else 1)
 
     def _lr_of_params(self) -> dict[int, float]:
         """Each parameter's current learning rate (read every time: schedulers change it)."""
@@ -71,6 +110,7 @@ class TwoStageSync(Strategy):
             return
         t0 = time.perf_counter()
         self._pending.wait()
+        self.buf.scatter(self._ics_global, self._prev_global, self._ics_ranges)
         correction = self._ics_global.sub_(self._ics_local)  # G^g - G^l, in place
         lr_of = self._lr_of_params()
         with torch.no_grad():
@@ -90,20 +130,25 @@ class TwoStageSync(Strategy):
         if not self.is_sync(decision):
             raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
                                f"two-stage sync synchronizes every iteration")
-        grads = self.buf.pack_grads()
-        bitmap_now = self.bitmap
+        self._t_compute = compute_time if self._t_compute == 0 else \
+            0.8 * self._t_compute + 0.2 * compute_time
         if self.client is not None:
             t0 = time.perf_counter()
-            p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
-            importance = _layer_importance(grads, p_flat, self.buf.layer_sizes)
-            next_bitmap = np.asarray(self.client.report_importance(
-                importance, self.buf.layer_sizes), dtype=bool)
+            if self._prev_global is None:   # iteration 1: no global gradients yet
+                importance = np.zeros(self.n_layers)
+            else:
+                p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
+                importance = _layer_importance(self._prev_global, p_flat, self.buf.layer_sizes)
+            bitmap_now = np.asarray(self.client.report_importance(
+                importance, self.buf.layer_sizes, loss=self._loss, epoch=self._epoch,
+                u_max=self.u_max), dtype=bool)
             self.counters.wait_s += time.perf_counter() - t0
-            if next_bitmap.shape != (self.n_layers,):
-                raise RuntimeError(f"OSP bitmap from the server has shape {next_bitmap.shape}, "
+            if bitmap_now.shape != (self.n_layers,):
+                raise RuntimeError(f"OSP bitmap from the server has shape {bitmap_now.shape}, "
                                    f"the model has {self.n_layers} layers")
         else:
-            next_bitmap = self.bitmap
+            bitmap_now = self.bitmap
+        grads = self.buf.pack_grads()
         t0 = time.perf_counter()
         nbytes = self.buf.nbytes
         if bitmap_now.any():
@@ -111,7 +156,9 @@ class TwoStageSync(Strategy):
             rs_ranges = self.buf.layer_ranges(~bitmap_now)
             if rs_ranges:  # Routine Sync first, blocking (§3.1)
                 rs = self.buf.gather(grads, rs_ranges)
+                t_rs = time.perf_counter()
                 self.backend.allreduce_average_(rs, "routine sync")
+                self._note_rate(rs.numel() * rs.element_size(), time.perf_counter() - t_rs)
                 self.buf.scatter(rs, grads, rs_ranges)
             # In-Computation Sync: in flight until the next step (or synchronize()); the
             # optimizer meanwhile uses the local gradient of these layers (LGP, Eq. 6).
@@ -121,11 +168,18 @@ class TwoStageSync(Strategy):
             self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
             self.ics_layers_total += int(bitmap_now.sum())
         else:
+            t_rs = time.perf_counter()
             self.backend.allreduce_average_(grads, "routine sync")
+            self._note_rate(nbytes, time.perf_counter() - t_rs)
+        # G^g of this iteration (ICS layers: local until their allreduce lands, _finish_ics).
+        if self._prev_global is None:
+            self._prev_global = grads.clone()
+        else:
+            self._prev_global.copy_(grads)
         self.buf.unpack_to_grads()
         self._aggregated(t0, nbytes)
         self.optimizer.step()
-        self.bitmap = next_bitmap
+        self.bitmap = bitmap_now
         self.iteration += 1
         self.counters.iterations += 1
         return loss
