@@ -243,6 +243,7 @@ def _check_ref(name: str, what: str, ref) -> None:
 
 # -- mpsync's policies ------------------------------------------------------------------------
 _SERVER = "mpsync.server.policies:"
+_STEP_SERVER = "mpsync.server.step_policies:"
 _STRATEGY = "mpsync.torch.strategies:"
 
 register(
@@ -273,14 +274,14 @@ register(
     fidelity={"ps": ("Alg. 1 server and Alg. 2 synchronization controller on every push",
                      "the controller is given the allowance left, not the full r_max, so the "
                      "gap never exceeds s_U (mpsync.server.policies:DSSP)")})
-_POL = "mpsync.server.policies:"
+_POL = "mpsync.server.step_policies:"
 _STR = "mpsync.torch.strategies:"
 register(
     "ebsp", description="ElasticBSP: supersteps ending at a barrier that the server places "
                         "with ZipLine from `R` predicted iterations per worker, after a "
                         "monitoring phase; within a superstep the PS gets a push every "
                         "iteration (ASP), the ring runs local SGD (an adaptation)",
-    paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_SERVER + "ElasticBSP",
+    paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_STEP_SERVER + "ElasticBSP",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": _STRATEGY + "ElasticSuperstep"},
     fast_path="planned", options=("lookahead", "zipline_variant"),
     simulation={"ring": "planned"},
@@ -299,7 +300,7 @@ register(
 register(
     "esync", description="fast workers run extra local iterations until the slowest is ready; "
                          "model deltas averaged in synchronous rounds",
-    paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_SERVER + "ESync",
+    paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_STEP_SERVER + "ESync",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
     fast_path="query_state", options=("epsilon", "esync_slack", "esync_delayed_ack"),
     ps_average=True, simulation={"ring": "query_state"},
@@ -319,7 +320,7 @@ register(
 register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
                        "iteration, with local-gradient correction",
-    paper="OSP §3-4, Alg. 1, Eq. 4-7", server=_SERVER + "OSP",
+    paper="OSP §3-4, Alg. 1, Eq. 4-7", server=_STEP_SERVER + "OSP",
     strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
     options=("osp_ics_size", "osp_ics_max_fraction"), simulation={"ring": "overlap"},
     fidelity={

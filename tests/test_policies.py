@@ -104,7 +104,8 @@ def test_plugins_are_imported_by_validation_and_a_bad_one_is_named(scratch_polic
 
 
 def test_make_policy_builds_the_registered_server_class():
-    from mpsync.server.policies import ElasticBSP, make_policy
+    from mpsync.server.policies import make_policy
+    from mpsync.server.step_policies import ElasticBSP
 
     cfg = SyncConfig.from_options(env={}, policy="ebsp")
     assert type(make_policy(cfg, 3)) is ElasticBSP
