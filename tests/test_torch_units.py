@@ -10,10 +10,10 @@ import torch
 
 from mpsync.config import ConfigError
 from mpsync.server import DeadlineExceeded
-from mpsync.torch import _runtime
-from mpsync.torch._wait import CollectiveTimeout
+import mpsync.torch as mps
+from mpsync.torch import CollectiveTimeout
 from mpsync.torch.fusion import FusionBuffer, group_by_dtype, layer_name
-from mpsync.torch.optimizer import _name_parameters
+from mpsync.torch.optimizer import name_parameters
 
 
 def small_model():
@@ -99,14 +99,14 @@ def test_fusion_buffer_refuses_mixed_dtypes_but_grouping_splits_them():
 def test_named_parameters_are_checked_like_horovod():
     m = small_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    named = _name_parameters(opt, m.named_parameters())
+    named = name_parameters(opt, m.named_parameters())
     assert [n for n, _ in named] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     with pytest.raises(ValueError, match="duplicate names"):
-        _name_parameters(opt, [("w", p) for p in m.parameters()])
+        name_parameters(opt, [("w", p) for p in m.parameters()])
     with pytest.raises(ValueError, match="not in named_parameters"):
-        _name_parameters(opt, list(m.named_parameters())[:2])
+        name_parameters(opt, list(m.named_parameters())[:2])
     with pytest.raises(ValueError, match="pairs"):
-        _name_parameters(opt, list(m.parameters()))
+        name_parameters(opt, list(m.parameters()))
 
 
 def test_collective_timeout_names_workers_and_world_ranks():
@@ -124,8 +124,8 @@ def test_collective_timeout_names_workers_and_world_ranks():
 ])
 def test_init_rejects_bad_settings_before_touching_mpi(options, match):
     with pytest.raises(ConfigError, match=match):
-        _runtime.init(**options)
-    assert _runtime._CONTEXT is None
+        mps.init(**options)
+    assert not mps.is_initialized()
 
 
 @pytest.mark.parametrize("options", [dict(policy="bsp", topology="ring"),
@@ -138,8 +138,8 @@ def test_init_names_missing_horovod(monkeypatch, options):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "horovod" else real(name, *a))
     with pytest.raises(ConfigError, match="Horovod is not installed"):
-        _runtime.init(backend="horovod", **options)
-    assert _runtime._CONTEXT is None
+        mps.init(backend="horovod", **options)
+    assert not mps.is_initialized()
 
 
 def test_frozen_parameters_get_no_gradient():

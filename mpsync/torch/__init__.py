@@ -31,7 +31,7 @@ from mpsync.torch.broadcast import (
 from mpsync.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "init", "shutdown", "rank", "size", "local_rank", "is_server", "worker_comm",
+    "init", "is_initialized", "shutdown", "rank", "size", "local_rank", "is_server", "worker_comm",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allreduce", "gather_object", "stats", "config", "CollectiveTimeout",
 ]
@@ -51,6 +51,11 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     raise :class:`mpsync.config.ConfigError` on every rank before any communication.
     """
     _runtime.init(policy, topology, backend, server, comm, **policy_options)
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()`` in this process (Horovod's meaning)."""
+    return _runtime.is_initialized()
 
 
 def shutdown() -> None:

@@ -65,6 +65,10 @@ class Context:
 _CONTEXT: Context | None = None
 
 
+def is_initialized() -> bool:
+    return _CONTEXT is not None and not _CONTEXT.closed
+
+
 def context() -> Context:
     if _CONTEXT is None:
         raise RuntimeError("mpsync.torch is not initialised: call mps.init(...) first")

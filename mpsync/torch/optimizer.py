@@ -52,7 +52,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
-        named = _name_parameters(optimizer, named_parameters)
+        named = name_parameters(optimizer, named_parameters)
         self._buffers = group_by_dtype(named)
         self._counters = ctx.counters
         self._strategy: Strategy = make_strategy(
@@ -121,7 +121,7 @@ def _check_horovod_keywords(compression, backward_passes_per_step, op, predivide
         raise ValueError("gradient_predivide_factor is not supported (must be 1.0)")
 
 
-def _name_parameters(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:
+def name_parameters(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:
     """(name, param) for every parameter of the optimizer, in optimizer order."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len({id(p) for p in params}) != len(params):
