@@ -119,10 +119,17 @@ class SyncConfig:
         return self
 
     @classmethod
-    def from_options(cls, env: dict | None = None, **options) -> "SyncConfig":
-        """Build from keyword options over ``MPSYNC_*`` environment variables; unknown keys fail."""
+    def from_options(cls, env: dict | None = None, defaults: dict | None = None,
+                     **options) -> "SyncConfig":
+        """Build from keyword options over ``MPSYNC_*`` environment variables over
+        ``defaults`` (a caller's own defaults, e.g. ``init``'s backend) over the field
+        defaults; unknown keys fail."""
         names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
         values: dict = {}
+        for key, value in (defaults or {}).items():
+            if key not in names:
+                raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(names))}")
+            values[key] = value
         env = os.environ if env is None else env
         for name, f in names.items():
             raw = env.get(ENV_PREFIX + name.upper())

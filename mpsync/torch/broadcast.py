@@ -61,8 +61,12 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
                 offset += n
 
 
-def broadcast_object(obj, root_rank: int = 0):
-    """``root_rank``'s picklable object on every worker (torch.save, so tensors travel)."""
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
+    """``root_rank``'s picklable object on every worker (torch.save, so tensors travel).
+    ``name`` is accepted for Horovod's signature; only the global process set exists."""
+    from mpsync.torch.mpi_ops import _check_process_set
+
+    _check_process_set(process_set)
     ctx = _runtime.worker_context("broadcast_object")
     _check_root(root_rank, ctx.size)
     data = None
@@ -76,7 +80,7 @@ def broadcast_object(obj, root_rank: int = 0):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
     """Load ``root_rank``'s optimizer state (and hyper-parameters) on every worker."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):

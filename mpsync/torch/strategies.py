@@ -19,6 +19,19 @@ Every strategy works on :class:`~mpsync.torch.fusion.FusionBuffer` s and an
 :class:`~mpsync.torch.backends.Aggregator`; ``client`` is the control plane's ``SyncClient``
 (``None``: no state server, every step synchronizes, which only makes sense for BSP).
 ``synchronize()`` is the final aggregation after which every worker holds the same model.
+
+Uneven step counts (Horovod's ``join()`` is the model).  ``synchronize()`` first runs
+``join()``: a worker that has no more steps to take keeps taking part in the others'
+aggregations until every worker has joined, contributing nothing (zeros, weight 0).
+On the ring every aggregation carries a header in the same collective (``FusionBuffer.wire``):
+``[contributors, active_0 .. active_{N-1}]`` (summed over the workers: how many sent data,
+and which workers still train); averages divide by the contributors, and the round whose
+active set is empty is the last one, on every worker at once.  A joined worker asks the
+server as before, so the policy sees it as a (fast) worker and never waits for it; it paces
+its idle iterations by its own mean compute time (1-50 ms).  On the parameter server the
+joined worker pushes what is left and then zero updates at that pace until a non-blocking
+barrier of all workers completes; a final reset lets an ElasticBSP plan waiting for it go
+on.  The model is then broadcast from a worker that took part in the last aggregation.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ import torch
 from mpsync.server import LOCAL, Decision
 from mpsync.torch._counters import LocalCounters
 from mpsync.torch.backends import Aggregator, Pending
+from mpsync.torch.compression import WireSum
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging", "ParameterServer",
@@ -43,6 +57,8 @@ _NOT_READY = Decision(LOCAL, 0, 0)
 class Strategy:
     """Common plumbing: the server query, counters, the final identical-model broadcast."""
 
+    aggregates_gradients = False   # True: op=Sum (a sum of gradients) means something
+
     def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FusionBuffer],
                  backend: Aggregator | None, client, counters: LocalCounters, config):
         self.optimizer = optimizer
@@ -53,6 +69,77 @@ class Strategy:
         self.config = config
         self.iteration = 0   # steps taken by this worker
         self.round = 0       # aggregations completed
+        # Set by DistributedOptimizer: compression / scaling of the aggregation, op=Sum, and
+        # the script's collectives (the parameter server's join barrier).
+        self.wire = WireSum(backend) if backend is not None else None
+        self.op_sum = False
+        self.peers = None
+        self.skip_aggregation = False
+        self.joined = False
+        # Every worker holds the same model and no aggregation is open (after synchronize(),
+        # until the next step): an idle iteration could only open a round nobody finishes.
+        self.settled = False
+        self.n_workers = backend.size if backend is not None else 1
+        self.me = backend.rank if backend is not None else 0
+        self.last_active = list(range(self.n_workers))
+        header = self.header_length()
+        if header:
+            buffers[0].add_header(header)
+
+    # -- uneven step counts (module doc) --------------------------------------------------------
+    def header_length(self) -> int:
+        """Elements this strategy sends with its aggregation; ring: contributors + active."""
+        return 1 + self.n_workers if self.config.topology == "ring" else 0
+
+    def _fill_header(self, header: torch.Tensor, contributing: bool) -> None:
+        header.zero_()
+        if contributing:
+            header[0] = 1
+        if not self.joined:
+            header[1 + self.me] = 1
+
+    def _read_header(self, header: torch.Tensor) -> tuple[int, list[int]]:
+        """(contributors, active workers) from a summed header; remembers the last non-empty
+        active set (the root of the final broadcast)."""
+        counts = [int(round(float(v))) for v in header[:1 + self.n_workers]]
+        active = [r for r in range(self.n_workers) if counts[1 + r] > 0]
+        if active:
+            self.last_active = active
+        return counts[0], active
+
+    def _divisor(self, header: torch.Tensor) -> float:
+        if self.op_sum:
+            return 1.0
+        return float(max(1, int(round(float(header[0])))))
+
+    def _pace(self) -> float:
+        """An idle iteration of a joined worker lasts as long as its mean iteration (1-50 ms),
+        so the policy keeps seeing a worker at its usual speed."""
+        c = self.counters
+        mean = c.compute_s / c.iterations if c.iterations else 0.0
+        return min(0.05, max(1e-3, mean))
+
+    def join(self) -> None:
+        """Take part in the others' aggregations until every worker has joined."""
+        raise NotImplementedError
+
+    def idle_step(self) -> bool:
+        """One idle iteration while this worker waits in a collective of the script's own
+        (mpi_ops); True if it did one.  Only policies with local steps need it: their
+        workers can be told SYNC at different iterations, so one may wait in the script's
+        collective while another waits for it in an aggregation."""
+        return False
+
+    def synchronize_gradients(self) -> None:
+        """Horovod's ``optimizer.synchronize()`` before ``step()``: make the gradients the
+        step will use final.  Local-step policies step on local gradients: nothing to do."""
+
+    def synchronize(self) -> None:
+        """Join, then make every worker's model bitwise equal."""
+        self.join()
+        self._broadcast_model(min(self.last_active))
+        self.last_active = list(range(self.n_workers))
+        self.settled = True
 
     # -- control plane ------------------------------------------------------------------------
     def ask(self, compute_time: float, iteration: int):
@@ -102,9 +189,6 @@ class Strategy:
     def step(self, compute_time: float, closure=None):
         raise NotImplementedError
 
-    def synchronize(self) -> None:
-        raise NotImplementedError
-
     def close(self) -> None:
         """Finish anything in flight (no communication is left pending at shutdown)."""
 
@@ -119,6 +203,7 @@ class GradientAveraging(Strategy):
     concatenated batch."""
 
     _averaged = False
+    aggregates_gradients = True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -132,29 +217,61 @@ class GradientAveraging(Strategy):
 
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
-        if not self._averaged:
+        if not self._averaged and not self.skip_aggregation:
             self._average(compute_time)
+        # Under skip_synchronize() without synchronize(), Horovod steps on local gradients.
         self._averaged = False
         self.optimizer.step()
         self.iteration += 1
         self.counters.iterations += 1
         return loss
 
-    def _average(self, compute_time: float) -> None:
+    def _average(self, compute_time: float) -> tuple[int, list[int]]:
         decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
             raise RuntimeError(f"policy bsp: the server answered {decision!r}; BSP synchronizes "
                                f"every iteration (is the server running another policy?)")
         t0 = time.perf_counter()
-        nbytes = average_gradients(self.buffers, self.backend)
+        nbytes = 0
+        contributing = not self.joined
+        first = self.buffers[0]
+        self._fill_header(first.header, contributing)
+        divisor = None
+        for buf in self.buffers:
+            if contributing:
+                buf.pack_grads()
+            else:
+                buf.flat.zero_()
+            self.wire.sum_(buf.wire, "gradients", payload=buf.numel,
+                           divisor=divisor or self._divisor)
+            if divisor is None:
+                divisor = lambda _h, d=self._divisor(first.header): d  # noqa: E731
+            buf.unpack_to_grads()
+            nbytes += buf.nbytes
         self.reset(self._aggregated(t0, nbytes))
+        return self._read_header(first.header)
 
-    def synchronize(self) -> None:
+    def synchronize_gradients(self) -> None:
         """Horovod's meaning: average the current gradients now; the next ``step()`` uses them
         without another allreduce (so gradient clipping can sit between the two)."""
         if not self._averaged:
             self._average(0.0)
             self._averaged = True
+
+    def join(self) -> None:
+        """Zero gradients into every round the others run; the averaged gradients are applied
+        here too, so this replica (and its optimizer state) stays equal to theirs."""
+        self.joined = True
+        try:
+            while True:
+                self.iteration += 1
+                contributors, active = self._average(0.0)
+                if contributors:
+                    self.optimizer.step()
+                if not active:
+                    return
+        finally:
+            self.joined = False
 
 
 def average_gradients(buffers: list[FusionBuffer], backend: Aggregator) -> int:
@@ -183,6 +300,7 @@ class LocalStepsThenAggregate(Strategy):
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._prepare()
+        self.settled = False
         self.optimizer.step()  # ESync Eq. 5: the local update of the replica
         self.iteration += 1
         self.local_steps += 1
@@ -191,6 +309,21 @@ class LocalStepsThenAggregate(Strategy):
             self._aggregate()
             self.local_steps = 0
         return loss
+
+
+    def _idle_ready(self) -> bool:
+        raise NotImplementedError
+
+    def idle_step(self) -> bool:
+        if self.joined or self.settled or not self._idle_ready():
+            return False
+        pace = self._pace()
+        self.iteration += 1
+        if self.is_sync(self.ask(pace, self.iteration)):
+            self._aggregate()
+            self.local_steps = 0
+        time.sleep(pace)
+        return True
 
 
 class DeltaAveraging(LocalStepsThenAggregate):
@@ -213,23 +346,50 @@ class DeltaAveraging(LocalStepsThenAggregate):
 
     _prepare = _snapshot
 
-    def _aggregate(self) -> None:
+    def _idle_ready(self) -> bool:
+        return self._global is not None
+
+    def _aggregate(self, contributing: bool = True) -> tuple[int, list[int]]:
         t0 = time.perf_counter()
         nbytes = 0
+        first = self.buffers[0]
+        self._fill_header(first.header, contributing)
+        divisor = None
         for buf, w_global in zip(self.buffers, self._global):
             delta = buf.pack_params()
             delta.sub_(w_global)                                    # Eq. 6
-            self.backend.allreduce_average_(delta, "model deltas")  # Eq. 7
+            if not contributing:
+                delta.zero_()
+            self.wire.sum_(buf.wire, "model deltas", payload=buf.numel,
+                           divisor=divisor or self._divisor)        # Eq. 7
+            if divisor is None:
+                divisor = lambda _h, d=self._divisor(first.header): d  # noqa: E731
             w_global.add_(delta, alpha=self.epsilon)                # Eq. 8
             buf.unpack_to_params(w_global)
             nbytes += buf.nbytes
         self.reset(self._aggregated(t0, nbytes))
+        return self._read_header(first.header)
 
-    def synchronize(self) -> None:
-        """Final aggregation of whatever local progress is left; all workers must call it."""
+    def join(self) -> None:
+        """Idle iterations at this worker's pace; on SYNC, the local progress left (first
+        time) or nothing; every replica is set to the new global model each round."""
         self._snapshot()
-        self._aggregate()
-        self._broadcast_model()
+        self.joined = True
+        pending = self.local_steps > 0
+        pace = self._pace()
+        try:
+            while True:
+                self.iteration += 1
+                if self.is_sync(self.ask(pace, self.iteration)):
+                    _, active = self._aggregate(contributing=pending)
+                    pending = False
+                    self.local_steps = 0
+                    if not active:
+                        return
+                else:
+                    time.sleep(pace)
+        finally:
+            self.joined = False
 
 
 class ParameterServer(LocalStepsThenAggregate):
@@ -273,6 +433,9 @@ class ParameterServer(LocalStepsThenAggregate):
 
     _prepare = _start
 
+    def _idle_ready(self) -> bool:
+        return self._base is not None
+
     def pull_global(self) -> int:
         """Pull the current global weights into the model now and return their version.
 
@@ -305,15 +468,38 @@ class ParameterServer(LocalStepsThenAggregate):
             time.sleep(self.config.comm_delay)
         self.reset(self._aggregated(t0, self._base.nbytes))
 
-    def synchronize(self) -> None:
-        """Push what is left, wait until every worker has pushed, pull the final weights."""
+    def join(self) -> None:
+        """Idle iterations at this worker's pace (a push of what is left, then zero updates,
+        whenever the policy says SYNC) until every worker has joined (a non-blocking barrier
+        of the workers); then a reset, so an ElasticBSP plan that waits for this worker's
+        barrier goes on without it."""
+        if self.peers is None:
+            raise RuntimeError("ParameterServer.join needs the workers' communicator (peers)")
         self._start()
+        self.joined = True
+        pace = self._pace()
+        everyone = self.peers.comm.Ibarrier()
+        try:
+            while not everyone.Test():
+                self.iteration += 1
+                if self.is_sync(self.ask(pace, self.iteration)):
+                    self._aggregate()
+                time.sleep(pace)
+            self.reset(0.0)
+        finally:
+            self.joined = False
+
+    def synchronize(self) -> None:
+        """Join, push what is left, wait until every worker has pushed, pull the final
+        weights."""
+        self.join()
         t0 = time.perf_counter()
         self.client.push(self._delta_into_base(), self.iteration, final=True)
         self.backend.barrier("final push")
         self._pull(final=True)  # every push is in: no staleness rule left to wait for
         self._broadcast_model()
         self._aggregated(t0, self._base.nbytes)
+        self.settled = True
 
 
 class TwoStageSync(Strategy):
@@ -338,6 +524,8 @@ class TwoStageSync(Strategy):
     calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
     thread.
     """
+
+    aggregates_gradients = True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -383,6 +571,11 @@ class TwoStageSync(Strategy):
         self.counters.aggregation_s += t1 - t0
         self.counters.event("ics_wait", t0, t1)
 
+    def header_length(self) -> int:
+        # contributors, active workers, and the bitmap of the next iteration (so a joined
+        # worker, which reports no importance, runs the same collectives as the others).
+        return 1 + self.n_workers + len(self.buffers[0].layer_names)
+
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._finish_ics()
@@ -391,7 +584,6 @@ class TwoStageSync(Strategy):
             raise RuntimeError(f"policy osp: the server answered {decision!r}; OSP synchronizes "
                                f"every iteration")
         grads = self.buf.pack_grads()
-        bitmap_now = self.bitmap
         if self.client is not None:
             t0 = time.perf_counter()
             p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
@@ -404,35 +596,66 @@ class TwoStageSync(Strategy):
                                    f"the model has {self.n_layers} layers")
         else:
             next_bitmap = self.bitmap
+        self._exchange(grads, next_bitmap)
+        self.buf.unpack_to_grads()
+        self.optimizer.step()
+        self.iteration += 1
+        self.counters.iterations += 1
+        return loss
+
+    def _exchange(self, grads: torch.Tensor, next_bitmap) -> list[int]:
+        """Routine Sync (blocking, with the header) and the start of In-Computation Sync;
+        sets the agreed bitmap of the next iteration; returns the active workers."""
         t0 = time.perf_counter()
-        nbytes = self.buf.nbytes
+        bitmap_now = self.bitmap
+        contributing = not self.joined
+        n_head = 1 + self.n_workers
+        rs_ranges = self.buf.layer_ranges(~bitmap_now)
+        payload = self.buf.gather(grads, rs_ranges) if rs_ranges else grads[:0]
+        rs = torch.cat([payload, torch.zeros(self.header_length(), dtype=grads.dtype)])
+        header = rs[payload.numel():]
+        self._fill_header(header, contributing)
+        if not self.joined:
+            header[n_head:] = torch.as_tensor(np.asarray(next_bitmap, dtype=np.float64))
+        # Routine Sync first, blocking (§3.1)
+        self.wire.sum_(rs, "routine sync", payload=payload.numel(), divisor=self._divisor)
+        divisor = self._divisor(header)
+        if rs_ranges:
+            self.buf.scatter(rs[:payload.numel()], grads, rs_ranges)
         if bitmap_now.any():
             ics_ranges = self.buf.layer_ranges(bitmap_now)
-            rs_ranges = self.buf.layer_ranges(~bitmap_now)
-            if rs_ranges:  # Routine Sync first, blocking (§3.1)
-                rs = self.buf.gather(grads, rs_ranges)
-                self.backend.allreduce_average_(rs, "routine sync")
-                self.buf.scatter(rs, grads, rs_ranges)
             # In-Computation Sync: in flight until the next step (or synchronize()); the
             # optimizer meanwhile uses the local gradient of these layers (LGP, Eq. 6).
             self._ics_local = self.buf.gather(grads, ics_ranges)
             self._ics_global = self._ics_local.clone()
             self._ics_ranges = ics_ranges
-            self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
+            self._pending = self.wire.start_sum(self._ics_global, "ics",
+                                                divisor=lambda _h: divisor)
             self.ics_layers_total += int(bitmap_now.sum())
-        else:
-            self.backend.allreduce_average_(grads, "routine sync")
-        self.buf.unpack_to_grads()
-        self._aggregated(t0, nbytes)
-        self.optimizer.step()
-        self.bitmap = next_bitmap
-        self.iteration += 1
-        self.counters.iterations += 1
-        return loss
+        _, active = self._read_header(header)
+        if active:  # every active worker sent the same bitmap
+            self.bitmap = header[n_head:].numpy() > 0.5
+        self._aggregated(t0, self.buf.nbytes)
+        return active
 
-    def synchronize(self) -> None:
-        self._finish_ics()
-        self._broadcast_model()
+    def join(self) -> None:
+        """Zero gradients into every round the others run, with their bitmap (from the
+        header); the model is broadcast afterwards (``synchronize``)."""
+        self.joined = True
+        try:
+            while True:
+                self._finish_ics()
+                decision = self.ask(0.0, self.iteration + 1)
+                if not self.is_sync(decision):
+                    raise RuntimeError(f"policy osp: the server answered {decision!r}; OSP "
+                                       f"synchronizes every iteration")
+                self.iteration += 1
+                grads = torch.zeros_like(self.buf.flat)
+                if not self._exchange(grads, self.bitmap):
+                    self._finish_ics()
+                    return
+        finally:
+            self.joined = False
 
     def close(self) -> None:
         self._finish_ics()
