@@ -25,8 +25,9 @@ Uneven step counts (Horovod's ``join()`` is the model).  ``synchronize()`` first
 aggregations until every worker has joined, contributing nothing (zeros, weight 0).
 On the ring every aggregation carries a header in the same collective (``FusionBuffer.wire``):
 ``[contributors, active_0 .. active_{N-1}]`` (summed over the workers: how many sent data,
-and which workers still train); averages divide by the contributors, and the round whose
-active set is empty is the last one, on every worker at once.  A joined worker asks the
+and which workers still train); averages divide by the number of workers as Horovod's do
+(a joined worker's zeros count), and the round whose active set is empty is the last one,
+on every worker at once.  A joined worker asks the
 server as before, so the policy sees it as a (fast) worker and never waits for it; it paces
 its idle iterations by its own mean compute time (1-50 ms).  On the parameter server the
 joined worker pushes what is left and then zero updates at that pace until a non-blocking
@@ -108,9 +109,9 @@ class Strategy:
         return counts[0], active
 
     def _divisor(self, header: torch.Tensor) -> float:
-        if self.op_sum:
-            return 1.0
-        return float(max(1, int(round(float(header[0])))))
+        # Horovod's join: a joined worker's zeros count in the average (sum / size), so a
+        # worker left alone at the end moves the model by 1/size of its update, not all of it.
+        return 1.0 if self.op_sum else float(self.n_workers)
 
     def _pace(self) -> float:
         """An idle iteration of a joined worker lasts as long as its mean iteration (1-50 ms),
