@@ -177,6 +177,10 @@ class UserOps:
         compression = as_compressor(compression)
         if tensor.dtype == torch.bool or tensor.is_complex():
             raise TypeError(f"allreduce of a {tensor.dtype} tensor is not supported")
+        if op == Average and not tensor.is_floating_point():
+            raise TypeError(f"allreduce: cannot average a {tensor.dtype} tensor (no integer "
+                            f"result); pass op=Sum (or average=False) for its exact sum, or "
+                            f"convert it to a floating dtype")
         source = tensor.detach()
         wire, ctx = compression.compress(source)
         if self.hvd is not None and tensor.device.type == "cpu":
@@ -199,8 +203,7 @@ class UserOps:
         def finish():
             y = x
             if op == Average:
-                y = (y.div_(self.size) if y.is_floating_point()
-                     else torch.div(y, self.size, rounding_mode="trunc"))
+                y = y.div_(self.size)
             if postscale != 1.0:
                 y = y.mul_(postscale) if y.is_floating_point() else (y * postscale).to(y.dtype)
             y = compression.decompress(y, ctx)
@@ -401,9 +404,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> torch.Tensor:
-    """A new tensor: ``tensor`` reduced over the workers (default: averaged).  Integer
-    averages are truncated, as Horovod's are; ``compression=Compression.fp16`` reduces a
-    float16 copy and returns the tensor's dtype."""
+    """A new tensor: ``tensor`` reduced over the workers (default: averaged).  Sums of integer
+    tensors are exact; averaging one is refused (it has no integer result).
+    ``compression=Compression.fp16`` reduces a float16 copy and returns the tensor's dtype."""
     _check_process_set(process_set)
     ops = user_ops("allreduce")
     op = reduce_op(average, op)
