@@ -189,5 +189,17 @@ def cuda_tensors() -> None:
     assert g.device == dev and g.shape == (2 * n,)
     mps.broadcast_(x, root_rank=0)
     assert float(x[0]) == 0.0
+    # BSP training on the GPU: gradients staged through the host buffer, models equal.
+    model = torch.nn.Linear(4, 2).to(dev)
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.full((2, 4), float(r + 1), device=dev)).sum().backward()
+        opt.step()
+    opt.synchronize()
+    w = model.weight.detach().cpu().reshape(-1)
+    assert all(torch.equal(w, o) for o in mps.allgather_object(w))
     mps.shutdown()
     print(f"CUDA-OK rank={r}", flush=True)

@@ -147,7 +147,7 @@ class FusionBuffer:
                     if g is None or g.data_ptr() != v.data_ptr():
                         s.param.grad = v
                 elif g is None:
-                    s.param.grad = v.detach().clone()
+                    s.param.grad = v.detach().to(s.param.device, copy=True)
                 else:
                     g.copy_(v)
 
@@ -159,6 +159,8 @@ class FusionBuffer:
         averaged result needs no unpack copy.  A ``zero_grad(set_to_none=True)`` elsewhere
         unbinds a parameter; the next unpack binds it again.
         """
+        if any(s.param.device.type != "cpu" for s in self.slots):
+            return  # GPU parameters: the buffer is their host staging copy (pack + unpack)
         self.grads_bound = True
         with torch.no_grad():
             self.pack_grads()
