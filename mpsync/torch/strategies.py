@@ -470,21 +470,31 @@ class ParameterServer(LocalStepsThenAggregate):
         self.reset(self._aggregated(t0, self._base.nbytes))
 
     def join(self) -> None:
-        """Idle iterations at this worker's pace (a push of what is left, then zero updates,
-        whenever the policy says SYNC) until every worker has joined (a non-blocking barrier
-        of the workers); then a reset, so an ElasticBSP plan that waits for this worker's
-        barrier goes on without it."""
+        """Push what is left as this worker's last update (staleness rules stop counting it),
+        then wait for a non-blocking barrier of all workers (every worker has joined).
+
+        Meanwhile it keeps the server informed without taking steps (which the server would
+        count as iterations): a reset at its pace, which also completes an ElasticBSP
+        barrier that would otherwise wait for it.  Under ESync, whose rounds are decided from
+        every worker's reports, it reports idle iterations instead and pushes nothing on SYNC
+        but zeros."""
         if self.peers is None:
             raise RuntimeError("ParameterServer.join needs the workers' communicator (peers)")
         self._start()
         self.joined = True
         pace = self._pace()
+        reports = self.config.policy == "esync"
+        self.client.push(self._delta_into_base(), self.iteration, final=True)
+        self._pull(final=True)
         everyone = self.peers.comm.Ibarrier()
         try:
             while not everyone.Test():
-                self.iteration += 1
-                if self.is_sync(self.ask(pace, self.iteration)):
-                    self._aggregate()
+                if reports:
+                    self.iteration += 1
+                    if self.is_sync(self.ask(pace, self.iteration)):
+                        self._aggregate()
+                else:
+                    self.reset(0.0)
                 time.sleep(pace)
             self.reset(0.0)
         finally:
