@@ -30,9 +30,9 @@ and which workers still train); averages divide by the number of workers as Horo
 on every worker at once.  A joined worker asks the
 server as before, so the policy sees it as a (fast) worker and never waits for it; it paces
 its idle iterations by its own mean compute time (1-50 ms).  On the parameter server the
-joined worker pushes what is left and then zero updates at that pace until a non-blocking
-barrier of all workers completes; a final reset lets an ElasticBSP plan waiting for it go
-on.  The model is then broadcast from a worker that took part in the last aggregation.
+joined worker pushes what is left as its last update (staleness rules stop counting it) and
+waits for a non-blocking barrier of all workers, sending resets at that pace (so an
+ElasticBSP plan does not wait for it; under ESync it reports idle iterations instead).  The model is then broadcast from a worker that took part in the last aggregation.
 """
 
 from __future__ import annotations
