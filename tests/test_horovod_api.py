@@ -39,7 +39,7 @@ RUNS = [
     ("ssp", "ps", []),
     ("dssp", "ps", ["--uneven-steps", "5", "--end", "join"]),
     ("esync", "ps", ["--uneven-steps", "5"]),
-    ("ebsp", "ps", []),
+    ("ebsp", "ps", ["--uneven-steps", "5", "--end", "join"]),
 ]
 
 
