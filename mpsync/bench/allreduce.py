@@ -13,6 +13,13 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
 * ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
 * ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer.
 
+``--fp16`` adds ``Compression.fp16`` columns: ``horovod_fp16_ms`` (Horovod's own
+``hvd.allreduce(t, compression=hvd.Compression.fp16)``), ``mpsync_fp16_ms`` (``mps.allreduce``
+with ``Compression.fp16``, horovod backend), ``mpsync_opt_fp16_ms`` (DistributedOptimizer's
+gradient path with ``compression=Compression.fp16``), ``mpsync_mpi_fp16_ms`` (``mps.allreduce``
+fp16 on the mpi backend: alltoall + allgather of the halves, next to ``mpi_ms``), and
+``fp16_wire_bytes`` / ``fp32_wire_bytes`` (bytes of the tensor handed to the collective).
+
 ``--osp`` adds a job timing BSP and OSP steps (half the layers in In-Computation Sync) on an
 MLP, raw and over an emulated 2 Gbit/s link (OSP's target: faster when communication shows).
 
@@ -53,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ps", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PS topology's push+pull at the same sizes (ps_ms; on by "
                         "default: ring vs PS at the same sizes; --no-ps skips the extra job)")
+    p.add_argument("--fp16", action="store_true",
+                   help="also time Compression.fp16 allreduces (mpsync vs Horovod's own)")
     p.add_argument("--osp", action="store_true",
                    help="also time BSP vs OSP steps (half the layers in In-Computation Sync)")
     p.add_argument("--json", action="store_true",
@@ -94,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--np must be >= 1, got {args.np}")
     sizes = _sizes(args.sizes)
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
-              "--seconds-per-point", str(args.seconds_per_point)]
+              "--seconds-per-point", str(args.seconds_per_point)] + \
+        (["--fp16"] if getattr(args, "fp16", False) else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else []) \
         + ([("two_stage", args.np)] if args.osp else [])
@@ -122,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
             row["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
         if row.get("ps_ms"):
             row["ps_vs_ring"] = row["ps_ms"] / row["mpsync_ms"]
+        if row.get("horovod_fp16_ms"):
+            row["mpsync_fp16_vs_horovod_fp16"] = row["mpsync_fp16_ms"] / row["horovod_fp16_ms"]
+            row["fp16_vs_fp32_bytes"] = row["fp16_wire_bytes"] / row["fp32_wire_bytes"]
     if osp:
         osp["np"] = args.np
         for link in ("raw", "link"):
@@ -149,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(table: list[dict]) -> None:
     cols = ["bytes", "mpsync_ms", "horovod_ms", "mpsync_vs_horovod", "mpsync_copy_ms",
             "mpsync_mpi_ms", "mpi_ms",
-            "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring"]
+            "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring", "horovod_fp16_ms", "mpsync_fp16_ms",
+            "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
+            "fp16_vs_fp32_bytes"]
     cols = [c for c in cols if any(c in r for r in table)]
     print("  ".join(f"{c:>17}" for c in cols))
     for r in table:
@@ -205,13 +220,15 @@ def _fake_model(nbytes: int, bind: bool):
     return buf
 
 
-def _ring_child(sizes, max_repeats, budget) -> None:
+def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
     """Two phases over all sizes: MPI before Horovod starts (its background thread runs a
     small allreduce every cycle and would slow every other MPI call down), then Horovod."""
     import torch
     from mpi4py import MPI
 
     from mpsync.torch.backends import HorovodAggregator, MPIAggregator
+    from mpsync.torch.compression import Compression, WireSum
+    from mpsync.torch.mpi_ops import Average, UserOps
     from mpsync.torch.strategies import average_gradients
 
     torch.set_num_threads(1)
@@ -225,6 +242,11 @@ def _ring_child(sizes, max_repeats, budget) -> None:
             "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
         }, max_repeats, budget))
+        if fp16:
+            ops = UserOps(world.Dup(), 600.0)
+            t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+            rows[nbytes].update(_timed(world, {"mpsync_mpi_fp16_ms": lambda: ops.start_allreduce(
+                t, Average, 1.0, 1.0, Compression.fp16, "fp16").wait()}, max_repeats, budget))
         del buf, arr
 
     import horovod.torch as hvd
@@ -240,6 +262,21 @@ def _ring_child(sizes, max_repeats, budget) -> None:
             "mpsync_ms": lambda: average_gradients([buf], hvd_agg),
             "mpsync_copy_ms": lambda: average_gradients([copy_buf], hvd_agg),
         }, max_repeats, budget))
+        if fp16:
+            ops = UserOps(world.Dup(), 600.0, hvd)
+            wire = WireSum(hvd_agg, Compression.fp16)
+            rows[nbytes]["fp16_wire_bytes"] = Compression.fp16.compress(raw)[0].nbytes
+            rows[nbytes]["fp32_wire_bytes"] = Compression.none.compress(raw)[0].nbytes
+            rows[nbytes].update(_timed(world, {
+                "horovod_fp16_ms": lambda: hvd.allreduce(
+                    raw, op=hvd.Average, compression=hvd.Compression.fp16, name="raw16"),
+                "mpsync_fp16_ms": lambda: ops.start_allreduce(
+                    raw, Average, 1.0, 1.0, Compression.fp16, "fp16").wait(),
+                "mpsync_opt_fp16_ms": lambda: (
+                    buf.pack_grads(),
+                    wire.sum_(buf.wire, "gradients", divisor=lambda _h: float(wire.size)),
+                    buf.unpack_to_grads()),
+            }, max_repeats, budget))
         if world.Get_rank() == 0:
             print("ROW " + json.dumps(rows[nbytes]), flush=True)
         del raw, buf, copy_buf
@@ -358,8 +395,12 @@ def _child_main(argv: list[str]) -> None:
     p.add_argument("--sizes")
     p.add_argument("--max-repeats", type=int)
     p.add_argument("--seconds-per-point", type=float)
+    p.add_argument("--fp16", action="store_true")
     a = p.parse_args(argv)
-    fn = {"ring": _ring_child, "ps": _ps_child, "two_stage": _osp_child}[a.child]
+    if a.child == "ring":
+        _ring_child(_sizes(a.sizes), a.max_repeats, a.seconds_per_point, fp16=a.fp16)
+        return
+    fn = {"ps": _ps_child, "two_stage": _osp_child}[a.child]
     fn(_sizes(a.sizes), a.max_repeats, a.seconds_per_point)
 
 

@@ -279,16 +279,21 @@ def account(dopt, model, extra_roots: list[tuple[str, object]]) -> dict:
     p_ranges = _union([(p.untyped_storage().data_ptr(),
                         p.untyped_storage().data_ptr() + p.untyped_storage().nbytes())
                        for p in params])
-    g_ranges = _union([(p.grad.untyped_storage().data_ptr(),
-                        p.grad.untyped_storage().data_ptr() + p.grad.untyped_storage().nbytes())
+    # Each gradient's own bytes (a gradient bound into the fusion buffer is a view of it).
+    g_ranges = _union([(p.grad.data_ptr(), p.grad.data_ptr() + p.grad.nbytes)
                        for p in params if p.grad is not None])
-    f_ranges = _union([(b.flat.untyped_storage().data_ptr(),
-                        b.flat.untyped_storage().data_ptr() + b.flat.untyped_storage().nbytes())
+    # The fusion buffer is the parameters' layout; the few numbers a strategy sends after it
+    # in the same collective (FusionBuffer.header) count as extra.
+    f_ranges = _union([(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.nbytes)
                        for b in dopt.strategy.buffers])
     held = _union([(b["start"], b["start"] + b["nbytes"]) for b in buffers])
     extra = _minus(_minus(held, p_ranges), g_ranges)
     # Per distinct buffer: the first path that reached it, what it is, bytes counted as extra.
     listing: dict[tuple[int, int], dict] = {}
+    # Constant-size bookkeeping (control-message buffers, layer tables, the fusion buffer's
+    # header: tens of bytes) is listed and counted in extra_bytes, but it is not a copy of
+    # the parameters.
+    small = min(4096, _size(p_ranges) // 100)
     for b in buffers:
         r = (b["start"], b["start"] + b["nbytes"])
         if r in listing or b["nbytes"] == 0:
@@ -297,15 +302,22 @@ def account(dopt, model, extra_roots: list[tuple[str, object]]) -> dict:
                   (("p", p_ranges), ("g", g_ranges), ("f", f_ranges))}
         if inside["p"]:
             continue  # the model's own parameters: not the framework's memory
+        # The fusion buffer's storage: its layout plus a small header after it.
+        header = _size(_minus([r], f_ranges))
+        if not inside["f"] and header < small and header < r[1] - r[0]:
+            inside["f"] = True
+            layout = _minus([r], _minus([r], f_ranges))
+            inside["g"] = _size(_minus(layout, g_ranges)) == 0
+        else:
+            header = 0
         kind = ("fusion buffer holding the gradients" if inside["f"] and inside["g"] else
                 "gradients" if inside["g"] else "fusion buffer" if inside["f"] else "extra")
-        listing[r] = {"path": b["path"], "dtype": b["dtype"], "bytes": b["nbytes"], "kind": kind}
-    # Constant-size bookkeeping (control-message buffers, layer tables: tens of bytes) is
-    # listed and counted in extra_bytes, but it is not a copy of the parameters.
-    small = min(4096, _size(p_ranges) // 100)
+        listing[r] = {"path": b["path"], "dtype": b["dtype"], "bytes": b["nbytes"], "kind": kind,
+                      "header_bytes": header}
     return {
         "bookkeeping_bytes": sum(h["bytes"] for h in listing.values()
-                                 if h["kind"] == "extra" and h["bytes"] < small),
+                                 if h["kind"] == "extra" and h["bytes"] < small)
+        + sum(h["header_bytes"] for h in listing.values()),
         "grad_bytes": _size(g_ranges),
         "fusion_bytes": _size(f_ranges),
         "extra_bytes": _size(extra),

@@ -22,18 +22,71 @@ from __future__ import annotations
 from mpsync.torch import _runtime
 from mpsync.torch._wait import CollectiveTimeout
 from mpsync.torch.broadcast import (
-    allreduce,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
     gather_object,
 )
+from mpsync.torch.compression import Compression
+from mpsync.torch.mpi_ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    is_initialized,
+    join,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    poll,
+    reducescatter,
+    rocm_built,
+    synchronize,
+)
 from mpsync.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "init", "is_initialized", "shutdown", "rank", "size", "local_rank", "is_server", "worker_comm",
-    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-    "broadcast_object", "allreduce", "gather_object", "stats", "config", "CollectiveTimeout",
+    # set-up and topology
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_server", "worker_comm", "config", "stats",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    # training
+    "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
+    # collectives
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "poll",
+    "synchronize", "allgather", "allgather_object", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "alltoall", "reducescatter",
+    "barrier", "join", "gather_object", "CollectiveTimeout",
 ]
 
 
@@ -41,9 +94,11 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
          server: str | None = None, comm=None, **policy_options) -> None:
     """Set up the workers, the aggregation backend and the state server (see module doc).
 
-    A setting left at ``None`` comes from its ``MPSYNC_*`` environment variable, else from the
-    defaults of :class:`mpsync.config.SyncConfig` (bsp, the policy's own topology, the mpi
-    backend, a dedicated server).
+    A setting not passed comes from its ``MPSYNC_*`` variable (``MPSYNC_POLICY``,
+    ``MPSYNC_TOPOLOGY``, ``MPSYNC_BACKEND``, ``MPSYNC_SERVER``, ``MPSYNC_STALENESS``, ...), else
+    from the defaults of :class:`mpsync.config.SyncConfig` (bsp, the policy's own topology, the
+    mpi backend, a dedicated server): a Horovod script keeps ``hvd.init()`` and picks the policy
+    (and ``MPSYNC_BACKEND=horovod``) from the environment.
 
     ``policy_options`` are :class:`mpsync.config.SyncConfig` fields (``staleness``,
     ``lookahead``, ``epsilon``, ``deadline``, ...) plus ``stats_path`` / ``trace_path`` (where
@@ -51,11 +106,6 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     raise :class:`mpsync.config.ConfigError` on every rank before any communication.
     """
     _runtime.init(policy, topology, backend, server, comm, **policy_options)
-
-
-def is_initialized() -> bool:
-    """True between ``init()`` and ``shutdown()`` in this process (Horovod's meaning)."""
-    return _runtime.is_initialized()
 
 
 def shutdown() -> None:

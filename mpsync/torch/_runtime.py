@@ -38,6 +38,10 @@ class Context:
     worker_rank: int
     world_ranks: list
     local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    user_ops: object | None = None  # mpi_ops.UserOps: the script's own collectives
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
     # EmulatedLink when ``comm_delay`` > 0 (metrics and broadcasts are not delayed).
@@ -106,7 +110,9 @@ def install_abort_hooks(comm, label: str) -> None:
 def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
          server: str | None = None, comm=None, *, stats_path: str | None = None,
          trace_path: str | None = None, server_rank: int = 0, **policy_options) -> Context:
-    """``None``: the setting from ``MPSYNC_*`` or else the default of :class:`SyncConfig`."""
+    """Every setting left as ``None`` comes from ``MPSYNC_*`` or else the default of
+    :class:`SyncConfig` (explicit > environment > default), so ``init()`` alone runs the policy
+    of the environment."""
     global _CONTEXT
     if _CONTEXT is not None and not _CONTEXT.closed:
         raise RuntimeError("mps.init() was already called in this process")
@@ -151,7 +157,13 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     _CONTEXT = ctx
     if not is_worker:
         _serve_and_exit(ctx)  # never returns
-    ctx.local_rank = workers.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    node = workers.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    ctx.local_rank, ctx.local_size = node.Get_rank(), node.Get_size()
+    # Horovod's cross communicator: the workers with this local rank, one per node.
+    cross = workers.Split(color=ctx.local_rank, key=rank)
+    ctx.cross_rank, ctx.cross_size = cross.Get_rank(), cross.Get_size()
+    node.Free()
+    cross.Free()
     _start_backend(ctx)
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
@@ -230,7 +242,8 @@ def shutdown() -> None:
     if ctx is None or ctx.closed or ctx.is_server:
         return
     for opt in ctx.optimizers:
-        opt.strategy.finish()
+        # Joins the others (uneven step counts) and ends with the same model everywhere.
+        opt.synchronize_model()
         opt.close()
     if ctx.client is not None:
         server_stats = ctx.client.stats()

@@ -1,6 +1,5 @@
 """Broadcast helpers with Horovod's names: make every worker start from the same model; and
-the small collectives a training script needs besides (allreduce of metrics, gather of
-objects), each bounded by a deadline.
+gather_object, bounded by a deadline (Horovod's other collectives: ``mpi_ops``).
 
 Tensors are fused by dtype into one flat buffer per dtype (one broadcast each, not one per
 tensor) and sent over the workers' communicator.  Broadcasts wait up to the larger of
@@ -18,7 +17,7 @@ import torch
 
 from mpsync.torch import _runtime
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce",
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "gather_object"]
 
 
@@ -61,8 +60,12 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
                 offset += n
 
 
-def broadcast_object(obj, root_rank: int = 0):
-    """``root_rank``'s picklable object on every worker (torch.save, so tensors travel)."""
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
+    """``root_rank``'s picklable object on every worker (torch.save, so tensors travel).
+    ``name`` is accepted for Horovod's signature; only the global process set exists."""
+    from mpsync.torch.mpi_ops import _check_process_set
+
+    _check_process_set(process_set)
     ctx = _runtime.worker_context("broadcast_object")
     _check_root(root_rank, ctx.size)
     data = None
@@ -76,7 +79,7 @@ def broadcast_object(obj, root_rank: int = 0):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
     """Load ``root_rank``'s optimizer state (and hyper-parameters) on every worker."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
@@ -84,23 +87,6 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     state = broadcast_object(inner.state_dict(), root_rank)
     if _runtime.context().worker_rank != root_rank:
         inner.load_state_dict(state)
-
-
-def allreduce(tensor: torch.Tensor, average: bool = True, name: str | None = None) -> torch.Tensor:
-    """A new tensor: the average (or, with ``average=False``, the sum) of ``tensor`` over the
-    workers (metrics, like Horovod's ``hvd.allreduce``).  The sum is a real SUM reduction, so
-    integer counts come back exact; averaging an integer tensor is refused (it has no integer
-    result)."""
-    ctx = _runtime.worker_context("allreduce")
-    if average and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"mps.allreduce: cannot average a {tensor.dtype} tensor; pass "
-                        f"average=False for its sum, or convert it to a floating dtype")
-    out = tensor.detach().clone().contiguous()
-    if average:
-        ctx.backend.allreduce_average_(out, name or "user allreduce")
-    else:
-        ctx.backend.allreduce_sum_(out, name or "user allreduce (sum)")
-    return out
 
 
 def gather_object(obj, root_rank: int = 0, name: str | None = None):

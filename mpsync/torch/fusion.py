@@ -68,14 +68,28 @@ class FusionBuffer:
         self.numel = offset
         self.layer_bounds = np.array(bounds, dtype=np.int64).reshape(-1, 2)
         self.layer_sizes = (self.layer_bounds[:, 1] - self.layer_bounds[:, 0]).astype(np.int64)
-        self.flat = torch.zeros(offset, dtype=self.dtype)
         self.grads_bound = False
+        self._allocate(0)
+
+    def _allocate(self, header: int) -> None:
+        # ``wire`` = ``flat`` (the parameters' layout) followed by ``header`` (a few numbers a
+        # strategy sends in the same collective, see ``add_header``).
+        self.wire = torch.zeros(self.numel + header, dtype=self.dtype)
+        self.flat = self.wire[:self.numel]
+        self.header = self.wire[self.numel:]
         self._views = [self.flat[s.offset:s.offset + s.numel].view(s.param.shape)
                        for s in self.slots]
         # Frozen parameters (requires_grad=False) never get a gradient from mpsync: a zero
         # gradient would still let weight decay or momentum move them.
         self._bound_ptrs = [(s.param, v.data_ptr()) for s, v in zip(self.slots, self._views)
                             if s.param.requires_grad]
+
+    def add_header(self, n: int) -> None:
+        """Reserve ``n`` elements after the parameters' layout: aggregating ``wire`` carries
+        them in the same collective (no extra latency).  Before ``bind_grads``."""
+        if self.grads_bound:
+            raise RuntimeError("add_header must come before bind_grads")
+        self._allocate(int(n))
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -133,7 +147,7 @@ class FusionBuffer:
                     if g is None or g.data_ptr() != v.data_ptr():
                         s.param.grad = v
                 elif g is None:
-                    s.param.grad = v.detach().clone()
+                    s.param.grad = v.detach().to(s.param.device, copy=True)
                 else:
                     g.copy_(v)
 
@@ -145,6 +159,8 @@ class FusionBuffer:
         averaged result needs no unpack copy.  A ``zero_grad(set_to_none=True)`` elsewhere
         unbinds a parameter; the next unpack binds it again.
         """
+        if any(s.param.device.type != "cpu" for s in self.slots):
+            return  # GPU parameters: the buffer is their host staging copy (pack + unpack)
         self.grads_bound = True
         with torch.no_grad():
             self.pack_grads()

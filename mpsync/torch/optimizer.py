@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from mpsync.torch.compression import WireSum
 from mpsync.torch.fusion import group_by_dtype
 from mpsync.torch.strategies import Strategy, make_strategy
 
@@ -26,26 +27,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """``mps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())``.
 
     ``step()`` does what the policy says for this iteration (gradient averaging, a local step,
-    a delta aggregation, a push/pull, OSP's two-stage sync); ``synchronize()`` forces the
-    aggregation now (BSP: average the current gradients, so the next ``step()`` does not do it
-    again; other policies: the final aggregation after which every worker holds the same
-    model).  Horovod keywords that change nothing here are accepted (``backward_passes_per_step``:
-    mpsync aggregates in ``step()``, so gradients of several backward passes are already summed);
-    ones that would change the result (``compression``, ``op`` other than average) are refused.
+    a delta aggregation, a push/pull, OSP's two-stage sync).
+
+    Horovod's keywords:
+
+    * ``compression``: ``Compression.none`` / ``Compression.fp16`` on the ring's aggregations
+      (gradients, model deltas, OSP's syncs); refused on the parameter server (its wire is
+      float64 point-to-point, nothing to compress).
+    * ``op``: ``Average`` (default) or ``Sum`` of the gradients (bsp, osp); the model-delta
+      policies (esync, ebsp) and the parameter server average by definition and refuse Sum;
+      Adasum is refused.
+    * ``gradient_predivide_factor``: scale by 1/f before the sum and f/size after (op=Average
+      only, as Horovod); refused on the parameter server.
+    * ``backward_passes_per_step=k``: gradients of k backward passes accumulate locally and
+      ``step()`` follows the k-th; one ``step()`` is one iteration of the policy (one report
+      to the server), so a policy's own local steps count these accumulated steps.  More
+      than k passes before ``step()`` is an error, as in Horovod.
+    * ``sparse_as_dense``: sparse gradients are made dense before the aggregation (without
+      it a sparse gradient is refused with this advice).
+
+    ``synchronize()``: right after backward (gradients not yet stepped on: Horovod's gradient
+    clipping idiom) it makes the gradients final: under BSP it averages them now and the
+    ``step()`` inside ``skip_synchronize()`` does not average again; local-step policies step
+    on local gradients, so there is nothing to do.  After ``step()`` (the end of training or
+    of an epoch) it joins the others and ends with every worker holding the same model, even
+    when workers took different numbers of steps (see ``strategies``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *,
                  compression=None, backward_passes_per_step: int = 1, op=None,
-                 gradient_predivide_factor: float = 1.0, _context=None):
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                 num_groups: int = 0, groups=None, process_set=None, _context=None):
         # Deliberately not calling Optimizer.__init__: the wrapped optimizer owns the groups.
         from mpsync.torch import _runtime
+        from mpsync.torch.mpi_ops import Average, Sum, _check_process_set, user_ops
 
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        _check_horovod_keywords(compression, backward_passes_per_step, op,
-                                gradient_predivide_factor)
         ctx = _context if _context is not None else _runtime.worker_context("DistributedOptimizer")
+        _check_process_set(process_set)
+        op = _check_horovod_keywords(ctx.config, compression, backward_passes_per_step, op,
+                                     gradient_predivide_factor)
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
@@ -55,10 +78,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named = name_parameters(optimizer, named_parameters)
         self._buffers = group_by_dtype(named)
         self._counters = ctx.counters
+        backend = ctx.data_backend or ctx.backend
         self._strategy: Strategy = make_strategy(
-            ctx.config, optimizer, self._buffers, ctx.data_backend or ctx.backend, ctx.client,
-            ctx.counters,
+            ctx.config, optimizer, self._buffers, backend, ctx.client, ctx.counters,
             worker_rank=ctx.worker_rank)
+        if op != Average and not self._strategy.aggregates_gradients:
+            raise ValueError(f"op=Sum has no meaning under policy={ctx.config.policy!r} on "
+                             f"topology={ctx.config.topology!r}: it aggregates model updates, "
+                             f"which are averaged by definition; use op=Average")
+        peers = user_ops("DistributedOptimizer") if _context is None else None
+        self._strategy.peers = peers
+        self._strategy.op_sum = op == Sum
+        if backend is not None:
+            self._strategy.wire = WireSum(
+                backend, compression, prescale=1.0 / gradient_predivide_factor,
+                postscale=gradient_predivide_factor,
+                half_sum=peers.sum_half_ if peers is not None and ctx.config.backend == "mpi"
+                else None)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self._passes = 0               # backward passes since the last step()
+        self._counted: set[int] = set()
+        self._model_in_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
+                       for _, p in named if p.requires_grad]
         self._last_step_end = time.perf_counter()
         ctx.optimizers.append(self)
 
@@ -66,24 +109,72 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def strategy(self) -> Strategy:
         return self._strategy
 
+    def _count_pass(self, param) -> None:
+        # A parameter seen again means a new backward pass has started.
+        if id(param) in self._counted or not self._counted:
+            self._counted = {id(param)}
+            self._passes += 1
+        else:
+            self._counted.add(id(param))
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        _check_passes(passes)
+        self.backward_passes_per_step = passes
+
     def step(self, closure=None):
+        if self._passes > self.backward_passes_per_step:
+            passes, self._passes, self._counted = self._passes, 0, set()
+            raise RuntimeError(f"gradients were computed {passes} times before step(), more "
+                               f"than backward_passes_per_step={self.backward_passes_per_step}; "
+                               f"increase backward_passes_per_step to accumulate gradients "
+                               f"locally")
+        self._densify()
         now = time.perf_counter()
         compute_time = now - self._last_step_end
         self._counters.compute_s += compute_time
         self._counters.event("compute", self._last_step_end, now)
         result = self._strategy.step(compute_time, closure)
+        self._passes, self._counted = 0, set()
+        self._model_in_sync = False
         self._last_step_end = time.perf_counter()
         return result
 
+    def _densify(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    if not self.sparse_as_dense:
+                        raise ValueError("a sparse gradient (e.g. nn.Embedding(sparse=True)): "
+                                         "pass sparse_as_dense=True to DistributedOptimizer")
+                    p.grad = p.grad.to_dense()
+
     def synchronize(self) -> None:
-        self._strategy.synchronize()
+        """See the class doc: gradients before ``step()``, the model after it."""
+        if self._passes > 0:
+            self._densify()
+            self._strategy.synchronize_gradients()
+        else:
+            self.synchronize_model()
+        self._last_step_end = time.perf_counter()
+
+    def synchronize_model(self) -> None:
+        """Join the others and end with every worker holding the same model (all workers call
+        it: ``synchronize()`` after ``step()``, ``mps.join()``, ``mps.shutdown()``)."""
+        if not self._model_in_sync:
+            self._strategy.finish()
+            self._model_in_sync = True
         self._last_step_end = time.perf_counter()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Horovod idiom ``synchronize(); clip; with skip_synchronize(): step()``: here
-        ``step()`` after ``synchronize()`` already skips the second allreduce."""
-        yield
+        """Horovod's ``synchronize(); clip; with skip_synchronize(): step()``: the step uses
+        the gradients ``synchronize()`` made final, without a second aggregation.  Under BSP
+        a step here without ``synchronize()`` uses the local gradients, as in Horovod."""
+        self._strategy.skip_aggregation = True
+        try:
+            yield
+        finally:
+            self._strategy.skip_aggregation = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """BSP keeps the gradients inside the fusion buffer and zeroes them there (they are
@@ -103,22 +194,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         self._strategy.close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, strategy={type(self._strategy).__name__})"
 
 
-def _check_horovod_keywords(compression, backward_passes_per_step, op, predivide) -> None:
-    if compression is not None and getattr(compression, "__name__", "") not in ("NoneCompressor",):
-        raise ValueError("DistributedOptimizer: gradient compression is not supported "
-                         "(pass compression=None)")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
-                         f"{backward_passes_per_step!r}")
-    if op is not None and op != 0:  # horovod.torch.Average == 0 in Horovod 0.28
-        raise ValueError(f"DistributedOptimizer: only op=Average is supported, got {op!r}")
-    if predivide != 1.0:
-        raise ValueError("gradient_predivide_factor is not supported (must be 1.0)")
+def _check_passes(passes) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+
+
+def _check_horovod_keywords(config, compression, backward_passes_per_step, op,
+                            predivide) -> int:
+    """Horovod's argument checks, plus the ones a policy adds; returns the reduce op."""
+    from mpsync.torch.compression import NoneCompressor, as_compressor
+    from mpsync.torch.mpi_ops import Average, Sum, reduce_op
+
+    _check_passes(backward_passes_per_step)
+    op = reduce_op(None, op)
+    where = f"policy={config.policy!r} on topology={config.topology!r}"
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer: op must be Average or Sum for gradients, got "
+                         f"{op!r}")
+    if predivide != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if not predivide > 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide!r}")
+    if config.topology == "ps":
+        if as_compressor(compression) is not NoneCompressor and \
+                getattr(compression, "__name__", "") != "NoneCompressor":
+            raise ValueError(f"compression has no meaning under {where}: workers push and pull "
+                             f"float64 weights point-to-point, no allreduce to compress; use "
+                             f"compression=Compression.none")
+        if predivide != 1.0:
+            raise ValueError(f"gradient_predivide_factor has no meaning under {where}: the "
+                             f"server applies each worker's update, no gradient sum to split")
+    return op
 
 
 def name_parameters(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:

@@ -26,6 +26,22 @@ Every strategy works on :class:`~mpsync.torch.fusion.FusionBuffer` s and an
 :class:`~mpsync.torch.backends.Aggregator`; ``client`` is the control plane's ``SyncClient``
 (``None``: no state server, every step synchronizes, which only makes sense for BSP).
 ``synchronize()`` is the final aggregation after which every worker holds the same model.
+
+Uneven step counts (Horovod's ``join()`` is the model).  ``synchronize()`` first runs
+``join()``: a worker that has no more steps to take keeps taking part in the others'
+aggregations until every worker has joined, contributing nothing (zeros, weight 0).
+On the ring every aggregation carries a header in the same collective (``FusionBuffer.wire``):
+``[contributors, active_0 .. active_{N-1}]`` (summed over the workers: how many sent data,
+and which workers still train); averages divide by the number of workers as Horovod's do
+(a joined worker's zeros count), and the round whose active set is empty is the last one,
+on every worker at once.  A joined worker asks the server as before, so the policy sees it
+as a (fast) worker and never waits for it; it paces its idle iterations by its own mean
+compute time (1-50 ms).  On the parameter server the joined worker pushes what is left as
+its last update (staleness rules stop counting it) and waits for a non-blocking barrier of
+all workers, sending resets at that pace (so an ElasticBSP barrier does not wait for it);
+under a policy whose rounds are decided from every worker's reports (ESync's QUERY-STATE)
+it reports idle iterations instead and takes part in the rounds with an empty update.  The
+model is then broadcast from a worker that took part in the last aggregation.
 """
 
 from __future__ import annotations
@@ -38,6 +54,7 @@ import torch
 from mpsync.server import LOCAL, Decision
 from mpsync.torch._counters import LocalCounters
 from mpsync.torch.backends import Aggregator
+from mpsync.torch.compression import WireSum
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "DeltaAveraging", "ParameterServer",
@@ -55,6 +72,8 @@ class Strategy:
     # What this strategy promises to hold beyond the fusion buffer (``mpsync bench memory``
     # checks it); None: no promise.
     memory_target: str | None = None
+    # True: op=Sum (a sum of gradients) means something.
+    aggregates_gradients = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FusionBuffer],
                  backend: Aggregator | None, client, counters: LocalCounters, config):
@@ -69,12 +88,76 @@ class Strategy:
         # ESync §4.2 delayed ACK, for a policy that offers it (registry options).
         self.delayed_ack = bool(getattr(config, "esync_delayed_ack", False)) and \
             _spec(config).reads("esync_delayed_ack")
+        # Set by DistributedOptimizer: compression / scaling of the aggregation, op=Sum, and
+        # the script's collectives (the parameter server's join barrier).
+        self.wire = WireSum(backend) if backend is not None else None
+        self.op_sum = False
+        self.peers = None
+        self.skip_aggregation = False
+        self.joined = False
+        # Every worker holds the same model and no aggregation is open (after synchronize(),
+        # until the next step): an idle iteration could only open a round nobody finishes.
+        self.settled = False
+        self.n_workers = backend.size if backend is not None else 1
+        self.me = backend.rank if backend is not None else 0
+        self.last_active = list(range(self.n_workers))
+        header = self.header_length()
+        if header:
+            buffers[0].add_header(header)
 
     @classmethod
     def from_config(cls, config, optimizer, buffers, backend, client, counters, *,
                     worker_rank: int = 0) -> "Strategy":
         """Built by :func:`make_strategy`; a subclass with settings of its own overrides it."""
         return cls(optimizer, buffers, backend, client, counters, config)
+
+    # -- uneven step counts (module doc) --------------------------------------------------------
+    def header_length(self) -> int:
+        """Elements this strategy sends with its aggregation (ring: contributors + active)."""
+        return 1 + self.n_workers
+
+    def _fill_header(self, header: torch.Tensor, contributing: bool) -> None:
+        header.zero_()
+        if contributing:
+            header[0] = 1
+        if not self.joined:
+            header[1 + self.me] = 1
+
+    def _read_header(self, header: torch.Tensor) -> tuple[int, list[int]]:
+        """(contributors, active workers) from a summed header; remembers the last non-empty
+        active set (the root of the final broadcast)."""
+        counts = [int(round(float(v))) for v in header[:1 + self.n_workers]]
+        active = [r for r in range(self.n_workers) if counts[1 + r] > 0]
+        if active:
+            self.last_active = active
+        return counts[0], active
+
+    def _divisor(self, header: torch.Tensor) -> float:
+        # Horovod's join: a joined worker's zeros count in the average (sum / size), so a
+        # worker left alone at the end moves the model by 1/size of its update, not all of it.
+        return 1.0 if self.op_sum else float(self.n_workers)
+
+    def _pace(self) -> float:
+        """An idle iteration of a joined worker lasts as long as its mean iteration (1-50 ms),
+        so the policy keeps seeing a worker at its usual speed."""
+        c = self.counters
+        mean = c.compute_s / c.iterations if c.iterations else 0.0
+        return min(0.05, max(1e-3, mean))
+
+    def join(self) -> None:
+        """Take part in the others' aggregations until every worker has joined."""
+        raise NotImplementedError
+
+    def idle_step(self) -> bool:
+        """One idle iteration while this worker waits in a collective of the script's own
+        (mpi_ops); True if it did one.  Only policies with local steps need it: their
+        workers can be told SYNC at different iterations, so one may wait in the script's
+        collective while another waits for it in an aggregation."""
+        return False
+
+    def synchronize_gradients(self) -> None:
+        """Horovod's ``optimizer.synchronize()`` before ``step()``: make the gradients the
+        step will use final.  Local-step policies step on local gradients: nothing to do."""
 
     # -- control plane ------------------------------------------------------------------------
     def ask(self, compute_time: float, iteration: int):
@@ -129,14 +212,22 @@ class Strategy:
         raise NotImplementedError
 
     def synchronize(self) -> None:
-        raise NotImplementedError
+        """Horovod's ``synchronize()`` after ``step()``: join, then make every worker's model
+        bitwise equal (all workers call it)."""
+        self.join()
+        self._broadcast_model(min(self.last_active))
+        self.last_active = list(range(self.n_workers))
+        self.settled = True
 
     def close(self) -> None:
         """Finish anything in flight (no communication is left pending at shutdown)."""
 
     def finish(self) -> None:
-        """The final aggregation at shutdown, after which every worker holds the same model."""
-        self.synchronize()
+        """The end of training (the trainer, ``mps.shutdown()``): ``synchronize()`` unless
+        no step was taken since the last one, after which every worker holds the same
+        model."""
+        if not self.settled:
+            self.synchronize()
 
     def zero_grad(self) -> bool:
         """Zero the gradients the strategy's way; False: let the wrapped optimizer do it."""
@@ -150,6 +241,7 @@ class GradientAveraging(Strategy):
 
     memory_target = "none beyond the fusion buffer"
     aggregates_every_step = True
+    aggregates_gradients = True
     _averaged = False
 
     def __init__(self, *args, **kw):
@@ -164,33 +256,63 @@ class GradientAveraging(Strategy):
 
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
-        if not self._averaged:
+        self.settled = False
+        if not self._averaged and not self.skip_aggregation:
             self._average(compute_time)
+        # Under skip_synchronize() without synchronize(), Horovod steps on local gradients.
         self._averaged = False
         self.optimizer.step()
         self.iteration += 1
         self.counters.iterations += 1
         return loss
 
-    def _average(self, compute_time: float) -> None:
+    def _average(self, compute_time: float) -> tuple[int, list[int]]:
         decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
             raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
                                f"gradient averaging synchronizes every iteration (is the server "
                                f"running another policy?)")
         t0 = time.perf_counter()
-        nbytes = average_gradients(self.buffers, self.backend)
+        nbytes = 0
+        contributing = not self.joined
+        first = self.buffers[0]
+        self._fill_header(first.header, contributing)
+        divisor = None
+        for buf in self.buffers:
+            if contributing:
+                buf.pack_grads()
+            else:
+                buf.flat.zero_()
+            self.wire.sum_(buf.wire, "gradients", payload=buf.numel,
+                           divisor=divisor or self._divisor)
+            if divisor is None:
+                divisor = lambda _h, d=self._divisor(first.header): d  # noqa: E731
+            buf.unpack_to_grads()
+            nbytes += buf.nbytes
         self.reset(self._aggregated(t0, nbytes))
+        return self._read_header(first.header)
 
-    def synchronize(self) -> None:
+    def synchronize_gradients(self) -> None:
         """Horovod's meaning: average the current gradients now; the next ``step()`` uses them
         without another allreduce (so gradient clipping can sit between the two)."""
         if not self._averaged:
             self._average(0.0)
             self._averaged = True
 
-    def finish(self) -> None:
-        """Nothing to do: every step aggregated, so the replicas are already equal."""
+    def join(self) -> None:
+        """Zero gradients into every round the others run; the averaged gradients are applied
+        here too, so this replica (and its optimizer state) stays equal to theirs."""
+        self.joined = True
+        try:
+            while True:
+                self.iteration += 1
+                contributors, active = self._average(0.0)
+                if contributors:
+                    self.optimizer.step()
+                if not active:
+                    return
+        finally:
+            self.joined = False
 
 
 def average_gradients(buffers: list[FusionBuffer], backend: Aggregator) -> int:
@@ -245,6 +367,7 @@ class LocalStepsThenAggregate(Strategy):
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._prepare()
+        self.settled = False
         if self.capability_test:
             self._test_capability(compute_time)
         if self.delayed_ack and self.local_steps > 0 and self.client.ready_arrived():
@@ -262,6 +385,20 @@ class LocalStepsThenAggregate(Strategy):
             self._aggregate()
             self.local_steps = 0
         return loss
+
+    def _idle_ready(self) -> bool:
+        raise NotImplementedError
+
+    def idle_step(self) -> bool:
+        if self.joined or self.settled or not self._idle_ready():
+            return False
+        pace = self._pace()
+        self.iteration += 1
+        if self.is_sync(self.ask(pace, self.iteration)):
+            self._aggregate()
+            self.local_steps = 0
+        time.sleep(pace)
+        return True
 
 
 class DeltaAveraging(LocalStepsThenAggregate):
@@ -296,23 +433,50 @@ class DeltaAveraging(LocalStepsThenAggregate):
 
     _prepare = _snapshot
 
-    def _aggregate(self) -> None:
+    def _idle_ready(self) -> bool:
+        return self._global is not None
+
+    def _aggregate(self, contributing: bool = True) -> tuple[int, list[int]]:
         t0 = time.perf_counter()
         nbytes = 0
+        first = self.buffers[0]
+        self._fill_header(first.header, contributing)
+        divisor = None
         for buf, w_global in zip(self.buffers, self._global):
             delta = buf.pack_params()
             delta.sub_(w_global)                                    # Eq. 6
-            self.backend.allreduce_average_(delta, "model deltas")  # Eq. 7
+            if not contributing:
+                delta.zero_()
+            self.wire.sum_(buf.wire, "model deltas", payload=buf.numel,
+                           divisor=divisor or self._divisor)        # Eq. 7
+            if divisor is None:
+                divisor = lambda _h, d=self._divisor(first.header): d  # noqa: E731
             w_global.add_(delta, alpha=self.epsilon)                # Eq. 8
             buf.unpack_to_params(w_global)
             nbytes += buf.nbytes
         self.reset(self._aggregated(t0, nbytes))
+        return self._read_header(first.header)
 
-    def synchronize(self) -> None:
-        """Final aggregation of whatever local progress is left; all workers must call it."""
+    def join(self) -> None:
+        """Idle iterations at this worker's pace; on SYNC, the local progress left (first
+        time) or nothing; every replica is set to the new global model each round."""
         self._snapshot()
-        self._aggregate()
-        self._broadcast_model()
+        self.joined = True
+        pending = self.local_steps > 0
+        pace = self._pace()
+        try:
+            while True:
+                self.iteration += 1
+                if self.is_sync(self.ask(pace, self.iteration)):
+                    _, active = self._aggregate(contributing=pending)
+                    pending = False
+                    self.local_steps = 0
+                    if not active:
+                        return
+                else:
+                    time.sleep(pace)
+        finally:
+            self.joined = False
 
 
 class ParameterServer(LocalStepsThenAggregate):
@@ -360,6 +524,12 @@ class ParameterServer(LocalStepsThenAggregate):
 
     _prepare = _start
 
+    def header_length(self) -> int:
+        return 0   # the join ends on a barrier of the workers, not on a header
+
+    def _idle_ready(self) -> bool:
+        return self._base is not None
+
     def pull_global(self) -> int:
         """Pull the current global weights into the model now and return their version.
 
@@ -396,15 +566,49 @@ class ParameterServer(LocalStepsThenAggregate):
         self._push_pull()
         self.reset(self._aggregated(t0, self._base.nbytes))
 
-    def synchronize(self) -> None:
-        """Push what is left, wait until every worker has pushed, pull the final weights."""
+    def join(self) -> None:
+        """Push what is left as this worker's last update (staleness rules stop counting it),
+        then wait for a non-blocking barrier of all workers (every worker has joined).
+
+        Meanwhile it keeps the server informed without taking steps (which the server would
+        count as iterations): a reset at its pace, which also completes an ElasticBSP
+        barrier that would otherwise wait for it.  Under a policy whose rounds are decided
+        from every worker's reports (ESync's QUERY-STATE: a READY waits for every worker's
+        pull of the last round) it reports idle iterations instead and, on SYNC, pushes an
+        empty update and pulls like the others."""
+        if self.peers is None:
+            raise RuntimeError("ParameterServer.join needs the workers' communicator (peers)")
         self._start()
+        self.joined = True
+        pace = self._pace()
+        reports = _spec(self.config).fast_path == "query_state"
+        self.client.push(self._delta_into_base(), self.iteration, final=True)
+        self._pull(final=True)
+        everyone = self.peers.comm.Ibarrier()
+        try:
+            while not everyone.Test():
+                if reports:
+                    self.iteration += 1
+                    if self.is_sync(self.ask(pace, self.iteration)):
+                        self._aggregate()
+                else:
+                    self.reset(0.0)
+                time.sleep(pace)
+            self.reset(0.0)
+        finally:
+            self.joined = False
+
+    def synchronize(self) -> None:
+        """Join, push what is left, wait until every worker has pushed, pull the final
+        weights."""
+        self.join()
         t0 = time.perf_counter()
         self.client.push(self._delta_into_base(), self.iteration, final=True)
         self.backend.barrier("final push")
         self._pull(final=True)  # every push is in: no staleness rule left to wait for
         self._broadcast_model()
         self._aggregated(t0, self._base.nbytes)
+        self.settled = True
 
 
 class ElasticSuperstep(ParameterServer):
@@ -423,6 +627,7 @@ class ElasticSuperstep(ParameterServer):
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
         self._prepare()
+        self.settled = False
         self.optimizer.step()
         self.iteration += 1
         self.local_steps += 1

@@ -50,6 +50,11 @@ class TwoStageSync(Strategy):
     Without ``note_progress`` (a training loop that does not report its epoch) every
     iteration counts as epoch 1, where Alg. 1 keeps S(G^u) = 0: all Routine Sync, i.e. BSP.
 
+    Uneven step counts (``strategies`` module doc): the Routine Sync carries the header of
+    contributors and active workers; a joined worker reports like the others (the importance
+    of the global gradients it also holds, no loss), so it gets the same bitmap from the
+    server and runs the same collectives with zero gradients.
+
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
     in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
     correction is the same SGD-shaped term (the optimizer state keeps the local gradient).
@@ -59,6 +64,7 @@ class TwoStageSync(Strategy):
     """
 
     aggregates_every_step = True
+    aggregates_gradients = True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -125,68 +131,105 @@ class TwoStageSync(Strategy):
 
     def step(self, compute_time, closure=None):
         loss = closure() if closure is not None else None
+        self.settled = False
         self._finish_ics()
+        self._t_compute = compute_time if self._t_compute == 0 else \
+            0.8 * self._t_compute + 0.2 * compute_time
+        bitmap_now = self._bitmap_of_iteration(compute_time)
+        grads = self.buf.pack_grads()
+        self._exchange(grads, bitmap_now)
+        self.buf.unpack_to_grads()
+        self.optimizer.step()
+        self.iteration += 1
+        self.counters.iterations += 1
+        return loss
+
+    def _bitmap_of_iteration(self, compute_time: float) -> np.ndarray:
+        """Ask the server (every iteration synchronizes) and get the GIB of this iteration."""
         decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
             raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
                                f"two-stage sync synchronizes every iteration")
-        self._t_compute = compute_time if self._t_compute == 0 else \
-            0.8 * self._t_compute + 0.2 * compute_time
-        if self.client is not None:
-            t0 = time.perf_counter()
-            if self._prev_global is None:   # iteration 1: no global gradients yet
-                importance = np.zeros(self.n_layers)
-            else:
-                p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
-                importance = _layer_importance(self._prev_global, p_flat, self.buf.layer_sizes)
-            bitmap_now = np.asarray(self.client.report_importance(
-                importance, self.buf.layer_sizes, loss=self._loss, epoch=self._epoch,
-                u_max=self.u_max), dtype=bool)
-            self.counters.wait_s += time.perf_counter() - t0
-            if bitmap_now.shape != (self.n_layers,):
-                raise RuntimeError(f"OSP bitmap from the server has shape {bitmap_now.shape}, "
-                                   f"the model has {self.n_layers} layers")
+        if self.client is None:
+            return self.bitmap
+        t0 = time.perf_counter()
+        if self._prev_global is None:   # iteration 1: no global gradients yet
+            importance = np.zeros(self.n_layers)
         else:
-            bitmap_now = self.bitmap
-        grads = self.buf.pack_grads()
+            p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
+            importance = _layer_importance(self._prev_global, p_flat, self.buf.layer_sizes)
+        # A joined worker reports no loss: the epoch's mean loss (Alg. 1) is the trainers'.
+        bitmap_now = np.asarray(self.client.report_importance(
+            importance, self.buf.layer_sizes, loss=None if self.joined else self._loss,
+            epoch=self._epoch, u_max=self.u_max), dtype=bool)
+        self.counters.wait_s += time.perf_counter() - t0
+        if bitmap_now.shape != (self.n_layers,):
+            raise RuntimeError(f"OSP bitmap from the server has shape {bitmap_now.shape}, "
+                               f"the model has {self.n_layers} layers")
+        return bitmap_now
+
+    def _exchange(self, grads: torch.Tensor, bitmap_now: np.ndarray) -> list[int]:
+        """Routine Sync (blocking, with the header) and the start of In-Computation Sync of
+        this iteration's bitmap; returns the active workers."""
         t0 = time.perf_counter()
         nbytes = self.buf.nbytes
+        contributing = not self.joined
+        rs_ranges = self.buf.layer_ranges(~bitmap_now) if bitmap_now.any() else None
+        if rs_ranges is None and grads.data_ptr() == self.buf.flat.data_ptr():
+            # All Routine Sync: the fusion buffer's wire (gradients + header), no copy.
+            payload, rs, header = grads, self.buf.wire, self.buf.header
+        else:
+            payload = grads if rs_ranges is None else \
+                self.buf.gather(grads, rs_ranges) if rs_ranges else grads[:0]
+            rs = torch.cat([payload, torch.zeros(self.header_length(), dtype=grads.dtype)])
+            header = rs[payload.numel():]
+        self._fill_header(header, contributing)
+        # Routine Sync first, blocking (§3.1)
+        t_rs = time.perf_counter()
+        self.wire.sum_(rs, "routine sync", payload=payload.numel(), divisor=self._divisor)
+        if payload.numel():
+            self._note_rate(payload.numel() * payload.element_size(),
+                            time.perf_counter() - t_rs)
+        divisor = self._divisor(header)
+        if rs_ranges is None:
+            if rs is not self.buf.wire:
+                grads.copy_(rs[:payload.numel()])
+        elif rs_ranges:
+            self.buf.scatter(rs[:payload.numel()], grads, rs_ranges)
         if bitmap_now.any():
             ics_ranges = self.buf.layer_ranges(bitmap_now)
-            rs_ranges = self.buf.layer_ranges(~bitmap_now)
-            if rs_ranges:  # Routine Sync first, blocking (§3.1)
-                rs = self.buf.gather(grads, rs_ranges)
-                t_rs = time.perf_counter()
-                self.backend.allreduce_average_(rs, "routine sync")
-                self._note_rate(rs.numel() * rs.element_size(), time.perf_counter() - t_rs)
-                self.buf.scatter(rs, grads, rs_ranges)
             # In-Computation Sync: in flight until the next step (or synchronize()); the
             # optimizer meanwhile uses the local gradient of these layers (LGP, Eq. 6).
             self._ics_local = self.buf.gather(grads, ics_ranges)
             self._ics_global = self._ics_local.clone()
             self._ics_ranges = ics_ranges
-            self._pending = self.backend.start_allreduce_average(self._ics_global, "ics")
+            self._pending = self.wire.start_sum(self._ics_global, "ics",
+                                                divisor=lambda _h: divisor)
             self.ics_layers_total += int(bitmap_now.sum())
-        else:
-            t_rs = time.perf_counter()
-            self.backend.allreduce_average_(grads, "routine sync")
-            self._note_rate(nbytes, time.perf_counter() - t_rs)
         # G^g of this iteration (ICS layers: local until their allreduce lands, _finish_ics).
         if self._prev_global is None:
             self._prev_global = grads.clone()
         else:
             self._prev_global.copy_(grads)
-        self.buf.unpack_to_grads()
-        self._aggregated(t0, nbytes)
-        self.optimizer.step()
+        _, active = self._read_header(header)
         self.bitmap = bitmap_now
-        self.iteration += 1
-        self.counters.iterations += 1
-        return loss
+        self._aggregated(t0, nbytes)
+        return active
 
-    def synchronize(self) -> None:
-        self._finish_ics()
-        self._broadcast_model()
+    def join(self) -> None:
+        """Zero gradients into every round the others run, with the server's bitmap of each
+        iteration; the model is broadcast afterwards (``synchronize``)."""
+        self.joined = True
+        try:
+            while True:
+                self._finish_ics()
+                bitmap_now = self._bitmap_of_iteration(0.0)
+                self.iteration += 1
+                if not self._exchange(self.buf.flat.zero_(), bitmap_now):
+                    self._finish_ics()
+                    return
+        finally:
+            self.joined = False
 
     def close(self) -> None:
         self._finish_ics()
