@@ -46,7 +46,7 @@ SIMULATION_MODELS = {"ring": ("every_step", "overlap", "query_state", "planned")
 
 # The strategy every policy uses on the parameter-server topology: push the local delta, pull
 # the global weights under the policy's staleness rule.
-_PS_STRATEGY = "mpsync.torch.strategies:ParameterServer"
+_PS_STRATEGY = "mpsync.torch.ps_strategies:ParameterServer"
 
 
 class PolicyError(ValueError):
@@ -282,7 +282,7 @@ register(
                         "monitoring phase; within a superstep the PS gets a push every "
                         "iteration (ASP), the ring runs local SGD (an adaptation)",
     paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_STEP_SERVER + "ElasticBSP",
-    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": _STRATEGY + "ElasticSuperstep"},
+    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "mpsync.torch.ps_strategies:ElasticSuperstep"},
     fast_path="planned", options=("lookahead", "zipline_variant"),
     simulation={"ring": "planned"},
     fidelity={

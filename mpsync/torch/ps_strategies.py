@@ -1,0 +1,187 @@
+"""The parameter-server topology's worker strategies: push the local delta, pull the global
+weights under the policy's staleness rule (``ParameterServer``), and ElasticBSP's superstep
+(``ElasticSuperstep``).  The common plumbing is :mod:`mpsync.torch.strategies`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from mpsync.torch.strategies import LocalStepsThenAggregate, spec_of
+
+__all__ = ["ParameterServer", "ElasticSuperstep"]
+
+
+class ParameterServer(LocalStepsThenAggregate):
+    """PS topology: the global weights live on the server (rank 0).
+
+    The worker keeps ``_base``, the weights of its last pull; on SYNC it pushes
+    Δ = w_local - base (its updates since that pull; the server applies w += Δ on arrival) and
+    pulls the current weights, blocking as long as the policy's staleness rule says (SSP, DSSP
+    Alg. 1).  Each worker's updates therefore reach the global model exactly once.
+
+    Memory (at most one extra copy of the parameters): ``_base`` is the only one besides the
+    fusion buffer.  Δ is computed into ``_base`` itself and pushed from there: the
+    push is a blocking send, and the pull that follows overwrites ``_base`` with the current
+    weights, so the base is not needed between the two.
+    """
+
+    def __init__(self, *args, worker_rank: int = 0, **kw):
+        super().__init__(*args, **kw)
+        if len(self.buffers) != 1:
+            raise ValueError("topology='ps' needs all parameters in one dtype, got "
+                             f"{[str(b.dtype) for b in self.buffers]}")
+        self.buf = self.buffers[0]
+        self.worker_rank = worker_rank
+        self._base: np.ndarray | None = None  # float64: the wire format of push and pull
+        self.version = 0
+
+    @classmethod
+    def from_config(cls, config, *args, worker_rank: int = 0):
+        return cls(*args, config, worker_rank=worker_rank)
+
+    def _start(self) -> None:
+        if self._base is not None:
+            return
+        self._base = self.buf.pack_params().to(torch.float64).numpy().copy()
+        if self.worker_rank == 0:
+            self.client.ps_init(self._base)
+        self._pull()
+
+    def _pull(self, final: bool = False) -> None:
+        t0 = time.perf_counter()
+        self.version = self.client.pull(self._base, self.iteration, final=final)
+        self.buf.flat.copy_(torch.from_numpy(self._base))
+        self.buf.unpack_to_params()
+        self.counters.aggregation_s += time.perf_counter() - t0
+
+    _prepare = _start
+
+    def header_length(self) -> int:
+        return 0   # the join ends on a barrier of the workers, not on a header
+
+    def _idle_ready(self) -> bool:
+        return self._base is not None
+
+    def pull_global(self) -> int:
+        """Pull the current global weights into the model now and return their version.
+
+        For a checkpoint: the caller makes sure every worker's pushes so far are in (and that
+        none pushes before this returns), so the pulled weights are the global model at that
+        cut.  The pull skips the staleness rule (the ``final`` flag): with every push in, no
+        rule has anything left to wait for, and a checkpoint must not depend on one."""
+        self._start()
+        self._pull(final=True)
+        return self.version
+
+    def _delta_into_base(self) -> np.ndarray:
+        """Δ = w_local - base, written over ``_base`` (numpy casts a float32 model up to
+        float64 element by element, without a temporary copy)."""
+        local = self.buf.pack_params()
+        if local.dtype not in (torch.float64, torch.float32, torch.float16):
+            local = local.to(torch.float64)  # numpy has no bfloat16: a transient copy
+        np.subtract(local.numpy(), self._base, out=self._base)
+        return self._base
+
+    def _push_pull(self) -> None:
+        """Push Δ since the last pull, pull the current weights (as the policy allows)."""
+        self.client.push(self._delta_into_base(), self.iteration)
+        self.version = self.client.pull(self._base, self.iteration)
+        self.buf.flat.copy_(torch.from_numpy(self._base))
+        self.buf.unpack_to_params()
+        if self.config.comm_delay > 0:
+            # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):
+            # inside the aggregation's time, so it is booked as aggregation, not compute.
+            time.sleep(self.config.comm_delay)
+
+    def _aggregate(self) -> None:
+        t0 = time.perf_counter()
+        self._push_pull()
+        self.reset(self._aggregated(t0, self._base.nbytes))
+
+    def join(self) -> None:
+        """Push what is left as this worker's last update (staleness rules stop counting it),
+        then wait for a non-blocking barrier of all workers (every worker has joined).
+
+        Meanwhile it keeps the server informed without taking steps (which the server would
+        count as iterations): a reset at its pace, which also completes an ElasticBSP
+        barrier that would otherwise wait for it.  Under a policy whose rounds are decided
+        from every worker's reports (ESync's QUERY-STATE: a READY waits for every worker's
+        pull of the last round) it reports idle iterations instead and, on SYNC, pushes an
+        empty update and pulls like the others."""
+        if self.peers is None:
+            raise RuntimeError("ParameterServer.join needs the workers' communicator (peers)")
+        self._start()
+        self.joined = True
+        pace = self._pace()
+        reports = spec_of(self.config).fast_path == "query_state"
+        self.client.push(self._delta_into_base(), self.iteration, final=True)
+        self._pull(final=True)
+        everyone = self.peers.comm.Ibarrier()
+        try:
+            while not everyone.Test():
+                if reports:
+                    self.iteration += 1
+                    if self.is_sync(self.ask(pace, self.iteration)):
+                        self._aggregate()
+                else:
+                    self.reset(0.0)
+                time.sleep(pace)
+            self.reset(0.0)
+        finally:
+            self.joined = False
+
+    def synchronize(self) -> None:
+        """Join, push what is left, wait until every worker has pushed, pull the final
+        weights."""
+        self.join()
+        t0 = time.perf_counter()
+        self.client.push(self._delta_into_base(), self.iteration, final=True)
+        self.backend.barrier("final push")
+        self._pull(final=True)  # every push is in: no staleness rule left to wait for
+        self._broadcast_model()
+        self._aggregated(t0, self._base.nbytes)
+        self.settled = True
+
+
+class ElasticSuperstep(ParameterServer):
+    """ElasticBSP on the PS (ZipLine paper §3, §6.2.5): every iteration pushes its update and
+    pulls the current weights (ASP within the superstep; the server answers such a pull at
+    once); the step the server answers SYNC is the ZipLine barrier, whose pull the server
+    holds until every active worker's barrier push is in (BSP), after which the worker resets
+    and the next superstep's monitoring phase begins.  ``supersteps`` records, per superstep,
+    this worker's pushes and barrier iteration."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.pushes_in_superstep = 0
+        self.supersteps: list[dict] = []
+
+    def step(self, compute_time, closure=None):
+        loss = closure() if closure is not None else None
+        self._prepare()
+        self.settled = False
+        self.optimizer.step()
+        self.iteration += 1
+        self.local_steps += 1
+        self.counters.iterations += 1
+        barrier = self.is_sync(self.ask(compute_time, self.iteration))
+        t0 = time.perf_counter()
+        self._push_pull()
+        self.pushes_in_superstep += 1
+        if barrier:
+            self.supersteps.append({"superstep": len(self.supersteps),
+                                    "barrier_iteration": self.iteration,
+                                    "pushes": self.pushes_in_superstep})
+            self.pushes_in_superstep = 0
+            self.local_steps = 0
+            self.reset(self._aggregated(t0, self._base.nbytes))
+        else:
+            t1 = time.perf_counter()
+            self.counters.aggregation_s += t1 - t0
+            self.counters.bytes_sent += self._base.nbytes
+            self.counters.event("aggregate", t0, t1)
+        return loss
