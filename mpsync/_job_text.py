@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from mpsync import policies as registry
 from mpsync.config import BACKENDS, SERVER_PLACEMENTS, TOPOLOGIES
 from mpsync.launch import FORWARDED_ENV, FORWARDED_PREFIXES, YIELD_WHEN_IDLE, mpirun_options
+from mpsync.transport import ENV_VAR as TUNING_VAR
+from mpsync.transport import mca_pairs as tuning_pairs
 
 if TYPE_CHECKING:
     from mpsync.jobs import JobSettings
@@ -245,6 +247,11 @@ def variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str, 
         ]
     elif template == "train":
         variables.append(("MPIRUN_ARGS", "", "more mpirun options, e.g. \"--map-by ppr:4:node\""))
+    if template != "bench-kernels":
+        pairs = " ".join(f"{k}={v}" for k, v in tuning_pairs("tuned"))
+        variables.append((TUNING_VAR, "tuned", "\n".join(textwrap.wrap(
+            f"Open MPI transport settings (mpsync.transport): tuned (default: {pairs}), "
+            f"none (Open MPI's defaults), or name=value,... pairs instead", width=70))))
     variables += [
         ("OUT_DIR", out_dir, out_doc),
         ("VENV", venv, venv_doc),
@@ -321,6 +328,13 @@ die() { echo "error: $*" >&2; exit 2; }
   die "VENV=$VENV has no bin/python; set VENV to the environment where mpsync is installed"
 """
 
+# The transport settings as mpirun options, from the one function that decides them (it also
+# names a bad MPSYNC_MPI_TUNING); exported, so mpsync compare's own launches use them too.
+TUNING = """export """ + TUNING_VAR + """
+tuning_text=$("$VENV/bin/python" -m mpsync.transport "$""" + TUNING_VAR + """") || exit 2
+read -r -a tuning <<<"$tuning_text"
+"""
+
 RANK_CHECKS = """case $TOPOLOGY in
   ''|ring|ps) ;;
   *) die "TOPOLOGY must be ring, ps or empty (the policy's own), got '$TOPOLOGY'" ;;
@@ -365,8 +379,8 @@ echo >>"$OUT_DIR/command.sh"
 """
 
 PAYLOAD = {
-    "train": CHECKS + RANK_CHECKS + TRAIN_ARGV,
-    "compare": CHECKS + RANK_CHECKS + """
+    "train": CHECKS + RANK_CHECKS + TUNING + TRAIN_ARGV,
+    "compare": CHECKS + RANK_CHECKS + TUNING + """
 if [ -z "$WORKERS" ]; then
   WORKERS=$NP
   [ "$SERVER" = colocated ] || WORKERS=$((NP - 1))
@@ -408,7 +422,7 @@ command=("${bench[@]}")
 MPIRUN_LAUNCH = """
 # Ranks are placed by slot: rank 0 (the dedicated server) is the first task of the first node.
 launch=(mpirun -np "$NP" """ + shlex.join(mpirun_options(
-    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """)
+    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """ "${tuning[@]}")
 [ "$(id -u)" != 0 ] || launch+=(--allow-run-as-root)  # Open MPI refuses root without it
 [ -z "$HOSTFILE" ] || launch+=(--hostfile "$HOSTFILE")
 # Open MPI passes no environment to remote nodes unless named with -x (names, not patterns).
@@ -426,7 +440,7 @@ HOROVODRUN_LAUNCH = """
 # mpirun (not Gloo).  horovodrun forwards the whole environment (-x for every variable) itself.
 launch=("$VENV/bin/horovodrun" --mpi -np "$NP")
 if [ -n "$HOSTFILE" ]; then launch+=(--hostfile "$HOSTFILE"); else launch+=(-H "$HOSTS"); fi
-launch+=(--mpi-args=\"""" + " ".join(YIELD_WHEN_IDLE) + """\")
+launch+=(--mpi-args=\"""" + " ".join(YIELD_WHEN_IDLE) + """ ${tuning[*]}\")
 read -r -a more <<<"$HOROVODRUN_ARGS"
 launch+=("${more[@]}")
 command=("${launch[@]}" "${train[@]}")

@@ -104,8 +104,14 @@ def launch_argv(args, policy: str, out: Path) -> list[str]:
     from mpsync.cluster.launching import cluster_mpirun_extra
     from mpsync.launch import forwarded_env, mpirun_argv, python_argv
 
-    extra = cluster_mpirun_extra(ranks(args), getattr(args, "cluster", None),
+    from mpsync import transport
+
+    cluster = getattr(args, "cluster", None)
+    extra = cluster_mpirun_extra(ranks(args), cluster,
                                  placement=getattr(args, "cluster_placement", "server-alone"))
+    if cluster is None and transport.is_set():
+        # On one host Open MPI's defaults stand unless the user (or a job script) chose.
+        extra = [*extra, *transport.mca_argv()]
     return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
                                                 *train_argv(args, policy, out)),
                        forward_env=forwarded_env(), extra=extra)
