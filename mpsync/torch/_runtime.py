@@ -44,7 +44,8 @@ class Context:
     user_ops: object | None = None  # mpi_ops.UserOps: the script's own collectives
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
-    # EmulatedLink when ``comm_delay`` > 0 (metrics and broadcasts are not delayed).
+    # EmulatedLink when ``comm_delay`` or ``comm_bandwidth`` > 0 (metrics and broadcasts are
+    # not delayed).
     data_backend: object | None = None
     objects: object | None = None   # communicator for gather_object
     client: object | None = None
@@ -224,8 +225,10 @@ def _start_backend(ctx: Context) -> None:
         ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
     else:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
-    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay)
-                        if ctx.config.comm_delay > 0 else ctx.backend)
+    emulated = ctx.config.comm_delay > 0 or ctx.config.comm_bandwidth > 0
+    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay,
+                                     bandwidth=ctx.config.comm_bandwidth)
+                        if emulated else ctx.backend)
 
 
 def _start_control_plane(ctx: Context) -> None:
