@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync.config import ConfigError, SyncConfig
+from mpsync.config import ConfigError, SyncConfig, parse_number
 
 __all__ = ["add_arguments", "main", "run_rows", "PLOTTED"]
 
@@ -129,13 +129,7 @@ def run_rows(args, log=None) -> list[dict]:
 
 
 def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ConfigError(f"--workers: {text!r} is not an integer") from None
-    if n < 1:
-        raise ConfigError(f"--workers must be >= 1, got {n}")
-    return n
+    return parse_number("--workers", text, int, at_least=1)
 
 
 def _flat(row: dict) -> dict:

@@ -213,7 +213,7 @@ def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: i
                           f"groups:FxN,..., trace:FILE, const)")
     sched = []
     if schedule:
-        from mpsync.apps.heterogeneity import parse_schedule
+        from mpsync.slowdown import parse_schedule
 
         sched = parse_schedule(schedule, len(base))
     if jitter is None:
