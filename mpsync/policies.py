@@ -67,8 +67,12 @@ class PolicySpec:
     strategies and the server look here rather than at the name: a policy with ``epsilon``
     scales the averaged model delta by it (ESync Eq. 8), one with ``esync_delayed_ack`` may
     report without waiting for the reply (ESync §4.2).
-    ``ps_average``: on the PS, the server averages the workers' deltas (times the global step
-    size) instead of applying each as it arrives (Downpour style).
+    ``ps_average``: on the PS, the server applies each worker's delta scaled by (global step
+    size) / n, so a round in which every worker pushes once moves the model by the average
+    of their deltas (BSP, ESync Eq. 7-8, as the ring's averaging collective does); without
+    it each delta is applied as it is (Downpour style: ASP, SSP, DSSP, ElasticBSP's pushes
+    within a superstep).  Only exact with a server rule that completes each round before
+    anyone pulls (BSP's and ESync's).
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
     the README's fidelity table (:func:`fidelity_table`).  Each departure names, in
     parentheses, the ``module:Class`` whose docstring states it where the code makes it
@@ -254,10 +258,11 @@ register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
     server=_SERVER + "BSP",
     strategies={"ring": _STRATEGY + "GradientAveraging", "ps": "default"},
-    fast_path="tables", simulation={"ring": "every_step", "ps": "in_step"},
+    fast_path="tables", ps_average=True, simulation={"ring": "every_step", "ps": "in_step"},
     fidelity={"ring": ("gradients averaged every iteration (one fused allreduce)", "none"),
               "ps": ("every worker pushes every iteration; a pull waits until every worker "
-                     "pushed as often", "none")})
+                     "pushed as often, the next step until every worker pulled; the server "
+                     "averages the round's deltas", "none")})
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
     server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",

@@ -7,7 +7,7 @@ time keeps the ratio between workers what was asked for.  Without ``iter_time`` 
 sleeps (f-1) x its measured compute time.
 
 ``--slowdown-schedule "T:f0,f1,..;T2:.."`` replaces the factors from wall time T seconds on
-(a worker that slows down or recovers mid-run, the situation DSSP §3 and ElasticBSP §1 adapt to).
+(both parsed by :mod:`mpsync.slowdown`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from mpsync.config import ConfigError
-from mpsync.slowdown import parse_factors, parse_schedule  # their one home
+from mpsync.slowdown import parse_factors, parse_schedule
 
 __all__ = ["Heterogeneity"]
 
@@ -33,7 +33,7 @@ class Heterogeneity:
     @classmethod
     def from_flags(cls, worker: int, workers: int, slowdown: str | None, schedule: str | None,
                    iter_time: float | None, comm_delay: float) -> "Heterogeneity":
-        factors = parse_factors("--slowdown", slowdown, workers) if slowdown else [1.0] * workers
+        factors = parse_factors(slowdown, workers)
         if iter_time is not None and not iter_time > 0:
             raise ConfigError(f"--iter-time must be > 0 seconds, got {iter_time}")
         if comm_delay < 0:

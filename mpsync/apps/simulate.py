@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync.config import DEFAULTS, ConfigError, SyncConfig
+from mpsync.config import DEFAULTS, ConfigError, SyncConfig, parse_number
 
 __all__ = ["add_arguments", "main", "run_rows", "PLOTTED"]
 
@@ -118,13 +118,7 @@ def _config(args, policy: str) -> SyncConfig:
 def _shards(text: str, n: int) -> int:
     if text.strip() == "auto":
         return n
-    try:
-        s = int(text)
-    except ValueError:
-        raise ConfigError(f"--ps-shards: {text!r} is not an integer or 'auto'") from None
-    if s < 1:
-        raise ConfigError(f"--ps-shards must be >= 1, got {s}")
-    return s
+    return parse_number("--ps-shards", text, int, at_least=1)
 
 
 def _training(args, trace: dict):
@@ -214,13 +208,7 @@ def _row(args, policy, spec, n, cost, training, iterations, duration, batch, log
 
 
 def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ConfigError(f"--workers: {text!r} is not an integer") from None
-    if n < 1:
-        raise ConfigError(f"--workers must be >= 1, got {n}")
-    return n
+    return parse_number("--workers", text, int, at_least=1)
 
 
 def _flat(row: dict) -> dict:
