@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mpsync.config import ConfigError
+from mpsync.slowdown import parse_schedule
 
 __all__ = ["SpeedModel", "parse_speeds", "read_trace"]
 
@@ -116,7 +117,7 @@ def read_trace(path: str | Path) -> dict:
     busy = [w["compute_s"] + w["wait_s"] + w["aggregation_s"] for w in workers]
     span = max(busy)
     return {
-        "path": str(path), "base": base, "policy": cfg.get("policy"),
+        "path": str(path), "base": base, "policy": cfg.get("policy"), "config": cfg,
         "topology": cfg.get("topology"), "wall_s": m.get("wall_s"),
         "batch_size": cfg.get("batch_size"), "samples_per_s": m.get("samples_per_s"),
         "wait_fraction": m.get("wait_fraction"), "slowdown_schedule": cfg.get("slowdown_schedule"),
@@ -126,7 +127,26 @@ def read_trace(path: str | Path) -> dict:
         "iterations": iters, "workers": len(workers), "jitter": jitter,
         "span_s": span, "pause": [max(0.0, span - b) / k for b, k in zip(busy, iters)],
         "samples": sum(w.get("samples", 0) for w in workers),
+        **_progress(m, cfg, len(workers)),
     }
+
+
+def _progress(m: dict, cfg: dict, n: int) -> dict:
+    """The run's epoch length (iterations per worker) and mean loss per epoch, from its
+    evaluations (what OSP's Alg. 1 sizes the In-Computation Sync from); {} if not recorded."""
+    train, batch = cfg.get("train_samples"), cfg.get("batch_size")
+    if not (train and batch and n):
+        return {}
+    per_epoch: dict = {}
+    for e in m.get("evals") or []:
+        if e.get("loss") is not None and e.get("samples") is not None:
+            per_epoch.setdefault(int(e["samples"] // train) + 1, []).append(float(e["loss"]))
+    losses, last = [], None
+    for epoch in range(1, max(per_epoch, default=0) + 1):
+        last = float(np.mean(per_epoch[epoch])) if epoch in per_epoch else last
+        if last is not None:
+            losses.append(last)
+    return {"epoch_iterations": max(int(train // n // batch), 1), "losses": losses}
 
 
 def _jitter_from_events(events: list) -> float | None:
@@ -213,8 +233,6 @@ def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: i
                           f"groups:FxN,..., trace:FILE, const)")
     sched = []
     if schedule:
-        from mpsync.apps.heterogeneity import parse_schedule
-
         sched = parse_schedule(schedule, len(base))
     if jitter is None:
         jitter = (trace or {}).get("jitter") or 0.0
