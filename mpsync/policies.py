@@ -40,9 +40,13 @@ FAST_PATH_KINDS = ("tables", "planned", "query_state")
 # on the ring "every_step" (aggregate at every iteration), "overlap" (every iteration, part of
 # the model overlapped: OSP's ICS), "query_state" (ESync's readiness rule), "planned"
 # (ZipLine barriers); on the PS "no_wait", "staleness" (bounded by ``staleness``), "in_step"
-# (staleness 0), "dynamic_staleness" (DSSP's controller).
+# (staleness 0), "dynamic_staleness" (DSSP's controller), and two that only the exact engine
+# runs (it drives the policy object): "superstep" (a push and a pull every iteration, the
+# SYNC'd one a barrier: ElasticBSP's §6.2.5) and "rounds" (local iterations, then a push in a
+# synchronous round: ESync on the PS).
 SIMULATION_MODELS = {"ring": ("every_step", "overlap", "query_state", "planned"),
-                     "ps": ("no_wait", "staleness", "in_step", "dynamic_staleness")}
+                     "ps": ("no_wait", "staleness", "in_step", "dynamic_staleness", "superstep",
+                            "rounds")}
 
 # The strategy every policy uses on the parameter-server topology: push the local delta, pull
 # the global weights under the policy's staleness rule.
@@ -289,7 +293,7 @@ register(
     paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_STEP_SERVER + "ElasticBSP",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "mpsync.torch.ps_strategies:ElasticSuperstep"},
     fast_path="planned", options=("lookahead", "zipline_variant"),
-    simulation={"ring": "planned"},
+    simulation={"ring": "planned", "ps": "superstep"},
     fidelity={
         "ps": ("superstep of Fig. 5 after every barrier: monitoring (2 reports per worker), "
                "prediction (R iterations), ZipLine barrier (Alg. 2, ties to the earliest); "
@@ -308,7 +312,7 @@ register(
     paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_STEP_SERVER + "ESync",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
     fast_path="query_state", options=("epsilon", "esync_slack", "esync_delayed_ack"),
-    ps_average=True, simulation={"ring": "query_state"},
+    ps_average=True, simulation={"ring": "query_state", "ps": "rounds"},
     fidelity={
         "ring": ("Alg. 1 (capability test, local steps, Eq. 6-8 delta averaging, restart from "
                  "w_{t+1}), Alg. 2 QUERY-STATE, §4.2 delayed ACK with the abort of iteration "
