@@ -81,6 +81,10 @@ def validate_runs(runs: Path, policies: list[str]) -> list[dict]:
         paths = [runs / p / "metrics.json"] + sorted((runs / p).glob("repeat*/metrics.json"))
         found += [(p, path) for path in paths if path.is_file()]
     traces = [(p, path, read_trace(path)) for p, path in found]
+    # runs without LOCAL reports take the spread of the others of the set (same machine,
+    # same emulated device)
+    pooled = [f for _, _, t in traces for f in (t["spread"] or [])]
+    set_spread = pooled or None
     measured = [t["jitter"] for _, _, t in traces if t["jitter"]]
     set_jitter = float(np.median(measured)) if measured else 0.0
     rows = []
@@ -88,6 +92,7 @@ def validate_runs(runs: Path, policies: list[str]) -> list[dict]:
         config = _run_config(SyncConfig, policy, tr)
         spec = f"trace:{path}"
         jitter = tr["jitter"] if tr["jitter"] else set_jitter
+        spread = tr["spread"] or set_spread
         training = TrainingModel.from_trace(tr)
 
         def replay(jitter_, queued=False, pauses=True, config=config):
@@ -96,7 +101,8 @@ def validate_runs(runs: Path, policies: list[str]) -> list[dict]:
                 # the measured push+pull as a link everyone queues for
                 cost = CostModel(query=tr["query_s"], model_bytes=tr["aggregation_s"] / 2,
                                  bandwidth=1.0, latency=0.0)
-            speeds = parse_speeds(spec, None, jitter=jitter_)
+            speeds = parse_speeds(spec, None, jitter=jitter_,
+                                  spread=spread if jitter_ else None)
             if pauses:
                 speeds = dataclasses.replace(speeds, pause=np.array(tr["pause"]))
             return simulate(config, speeds, cost, duration=tr["span_s"], engine="exact",

@@ -99,10 +99,11 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
         raise ValueError("give exactly one of iterations or duration")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    fast_ok = fast_model(config) is not None and speeds.pause is None
+    replay = speeds.pause is not None or speeds.spread is not None
+    fast_ok = fast_model(config) is not None and not replay
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast engine for {config.policy} on {config.topology}"
-                         f"{' with pauses' if speeds.pause is not None else ''}; "
+                         f"{' with pauses or a measured spread' if replay else ''}; "
                          f"use engine='exact'")
     use_fast = fast_ok and engine != "exact"
     training = training or TrainingModel()

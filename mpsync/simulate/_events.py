@@ -99,7 +99,6 @@ class _EventRun:
         self.barrier = np.zeros(n, dtype=bool)    # PS: this push-pull ends a round
         self.local_steps = np.zeros(n, dtype=np.int64)
         self.ready_arrived = np.zeros(n, dtype=bool)   # delayed ACK: a READY came in
-        self.aborted = 0
         self.ics = 0.0                            # OSP: ICS fraction of the current round
         if self.drv.takes_importance:
             self.layer_sizes = training.layer_sizes(cost.model_bytes)
@@ -189,7 +188,7 @@ class _EventRun:
     def iteration_done(self, w, t):
         if self.delayed and self.ready_arrived[w] and self.local_steps[w] > 0:
             # ESync §4.2: READY came in while this iteration ran: its work is discarded
-            self.aborted += 1
+            self.rec.aborted += 1
             self.ready_arrived[w] = False
             self.barrier[w] = True
             self.rec.phase(w, "aggregate", t)

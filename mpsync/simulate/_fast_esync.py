@@ -44,8 +44,7 @@ class ESyncRun(NamedTuple):
 
 class ESyncOut(NamedTuple):
     """Per worker: seconds per phase (compute, wait, aggregate), iterations, rounds; the
-    histogram of local iterations per round; ``totals`` = [t_end, messages, syncs, locals,
-    collectives]."""
+    histogram of local iterations per round; ``totals`` = [t_end]."""
     time: np.ndarray
     iters: np.ndarray
     rounds: np.ndarray
@@ -53,47 +52,146 @@ class ESyncOut(NamedTuple):
     totals: np.ndarray
 
 
-@jit(inline=True)
-def _phase(time_, phase_of, since, w, p, t):
-    time_[w, phase_of[w]] += t - since[w]
-    phase_of[w] = p
-    since[w] = t
+class _State(NamedTuple):
+    """The workers' side and the counters, per worker unless said: iterations done, since the
+    last round, last compute; capability test still to run; the pending step's k and compute;
+    the last reply; the open phase and its start; the held steps, the workers in the
+    collective; ``count`` = [held, entered, messages, syncs, locals, collectives, iterations],
+    ``enter_max`` = [the last entry into the collective]."""
+    k: np.ndarray
+    since_round: np.ndarray
+    last_c: np.ndarray
+    captest: np.ndarray
+    step_k: np.ndarray
+    step_c: np.ndarray
+    action: np.ndarray
+    phase_of: np.ndarray
+    since: np.ndarray
+    held: np.ndarray
+    entered: np.ndarray
+    count: np.ndarray
+    enter_max: np.ndarray
+
+
+_HELD, _ENTERED, _MESSAGES, _SYNCS, _LOCALS, _COLLECTIVES, _TOTAL = range(7)
+
+
+def _new_state(n):
+    return _State(np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n),
+                  np.ones(n, np.bool_), np.zeros(n, np.int64), np.zeros(n),
+                  np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n),
+                  np.empty(n, np.int64), np.empty(n, np.int64), np.zeros(7, np.int64),
+                  np.zeros(1))
 
 
 @jit(inline=True)
-def _start(w, t, speed, last_c, time_, phase_of, since, heap, seq):
+def _phase(st, res, w, p, t):
+    res.time[w, st.phase_of[w]] += t - st.since[w]
+    st.phase_of[w] = p
+    st.since[w] = t
+
+
+@jit(inline=True)
+def _start(st, res, w, t, speed, heap, seq):
     c = _iteration_time(speed, w, t)
-    last_c[w] = c
-    _phase(time_, phase_of, since, w, 0, t)
+    st.last_c[w] = c
+    _phase(st, res, w, 0, t)
     _schedule(heap, seq, t + c, _DONE, w)
 
 
+@jit(inline=True)
+def _on_done(st, res, w, t, half, heap, seq):
+    """An iteration ended: the report goes out (Alg. 1 line 3: the first is the capability
+    test, k = 0)."""
+    st.k[w] += 1
+    res.iters[w] += 1
+    st.since_round[w] += 1
+    st.count[_TOTAL] += 1
+    _phase(st, res, w, 1, t)
+    st.step_k[w] = 0 if st.captest[w] else st.k[w]
+    st.step_c[w] = st.last_c[w]
+    _schedule(heap, seq, t + half, _SRV_STEP, w)
+
+
+@jit(inline=True)
+def _on_step(st, es, members, w, t, run, heap, seq):
+    """The server's answer to a report, by the server's rules (held: HOLD)."""
+    st.count[_MESSAGES] += 1
+    if st.step_k[w] == 0:
+        d = rules.esync_capability_test(es, members, w, st.step_c[w], t)
+    else:
+        d = rules.esync_step(es, members, w, st.step_c[w], t, run.eps, False, 0.0)
+    if d == rules.HOLD:
+        st.held[st.count[_HELD]] = w
+        st.count[_HELD] += 1
+    else:
+        st.count[_SYNCS] += d == SYNC
+        st.action[w] = d
+        _schedule(heap, seq, t + run.query / 2.0, _REPLY, w)
+
+
+@jit(inline=True)
+def _on_reply(st, res, w, t, run, speed, heap, seq):
+    """A reply reached the worker: the test's (report the same iteration as k = 1), LOCAL (the
+    next iteration) or SYNC (into the collective, which runs once everyone is in)."""
+    n = st.k.shape[0]
+    if st.captest[w]:
+        st.captest[w] = False
+        st.step_k[w] = st.k[w]
+        _schedule(heap, seq, t + run.query / 2.0, _SRV_STEP, w)
+    elif st.action[w] != SYNC:
+        st.count[_LOCALS] += 1
+        _start(st, res, w, t, speed, heap, seq)
+    else:
+        _phase(st, res, w, 2, t)
+        st.entered[st.count[_ENTERED]] = w
+        st.count[_ENTERED] += 1
+        st.enter_max[0] = max(st.enter_max[0], t)
+        if st.count[_ENTERED] == n:
+            st.count[_COLLECTIVES] += 1
+            for i in range(n):
+                _schedule(heap, seq, st.enter_max[0] + run.ring_s, _AGG_DONE, st.entered[i])
+            st.count[_ENTERED] = 0
+            st.enter_max[0] = 0.0
+
+
+@jit(inline=True)
+def _on_aggregated(st, res, w, t, half, speed, heap, seq):
+    """The collective ended: the reset goes out and the next iteration starts."""
+    res.rounds[w] += 1
+    _schedule(heap, seq, t + half, _SRV_RESET, w)
+    _start(st, res, w, t, speed, heap, seq)
+    res.local_hist[min(st.since_round[w], res.local_hist.shape[0] - 1)] += 1
+    st.since_round[w] = 0
+
+
+@jit(inline=True)
+def _retry_held(st, es, members, t, half, heap, seq):
+    """After each server message the held capability tests are decided again."""
+    keep = 0
+    for i in range(st.count[_HELD]):
+        v = st.held[i]
+        d = rules.esync_capability_test(es, members, v, es.capability[v], t)
+        if d == rules.HOLD:
+            st.held[keep] = v
+            keep += 1
+        else:
+            st.action[v] = d
+            _schedule(heap, seq, t + half, _REPLY, v)
+    st.count[_HELD] = keep
+
+
 @jit
-def _loop(run, speed, es, res):
+def _loop(run, speed, es, st, res):
     np.random.seed(run.seed)
     n = speed.base.shape[0]
     half = run.query / 2.0
     members = np.arange(n)
-    k = np.zeros(n, np.int64)
-    since_round = np.zeros(n, np.int64)
-    last_c = np.zeros(n)
-    captest = np.ones(n, np.bool_)
-    step_k = np.zeros(n, np.int64)
-    step_c = np.zeros(n)
-    action = np.zeros(n, np.int64)
-    phase_of = np.zeros(n, np.int64)
-    since = np.zeros(n)
-    held = np.empty(n, np.int64)
-    n_held = 0
-    entered = np.empty(n, np.int64)
-    n_entered = 0
-    enter_max = 0.0
-    messages, syncs, locals_, collectives, total = 0, 0, 0, 0, 0
     heap = [(0.0, np.int64(0))]
     heap.pop()
     seq = np.zeros(1, np.int64)
     for w in range(n):
-        _start(w, 0.0, speed, last_c, res.time, phase_of, since, heap, seq)
+        _start(st, res, w, 0.0, speed, heap, seq)
     t_end = 0.0
     while len(heap) > 0:
         t, key = heapq.heappop(heap)
@@ -104,80 +202,24 @@ def _loop(run, speed, es, res):
             break
         t_end = t
         if ev == _DONE:
-            k[w] += 1
-            res.iters[w] += 1
-            since_round[w] += 1
-            total += 1
-            _phase(res.time, phase_of, since, w, 1, t)
-            # Alg. 1 line 3: the first iteration is the capability test, reported as k = 0
-            step_k[w] = 0 if captest[w] else k[w]
-            step_c[w] = last_c[w]
-            _schedule(heap, seq, t + half, _SRV_STEP, w)
-            if run.total_target > 0 and total >= run.total_target:
+            _on_done(st, res, w, t, half, heap, seq)
+            if run.total_target > 0 and st.count[_TOTAL] >= run.total_target:
                 break
             continue
         if ev == _SRV_STEP:
-            messages += 1
-            if step_k[w] == 0:
-                d = rules.esync_capability_test(es, members, w, step_c[w], t)
-            else:
-                d = rules.esync_step(es, members, w, step_c[w], t, run.eps, False, 0.0)
-            if d == rules.HOLD:
-                held[n_held] = w
-                n_held += 1
-            else:
-                syncs += d == SYNC
-                action[w] = d
-                _schedule(heap, seq, t + half, _REPLY, w)
+            _on_step(st, es, members, w, t, run, heap, seq)
         elif ev == _SRV_RESET:
-            messages += 1
+            st.count[_MESSAGES] += 1
             rules.esync_new_round(es, w, t)
         elif ev == _REPLY:
-            if captest[w]:
-                # the test's reply: the same iteration is reported again as the first local one
-                captest[w] = False
-                step_k[w] = k[w]
-                _schedule(heap, seq, t + half, _SRV_STEP, w)
-            elif action[w] != SYNC:
-                locals_ += 1
-                _start(w, t, speed, last_c, res.time, phase_of, since, heap, seq)
-            else:
-                _phase(res.time, phase_of, since, w, 2, t)
-                entered[n_entered] = w
-                n_entered += 1
-                enter_max = max(enter_max, t)
-                if n_entered == n:
-                    collectives += 1
-                    for i in range(n):
-                        _schedule(heap, seq, enter_max + run.ring_s, _AGG_DONE, entered[i])
-                    n_entered = 0
-                    enter_max = 0.0
+            _on_reply(st, res, w, t, run, speed, heap, seq)
         elif ev == _AGG_DONE:
-            res.rounds[w] += 1
-            _schedule(heap, seq, t + half, _SRV_RESET, w)
-            _start(w, t, speed, last_c, res.time, phase_of, since, heap, seq)
-            res.local_hist[min(since_round[w], res.local_hist.shape[0] - 1)] += 1
-            since_round[w] = 0
-        if n_held > 0 and ev <= _SRV_RESET:
-            # after each server message the held capability tests are decided again
-            keep = 0
-            for i in range(n_held):
-                v = held[i]
-                d = rules.esync_capability_test(es, members, v, es.capability[v], t)
-                if d == rules.HOLD:
-                    held[keep] = v
-                    keep += 1
-                else:
-                    action[v] = d
-                    _schedule(heap, seq, t + half, _REPLY, v)
-            n_held = keep
+            _on_aggregated(st, res, w, t, half, speed, heap, seq)
+        if st.count[_HELD] > 0 and ev <= _SRV_RESET:
+            _retry_held(st, es, members, t, half, heap, seq)
     for w in range(n):
-        _phase(res.time, phase_of, since, w, phase_of[w], t_end)
+        _phase(st, res, w, st.phase_of[w], t_end)
     res.totals[0] = t_end
-    res.totals[1] = messages
-    res.totals[2] = syncs
-    res.totals[3] = locals_
-    res.totals[4] = collectives
 
 
 def run_esync(config, speeds, cost, rec, *, iterations=None, duration=None):
@@ -196,17 +238,19 @@ def run_esync(config, speeds, cost, rec, *, iterations=None, duration=None):
                    duration=0.0 if duration is None else float(duration), seed=int(speeds.seed))
     res = ESyncOut(time=np.zeros((n, 4)), iters=np.zeros(n, np.int64),
                    rounds=np.zeros(n, np.int64), local_hist=np.zeros(1 << 12, np.int64),
-                   totals=np.zeros(5))
+                   totals=np.zeros(1))
+    st = _new_state(n)
     _loop(run, Speed(speeds.base, sched_t, sched_f, float(speeds.jitter)),
-          rules.new_esync_tables(n, 1), res)
+          rules.new_esync_tables(n, 1), st, res)
     rec.time[:] = res.time
     rec.iters[:] = res.iters
     rec.total_iterations = int(res.iters.sum())
     rec.rounds[:] = res.rounds
     top = int(np.flatnonzero(res.local_hist).max(initial=0))
     rec.local_hist = res.local_hist[:max(top + 1, 2)].copy()
-    rec.sim_time, rec.messages = float(res.totals[0]), int(res.totals[1])
-    rec.syncs, rec.locals, rec.collectives = (int(x) for x in res.totals[2:5])
+    rec.sim_time, rec.messages = float(res.totals[0]), int(st.count[_MESSAGES])
+    rec.syncs, rec.locals, rec.collectives = (int(st.count[i])
+                                              for i in (_SYNCS, _LOCALS, _COLLECTIVES))
     rec.agg_cost_s = cost.ring(n, 1.0) * n * rec.collectives
     rec.phase_since[:] = rec.sim_time
     return rec
