@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from mpsync import policies
-from mpsync.policies import PolicyError
+from mpsync.policies import PolicyChoice, PolicyError
 from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
@@ -100,6 +100,9 @@ class SyncConfig:
     # imported on every rank by validate() before the policy name is looked up.
     plugins: str = ""
     extra: dict = field(default_factory=dict)
+    # The policy resolved by validate(): what the server, the workers and the reports read
+    # instead of looking the name up again.  Not a setting.
+    choice: PolicyChoice | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.topology and self.policy in policies.names():
@@ -112,7 +115,8 @@ class SyncConfig:
             if not self.topology:
                 self.topology = spec.default_topology
             _one_of("topology", self.topology, TOPOLOGIES)
-            spec.check_topology(self.topology)
+            self.choice = policies.choose(self.policy, self.topology,
+                                          {o: getattr(self, o) for o in spec.options})
         except PolicyError as e:
             raise ConfigError(str(e)) from None
         _one_of("backend", self.backend, BACKENDS)
@@ -145,10 +149,16 @@ class SyncConfig:
                               f"{self.comm_bandwidth}")
         return self
 
+    def resolved(self) -> PolicyChoice:
+        """The policy as validate() resolved it (validating now if it has not run)."""
+        if self.choice is None:
+            self.validate()
+        return self.choice
+
     @classmethod
     def from_options(cls, env: dict | None = None, **options) -> "SyncConfig":
         """Build from keyword options over ``MPSYNC_*`` environment variables; unknown keys fail."""
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        names = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "extra"}
         values: dict = {}
         env = os.environ if env is None else env
         for name, f in names.items():
@@ -162,7 +172,7 @@ class SyncConfig:
         return cls(**values).validate()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "choice"}
 
 
 DEFAULTS = SyncConfig()
