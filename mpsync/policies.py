@@ -386,11 +386,12 @@ register(
     strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
     options=("osp_ics_size", "osp_ics_max_fraction"), simulation={"ring": "overlap"},
     fidelity={
-        "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) of the global gradients "
-                 "with a one-iteration lag (§3.2), U_max = b·T_c/N from measured rates (Eq. 5) "
+        "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) with a one-iteration lag, "
+                 "reported during the computation (§3.2, §4.5), U_max = b·T_c/N from measured rates (Eq. 5) "
                  "capped at 0.8 (Alg. 1 line 2), S(G^u) = 0 in epoch 1 then (1 - loss_i/L)·U_max "
                  "(Alg. 1), LGP correction (Eq. 6-7)",
                  f"ring allreduce instead of a PS; lr of Eq. 5 not measured (0); loss_i is the "
-                 f"running mean of epoch i; GIB computed in the step's round trip "
-                 f"({_POL}OSP); Eq. 7 is exact for plain SGD only (mpsync.torch.two_stage:TwoStageSync)"),
+                 f"running mean of epoch i, reported one iteration ahead ({_POL}OSP); the "
+                 f"importance of ICS layers is of the local gradient (LGP's estimate); Eq. 7 is "
+                 f"exact for plain SGD only (mpsync.torch.two_stage:TwoStageSync)"),
     })
