@@ -47,7 +47,8 @@ class SyncConfig:
     # Empty: the policy's own default topology (its registry entry); filled in by validate().
     topology: str = ""
     # mpi4py's collectives need nothing beyond mpi4py, which the control plane needs anyway;
-    # Horovod is an optional source build (shared/FACTS.md), so it is chosen explicitly.
+    # Horovod is an optional source build (0.28.1 needs a patch to compile against torch 2.x),
+    # so it is chosen explicitly.
     backend: str = "mpi"
     server: str = "dedicated"
     # SSP threshold s (SSP: a worker may run at most s iterations ahead of the slowest).

@@ -1,4 +1,4 @@
-"""The serve loop: receive, validate, dispatch to the policy, reply (STYLE.md practice 5).
+"""The serve loop: receive, validate, dispatch to the policy, reply; an explicit stop message.
 
 One thread, one communicator.  The loop never blocks in MPI (Open MPI's blocking receive
 polls a core at 100 %): it polls with ``Iprobe`` and has four speeds.
