@@ -93,6 +93,10 @@ class SyncConfig:
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0
+    # Emulated link rate (bytes per second) of the ring's aggregations: each allreduce takes at
+    # least a ring allreduce's time over links of this rate (EmulatedLink).  For experiments on
+    # one machine; 0 = off.
+    comm_bandwidth: float = 0.0
     # Modules that register policies of their own (comma-separated, ``MPSYNC_PLUGINS``),
     # imported on every rank by validate() before the policy name is looked up.
     plugins: str = ""
@@ -141,6 +145,9 @@ class SyncConfig:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
+        if not self.comm_bandwidth >= 0:
+            raise ConfigError(f"comm_bandwidth must be >= 0 bytes/s (0: off), got "
+                              f"{self.comm_bandwidth}")
         return self
 
     def resolved(self) -> PolicyChoice:
