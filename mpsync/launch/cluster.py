@@ -15,9 +15,12 @@ import argparse
 
 from mpsync import cluster as vc
 from mpsync.launch.mpirun import mpirun_argv
+from mpsync.launch.target import LaunchTarget
 
 __all__ = ["add_cluster_arguments", "cluster_mpirun_extra", "cluster_mpirun_argv",
-           "argv_from_namespace"]
+           "argv_from_namespace", "TARGET", "PLACEMENTS"]
+
+PLACEMENTS = ("server-alone", "round-robin")
 
 
 def add_cluster_arguments(parser) -> None:
@@ -26,26 +29,29 @@ def add_cluster_arguments(parser) -> None:
                         help="run the ranks on the nodes of the virtual cluster "
                              "(`mpsync cluster up`); NAME defaults to $MPSYNC_CLUSTER or mpsync")
     parser.add_argument("--cluster-placement", default="server-alone",
-                        choices=("server-alone", "round-robin"),
+                        choices=PLACEMENTS,
                         help="server-alone: rank 0 alone on node1, the rest round-robin over "
                              "the other nodes; round-robin: every rank over all nodes")
 
 
 def cluster_mpirun_extra(np: int, cluster: str | None = "", *,
-                         placement: str = "server-alone") -> list[str]:
+                         placement: str = "server-alone", tuning: str | None = None) -> list[str]:
     """The options ``mpirun_argv(extra=...)`` needs to put ``np`` ranks on the
-    cluster's nodes ([] when ``cluster`` is None: run on this host)."""
+    cluster's nodes ([] when ``cluster`` is None: run on this host), the transport settings
+    of ``mpsync.transport`` for ``tuning`` (None: ``$MPSYNC_MPI_TUNING`` or the tuned set)
+    last."""
     if cluster is None:
         return []
     return vc.launch_options(np, name=cluster or None,
-                             server_alone=placement == "server-alone")
+                             server_alone=placement == "server-alone", tuning=tuning)
 
 
 def cluster_mpirun_argv(np: int, command: list[str], cluster: str | None = "", *,
-                        placement: str = "server-alone", **mpirun_kw) -> list[str]:
+                        placement: str = "server-alone", tuning: str | None = None,
+                        **mpirun_kw) -> list[str]:
     """``mpirun_argv`` for ``np`` ranks of ``command`` on the cluster (any ``mpirun_argv``
     keyword passes through; ``extra`` is appended after the cluster's options)."""
-    extra = tuple(cluster_mpirun_extra(np, cluster, placement=placement)) + \
+    extra = tuple(cluster_mpirun_extra(np, cluster, placement=placement, tuning=tuning)) + \
         tuple(mpirun_kw.pop("extra", ()))
     return mpirun_argv(np, command, extra=extra, **mpirun_kw)
 
@@ -69,3 +75,8 @@ def argv_from_namespace(parser: argparse.ArgumentParser, args: argparse.Namespac
         else:
             argv += [flag, str(value)]
     return argv
+
+
+TARGET = LaunchTarget(name="cluster", description="the virtual cluster's nodes (mpsync cluster "
+                                                  "up): mpirun through its ssh stand-in",
+                      argv=cluster_mpirun_argv)
