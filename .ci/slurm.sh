@@ -2,7 +2,7 @@
 # A real single-node Slurm cluster on this machine, for testing the job templates (root).
 #
 #   bash .ci/slurm.sh install   # install slurm-wlm + munge only (also used by the virtual
-#                               # cluster's multi-node Slurm, mpsync/cluster_slurm.py)
+#                               # cluster's multi-node Slurm, mpsync/cluster/slurm.py)
 #   bash .ci/slurm.sh start     # install (first time), start munged + slurmctld + slurmd
 #   bash .ci/slurm.sh status    # daemons, node state
 #   bash .ci/slurm.sh env       # prints `export SLURM_CONF=...` for sbatch/squeue/scontrol

@@ -20,7 +20,8 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
-    "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "plugins_from_env",
+    "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
+    "plugins_from_env",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -177,6 +178,18 @@ def parse_float_list(name: str, text: str, length: int | None = None) -> list[fl
     if length is not None and len(values) != length:
         raise ConfigError(f"{name}: {len(values)} values for {length} workers ({text!r})")
     return values
+
+
+def parse_number(name: str, text: str, kind: type = float, *, at_least: float | None = None):
+    """``kind(text)`` (int or float), at least ``at_least``; the error names ``name``."""
+    what = "an integer" if kind is int else "a number"
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {text!r} is not {what}") from None
+    if at_least is not None and not value >= at_least:
+        raise ConfigError(f"{name} must be >= {at_least:g}, got {value:g}")
+    return value
 
 
 def _one_of(name: str, value, allowed) -> None:

@@ -40,9 +40,13 @@ FAST_PATH_KINDS = ("tables", "planned", "query_state")
 # on the ring "every_step" (aggregate at every iteration), "overlap" (every iteration, part of
 # the model overlapped: OSP's ICS), "query_state" (ESync's readiness rule), "planned"
 # (ZipLine barriers); on the PS "no_wait", "staleness" (bounded by ``staleness``), "in_step"
-# (staleness 0), "dynamic_staleness" (DSSP's controller).
+# (staleness 0), "dynamic_staleness" (DSSP's controller), and two that only the exact engine
+# runs (it drives the policy object): "superstep" (a push and a pull every iteration, the
+# SYNC'd one a barrier: ElasticBSP's §6.2.5) and "rounds" (local iterations, then a push in a
+# synchronous round: ESync on the PS).
 SIMULATION_MODELS = {"ring": ("every_step", "overlap", "query_state", "planned"),
-                     "ps": ("no_wait", "staleness", "in_step", "dynamic_staleness")}
+                     "ps": ("no_wait", "staleness", "in_step", "dynamic_staleness", "superstep",
+                            "rounds")}
 
 # The strategy every policy uses on the parameter-server topology: push the local delta, pull
 # the global weights under the policy's staleness rule.
@@ -63,8 +67,12 @@ class PolicySpec:
     strategies and the server look here rather than at the name: a policy with ``epsilon``
     scales the averaged model delta by it (ESync Eq. 8), one with ``esync_delayed_ack`` may
     report without waiting for the reply (ESync §4.2).
-    ``ps_average``: on the PS, the server averages the workers' deltas (times the global step
-    size) instead of applying each as it arrives (Downpour style).
+    ``ps_average``: on the PS, the server applies each worker's delta scaled by (global step
+    size) / n, so a round in which every worker pushes once moves the model by the average
+    of their deltas (BSP, ESync Eq. 7-8, as the ring's averaging collective does); without
+    it each delta is applied as it is (Downpour style: ASP, SSP, DSSP, ElasticBSP's pushes
+    within a superstep).  Only exact with a server rule that completes each round before
+    anyone pulls (BSP's and ESync's).
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
     the README's fidelity table (:func:`fidelity_table`).  Each departure carries its key in
     brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
@@ -252,10 +260,11 @@ register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
     server=_SERVER + "BSP",
     strategies={"ring": _STRATEGY + "GradientAveraging", "ps": "default"},
-    fast_path="tables", simulation={"ring": "every_step", "ps": "in_step"},
+    fast_path="tables", ps_average=True, simulation={"ring": "every_step", "ps": "in_step"},
     fidelity={"ring": ("gradients averaged every iteration (one fused allreduce)", "none"),
               "ps": ("every worker pushes every iteration; a pull waits until every worker "
-                     "pushed as often", "none")})
+                     "pushed as often, the next step until every worker pulled; the server "
+                     "averages the round's deltas", "none")})
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
     server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",
@@ -307,7 +316,7 @@ register(
     paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_STEP_SERVER + "ElasticBSP",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "mpsync.torch.ps_strategies:ElasticSuperstep"},
     fast_path="planned", options=("lookahead", "zipline_variant"),
-    simulation={"ring": "planned"},
+    simulation={"ring": "planned", "ps": "superstep"},
     fidelity={
         "ps": ("superstep of Fig. 5 after every barrier: monitoring (2 reports per worker), "
                "prediction (R iterations), ZipLine barrier (Alg. 2, ties to the earliest); "
@@ -327,7 +336,7 @@ register(
     paper="ESync Alg. 1-2, Eq. 6-8, §4.2", server=_STEP_SERVER + "ESync",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "default"},
     fast_path="query_state", options=("epsilon", "esync_slack", "esync_delayed_ack"),
-    ps_average=True, simulation={"ring": "query_state"},
+    ps_average=True, simulation={"ring": "query_state", "ps": "rounds"},
     fidelity={
         "ring": ("Alg. 1 (capability test, local steps, Eq. 6-8 delta averaging, restart from "
                  "w_{t+1}), Alg. 2 QUERY-STATE, §4.2 delayed ACK with the abort of iteration "

@@ -157,5 +157,38 @@ def ebsp_ring_barrier_weights() -> None:
     _result(rank=me, at_barrier=at_barrier, between=sorted(between), steps=step)
 
 
+def bsp_rounds() -> None:
+    """BSP with momentum SGD and workers of unequal, jittery speeds, on ``topology`` (and,
+    on the PS, ``ps_shards``): the model after ``steps`` rounds must be single-process
+    momentum SGD on the concatenated batch, on the ring (gradient average) and on the PS
+    (the server averages the round's deltas; every pull reads the round's model) alike."""
+    a = _args()
+    steps, batch, lr, momentum = int(a.get("steps", 8)), 4, 0.2, 0.9
+    options = {"ps_shards": a["ps_shards"]} if "ps_shards" in a else {}
+    mps.init(policy="bsp", topology=a["topology"], backend="mpi", server="dedicated",
+             deadline=60, **options)
+    model = _model()
+    opt = mps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        named_parameters=model.named_parameters())
+    n, me = mps.size(), mps.rank()
+    jitter = torch.Generator().manual_seed(7 + me)
+    for step in range(steps):
+        x, y = _data(n * batch, seed=100 + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[me * batch:(me + 1) * batch]),
+                                          y[me * batch:(me + 1) * batch]).backward()
+        # Unequal speeds with jitter: a fast worker's next push races a slow worker's pull.
+        time.sleep(0.002 * me + 0.01 * float(torch.rand(1, generator=jitter)))
+        opt.step()
+    local = mps.stats()["local"]
+    mps.shutdown()
+    final = _flat(model)
+    ref = _reference_sgd(steps, n, batch, lr, momentum)
+    _result(rank=me, topology=a["topology"], rounds=local["rounds"],
+            iterations=local["iterations"], params=final.tolist(),
+            vs_sgd=float((final - ref).abs().max() / ref.abs().max()))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

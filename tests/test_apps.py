@@ -17,7 +17,8 @@ from mpi_harness import REPO, run_mpi
 
 from mpsync import policies
 from mpsync.apps.datasets import load_dataset, partition
-from mpsync.apps.heterogeneity import Heterogeneity, parse_schedule
+from mpsync.apps.heterogeneity import Heterogeneity
+from mpsync.slowdown import parse_schedule
 from mpsync.config import ConfigError
 
 POLICIES = policies.names()  # mpsync's own: read before any test registers one of its own

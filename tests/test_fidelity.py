@@ -39,6 +39,27 @@ def test_esync_with_a_straggler_averages_every_applied_update_and_lets_fast_work
     assert all(res[rank]["iterations"] >= 1.6 * slow for rank in (2, 3)), res
 
 
+def _bsp_models(topology: str, *extra: str) -> np.ndarray:
+    run = run_mpi("fidelity_programs:bsp_rounds", np=4, timeout=180,
+                  args=[f"topology={topology}", "steps=8", *extra])
+    res = _results(run)
+    assert len(res) == 3, run.report()
+    for r in res.values():
+        assert r["iterations"] == 8, r
+        # Momentum SGD is linear in the gradients: averaging the workers' momentum steps
+        # (PS) is stepping on the averaged gradient (ring), both SGD on the whole batch.
+        assert r["vs_sgd"] <= 1e-9, (topology, extra, r["vs_sgd"])
+    model = np.array(res[min(res)]["params"])
+    assert all(np.array_equal(np.array(r["params"]), model) for r in res.values())
+    return model
+
+
+def test_bsp_on_the_ps_averages_and_gives_the_ring_s_model_from_the_same_seeds():
+    ring = _bsp_models("ring")
+    ps = _bsp_models("ps")
+    assert np.abs(ring - ps).max() <= 1e-12 * np.abs(ring).max()
+
+
 def test_esync_delayed_ack_discards_the_iteration_a_ready_interrupts():
     run = run_mpi("fidelity_programs:esync_delayed_ack_abort", np=2, timeout=180,
                   args=["rounds=4"])

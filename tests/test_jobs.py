@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsync.jobs import (TEMPLATES, JobSettings, JobTemplateError, default_path, render,
+from mpsync.launch.jobs import (TEMPLATES, JobSettings, JobTemplateError, default_path, render,
                          sync_jobs_dir)
 from mpsync.launch import run_with_deadline
 

@@ -49,7 +49,7 @@ def test_every_builtin_entry_resolves_to_its_classes():
 
 
 def test_importing_the_registry_and_config_loads_no_numba_torch_or_mpi():
-    code = ("import sys, mpsync.config, mpsync.policies, mpsync.jobs, mpsync.apps.train; "
+    code = ("import sys, mpsync.config, mpsync.policies, mpsync.launch.jobs, mpsync.apps.train; "
             "print(sorted(m for m in ('numba', 'torch', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60, check=True)

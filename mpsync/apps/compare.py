@@ -19,9 +19,12 @@ import sys
 from pathlib import Path
 
 from mpsync import policies as registry
+from mpsync.apps import repeats
+from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
 from mpsync.config import DEFAULTS, ConfigError
+from mpsync.launch.cluster import add_cluster_arguments
 
-__all__ = ["add_arguments", "main", "train_argv", "launch_argv", "ranks", "DEMO_POLICIES"]
+__all__ = ["add_arguments", "main", "table_rows", "DEMO_POLICIES"]
 
 # Every registered policy, the baseline first (registration order).
 DEMO_POLICIES = ",".join(registry.names())
@@ -65,50 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every policy R times, interleaved; medians with min-max")
     p.add_argument("--seeds", default=None,
                    help="comma list, one seed per repeat (default: --seed, --seed+1, ...)")
-    from mpsync.cluster.launching import add_cluster_arguments
-
     add_cluster_arguments(p)
     p.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="with --cluster: every node's link at RATE (e.g. 1gbit) for the "
                         "comparison; the cluster is made with one node per rank if it is not "
                         "up (and removed after), else its rates are restored after")
-
-
-def train_argv(args, policy: str, out: Path) -> list[str]:
-    argv = ["--policy", policy, "--slowdown", args.slowdown, "--target-acc", str(args.target_acc),
-            "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
-            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
-            "--comm-delay", str(args.comm_delay), "--server", args.server,
-            "--out", str(out), "--no-progress"]
-    if args.topology is not None:  # else train picks the policy's own topology
-        argv += ["--topology", args.topology]
-    if args.iter_time:
-        argv += ["--iter-time", str(args.iter_time)]
-    if args.slowdown_schedule:
-        argv += ["--slowdown-schedule", args.slowdown_schedule]
-    if args.epochs is not None:
-        argv += ["--epochs", str(args.epochs)]
-    else:
-        argv += ["--time-budget", str(args.time_budget or 25.0)]
-    return argv + args.train_args.split()
-
-
-def ranks(args) -> int:
-    """MPI ranks of one run: the workers, plus one for a dedicated server."""
-    return args.np + (1 if args.server == "dedicated" else 0)
-
-
-def launch_argv(args, policy: str, out: Path) -> list[str]:
-    """The ``mpirun`` command line of one policy's run (no launch; with ``--cluster`` it
-    writes the cluster's hostfile for this rank count)."""
-    from mpsync.cluster.launching import cluster_mpirun_extra
-    from mpsync.launch import forwarded_env, mpirun_argv, python_argv
-
-    extra = cluster_mpirun_extra(ranks(args), getattr(args, "cluster", None),
-                                 placement=getattr(args, "cluster_placement", "server-alone"))
-    return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
-                                                *train_argv(args, policy, out)),
-                       forward_env=forwarded_env(), extra=extra)
 
 
 def _validate(args) -> list[str]:
@@ -157,7 +121,6 @@ def _compare(args) -> int:
     try:
         policies = _validate(args)
         if args.repeats is not None or args.seeds:
-            from mpsync.apps import repeats
             seeds = repeats.seeds_of(args)
     except ConfigError as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
@@ -207,7 +170,7 @@ def _compare(args) -> int:
                   f"final acc {m['final_acc']:.3f}", flush=True)
     rows = table_rows(runs)
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
-              "setup": _setup_line(args, runs)}
+              "setup": setup_line(args, runs)}
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
     from mpsync.apps.report import format_table
 
@@ -242,27 +205,6 @@ def table_rows(runs: dict[str, dict]) -> list[dict]:
                                           else None),
                      "topology": m["config"]["topology"]})
     return rows
-
-
-def _setup_line(args, runs) -> str:
-    any_run = next(iter(runs.values()), None)
-    het = (any_run["config"]["heterogeneity"] if any_run else
-           f"slowdown {args.slowdown or 'none'}")
-    stop = f"{args.epochs} epochs" if args.epochs is not None else \
-        f"{args.time_budget or 25.0:g} s per policy"
-    server = ("+ 1 server rank" if args.server == "dedicated" else
-              "(server thread on rank 0)")
-    where = ""
-    if getattr(args, "cluster", None) is not None:
-        from mpsync import cluster
-
-        st = cluster.load_state(args.cluster or None)
-        if st is not None:
-            where = (f"across {len(st.nodes)} nodes (links {st.bandwidth or 'unlimited'}, "
-                     f"{args.cluster_placement}), ")
-    return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
-            f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
-            f"target accuracy {args.target_acc}")
 
 
 def _plot(runs, rows, path: Path, target: float, setup: str) -> None:

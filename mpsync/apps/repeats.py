@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from mpsync.apps.runs import launch_argv, setup_line
 from mpsync.policies import BASELINE
 
 __all__ = ["main", "seeds_of", "summarize_repeats", "format_table"]
@@ -140,8 +141,7 @@ def _plot(runs, rows, path: Path, target: float, setup: str) -> None:
 
 def main(args, policies: list[str], seeds: list[int]) -> int:
     """Run (or, with --from-runs, read) every policy once per seed, interleaved."""
-    from mpsync.apps.compare import _setup_line, launch_argv
-    from mpsync.launch import run_with_deadline
+    from mpsync.launch.mpirun import run_with_deadline
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ def main(args, policies: list[str], seeds: list[int]) -> int:
                       f"{'not reached' if ttt is None else f'{ttt:.1f}s'}", flush=True)
     runs = {p: ms for p, ms in runs.items() if ms}
     rows = summarize_repeats(runs)
-    setup = f"{_setup_line(args, {p: ms[0] for p, ms in runs.items()})}, {len(seeds)} " \
+    setup = f"{setup_line(args, {p: ms[0] for p, ms in runs.items()})}, {len(seeds)} " \
             f"repeats (seeds {','.join(map(str, seeds))}), interleaved"
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures, "setup": setup}
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")

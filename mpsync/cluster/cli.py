@@ -19,6 +19,7 @@ import shlex
 import sys
 
 from mpsync import cluster
+from mpsync.cluster import slurm
 from mpsync.cluster.layout import ClusterError, format_rate, parse_rate, validate_name
 
 __all__ = ["add_arguments", "main"]
@@ -53,9 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bandwidth", default=None, metavar="RATE")
     g.add_argument("--unlimited", action="store_true", help="remove the rate limit")
     sub.add_parser("down", help="remove everything `up` made (and its Slurm, if started)")
-    from mpsync import cluster_slurm
-
-    cluster_slurm.add_arguments(sub.add_parser(
+    slurm.add_arguments(sub.add_parser(
         "slurm", help="a multi-node Slurm: slurmctld here, one slurmd per node"))
 
 
@@ -160,9 +159,7 @@ def _link(args) -> int:
 
 
 def _down(args) -> int:
-    from mpsync import cluster_slurm
-
-    if cluster_slurm.stop_for(args.name or cluster.default_name()):
+    if slurm.stop_for(args.name or cluster.default_name()):
         print("stopped the cluster's Slurm")
     state = cluster.down(args.name)
     if state is None:
@@ -174,9 +171,7 @@ def _down(args) -> int:
 
 
 def _slurm(args) -> int:
-    from mpsync import cluster_slurm
-
-    return cluster_slurm.main(args)
+    return slurm.main(args)
 
 
 _ACTIONS = {"up": _up, "status": _status, "mpirun-args": _mpirun_args, "hosts": _hosts,

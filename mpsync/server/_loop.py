@@ -113,8 +113,9 @@ class StateServer(MessageHandlers):
         self.events = EventLog()
         self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
         # On the PS, policies that average deltas apply each push scaled by (global step) / n
-        # (ESync Eq. 7-8: its pulls wait for every delta of the round, so each reads w_{t+1});
-        # the others apply each update as it is (Downpour style).
+        # (BSP, ESync Eq. 7-8: their pulls wait for every delta of the round, so each reads
+        # w_t + ε·mean_i Δ_i, the ring's average); the others apply each update as it is
+        # (Downpour style).
         n = len(self.ranks)
         self.weights = WeightStore(spec.global_step(config) / n if spec.ps_average else 1.0)
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -146,7 +147,8 @@ class StateServer(MessageHandlers):
         if fast_path is None:
             fast_path = config.server_fast_path
         kind = rules.FAST_KINDS.get(spec.fast_path)
-        if fast_path and _fastpath.unavailable_reason() is None and kind is not None:
+        if fast_path and _fastpath.unavailable_reason() is None and kind is not None \
+                and not self.policy.holds_steps:
             self.fast = _fastpath.FastPath(comm, self.index, kind, self.policy, self.cells,
                                            self.counters.cells, self.events.cells, self._msg,
                                            self.t0, config.esync_slack)

@@ -61,6 +61,9 @@ class Policy:
     is the registry's ``fast_path`` (``mpsync.policies``)."""
 
     takes_importance = False      # OSP's importance reports
+    # True: ``on_step`` may hold a reply, so the compiled loop (which answers every step of
+    # the "tables" family SYNC) must leave the steps to the Python loop.
+    holds_steps = False
 
     def __init__(self, table: WorkerTable, config):
         self.t = table
@@ -101,9 +104,33 @@ class Policy:
 
 
 class BSP(Policy):
-    """Everyone synchronizes every iteration (Horovod's behaviour).  On the PS topology a pull
-    waits until every active worker has pushed as often (SSP with s = 0)."""
+    """Everyone synchronizes every iteration (Horovod's behaviour).
 
+    On the PS topology BSP is rounds: a pull waits until every active worker has pushed as
+    often (SSP with s = 0), and a step's SYNC waits until every active worker has pulled the
+    previous round (its reset, sent after the pull, is in): otherwise a fast worker's next
+    push could reach the weights before a slow worker's pull of the round, which would then
+    read a model no ring computes.  With the server averaging the round's deltas
+    (``ps_average``), every worker then reads w_t + mean_i Δ_i, what the ring's gradient
+    average gives for SGD with or without momentum.  Workers that pushed their last update
+    (join) or were taken out are not waited for.
+    """
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        # The step rule needs the Python loop (the compiled one answers every step SYNC).
+        self.holds_steps = config.topology == "ps"
+
+    def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
+        return self.decide_held(w, k, now)
+
+    def decide_held(self, w, k, now):
+        if self.holds_steps:
+            t = self.t
+            members = t.active & ~t.final_pushed
+            if np.any(t.round[members] < t.round[w]):
+                return None
+        return SYNC, 0, 0
 
     def may_pull(self, w):
         return pull_within_staleness(self.t, w, 0)

@@ -1,22 +1,20 @@
-"""The text of the job scripts that ``mpsync.jobs.render`` assembles: header, documentation,
-settings, the prologue of each scheduler and the payload of each template.
+"""The text of the job scripts that ``mpsync.launch.jobs.render`` assembles: header,
+documentation, settings, the prologue of each scheduler and the payload of each template.
 
-Pure data and pure functions of :class:`mpsync.jobs.JobSettings`; kept apart from the renderer
-so that ``mpsync/jobs.py`` reads as the API (settings, validation, render, sync, CLI).
+Pure data and pure functions of :class:`mpsync.launch.settings.JobSettings`; kept apart from the
+renderer so that ``mpsync/launch/jobs.py`` reads as the API (validation, render, sync, CLI).
 """
 
 from __future__ import annotations
 
 import shlex
 import textwrap
-from typing import TYPE_CHECKING
 
 from mpsync import policies as registry
 from mpsync.config import BACKENDS, SERVER_PLACEMENTS, TOPOLOGIES
-from mpsync.launch import FORWARDED_ENV, FORWARDED_PREFIXES, YIELD_WHEN_IDLE, mpirun_options
-
-if TYPE_CHECKING:
-    from mpsync.jobs import JobSettings
+from mpsync.launch.mpirun import (FORWARDED_ENV, FORWARDED_PREFIXES, YIELD_WHEN_IDLE,
+                                  mpirun_options)
+from mpsync.launch.settings import JobSettings
 
 __all__ = ["WIDTH", "header", "doc", "variables", "settings_block", "PROLOGUE", "PAYLOAD",
            "MPIRUN_LAUNCH", "HOROVODRUN_LAUNCH", "RUN"]
@@ -402,7 +400,7 @@ command=("${bench[@]}")
 """ + RUN,
 }
 
-# The fixed mpirun options are mpsync.launch's (the same builder as mpsync compare, the
+# The fixed mpirun options are mpsync.launch.mpirun's (the same builder as mpsync compare, the
 # benchmarks and the tests); root, the hostfile and the forwarded names are known only when
 # the job runs, so the script adds them, from the same lists.
 MPIRUN_LAUNCH = """

@@ -32,13 +32,13 @@ import argparse
 import dataclasses
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync._job_text import (HOROVODRUN_LAUNCH, MPIRUN_LAUNCH, PAYLOAD, PROLOGUE, RUN, doc,
-                              header, settings_block, variables)
-from mpsync.config import DEFAULTS, ConfigError, SyncConfig, parse_float_list
+from mpsync.config import ConfigError, SyncConfig, parse_float_list
+from mpsync.launch._text import (HOROVODRUN_LAUNCH, MPIRUN_LAUNCH, PAYLOAD, PROLOGUE, RUN, doc,
+                                 header, settings_block, variables)
+from mpsync.launch.settings import JobSettings, JobTemplateError
 
 __all__ = ["JobSettings", "JobTemplateError", "TEMPLATES", "SCHEDULERS", "render",
            "default_path", "sync_jobs_dir", "add_arguments", "main"]
@@ -54,60 +54,10 @@ TEMPLATES: dict[tuple[str, str], str] = {
     ("horovodrun", "train"): "horovodrun/train.sh",
 }
 
-# Per template: tasks per node (train: 4 workers + the dedicated server) and wall time.
-_TEMPLATE_DEFAULTS = {
-    "train": (5, "01:00:00"),
-    "compare": (5, "02:00:00"),
-    "bench-kernels": (1, "01:00:00"),
-}
-
 # Characters that would end or expand a ``${VAR:-default}`` word or a directive.
 _UNSAFE = re.compile(r"[$`\\\"'}\n\r]")
 _TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class JobTemplateError(ValueError):
-    """A setting that cannot go into a job script; the message names it."""
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    """What a user picks when rendering a script.  ``None`` means the template's default."""
-
-    # allocation
-    nodes: int = 1
-    tasks_per_node: int | None = None
-    cpus_per_task: int = 1
-    gpus_per_node: int = 0
-    time: str | None = None          # wall time, [D-]HH:MM:SS
-    job_name: str | None = None      # default: mpsync-<template>
-    partition: str = ""              # Slurm partition / PBS queue
-    account: str = ""
-    hosts: str = ""                  # horovodrun: host1:K,host2:K (default localhost:<ranks>)
-    # run (defaults of the scripts' ${VAR:-default} settings; those of mpsync's own, SyncConfig)
-    policy: str = DEFAULTS.policy
-    # Empty: the policy's own topology (its registry entry), chosen by mpsync train / compare,
-    # so that POLICY=ssp alone is a valid submission.
-    topology: str = ""
-    backend: str = DEFAULTS.backend
-    server: str = DEFAULTS.server
-    epochs: int = 5
-    dataset: str = "digits"
-    slowdown: str = ""
-    target_acc: str = ""
-    policies: str = ",".join(  # compare: the policies whose own topology is the ring
-        p.name for p in registry.specs() if p.default_topology == "ring")
-    venv: str = ""                   # default: <repository>/.venv
-    out_dir: str = ""                # default: beside the job's log
-
-    def resolved(self, template: str) -> "JobSettings":
-        tasks, time = _TEMPLATE_DEFAULTS[template]
-        return dataclasses.replace(
-            self,
-            tasks_per_node=tasks if self.tasks_per_node is None else self.tasks_per_node,
-            time=time if self.time is None else self.time,
-            job_name=f"mpsync-{template}" if self.job_name is None else self.job_name)
 
 
 def default_path(scheduler: str, template: str) -> str:
@@ -249,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--venv", default=d.venv, help="default: <repository>/.venv")
     run.add_argument("--out-dir", default=d.out_dir, help="default: beside the job's log")
     s = sub.add_parser("sync", help="rewrite jobs/ from the defaults (maintainers)")
-    s.add_argument("--jobs-dir", default=str(Path(__file__).resolve().parent.parent / "jobs"))
+    s.add_argument("--jobs-dir", default=str(Path(__file__).resolve().parents[2] / "jobs"))
     s.add_argument("--check", action="store_true", help="only report files that differ (exit 1)")
 
 
