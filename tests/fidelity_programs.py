@@ -15,7 +15,7 @@ import torch
 torch.set_num_threads(1)
 
 import mpsync.torch as mps  # noqa: E402
-from torch_programs import _args, _data, _digest, _flat, _model  # noqa: E402
+from torch_programs import _args, _data, _digest, _flat, _model, _reference_sgd  # noqa: E402
 
 
 def _result(**kw) -> None:

@@ -1,5 +1,5 @@
 """The papers' rules that live in the MPI path, on real ranks: ESync's rounds with a straggler
-on the ring and on the PS, ESync §4.2's abort of the iteration a READY interrupts, ElasticBSP
+on the ring and on the PS, BSP's rounds on the PS, ESync §4.2's abort of the iteration a READY interrupts, ElasticBSP
 on the PS after a worker joins, and ElasticBSP's barrier weights on the ring.  The
 single-process worked scenarios of every policy are in test_fidelity_rules.py."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from mpi_harness import run_mpi
