@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from mpsync.launch.jobs import (TEMPLATES, JobSettings, JobTemplateError, default_path, render,
-                         sync_jobs_dir)
 from mpsync.launch import run_with_deadline
+from mpsync.launch.jobs import JobSettings, JobTemplateError, default_path, render, sync_jobs_dir
+from mpsync.launch.registry import templates
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "jobs"
@@ -46,7 +46,7 @@ def changed_lines(scheduler: str, template: str, settings: JobSettings) -> tuple
 # -- renderer ----------------------------------------------------------------------------------
 
 def test_jobs_dir_is_what_the_renderer_writes_for_the_defaults():
-    for (scheduler, template), rel in TEMPLATES.items():
+    for (scheduler, template), rel in templates().items():
         path = JOBS / rel
         assert path.read_text() == render(scheduler, template), (
             f"{path} differs from `mpsync jobs render --scheduler {scheduler} --template "
@@ -57,7 +57,7 @@ def test_jobs_dir_is_what_the_renderer_writes_for_the_defaults():
 
 def test_sync_writes_every_template(tmp_path):
     written = sync_jobs_dir(tmp_path)
-    assert sorted(written) == sorted(str(tmp_path / rel) for rel in TEMPLATES.values())
+    assert sorted(written) == sorted(str(tmp_path / rel) for rel in templates().values())
     assert sync_jobs_dir(tmp_path, check=True) == []
     (tmp_path / "pbs" / "train.pbs").write_text("stale\n")
     assert sync_jobs_dir(tmp_path, check=True) == [str(tmp_path / "pbs" / "train.pbs")]
@@ -221,12 +221,12 @@ def test_cli_render_prints_the_same_script_and_reports_errors(tmp_path):
 
 
 def test_scripts_are_valid_bash():
-    for rel in TEMPLATES.values():
+    for rel in templates().values():
         res = subprocess.run(["bash", "-n", str(JOBS / rel)], capture_output=True, text=True)
         assert res.returncode == 0, f"{rel}: {res.stderr}"
     if shutil.which("shellcheck"):  # stricter when available; not installed by `make setup`
         res = subprocess.run(["shellcheck", "-S", "warning",
-                              *(str(JOBS / rel) for rel in TEMPLATES.values())],
+                              *(str(JOBS / rel) for rel in templates().values())],
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stdout
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpsync import cluster
-from mpsync.launch.cluster import cluster_mpirun_extra
-from mpsync.launch.mpirun import forwarded_env, mpirun_argv, python_argv
+from mpsync.launch.mpirun import forwarded_env, python_argv
+from mpsync.launch.registry import launch_argv as target_argv
 
 __all__ = ["train_argv", "ranks", "launch_argv", "setup_line"]
 
@@ -38,13 +38,12 @@ def ranks(args) -> int:
 
 
 def launch_argv(args, policy: str, out: Path) -> list[str]:
-    """The ``mpirun`` command line of one policy's run (no launch; with ``--cluster`` it
-    writes the cluster's hostfile for this rank count)."""
-    extra = cluster_mpirun_extra(ranks(args), getattr(args, "cluster", None),
-                                 placement=getattr(args, "cluster_placement", "server-alone"))
-    return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
-                                                *train_argv(args, policy, out)),
-                       forward_env=forwarded_env(), extra=extra)
+    """The command line of one policy's run, from the launch target ``--cluster`` picks (no
+    launch; with ``--cluster`` it writes the cluster's hostfile for this rank count)."""
+    command = python_argv("mpsync.apps.train", *train_argv(args, policy, out))
+    return target_argv(ranks(args), command, cluster=getattr(args, "cluster", None),
+                       placement=getattr(args, "cluster_placement", "server-alone"),
+                       forward_env=forwarded_env())
 
 
 def setup_line(args, runs) -> str:

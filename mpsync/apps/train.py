@@ -234,8 +234,9 @@ def _run_on_cluster(args) -> int:
     import subprocess
 
     from mpsync import cluster as vc
-    from mpsync.launch.cluster import argv_from_namespace, cluster_mpirun_argv
+    from mpsync.launch.cluster import argv_from_namespace
     from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
+    from mpsync.launch.registry import launch_argv
 
     name = args.cluster or None
     state = vc.load_state(name)
@@ -254,8 +255,8 @@ def _run_on_cluster(args) -> int:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np"))
-    argv = cluster_mpirun_argv(ranks, python_argv("mpsync.apps.train", *rest), name or "",
-                               placement=args.cluster_placement, forward_env=forwarded_env())
+    argv = launch_argv(ranks, python_argv("mpsync.apps.train", *rest), cluster=name or "",
+                       placement=args.cluster_placement, forward_env=forwarded_env())
     print(f"mpsync train: {ranks} ranks on cluster {state.name}: {' '.join(argv)}",
           file=sys.stderr, flush=True)
     return subprocess.run(argv, env=clean_launch_env(os.environ)).returncode

@@ -154,12 +154,10 @@ def cluster_argv(n: int, command: list[str], name: str | None, *, server_alone: 
                  extra: tuple = ()) -> list[str]:
     """``mpirun`` of ``command`` on ``n`` ranks over the nodes of cluster ``name`` (rank i on
     node i+1 unless ``server_alone``: rank 0 alone on node1)."""
-    from mpsync import cluster
-    from mpsync.launch import forwarded_env, mpirun_argv
+    from mpsync.launch import forwarded_env, launch_argv
 
-    opts = cluster.launch_options(n, name=name or None, server_alone=server_alone)
-    return mpirun_argv(n, command, forward_env=forwarded_env(),
-                       extra=tuple(opts) + tuple(extra))
+    return launch_argv(n, command, cluster=name or "", forward_env=forwarded_env(), extra=extra,
+                       placement="server-alone" if server_alone else "round-robin")
 
 
 def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:

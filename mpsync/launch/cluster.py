@@ -15,9 +15,12 @@ import argparse
 
 from mpsync import cluster as vc
 from mpsync.launch.mpirun import mpirun_argv
+from mpsync.launch.target import LaunchTarget
 
 __all__ = ["add_cluster_arguments", "cluster_mpirun_extra", "cluster_mpirun_argv",
-           "argv_from_namespace"]
+           "argv_from_namespace", "TARGET", "PLACEMENTS"]
+
+PLACEMENTS = ("server-alone", "round-robin")
 
 
 def add_cluster_arguments(parser) -> None:
@@ -26,7 +29,7 @@ def add_cluster_arguments(parser) -> None:
                         help="run the ranks on the nodes of the virtual cluster "
                              "(`mpsync cluster up`); NAME defaults to $MPSYNC_CLUSTER or mpsync")
     parser.add_argument("--cluster-placement", default="server-alone",
-                        choices=("server-alone", "round-robin"),
+                        choices=PLACEMENTS,
                         help="server-alone: rank 0 alone on node1, the rest round-robin over "
                              "the other nodes; round-robin: every rank over all nodes")
 
@@ -69,3 +72,8 @@ def argv_from_namespace(parser: argparse.ArgumentParser, args: argparse.Namespac
         else:
             argv += [flag, str(value)]
     return argv
+
+
+TARGET = LaunchTarget(name="cluster", description="the virtual cluster's nodes (mpsync cluster "
+                                                  "up): mpirun through its ssh stand-in",
+                      argv=cluster_mpirun_argv)
