@@ -21,9 +21,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS",
-           "SIMULATION_MODELS", "register", "unregister", "get", "names", "specs",
-           "default_topology", "load_plugins", "resolve", "policy_table", "fidelity_table"]
+__all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE",
+           "FAST_PATH_KINDS", "SIMULATION_MODELS", "register", "unregister", "get", "names",
+           "specs", "choose", "baseline", "is_baseline", "default_topology", "load_plugins",
+           "resolve", "policy_table", "fidelity_table"]
 
 TOPOLOGIES = ("ring", "ps")
 # What the other policies are measured against (``mpsync compare``'s speedup column).
@@ -129,6 +130,34 @@ class PolicySpec:
     def reads(self, option: str) -> bool:
         return option in self.options
 
+    @property
+    def is_baseline(self) -> bool:
+        """Whether the other policies are measured against this one."""
+        return self.name == BASELINE
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """A policy resolved once for a run: its registry entry, the topology it runs on, the
+    values of the settings it reads (``spec.options``) and the baseline it is measured
+    against.  :meth:`mpsync.config.SyncConfig.validate` makes it; the server, the workers and
+    the reports take it from the configuration instead of looking the name up again."""
+
+    spec: PolicySpec
+    topology: str
+    parameters: Mapping[str, object]
+    baseline: str = BASELINE
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def server_class(self) -> type:
+        return self.spec.server_class()
+
+    def strategy_class(self) -> type:
+        return self.spec.strategy_class(self.topology)
+
 
 _REGISTRY: dict[str, PolicySpec] = {}
 
@@ -198,6 +227,30 @@ def names() -> tuple[str, ...]:
 
 def specs() -> tuple[PolicySpec, ...]:
     return tuple(_REGISTRY.values())
+
+
+def choose(name: str, topology: str = "", parameters: Mapping[str, object] | None = None
+           ) -> PolicyChoice:
+    """Resolve ``name`` on ``topology`` (empty: the policy's own) with the values of the
+    settings it reads; PolicyError names what does not fit."""
+    spec = get(name)
+    topology = topology or spec.default_topology
+    spec.check_topology(topology)
+    values = dict(parameters or {})
+    missing = [o for o in spec.options if o not in values]
+    if missing:
+        raise PolicyError(f"policy {name!r} reads {', '.join(missing)}: give a value for each")
+    return PolicyChoice(spec, topology, {o: values[o] for o in spec.options})
+
+
+def baseline() -> PolicySpec:
+    """The policy the others are measured against."""
+    return get(BASELINE)
+
+
+def is_baseline(name: str) -> bool:
+    """Whether ``name`` is the baseline (a name not registered here is not)."""
+    return name == BASELINE
 
 
 def default_topology(name: str) -> str:

@@ -162,6 +162,52 @@ def test_policy_names_appear_only_in_the_registry():
     assert not found, f"policy names compared outside mpsync/policies.py: {found}"
 
 
+def _baseline_comparisons(path: Path) -> list[int]:
+    """Lines that compare something with the registry's BASELINE name (is_baseline's job)."""
+    tree = ast.parse(path.read_text())
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            and any(isinstance(side, ast.Name) and side.id == "BASELINE"
+                    or isinstance(side, ast.Attribute) and side.attr == "BASELINE"
+                    for side in (n.left, *n.comparators))]
+
+
+def test_the_baseline_is_compared_only_in_the_registry(tmp_path):
+    found = {path.relative_to(REPO).as_posix(): _baseline_comparisons(path)
+             for path in sorted((REPO / "mpsync").rglob("*.py"))
+             if path.name != "policies.py" or path.parent.name != "mpsync"}
+    assert {k: v for k, v in found.items() if v} == {}
+    probe = tmp_path / "probe.py"
+    probe.write_text("from mpsync import policies\ndef f(p):\n"
+                     "    return p != policies.BASELINE\n")
+    assert _baseline_comparisons(probe) == [3]
+
+
+# -- the policy resolved once ---------------------------------------------------------------------
+def test_validate_resolves_the_policy_once_with_the_settings_it_reads():
+    config = SyncConfig.from_options(env={}, policy="esync", epsilon=0.5)
+    choice = config.choice
+    assert (choice.name, choice.topology, choice.baseline) == ("esync", "ring", policies.BASELINE)
+    assert dict(choice.parameters) == {"epsilon": 0.5, "esync_slack": 0.0,
+                                       "esync_delayed_ack": False}
+    assert choice.spec is policies.get("esync") and config.resolved() is choice
+    assert SyncConfig.from_options(env={}, policy="ssp").choice.topology == "ps"
+    assert "choice" not in config.to_dict()
+    with pytest.raises(ConfigError, match="unknown option 'choice'"):
+        SyncConfig.from_options(env={}, choice=None)
+    unvalidated = SyncConfig(policy="dssp")
+    assert unvalidated.choice is None and unvalidated.resolved().parameters == {
+        "staleness_low": 3, "staleness_high": 15}
+
+
+def test_choose_names_what_does_not_fit():
+    with pytest.raises(policies.PolicyError, match="runs only on topology='ps'"):
+        policies.choose("ssp", "ring", {"staleness": 3})
+    with pytest.raises(policies.PolicyError, match="reads staleness"):
+        policies.choose("ssp", "ps")
+    assert policies.baseline().is_baseline and not policies.get("esync").is_baseline
+    assert policies.is_baseline(policies.BASELINE) and not policies.is_baseline("nonesuch")
+
+
 def test_the_name_check_catches_a_comparison(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('"""bsp in a docstring is fine."""\n'

@@ -240,9 +240,9 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """One PNG per metric: the metric against N, a line per (policy, speeds)."""
-    from mpsync.apps.report import _pyplot
+    from mpsync.apps.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     flat = [_flat(r) for r in rows]
     policies = list(dict.fromkeys(r["policy"] for r in flat))
     for r in flat:   # a line per (speeds, shards): the PS's shard count is part of the setup

@@ -151,13 +151,16 @@ def set_rate(name: str | None, rate: str | None) -> None:
 
 
 def cluster_argv(n: int, command: list[str], name: str | None, *, server_alone: bool = False,
-                 extra: tuple = ()) -> list[str]:
+                 extra: tuple = (), tuning: str = "none") -> list[str]:
     """``mpirun`` of ``command`` on ``n`` ranks over the nodes of cluster ``name`` (rank i on
-    node i+1 unless ``server_alone``: rank 0 alone on node1)."""
+    node i+1 unless ``server_alone``: rank 0 alone on node1).  ``tuning``: the transport
+    settings (``mpsync.transport`` spec); Open MPI's defaults unless given, because the sweep
+    adds each variant's options itself (Open MPI refuses a parameter given twice)."""
     from mpsync.launch import forwarded_env, launch_argv
 
     return launch_argv(n, command, cluster=name or "", forward_env=forwarded_env(), extra=extra,
-                       placement="server-alone" if server_alone else "round-robin")
+                       placement="server-alone" if server_alone else "round-robin",
+                       tuning=tuning)
 
 
 def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:

@@ -65,7 +65,7 @@ def _ablations(policy: str, topology: str) -> list[str]:
     from mpsync import policies
 
     return ["no_jitter", "no_pauses"] + (["queued_link"] if topology == "ps" else []) + \
-        (["as_baseline"] if policy != policies.BASELINE else [])
+        ([] if policies.is_baseline(policy) else ["as_baseline"])
 
 
 def validate_runs(runs: Path, policies: list[str]) -> list[dict]:

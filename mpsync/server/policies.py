@@ -226,11 +226,10 @@ class DSSP(Policy):
 
 
 def make_policy(config, n_workers: int) -> Policy:
-    """The server policy of ``config.policy``, from the policy registry (mpsync.policies)."""
+    """The server policy of the configuration's resolved policy (its registry entry)."""
     from mpsync import policies
 
-    spec = policies.get(config.policy)
-    spec.check_topology(config.topology)  # PolicyError is a ValueError naming the policy
+    spec = config.resolved().spec  # a bad policy or topology: ConfigError, naming it
     cls = spec.server_class()
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise policies.PolicyError(f"policy {config.policy!r}: {spec.server} is not a "

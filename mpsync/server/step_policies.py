@@ -280,8 +280,8 @@ class OSP(Policy):
       worker holds once iteration k-1's ICS has landed), and given to every worker of k.
     * U_max (Eq. 5, Alg. 1 lines 1-2): each report carries the bound its worker measured,
       b·T_c/N in model elements, b the aggregation rate the worker measured (N times its
-      bytes per second: the rate at which a parameter server would take N workers' pushes),
-      T_c its compute time; the server uses the smallest (every worker's ICS must land
+      bytes per second: the rate at which a parameter server would take N workers' pushes;
+      timed after a barrier, so waiting for a straggler is not in it), T_c its compute time; the server uses the smallest (every worker's ICS must land
       within its own next computation), capped at ``osp_ics_max_fraction`` (0.8) of the
       model.  ``osp_ics_size="fixed"``: U_max is that fraction of the model instead.
     * S(G^u) (Alg. 1 lines 3-12): 0 in epoch 1, whose mean reported loss becomes L; in epoch
@@ -306,6 +306,7 @@ class OSP(Policy):
         self.loss_sum: dict[int, float] = {}
         self.loss_count: dict[int, int] = {}
         self.first_loss: float | None = None        # L of Alg. 1
+        self.epoch = 1                              # the latest epoch a report named
         self.ics_layers = 0
         self.ics_log: list[dict] = []               # per iteration: epoch, U_max, S(G^u), ICS size
 
@@ -339,7 +340,15 @@ class OSP(Policy):
                    loss: float | None = None, epoch: int = 0,
                    u_max: float | None = None, w: int = 0) -> np.ndarray:
         """The GIB of iteration ``k`` from a report of iteration ``k`` (its importance: the
-        global gradients of k-1); the first report of ``k`` decides it for every worker."""
+        global gradients of k-1); the first report of ``k`` decides it for every worker.
+
+        A report without an epoch (0: a joined worker's, which trains no more) belongs to the
+        latest epoch any report named, so a round opened by a joined worker is sized and
+        logged with the epoch the others are in, not as an epoch 0."""
+        if epoch >= 1:
+            self.epoch = max(self.epoch, int(epoch))
+        else:
+            epoch = self.epoch
         if u_max is not None and u_max >= 0.0:
             self.u_max_reported[w] = u_max
         if loss is not None and epoch >= 1 and np.isfinite(loss):

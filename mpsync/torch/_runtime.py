@@ -47,7 +47,8 @@ class Context:
     next_process_set_id: int = 0
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
-    # EmulatedLink when ``comm_delay`` > 0 (metrics and broadcasts are not delayed).
+    # EmulatedLink when ``comm_delay`` or ``comm_bandwidth`` > 0 (metrics and broadcasts are
+    # not delayed).
     data_backend: object | None = None
     objects: object | None = None   # communicator for gather_object
     client: object | None = None
@@ -241,8 +242,10 @@ def _start_backend(ctx: Context) -> None:
         ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
     else:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
-    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay)
-                        if ctx.config.comm_delay > 0 else ctx.backend)
+    emulated = ctx.config.comm_delay > 0 or ctx.config.comm_bandwidth > 0
+    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay,
+                                     bandwidth=ctx.config.comm_bandwidth)
+                        if emulated else ctx.backend)
     from mpsync.torch._collectives import UserOps, make_user_ops
 
     ctx.user_ops = make_user_ops(ctx)
