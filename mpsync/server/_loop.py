@@ -1,4 +1,4 @@
-"""The serve loop: receive, validate, dispatch to the policy, reply (STYLE.md practice 5).
+"""The serve loop: receive, validate, dispatch to the policy, reply; an explicit stop message.
 
 One thread, one communicator.  The loop never blocks in MPI (Open MPI's blocking receive
 polls a core at 100 %): it polls with ``Iprobe`` and has four speeds.
@@ -37,7 +37,6 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpsync import policies
 from mpsync.config import ConfigError
 from mpsync.server import _fastpath, rules, wire as W
 from mpsync.server._handlers import MessageHandlers
@@ -103,7 +102,7 @@ class StateServer(MessageHandlers):
             self.policy = make_policy(config, len(self.ranks))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        spec = policies.get(config.policy)
+        spec = config.resolved().spec
         # ESync §4.2: a report may be sent without waiting for its reply.
         self.delayed_ack = spec.reads("esync_delayed_ack")
         self.table = self.policy.t
@@ -113,8 +112,9 @@ class StateServer(MessageHandlers):
         self.events = EventLog()
         self.held: list[tuple] = []          # (tag, w, seq, extra): replies the tables hold back
         # On the PS, policies that average deltas apply each push scaled by (global step) / n
-        # (ESync Eq. 7-8: its pulls wait for every delta of the round, so each reads w_{t+1});
-        # the others apply each update as it is (Downpour style).
+        # (BSP, ESync Eq. 7-8: their pulls wait for every delta of the round, so each reads
+        # w_t + ε·mean_i Δ_i, the ring's average); the others apply each update as it is
+        # (Downpour style).
         n = len(self.ranks)
         self.weights = WeightStore(spec.global_step(config) / n if spec.ps_average else 1.0)
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -146,7 +146,8 @@ class StateServer(MessageHandlers):
         if fast_path is None:
             fast_path = config.server_fast_path
         kind = rules.FAST_KINDS.get(spec.fast_path)
-        if fast_path and _fastpath.unavailable_reason() is None and kind is not None:
+        if fast_path and _fastpath.unavailable_reason() is None and kind is not None \
+                and not self.policy.holds_steps:
             self.fast = _fastpath.FastPath(comm, self.index, kind, self.policy, self.cells,
                                            self.counters.cells, self.events.cells, self._msg,
                                            self.t0, config.esync_slack)

@@ -61,6 +61,9 @@ class Policy:
     is the registry's ``fast_path`` (``mpsync.policies``)."""
 
     takes_importance = False      # OSP's importance reports
+    # True: ``on_step`` may hold a reply, so the compiled loop (which answers every step of
+    # the "tables" family SYNC) must leave the steps to the Python loop.
+    holds_steps = False
 
     def __init__(self, table: WorkerTable, config):
         self.t = table
@@ -101,9 +104,33 @@ class Policy:
 
 
 class BSP(Policy):
-    """Everyone synchronizes every iteration (Horovod's behaviour).  On the PS topology a pull
-    waits until every active worker has pushed as often (SSP with s = 0)."""
+    """Everyone synchronizes every iteration (Horovod's behaviour).
 
+    On the PS topology BSP is rounds: a pull waits until every active worker has pushed as
+    often (SSP with s = 0), and a step's SYNC waits until every active worker has pulled the
+    previous round (its reset, sent after the pull, is in): otherwise a fast worker's next
+    push could reach the weights before a slow worker's pull of the round, which would then
+    read a model no ring computes.  With the server averaging the round's deltas
+    (``ps_average``), every worker then reads w_t + mean_i Δ_i, what the ring's gradient
+    average gives for SGD with or without momentum.  Workers that pushed their last update
+    (join) or were taken out are not waited for.
+    """
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        # The step rule needs the Python loop (the compiled one answers every step SYNC).
+        self.holds_steps = config.topology == "ps"
+
+    def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
+        return self.decide_held(w, k, now)
+
+    def decide_held(self, w, k, now):
+        if self.holds_steps:
+            t = self.t
+            members = t.active & ~t.final_pushed
+            if np.any(t.round[members] < t.round[w]):
+                return None
+        return SYNC, 0, 0
 
     def may_pull(self, w):
         return pull_within_staleness(self.t, w, 0)
@@ -137,8 +164,9 @@ class DSSP(Policy):
     the fastest worker up to ``s_U - s_L`` extra iterations; a pull that Alg. 1 line 17 holds is
     answered once ``ssp_may_continue(s_L)`` holds again.
 
-    Departure from Alg. 1 line 12: the controller is given the allowance that is left, not
-    the full r_max, so repeated grants never carry the fastest worker past s_U (``on_push``).
+    Departure [dssp-allowance-left] from Alg. 1 line 12: the controller is given the
+    allowance that is left, not the full r_max, so repeated grants never carry the fastest
+    worker past s_U (``on_push``).  The other two departures are ``sched.dssp_on_push``'s.
     """
 
 
@@ -158,10 +186,11 @@ class DSSP(Policy):
             return
         p = int(np.flatnonzero(idx == w)[0])
         r_before = int(self.r_extra[w])
-        # Departure from Alg. 1 line 12: the listing calls the controller with the full r_max
-        # each time the fastest worker is beyond s_L with no extra iterations left, so repeated
-        # grants could carry it past s_U.  We pass the allowance that is left, s_U - gap + 1
-        # (the OK sent now counts as the first extra iteration), so the gap never exceeds s_U.
+        # Departure [dssp-allowance-left], Alg. 1 line 12: the listing calls the controller
+        # with the full r_max each time the fastest worker is beyond s_L with no extra
+        # iterations left, so repeated grants could carry it past s_U.  We pass the allowance
+        # that is left, s_U - gap + 1 (the OK sent now counts as the first extra iteration),
+        # so the gap never exceeds s_U.
         gap = int(iters[p] - iters.min())
         r_max = max(0, min(self.config.staleness_high - self.config.staleness_low,
                            self.config.staleness_high - gap + 1))
@@ -197,11 +226,10 @@ class DSSP(Policy):
 
 
 def make_policy(config, n_workers: int) -> Policy:
-    """The server policy of ``config.policy``, from the policy registry (mpsync.policies)."""
+    """The server policy of the configuration's resolved policy (its registry entry)."""
     from mpsync import policies
 
-    spec = policies.get(config.policy)
-    spec.check_topology(config.topology)  # PolicyError is a ValueError naming the policy
+    spec = config.resolved().spec  # a bad policy or topology: ConfigError, naming it
     cls = spec.server_class()
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise policies.PolicyError(f"policy {config.policy!r}: {spec.server} is not a "

@@ -17,9 +17,10 @@ class WeightStore:
     """The central weights of the PS topology.
 
     ``scale`` is the factor every pushed update is applied with, from the policy's registry
-    entry (``ps_average``, ``global_step``): 1 applies each worker's update as it is (ASP, SSP, DSSP, BSP,
-    ElasticBSP, Downpour style); ε/n is ESync's Eq. 7-8, where the policy's pull rule makes
-    every delta of a round arrive before anyone reads the result.
+    entry (``ps_average``, ``global_step``): 1 applies each worker's update as it is (ASP,
+    SSP, DSSP, ElasticBSP, Downpour style); 1/n averages a round's deltas (BSP) and ε/n is
+    ESync's Eq. 7-8, where the policy's rules make every delta of a round arrive before
+    anyone reads the result and every pull of it happen before the next round's deltas.
     ``version`` counts the updates applied, so a worker can tell how fresh its pull is.
     """
 
