@@ -104,8 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="directory for simulate.json, table.md, plots")
 
 
+def _topology(args, policy: str) -> str:
+    return args.topology or registry.default_topology(policy)
+
+
 def _config(args, policy: str) -> SyncConfig:
-    kw = {"policy": policy, "topology": args.topology or registry.default_topology(policy)}
+    kw = {"policy": policy, "topology": _topology(args, policy)}
     for name in policy_options():
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
@@ -162,9 +166,11 @@ def run_rows(args, log=None) -> list[dict]:
                     iterations = 1000
             batch = trace.get("batch_size") or args.batch_size
             training = _training(args, trace)
-            for shards_text in str(args.ps_shards).split(","):
+            for i, shards_text in enumerate(str(args.ps_shards).split(",")):
                 cost = _cost(args, trace, _shards(shards_text, speeds0.n))
                 for policy in policies:
+                    if i and _topology(args, policy) != "ps":
+                        continue    # shards change nothing on the ring
                     rows.append(_row(args, policy, spec, n, cost, training, iterations,
                                      duration, batch, log))
     return rows

@@ -68,8 +68,9 @@ def _ablations(policy: str, topology: str) -> list[str]:
         ([] if policies.is_baseline(policy) else ["as_baseline"])
 
 
-def validate_runs(runs: Path, policies: list[str]) -> list[dict]:
-    """One row per policy found under ``runs``: measured vs simulated."""
+def validate_runs(runs: Path, policies: list[str], ablations: tuple | None = None) -> list[dict]:
+    """One row per policy found under ``runs``: measured vs simulated, and the replay under
+    each of ``ablations`` (default: all that apply)."""
     import numpy as np
 
     from mpsync import policies as registry
@@ -127,6 +128,8 @@ def validate_runs(runs: Path, policies: list[str]) -> list[dict]:
                                      abs(row["samples_error"]) <= SAMPLES_TARGET)
         baseline = SyncConfig(policy=registry.BASELINE, topology=tr["topology"])
         for name in _ablations(policy, tr["topology"]):
+            if ablations is not None and name not in ablations:
+                continue
             alt = {"no_jitter": lambda: replay(0.0),
                    "no_pauses": lambda: replay(jitter, pauses=False),
                    "queued_link": lambda: replay(jitter, queued=True),

@@ -74,8 +74,9 @@ class TwoStageSync(Strategy):
     server and runs the same collectives with zero gradients.
 
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
-    in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
-    correction is the same SGD-shaped term (the optimizer state keeps the local gradient).
+    in ``synchronize()``.  Departure [osp-lgp-plain-sgd]: Eq. 7 is exact for plain SGD; with
+    momentum or Adam the correction is the same SGD-shaped term (the optimizer state keeps the
+    local gradient).
     With the ``mpi`` backend Open MPI progresses a non-blocking collective only inside MPI
     calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
     thread.
