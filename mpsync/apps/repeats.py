@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 from mpsync.apps.runs import launch_argv, setup_line
+from mpsync.config import ConfigError
+from mpsync.launch.mpirun import run_with_deadline
 from mpsync import policies as registry
 from mpsync.apps.report import comparison_figure, format_repeats_table, time_to_target
 
@@ -29,8 +31,6 @@ __all__ = ["main", "seeds_of", "summarize_repeats", "common_level"]
 
 
 def seeds_of(args) -> list[int]:
-    from mpsync.config import ConfigError
-
     if args.seeds:
         try:
             seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -140,8 +140,6 @@ def _plot(runs, rows, path: Path, target: float, setup: str) -> None:
 
 def main(args, policies: list[str], seeds: list[int]) -> int:
     """Run (or, with --from-runs, read) every policy once per seed, interleaved."""
-    from mpsync.launch.mpirun import run_with_deadline
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = args.time_budget or (25.0 if args.epochs is None else 0.0)
