@@ -109,7 +109,7 @@ def _topology(args, policy: str) -> str:
 
 
 def _config(args, policy: str) -> SyncConfig:
-    kw = {"policy": policy, "topology": _topology(args, policy)}
+    kw = {"policy": policy, "topology": args.topology or ""}  # empty: the policy's own
     for name in policy_options():
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
@@ -206,7 +206,7 @@ def _row(args, policy, spec, n, cost, training, iterations, duration, batch, log
     row["speeds"] = spec
     row["ps_shards"] = cost.ps_shards
     row["cost_model"] = cost.describe()
-    row["config"] = {name: getattr(config, name) for name in registry.get(policy).options}
+    row["config"] = dict(config.choice.parameters)
     if log:
         log(f"[{policy} n={row['workers']} S={cost.ps_shards} {spec}] {row['runtime_s']:.1f}s: "
             f"{row['samples_per_s']:.0f} samples/s, wait {row['wait_fraction']:.3f}")
