@@ -206,7 +206,7 @@ def main(args) -> int:
         config = validate(args, workers)
         resume = None
         if args.resume:
-            from mpsync.apps.checkpoint import latest_good
+            from mpsync.apps.checkpoint import latest_good  # torch
 
             # Every rank reads and verifies the checkpoint before any communication, so a bad
             # one fails the whole job at once with the same message.
@@ -218,7 +218,7 @@ def main(args) -> int:
                 print(f"mpsync train: resuming from {path}: round {resume['round']}, "
                       f"step {resume['step']}", flush=True)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
-        from mpsync.apps.checkpoint import CheckpointError
+        from mpsync.apps.checkpoint import CheckpointError  # torch
 
         if not isinstance(e, (ConfigError, CheckpointError)):
             raise
