@@ -120,6 +120,11 @@ class PolicySpec:
         """ε of ESync Eq. 8 for a policy that reads ``epsilon``, else 1 (plain averaging)."""
         return float(config.epsilon) if "epsilon" in self.options else 1.0
 
+    def ps_update_scale(self, config, n_workers: int) -> float:
+        """The factor a parameter server applies each pushed update with: (global step) / n
+        under ``ps_average``, else 1 (each update as it is)."""
+        return self.global_step(config) / n_workers if self.ps_average else 1.0
+
     def reads(self, option: str) -> bool:
         return option in self.options
 

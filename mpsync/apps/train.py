@@ -43,7 +43,7 @@ import sys
 from mpsync import policies
 from mpsync.apps.trainer import world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    ConfigError, SyncConfig, plugins_from_env
+    ConfigError, SyncConfig, plugins_from_env, setting_from_env
 
 __all__ = ["add_arguments", "main", "build_config", "validate"]
 
@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds after which the server counts a quiet worker as gone "
                         f"(default {d.silent_timeout:g}; start-up before a worker's first "
                         f"step has its own allowance of {d.startup_timeout:g} s)")
+    g.add_argument("--ps-shards", default=None, metavar="N|auto",
+                   help=f"parameter-server shards (topology ps): N, or auto = one per node, "
+                        f"2 on one host (default: $MPSYNC_PS_SHARDS or {d.ps_shards})")
     g.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
                    help="modules that register policies of their own, imported on every rank "
                         "(default: $MPSYNC_PLUGINS)")
@@ -132,7 +135,9 @@ def build_config(args) -> SyncConfig:
     # No topology: the policy's own (SyncConfig.validate asks the registry).
     opts: dict = {"policy": args.policy, "topology": args.topology or "",
                   "backend": args.backend, "server": args.server,
-                  "plugins": plugins_from_env() if args.plugins is None else args.plugins}
+                  "plugins": plugins_from_env() if args.plugins is None else args.plugins,
+                  "ps_shards": (setting_from_env("ps_shards") if args.ps_shards is None
+                                else args.ps_shards)}
     if args.staleness is not None:
         opts["staleness"] = args.staleness
     if args.staleness_range is not None:
