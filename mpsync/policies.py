@@ -325,7 +325,8 @@ register(
                  f"between backward and the optimizer step ({_STR}LocalStepsThenAggregate)"),
         "ps": ("as on the ring: synchronous rounds (every Δ in before any pull of w_{t+1}), "
                "so PS and ring compute the same model",
-               f"as on the ring; the weights are float64 on the server ({_POL}ESync)"),
+               f"as on the ring: t_e on the server's clock, READY once every device "
+               f"pulled, the capability test held ({_POL}ESync)"),
     })
 register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
