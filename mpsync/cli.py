@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("mpsync.apps.compare", "run every policy under mpirun and compare time-to-accuracy"),
     "simulate": ("mpsync.apps.simulate", "simulate the policies on a virtual cluster of N workers"),
     "bench": ("mpsync.bench.__main__", "microbenchmarks: zipline, server, allreduce, memory"),
-    "jobs": ("mpsync.jobs", "render Slurm / PBS / horovodrun job scripts"),
+    "jobs": ("mpsync.launch.jobs", "render Slurm / PBS / horovodrun job scripts"),
     "cluster": ("mpsync.cluster.cli", "a virtual cluster of network-namespace nodes on this "
                                       "machine (root)"),
     "doctor": ("mpsync.doctor", "check the installation: versions, MPI, Numba, Horovod build"),

@@ -15,13 +15,13 @@ import os
 from dataclasses import dataclass, field
 
 from mpsync import policies
-from mpsync.policies import PolicyError
+from mpsync.policies import PolicyChoice, PolicyError
 from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
-    "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "plugins_from_env",
-    "parse_ps_shards", "setting_from_env",
+    "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
+    "plugins_from_env", "parse_ps_shards", "setting_from_env",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -47,7 +47,8 @@ class SyncConfig:
     # Empty: the policy's own default topology (its registry entry); filled in by validate().
     topology: str = ""
     # mpi4py's collectives need nothing beyond mpi4py, which the control plane needs anyway;
-    # Horovod is an optional source build (shared/FACTS.md), so it is chosen explicitly.
+    # Horovod is an optional source build (0.28.1 needs a patch to compile against torch 2.x),
+    # so it is chosen explicitly.
     backend: str = "mpi"
     server: str = "dedicated"
     # SSP threshold s (SSP: a worker may run at most s iterations ahead of the slowest).
@@ -96,10 +97,17 @@ class SyncConfig:
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0
+    # Emulated link rate (bytes per second) of the ring's aggregations: each allreduce takes at
+    # least a ring allreduce's time over links of this rate (EmulatedLink).  For experiments on
+    # one machine; 0 = off.
+    comm_bandwidth: float = 0.0
     # Modules that register policies of their own (comma-separated, ``MPSYNC_PLUGINS``),
     # imported on every rank by validate() before the policy name is looked up.
     plugins: str = ""
     extra: dict = field(default_factory=dict)
+    # The policy resolved by validate(): what the server, the workers and the reports read
+    # instead of looking the name up again.  Not a setting.
+    choice: PolicyChoice | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.topology and self.policy in policies.names():
@@ -112,7 +120,8 @@ class SyncConfig:
             if not self.topology:
                 self.topology = spec.default_topology
             _one_of("topology", self.topology, TOPOLOGIES)
-            spec.check_topology(self.topology)
+            self.choice = policies.choose(self.policy, self.topology,
+                                          {o: getattr(self, o) for o in spec.options})
         except PolicyError as e:
             raise ConfigError(str(e)) from None
         _one_of("backend", self.backend, BACKENDS)
@@ -141,12 +150,21 @@ class SyncConfig:
         self.ps_shards = parse_ps_shards(self.ps_shards)
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
+        if not self.comm_bandwidth >= 0:
+            raise ConfigError(f"comm_bandwidth must be >= 0 bytes/s (0: off), got "
+                              f"{self.comm_bandwidth}")
         return self
+
+    def resolved(self) -> PolicyChoice:
+        """The policy as validate() resolved it (validating now if it has not run)."""
+        if self.choice is None:
+            self.validate()
+        return self.choice
 
     @classmethod
     def from_options(cls, env: dict | None = None, **options) -> "SyncConfig":
         """Build from keyword options over ``MPSYNC_*`` environment variables; unknown keys fail."""
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        names = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "extra"}
         values: dict = {}
         env = os.environ if env is None else env
         for name, f in names.items():
@@ -160,7 +178,7 @@ class SyncConfig:
         return cls(**values).validate()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "choice"}
 
 
 DEFAULTS = SyncConfig()
@@ -204,6 +222,18 @@ def parse_ps_shards(value) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"ps_shards (--ps-shards, MPSYNC_PS_SHARDS) must be 'auto' or an "
                           f"integer >= 1 (the number of parameter-server shards), got {value!r}")
+    return value
+
+
+def parse_number(name: str, text: str, kind: type = float, *, at_least: float | None = None):
+    """``kind(text)`` (int or float), at least ``at_least``; the error names ``name``."""
+    what = "an integer" if kind is int else "a number"
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {text!r} is not {what}") from None
+    if at_least is not None and not value >= at_least:
+        raise ConfigError(f"{name} must be >= {at_least:g}, got {value:g}")
     return value
 
 

@@ -218,7 +218,7 @@ def test_train_flags_round_trip_for_the_relaunch_under_mpirun():
     import argparse
 
     from mpsync.apps import train
-    from mpsync.cluster.launching import argv_from_namespace
+    from mpsync.launch.cluster import argv_from_namespace
 
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
@@ -235,11 +235,11 @@ def test_train_flags_round_trip_for_the_relaunch_under_mpirun():
 def test_compare_without_cluster_launches_as_before(tmp_path):
     import argparse
 
-    from mpsync.apps import compare
+    from mpsync.apps import compare, runs
 
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    argv = compare.launch_argv(parser.parse_args([]), "bsp", tmp_path)
+    argv = runs.launch_argv(parser.parse_args([]), "bsp", tmp_path)
     assert "--hostfile" not in argv and "plm_rsh_agent" not in argv
 
 
@@ -515,7 +515,7 @@ def test_horovodrun_runs_across_the_nodes_with_the_ssh_stand_in(four_nodes):
 @needs_namespaces
 @pytest.mark.mpi
 def test_mpsync_train_cluster_starts_itself_on_the_nodes(four_nodes, tmp_path):
-    from mpsync.cluster.launching import cluster_mpirun_extra
+    from mpsync.launch.cluster import cluster_mpirun_extra
 
     extra = cluster_mpirun_extra(3, four_nodes.name)
     hostfile = Path(extra[extra.index("--hostfile") + 1]).read_text().split("\n")

@@ -46,7 +46,7 @@ def _mpsync(*args, timeout=120) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def cluster_slurm():
     from mpsync import cluster
-    from mpsync import cluster_slurm as cs
+    from mpsync.cluster import slurm as cs
 
     ok, why = cluster.available()
     if not ok:

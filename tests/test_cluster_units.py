@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsync.cluster_slurm import SlurmNode, slurm_conf, slurmd_argv
+from mpsync.cluster.slurm import SlurmNode, slurm_conf, slurmd_argv
 
 NODES = [SlurmNode("node1", "10.77.0.1", "/var/run/netns/node1"),
          SlurmNode("node2", "10.77.0.2", "/var/run/netns/node2")]

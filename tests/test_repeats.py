@@ -11,7 +11,7 @@ import pytest
 
 from mpi_harness import REPO
 
-from mpsync.apps import compare, repeats
+from mpsync.apps import compare, repeats, report
 from mpsync.config import ConfigError
 
 PY = sys.executable
@@ -36,9 +36,9 @@ def test_misses_count_as_slowest_not_dropped():
             esync["time_to_target_max_s"]) == (5.0, 4.0, 6.0)
     assert asp["time_to_target_s"] is None and asp["reached"] == 1
     assert asp["time_to_target_min_s"] == 3.0
-    assert esync["speedup_vs_bsp"] == pytest.approx(12.0 / 5.0)
+    assert esync["speedup_vs_baseline"] == pytest.approx(12.0 / 5.0)
     assert (bsp["final_acc"], bsp["final_acc_min"], bsp["final_acc_max"]) == (0.9, 0.8, 0.92)
-    table = repeats.format_table(list(rows.values()))
+    table = report.format_repeats_table(list(rows.values()))
     assert "| bsp | 2/3 | 12.0 (10.0–not reached) |" in table
     assert "| asp | 1/3 | not reached (3.0–not reached) |" in table
 

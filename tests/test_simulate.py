@@ -130,12 +130,36 @@ def test_ring_cost_model():
     assert cost.ring(1) == 0.0
     assert cost.ring(4) == pytest.approx(2 * 3 / 4 * 0.1 + 6e-5)
     assert cost.link() == pytest.approx(0.1 + 1e-5)
-    # the PS link is the bottleneck: with short iterations a round is 2n transfers of B
-    ps = CostModel(model_bytes=1e7, bandwidth=1e9, latency=0.0, query=0.0)
+    assert cost.push() == pytest.approx(0.1 + 1e-5 + 1e8 / cost.apply_rate)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_ps_shards_queue_pushes_and_pulls_and_apply_every_update(shards):
+    # 8 workers with 1 ms iterations keep the shards busy: a BSP round is 8 pushes (receive
+    # B/S and apply it) and 8 pulls (send B/S), one after another at each shard
+    B, bw, apply = 1e7, 1e9, 4e9
+    ps = CostModel(model_bytes=B, bandwidth=bw, latency=0.0, query=0.0, ps_shards=shards,
+                   apply_rate=apply)
     t = [simulate(_config("bsp", "ps"), SpeedModel(np.full(8, 1e-3)), ps, iterations=k,
                   engine=engine)["sim_time_s"] for k in (20, 40) for engine in ("fast", "exact")]
-    assert (t[2] - t[0]) / 20 == pytest.approx(2 * 8 * 0.01, rel=1e-9)
+    per_round = 8 * (B / shards / bw + B / shards / apply) + 8 * B / shards / bw
+    assert (t[2] - t[0]) / 20 == pytest.approx(per_round, rel=1e-9)
     assert t[1] == pytest.approx(t[0], rel=1e-12) and t[3] == pytest.approx(t[2], rel=1e-12)
+
+
+def test_ps_transfers_never_beat_the_workers_own_link():
+    # as many shards as workers: the shards share the work, each worker's link is the limit
+    B, bw = 1e7, 1e9
+    ps = CostModel(model_bytes=B, bandwidth=bw, latency=0.0, query=0.0, ps_shards=64,
+                   apply_rate=1e12)
+    row = simulate(_config("asp"), SpeedModel(np.full(4, 1e-3)), ps, iterations=50)
+    # per iteration: compute, a push and a pull of the whole model through the worker's link
+    # (the run ends when the 50th iteration is computed, before its push)
+    assert row["sim_time_s"] == pytest.approx(50 * 1e-3 + 49 * 2 * B / bw, rel=1e-9)
+    with pytest.raises(ConfigError, match="ps_shards"):
+        CostModel(ps_shards=0)
+    with pytest.raises(ConfigError, match="apply_rate"):
+        CostModel(apply_rate=0)
 
 
 def test_speed_specs_and_their_errors(tmp_path):

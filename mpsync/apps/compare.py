@@ -19,9 +19,13 @@ import sys
 from pathlib import Path
 
 from mpsync import policies as registry
+from mpsync.apps import repeats
+from mpsync.apps.report import comparison_figure, format_table
+from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
 from mpsync.config import DEFAULTS, ConfigError
+from mpsync.launch.cluster import add_cluster_arguments
 
-__all__ = ["add_arguments", "main", "train_argv", "launch_argv", "ranks", "DEMO_POLICIES"]
+__all__ = ["add_arguments", "main", "table_rows", "DEMO_POLICIES"]
 
 # Every registered policy, the baseline first (registration order).
 DEMO_POLICIES = ",".join(registry.names())
@@ -68,52 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every policy R times, interleaved; medians with min-max")
     p.add_argument("--seeds", default=None,
                    help="comma list, one seed per repeat (default: --seed, --seed+1, ...)")
-    from mpsync.cluster.launching import add_cluster_arguments
-
     add_cluster_arguments(p)
     p.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="with --cluster: every node's link at RATE (e.g. 1gbit) for the "
                         "comparison; the cluster is made with one node per rank if it is not "
                         "up (and removed after), else its rates are restored after")
-
-
-def train_argv(args, policy: str, out: Path) -> list[str]:
-    argv = ["--policy", policy, "--slowdown", args.slowdown, "--target-acc", str(args.target_acc),
-            "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
-            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
-            "--comm-delay", str(args.comm_delay), "--server", args.server,
-            "--out", str(out), "--no-progress"]
-    if args.topology is not None:  # else train picks the policy's own topology
-        argv += ["--topology", args.topology]
-    if getattr(args, "ps_shards", None) is not None:
-        argv += ["--ps-shards", str(args.ps_shards)]
-    if args.iter_time:
-        argv += ["--iter-time", str(args.iter_time)]
-    if args.slowdown_schedule:
-        argv += ["--slowdown-schedule", args.slowdown_schedule]
-    if args.epochs is not None:
-        argv += ["--epochs", str(args.epochs)]
-    else:
-        argv += ["--time-budget", str(args.time_budget or 25.0)]
-    return argv + args.train_args.split()
-
-
-def ranks(args) -> int:
-    """MPI ranks of one run: the workers, plus one for a dedicated server."""
-    return args.np + (1 if args.server == "dedicated" else 0)
-
-
-def launch_argv(args, policy: str, out: Path) -> list[str]:
-    """The ``mpirun`` command line of one policy's run (no launch; with ``--cluster`` it
-    writes the cluster's hostfile for this rank count)."""
-    from mpsync.cluster.launching import cluster_mpirun_extra
-    from mpsync.launch import forwarded_env, mpirun_argv, python_argv
-
-    extra = cluster_mpirun_extra(ranks(args), getattr(args, "cluster", None),
-                                 placement=getattr(args, "cluster_placement", "server-alone"))
-    return mpirun_argv(ranks(args), python_argv("mpsync.apps.train",
-                                                *train_argv(args, policy, out)),
-                       forward_env=forwarded_env(), extra=extra)
 
 
 def _validate(args) -> list[str]:
@@ -162,7 +125,6 @@ def _compare(args) -> int:
     try:
         policies = _validate(args)
         if args.repeats is not None or args.seeds:
-            from mpsync.apps import repeats
             seeds = repeats.seeds_of(args)
     except ConfigError as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
@@ -212,10 +174,8 @@ def _compare(args) -> int:
                   f"final acc {m['final_acc']:.3f}", flush=True)
     rows = table_rows(runs)
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
-              "setup": _setup_line(args, runs)}
+              "setup": setup_line(args, runs)}
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
-    from mpsync.apps.report import format_table
-
     table = format_table(rows)
     (out / "table.md").write_text(f"{result['setup']}\n\n{table}\n")
     if runs:
@@ -223,7 +183,7 @@ def _compare(args) -> int:
     if args.json:
         print(json.dumps({"rows": [{k: r[k] for k in ("policy", "time_to_target_s", "final_acc",
                                                       "samples_per_s", "wait_fraction",
-                                                      "speedup_vs_bsp")} for r in rows]}))
+                                                      "speedup_vs_baseline")} for r in rows]}))
     else:
         print(result["setup"])
         print(table)
@@ -233,70 +193,37 @@ def _compare(args) -> int:
 
 
 def table_rows(runs: dict[str, dict]) -> list[dict]:
-    base = runs.get(registry.BASELINE, {}).get("time_to_target_s")
-    bsp_wall = runs.get(registry.BASELINE, {}).get("wall_s")
+    baseline = next((m for p, m in runs.items() if registry.is_baseline(p)), {})
+    base = baseline.get("time_to_target_s")
+    base_wall = baseline.get("wall_s")
     rows = []
     for policy, m in runs.items():
         ttt = m["time_to_target_s"]
         rows.append({"policy": policy, "time_to_target_s": ttt, "final_acc": m["final_acc"],
                      "samples_per_s": m["samples_per_s"], "wait_fraction": m["wait_fraction"],
                      "bytes_per_sample": m["bytes_per_sample"],
-                     "speedup_vs_bsp": (base / ttt if base is not None and ttt else None),
-                     # BSP missed the target within its run: the speedup is at least this.
-                     "speedup_at_least": (bsp_wall / ttt if base is None and bsp_wall and ttt
+                     "speedup_vs_baseline": (base / ttt if base is not None and ttt else None),
+                     # The baseline missed the target within its run: the speedup is at least this.
+                     "speedup_at_least": (base_wall / ttt if base is None and base_wall and ttt
                                           else None),
                      "topology": m["config"]["topology"]})
     return rows
 
 
-def _setup_line(args, runs) -> str:
-    any_run = next(iter(runs.values()), None)
-    het = (any_run["config"]["heterogeneity"] if any_run else
-           f"slowdown {args.slowdown or 'none'}")
-    stop = f"{args.epochs} epochs" if args.epochs is not None else \
-        f"{args.time_budget or 25.0:g} s per policy"
-    server = ("+ 1 server rank" if args.server == "dedicated" else
-              "(server thread on rank 0)")
-    where = ""
-    if getattr(args, "cluster", None) is not None:
-        from mpsync import cluster
-
-        st = cluster.load_state(args.cluster or None)
-        if st is not None:
-            where = (f"across {len(st.nodes)} nodes (links {st.bandwidth or 'unlimited'}, "
-                     f"{args.cluster_placement}), ")
-    return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
-            f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
-            f"target accuracy {args.target_acc}")
-
-
 def _plot(runs, rows, path: Path, target: float, setup: str) -> None:
-    from mpsync.apps.report import _pyplot
-
-    plt = _pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    for policy, m in runs.items():
-        ax.plot([e["wall_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
-                marker=".", label=policy)
-    ax.axhline(target, color="gray", ls="--", lw=1)
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    names = [r["policy"] for r in rows]
-    values = [r["time_to_target_s"] if r["time_to_target_s"] is not None else 0 for r in rows]
-    bars = bx.bar(names, values, color="#4c72b0")
-    for b, r in zip(bars, rows):
-        if r["time_to_target_s"] is None:
-            bx.text(b.get_x() + b.get_width() / 2, 0, "not\nreached", ha="center",
-                    va="bottom", fontsize=8)
-    bx.set_ylabel(f"time to {target:g} accuracy (s)")
-    bx.grid(alpha=0.3, axis="y")
-    fig.suptitle(setup, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with comparison_figure(path, target, setup) as (_, ax, bx):
+        for policy, m in runs.items():
+            ax.plot([e["wall_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
+                    marker=".", label=policy)
+        names = [r["policy"] for r in rows]
+        values = [r["time_to_target_s"] if r["time_to_target_s"] is not None else 0
+                  for r in rows]
+        bars = bx.bar(names, values, color="#4c72b0")
+        for b, r in zip(bars, rows):
+            if r["time_to_target_s"] is None:
+                bx.text(b.get_x() + b.get_width() / 2, 0, "not\nreached", ha="center",
+                        va="bottom", fontsize=8)
+        bx.set_ylabel(f"time to {target:g} accuracy (s)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ time keeps the ratio between workers what was asked for.  Without ``iter_time`` 
 sleeps (f-1) x its measured compute time.
 
 ``--slowdown-schedule "T:f0,f1,..;T2:.."`` replaces the factors from wall time T seconds on
-(a worker that slows down or recovers mid-run, the situation DSSP §3 and ElasticBSP §1 adapt to).
+(both parsed by :mod:`mpsync.slowdown`).
 """
 
 from __future__ import annotations
@@ -15,36 +15,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mpsync.config import ConfigError, parse_float_list
+from mpsync.config import ConfigError
+from mpsync.slowdown import parse_factors, parse_schedule
 
-__all__ = ["Heterogeneity", "parse_schedule"]
-
-
-def parse_schedule(text: str, workers: int) -> list[tuple[float, list[float]]]:
-    """``"30:1,1,1,4;60:1,1,1,1"`` -> [(30.0, [1,1,1,4]), (60.0, [1,1,1,1])], sorted by time."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        at, sep, factors = part.partition(":")
-        if not sep:
-            raise ConfigError(f"--slowdown-schedule: {part!r} is not TIME:f0,f1,...")
-        try:
-            t = float(at)
-        except ValueError:
-            raise ConfigError(f"--slowdown-schedule: time {at!r} is not a number") from None
-        if t < 0:
-            raise ConfigError(f"--slowdown-schedule: time {t} < 0")
-        values = parse_float_list("--slowdown-schedule", factors, workers)
-        _check_factors("--slowdown-schedule", values)
-        out.append((t, values))
-    if not out:
-        raise ConfigError("--slowdown-schedule: empty")
-    return sorted(out, key=lambda e: e[0])
-
-
-def _check_factors(flag: str, values: list[float]) -> None:
-    bad = [v for v in values if not v >= 1.0]
-    if bad:
-        raise ConfigError(f"{flag}: factors must be >= 1 (1 = full speed), got {bad[0]}")
+__all__ = ["Heterogeneity"]
 
 
 @dataclass
@@ -59,8 +33,7 @@ class Heterogeneity:
     @classmethod
     def from_flags(cls, worker: int, workers: int, slowdown: str | None, schedule: str | None,
                    iter_time: float | None, comm_delay: float) -> "Heterogeneity":
-        factors = parse_float_list("--slowdown", slowdown, workers) if slowdown else [1.0] * workers
-        _check_factors("--slowdown", factors)
+        factors = parse_factors(slowdown, workers)
         if iter_time is not None and not iter_time > 0:
             raise ConfigError(f"--iter-time must be > 0 seconds, got {iter_time}")
         if comm_delay < 0:

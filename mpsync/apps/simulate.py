@@ -1,25 +1,52 @@
 """``mpsync simulate``: which policy wins on a cluster you do not have (``mpsync.simulate``).
 
-One row per (policy, worker count, speed spec): throughput, wait and aggregation fractions,
-rounds, staleness (PS policies), local steps per round (ESync, ElasticBSP) and the server
-decisions per second the run needs.  ``--workers`` and ``--speeds`` take lists for a sweep;
-``--out`` writes ``simulate.json``, ``table.md`` and one plot per metric against N.
+One row per (policy, worker count, PS shards, speed spec): throughput, wait and aggregation
+fractions, rounds, staleness (PS policies), local steps per round (ESync, ElasticBSP) and the
+server decisions per second the run needs.  ``--workers``, ``--ps-shards`` and ``--speeds``
+take lists for a sweep; ``--out`` writes ``simulate.json``, ``table.md`` and one plot per metric
+against N.  Every parameter a registered policy reads (its registry ``options``: DSSP's
+``--staleness-low/--staleness-high``, ESync's ``--esync-delayed-ack``, OSP's
+``--osp-ics-size``, ...) is a flag, with ``SyncConfig``'s default.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync.config import ConfigError, SyncConfig
+from mpsync.config import DEFAULTS, ConfigError, SyncConfig, parse_number
 
 __all__ = ["add_arguments", "main", "run_rows", "PLOTTED"]
 
 PLOTTED = ("samples_per_s", "wait_fraction", "aggregation_fraction", "decisions_per_s",
            "local_steps_mean", "staleness_p99")
+
+
+def policy_options() -> list[str]:
+    """Every SyncConfig field a registered policy reads, in registration order."""
+    fields = {f.name for f in dataclasses.fields(SyncConfig)}
+    seen: dict = {}
+    for spec in registry.specs():
+        for name in spec.options:
+            if name in fields:
+                seen.setdefault(name, spec.name)
+    return list(seen)
+
+
+def _flag_type(name: str):
+    default = getattr(DEFAULTS, name)
+    if isinstance(default, bool):
+        def parse(text):
+            v = text.strip().lower()
+            if v not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+            return v in ("1", "true", "yes", "on")
+        return parse
+    return type(default)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speeds", default="lognormal:0.3",
                    help="lognormal:SIGMA | groups:1x256,1.5x128,3x128 | trace:metrics.json | "
                         "const; ';'-separated list for a sweep")
-    p.add_argument("--policies", default="bsp,ssp,dssp,ebsp,esync,asp,osp")
+    p.add_argument("--policies", default=",".join(registry.names()),
+                   help=f"comma list (default: every registered policy, "
+                        f"{', '.join(registry.names())})")
     p.add_argument("--iterations", type=int, default=None,
                    help="stop after workers x ITERATIONS iterations in total (default 1000)")
     p.add_argument("--duration", type=float, default=None,
@@ -40,18 +69,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the spread a trace's server measured)")
     p.add_argument("--slowdown-schedule", default=None,
                    help="'T:f0,f1,...;T2:...' factors from virtual time T on (as mpsync train)")
-    p.add_argument("--model-bytes", default="100M", help="bytes aggregated per round")
-    p.add_argument("--bandwidth", default="1.25G", help="bytes/s per link (1.25G = 10 Gbit/s)")
-    p.add_argument("--latency", type=float, default=5e-6, help="per ring step / PS message (s)")
-    p.add_argument("--query-latency", type=float, default=None,
+    g = p.add_argument_group("costs")
+    g.add_argument("--model-bytes", default="100M", help="bytes aggregated per round")
+    g.add_argument("--bandwidth", default="1.25G", help="bytes/s per link (1.25G = 10 Gbit/s)")
+    g.add_argument("--latency", type=float, default=5e-6, help="per ring step / PS message (s)")
+    g.add_argument("--query-latency", type=float, default=None,
                    help="server query round trip (s); default 1e-4, or the trace's")
-    p.add_argument("--aggregation-s", type=float, default=None,
+    g.add_argument("--aggregation-s", type=float, default=None,
                    help="fixed cost per aggregation round (s) instead of the model; default "
                         "for trace: the run's measured cost")
+    g.add_argument("--ps-shards", default="1",
+                   help="parameter-server shards S (a link each), or a comma list for a sweep; "
+                        "'auto': one per worker")
+    g.add_argument("--ps-apply-rate", default=None,
+                   help="bytes/s a shard server applies a pushed update at (default "
+                        "CostModel's)")
+    g = p.add_argument_group("training (what workers report: OSP's epochs and losses)")
+    g.add_argument("--epoch-iterations", type=int, default=None,
+                   help="iterations per worker per epoch (default 100, or the trace's)")
+    g.add_argument("--loss-decay", type=float, default=None,
+                   help="fraction by which the mean loss falls per epoch (default 0.2; a "
+                        "trace: its measured losses)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="equal layers of the model (OSP moves whole layers; default 10)")
+    g = p.add_argument_group("policy parameters (SyncConfig's defaults)")
+    for name in policy_options():
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(name),
+                       default=None, help=f"default {getattr(DEFAULTS, name)!r}")
     p.add_argument("--topology", default=None, help="ring | ps (default: each policy's own)")
-    p.add_argument("--staleness", type=int, default=None)
-    p.add_argument("--lookahead", type=int, default=None)
-    p.add_argument("--esync-slack", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--engine", default="auto", help="auto | exact | fast")
     p.add_argument("--seed", type=int, default=0)
@@ -59,20 +104,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="directory for simulate.json, table.md, plots")
 
 
+def _topology(args, policy: str) -> str:
+    return args.topology or registry.default_topology(policy)
+
+
 def _config(args, policy: str) -> SyncConfig:
-    kw = {"policy": policy, "topology": args.topology or registry.default_topology(policy)}
-    for name in ("staleness", "lookahead", "esync_slack"):
-        if getattr(args, name) is not None:
+    kw = {"policy": policy, "topology": _topology(args, policy)}
+    for name in policy_options():
+        if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
-    if registry.get(policy).reads("staleness_low") and args.staleness is not None:
-        kw["staleness_low"] = args.staleness
-        kw["staleness_high"] = max(args.staleness, SyncConfig.staleness_high)
-    return SyncConfig(**kw).validate()
+    try:
+        return SyncConfig(**kw).validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _shards(text: str, n: int) -> int:
+    if text.strip() == "auto":
+        return n
+    return parse_number("--ps-shards", text, int, at_least=1)
+
+
+def _training(args, trace: dict):
+    from mpsync.simulate import TrainingModel
+
+    kw = {name: getattr(args, name) for name in ("epoch_iterations", "loss_decay", "layers")
+          if getattr(args, name) is not None}
+    return TrainingModel.from_trace(trace, **kw)
 
 
 def run_rows(args, log=None) -> list[dict]:
     """Every (speed spec, worker count, policy) of the arguments; one row each."""
-    from mpsync.simulate import CostModel, parse_rate, parse_speeds, simulate
+    from mpsync.simulate import parse_speeds
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
@@ -95,13 +158,6 @@ def run_rows(args, log=None) -> list[dict]:
             speeds0 = parse_speeds(spec, n, args.iter_time, args.seed, args.jitter,
                                    args.slowdown_schedule)
             trace = speeds0.trace or {}
-            cost = CostModel(model_bytes=parse_rate(args.model_bytes, "--model-bytes"),
-                             bandwidth=parse_rate(args.bandwidth, "--bandwidth"),
-                             latency=args.latency,
-                             query=args.query_latency if args.query_latency is not None
-                             else trace.get("query_s", 1e-4),
-                             fixed_aggregation=args.aggregation_s
-                             if args.aggregation_s is not None else trace.get("aggregation_s"))
             iterations, duration = args.iterations, args.duration
             if iterations is None and duration is None:
                 if trace.get("wall_s"):
@@ -109,33 +165,56 @@ def run_rows(args, log=None) -> list[dict]:
                 else:
                     iterations = 1000
             batch = trace.get("batch_size") or args.batch_size
-            for policy in policies:
-                config = _config(args, policy)
-                # a fresh speed model per policy: every policy sees the same draws
-                speeds = parse_speeds(spec, n, args.iter_time, args.seed, args.jitter,
-                                      args.slowdown_schedule)
-                try:
-                    row = simulate(config, speeds, cost, iterations=iterations,
-                                   duration=duration, engine=args.engine, batch_size=batch)
-                except ValueError as e:
-                    raise ConfigError(str(e)) from None
-                row["speeds"] = spec
-                row["cost_model"] = cost.describe()
-                rows.append(row)
-                if log:
-                    log(f"[{policy} n={row['workers']} {spec}] {row['runtime_s']:.1f}s: "
-                        f"{row['samples_per_s']:.0f} samples/s, wait {row['wait_fraction']:.3f}")
+            training = _training(args, trace)
+            for i, shards_text in enumerate(str(args.ps_shards).split(",")):
+                cost = _cost(args, trace, _shards(shards_text, speeds0.n))
+                for policy in policies:
+                    if i and _topology(args, policy) != "ps":
+                        continue    # shards change nothing on the ring
+                    rows.append(_row(args, policy, spec, n, cost, training, iterations,
+                                     duration, batch, log))
     return rows
 
 
-def _count(text: str) -> int:
+def _cost(args, trace: dict, shards: int):
+    from mpsync.simulate import CostModel, parse_rate
+
+    kw = {} if args.ps_apply_rate is None else \
+        {"apply_rate": parse_rate(args.ps_apply_rate, "--ps-apply-rate")}
+    return CostModel(model_bytes=parse_rate(args.model_bytes, "--model-bytes"),
+                     bandwidth=parse_rate(args.bandwidth, "--bandwidth"),
+                     latency=args.latency,
+                     query=args.query_latency if args.query_latency is not None
+                     else trace.get("query_s", 1e-4),
+                     fixed_aggregation=args.aggregation_s
+                     if args.aggregation_s is not None else trace.get("aggregation_s"),
+                     ps_shards=shards, **kw)
+
+
+def _row(args, policy, spec, n, cost, training, iterations, duration, batch, log):
+    from mpsync.simulate import parse_speeds, simulate
+
+    config = _config(args, policy)
+    # a fresh speed model per policy: every policy sees the same draws
+    speeds = parse_speeds(spec, n, args.iter_time, args.seed, args.jitter,
+                          args.slowdown_schedule)
     try:
-        n = int(text)
-    except ValueError:
-        raise ConfigError(f"--workers: {text!r} is not an integer") from None
-    if n < 1:
-        raise ConfigError(f"--workers must be >= 1, got {n}")
-    return n
+        row = simulate(config, speeds, cost, iterations=iterations, duration=duration,
+                       engine=args.engine, batch_size=batch, training=training)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    row["speeds"] = spec
+    row["ps_shards"] = cost.ps_shards
+    row["cost_model"] = cost.describe()
+    row["config"] = {name: getattr(config, name) for name in registry.get(policy).options}
+    if log:
+        log(f"[{policy} n={row['workers']} S={cost.ps_shards} {spec}] {row['runtime_s']:.1f}s: "
+            f"{row['samples_per_s']:.0f} samples/s, wait {row['wait_fraction']:.3f}")
+    return row
+
+
+def _count(text: str) -> int:
+    return parse_number("--workers", text, int, at_least=1)
 
 
 def _flat(row: dict) -> dict:
@@ -146,7 +225,7 @@ def _flat(row: dict) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["policy", "topology", "N", "speeds", "samples/s", "iterations/s", "wait fraction",
+    head = ["policy", "topology", "N", "PS shards", "speeds", "samples/s", "iterations/s", "wait fraction",
             "aggregation fraction", "rounds", "local steps/round (mean, max)",
             "staleness (p50/p99/max)", "decisions/s", "engine, run time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -155,7 +234,8 @@ def format_table(rows: list[dict]) -> str:
         stale = r.get("staleness")
         local_text = f"{local['mean']:.2f}, {local['max']}" if local else "-"
         stale_text = f"{stale['p50']}/{stale['p99']}/{stale['max']}" if stale else "-"
-        cells = [r["policy"], r["topology"], str(r["workers"]), r["speeds"],
+        cells = [r["policy"], r["topology"], str(r["workers"]),
+                 str(r.get("ps_shards", 1)) if r["topology"] == "ps" else "-", r["speeds"],
                  f"{r['samples_per_s']:.0f}", f"{r['iterations_per_s']:.1f}",
                  f"{r['wait_fraction']:.3f}", f"{r['aggregation_fraction']:.3f}",
                  f"{r['rounds']:.0f}", local_text, stale_text, f"{r['decisions_per_s']:.0f}",
@@ -166,11 +246,14 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """One PNG per metric: the metric against N, a line per (policy, speeds)."""
-    from mpsync.apps.report import _pyplot
+    from mpsync.apps.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     flat = [_flat(r) for r in rows]
     policies = list(dict.fromkeys(r["policy"] for r in flat))
+    for r in flat:   # a line per (speeds, shards): the PS's shard count is part of the setup
+        if r["topology"] == "ps" and len({x.get("ps_shards", 1) for x in flat}) > 1:
+            r["speeds"] = f"{r['speeds']}, S={r.get('ps_shards', 1)}"
     specs = list(dict.fromkeys(r["speeds"] for r in flat))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]

@@ -44,6 +44,7 @@ from mpsync import policies
 from mpsync.apps.trainer import world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     ConfigError, SyncConfig, plugins_from_env, setting_from_env
+from mpsync.launch.cluster import add_cluster_arguments
 
 __all__ = ["add_arguments", "main", "build_config", "validate"]
 
@@ -123,8 +124,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Fault injection for the resume test: SIGKILL worker 0 right after this step.
     g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("across nodes (started from the login node, not under mpirun)")
-    from mpsync.cluster.launching import add_cluster_arguments
-
     add_cluster_arguments(g)
     g.add_argument("--np", type=int, default=None,
                    help="with --cluster: workers (default one per node besides node1)")
@@ -202,9 +201,7 @@ def validate(args, workers: int | None) -> SyncConfig:
 def main(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.cluster is not None and "OMPI_COMM_WORLD_SIZE" not in os.environ:
-        from mpsync.cluster.launching import run_train_on_cluster
-
-        return run_train_on_cluster(args, add_arguments)
+        return _run_on_cluster(args)
     try:
         size = world_size()
         workers = args.workers or (size - 1 if args.server == "dedicated" else size)
@@ -233,6 +230,41 @@ def main(args) -> int:
     from mpsync.apps.trainer import train
 
     return train(args, config, workers, resume)
+
+
+def _run_on_cluster(args) -> int:
+    """``mpsync train --cluster``: start this same training under ``mpirun`` on the cluster's
+    nodes (``--np`` workers, default one per node besides node1; plus the dedicated server's
+    rank) and wait for it; the exit code is mpirun's."""
+    import subprocess
+
+    from mpsync import cluster as vc
+    from mpsync.launch.cluster import argv_from_namespace
+    from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
+    from mpsync.launch.registry import launch_argv
+
+    name = args.cluster or None
+    state = vc.load_state(name)
+    if state is None:
+        print(f"mpsync train: error: cluster {name or vc.default_name()!r} is not up "
+              f"(mpsync cluster up --nodes N)", file=sys.stderr)
+        return 2
+    dedicated = args.server == "dedicated"
+    workers = args.np or max(1, len(state.nodes) - (1 if dedicated else 0))
+    ranks = workers + (1 if dedicated else 0)
+    try:
+        validate(args, workers)
+    except ConfigError as e:
+        print(f"mpsync train: error: {e}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np"))
+    argv = launch_argv(ranks, python_argv("mpsync.apps.train", *rest), cluster=name or "",
+                       placement=args.cluster_placement, forward_env=forwarded_env())
+    print(f"mpsync train: {ranks} ranks on cluster {state.name}: {' '.join(argv)}",
+          file=sys.stderr, flush=True)
+    return subprocess.run(argv, env=clean_launch_env(os.environ)).returncode
 
 
 def _warn_once(msg: str) -> None:

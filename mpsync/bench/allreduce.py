@@ -42,6 +42,7 @@ import sys
 import time
 
 from mpsync import policies as registry
+from mpsync.bench._timing import byte_sizes, timed
 
 __all__ = ["add_arguments", "run", "DEFAULT_SIZES"]
 
@@ -83,15 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with these Open MPI settings (same names as --probe-variants)")
 
 
-def _sizes(text: str | None) -> list[int]:
-    if not text:
-        return list(DEFAULT_SIZES)
-    sizes = [int(float(x)) for x in text.split(",") if x.strip()]
-    if not sizes or any(s < 4 for s in sizes):
-        raise SystemExit(f"--sizes: need byte counts >= 4, got {text!r}")
-    return sizes
-
-
 def run(args: argparse.Namespace) -> int:
     from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
 
@@ -101,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return run_allreduce(args)
     if args.np < 1:
         raise SystemExit(f"--np must be >= 1, got {args.np}")
-    sizes = _sizes(args.sizes)
+    sizes = byte_sizes(args.sizes, DEFAULT_SIZES)
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
               "--seconds-per-point", str(args.seconds_per_point)] + \
         (["--fp16"] if getattr(args, "fp16", False) else [])
@@ -173,34 +165,6 @@ def _print_table(table: list[dict]) -> None:
 
 
 # -- rank side ---------------------------------------------------------------------------------
-def _timed(comm, methods: dict, max_repeats: int, budget: float) -> dict:
-    """Median over repeats of the slowest rank's time for each ``methods[name]()``, in ms.
-
-    The methods are interleaved (one call of each per repeat, a barrier before each call), so
-    background activity hits all of them alike.  One warm-up round sizes the number of repeats
-    (rank 0's estimate, so all ranks agree).
-    """
-    import numpy as np
-    from mpi4py import MPI
-
-    names = list(methods)
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for name in names:
-        methods[name]()
-    once = time.perf_counter() - t0
-    repeats = comm.bcast(int(min(max_repeats, max(3, budget / max(once, 1e-6)))), root=0)
-    times = np.zeros((len(names), repeats))
-    for i in range(repeats):
-        for j, name in enumerate(names):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            methods[name]()
-            times[j, i] = time.perf_counter() - t0
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}
-
-
 def _fake_model(nbytes: int, bind: bool):
     """A "model" of 8 float32 parameters adding up to ``nbytes``, gradients filled in, and its
     fusion buffer (``bind``: gradients inside the buffer, the steady state under
@@ -238,14 +202,14 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
     for nbytes in sizes:
         buf = _fake_model(nbytes, bind=True)
         arr = torch.ones(max(1, nbytes // 4), dtype=torch.float32).numpy()
-        rows[nbytes].update(_timed(world, {
+        rows[nbytes].update(timed(world, {
             "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
         }, max_repeats, budget))
         if fp16:
             ops = UserOps(world.Dup(), 600.0)
             t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-            rows[nbytes].update(_timed(world, {"mpsync_mpi_fp16_ms": lambda: ops.start_allreduce(
+            rows[nbytes].update(timed(world, {"mpsync_mpi_fp16_ms": lambda: ops.start_allreduce(
                 t, Average, 1.0, 1.0, Compression.fp16, "fp16").wait()}, max_repeats, budget))
         del buf, arr
 
@@ -257,7 +221,7 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
         raw = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         buf = _fake_model(nbytes, bind=True)
         copy_buf = _fake_model(nbytes, bind=False)
-        rows[nbytes].update(_timed(world, {
+        rows[nbytes].update(timed(world, {
             "horovod_ms": lambda: hvd.allreduce_(raw, op=hvd.Average, name="raw"),
             "mpsync_ms": lambda: average_gradients([buf], hvd_agg),
             "mpsync_copy_ms": lambda: average_gradients([copy_buf], hvd_agg),
@@ -267,7 +231,7 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
             wire = WireSum(hvd_agg, Compression.fp16)
             rows[nbytes]["fp16_wire_bytes"] = Compression.fp16.compress(raw)[0].nbytes
             rows[nbytes]["fp32_wire_bytes"] = Compression.none.compress(raw)[0].nbytes
-            rows[nbytes].update(_timed(world, {
+            rows[nbytes].update(timed(world, {
                 "horovod_fp16_ms": lambda: hvd.allreduce(
                     raw, op=hvd.Average, compression=hvd.Compression.fp16, name="raw16"),
                 "mpsync_fp16_ms": lambda: ops.start_allreduce(
@@ -314,7 +278,7 @@ def _ps_child(sizes, max_repeats, budget) -> None:
             client.pull(weights, it[0])
 
         client.pull(weights, 0)
-        ms = _timed(workers, {"ps_ms": exchange}, max_repeats, budget)["ps_ms"]
+        ms = timed(workers, {"ps_ms": exchange}, max_repeats, budget)["ps_ms"]
         client.shutdown()
         if workers.Get_rank() == 0:
             print("ROW " + json.dumps({"bytes": nbytes, "ps_ms": ms}), flush=True)
@@ -398,10 +362,11 @@ def _child_main(argv: list[str]) -> None:
     p.add_argument("--fp16", action="store_true")
     a = p.parse_args(argv)
     if a.child == "ring":
-        _ring_child(_sizes(a.sizes), a.max_repeats, a.seconds_per_point, fp16=a.fp16)
+        _ring_child(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point,
+                    fp16=a.fp16)
         return
     fn = {"ps": _ps_child, "two_stage": _osp_child}[a.child]
-    fn(_sizes(a.sizes), a.max_repeats, a.seconds_per_point)
+    fn(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import os
 import sys
 import time
 
+from mpsync.bench._timing import byte_sizes, timed
+
 __all__ = ["bus_bandwidth", "derive_row", "check_targets", "link_fraction", "cluster_at_rate",
            "run_allreduce", "cluster_argv", "PROBE_VARIANTS", "add_cluster_arguments"]
 
@@ -149,15 +151,16 @@ def set_rate(name: str | None, rate: str | None) -> None:
 
 
 def cluster_argv(n: int, command: list[str], name: str | None, *, server_alone: bool = False,
-                 extra: tuple = ()) -> list[str]:
+                 extra: tuple = (), tuning: str = "none") -> list[str]:
     """``mpirun`` of ``command`` on ``n`` ranks over the nodes of cluster ``name`` (rank i on
-    node i+1 unless ``server_alone``: rank 0 alone on node1)."""
-    from mpsync import cluster
-    from mpsync.launch import forwarded_env, mpirun_argv
+    node i+1 unless ``server_alone``: rank 0 alone on node1).  ``tuning``: the transport
+    settings (``mpsync.transport`` spec); Open MPI's defaults unless given, because the sweep
+    adds each variant's options itself (Open MPI refuses a parameter given twice)."""
+    from mpsync.launch import forwarded_env, launch_argv
 
-    opts = cluster.launch_options(n, name=name or None, server_alone=server_alone)
-    return mpirun_argv(n, command, forward_env=forwarded_env(),
-                       extra=tuple(opts) + tuple(extra))
+    return launch_argv(n, command, cluster=name or "", forward_env=forwarded_env(), extra=extra,
+                       placement="server-alone" if server_alone else "round-robin",
+                       tuning=tuning)
 
 
 def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:
@@ -172,7 +175,6 @@ def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:
 
 
 def run_allreduce(args: argparse.Namespace) -> int:
-    from mpsync.bench.allreduce import _sizes
     from mpsync.cluster.layout import parse_rate
     from mpsync.launch import python_argv
 
@@ -182,7 +184,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         raise SystemExit(f"--cluster-nodes: at least 2 nodes per run, got {counts}")
     for r in rates:
         parse_rate(r)
-    sizes = _sizes(args.sizes) if args.sizes else list(CLUSTER_SIZES)
+    sizes = byte_sizes(args.sizes, CLUSTER_SIZES)
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
               "--seconds-per-point", str(args.seconds_per_point)]
     variants = [v for v in _parse_list(args.probe_variants, "variants")] \
@@ -342,14 +344,12 @@ def _probe_child(sizes, max_repeats, budget) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from mpsync.bench.allreduce import _timed
-
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
     for nbytes in sizes:
         arr = np.ones(max(1, nbytes // 4), dtype=np.float32)
         send, recv = np.ones_like(arr), np.empty_like(arr)
-        row = _timed(world, {
+        row = timed(world, {
             "probe_mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "shift_ms": lambda: world.Sendrecv(send, dest=(rank + 1) % n, recvbuf=recv,
                                                source=(rank - 1) % n),
@@ -365,6 +365,5 @@ if __name__ == "__main__" and "--child" in sys.argv:
     p.add_argument("--max-repeats", type=int)
     p.add_argument("--seconds-per-point", type=float)
     a = p.parse_args()
-    from mpsync.bench.allreduce import _sizes
 
-    _probe_child(_sizes(a.sizes), a.max_repeats, a.seconds_per_point)
+    _probe_child(byte_sizes(a.sizes, CLUSTER_SIZES), a.max_repeats, a.seconds_per_point)

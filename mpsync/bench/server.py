@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
+    from mpsync.launch import launch_argv, python_argv, run_with_deadline
 
     if args.np < 2:
         print("mpsync bench server: --np must be >= 2 (a server and a client)", file=sys.stderr)
@@ -82,17 +82,16 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     where = {}
     with contextlib.ExitStack() as stack:
-        extra: tuple = ()
+        on = None
         if args.cluster is not None:
-            from mpsync import cluster
             from mpsync.bench.nodes import cluster_at_rate
 
             state = stack.enter_context(cluster_at_rate(args.np, args.cluster_rate, args.cluster))
-            extra = tuple(cluster.launch_options(args.np, name=state.name, server_alone=True))
+            on = state.name
             where = {"cluster": state.name, "nodes": args.np, "link_rate": args.cluster_rate,
                      "transport": "tcp across namespace links"}
-        argv = mpirun_argv(args.np, command, forward_env=("PYTHONPATH", "OMP_NUM_THREADS"),
-                           extra=extra)
+        argv = launch_argv(args.np, command, cluster=on,
+                           forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
         res = run_with_deadline(argv, args.timeout, env=env)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
     if res.timed_out or res.returncode != 0 or line is None:

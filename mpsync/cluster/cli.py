@@ -18,7 +18,8 @@ import json
 import shlex
 import sys
 
-from mpsync import cluster
+from mpsync import cluster, transport
+from mpsync.cluster import slurm
 from mpsync.cluster.layout import ClusterError, format_rate, parse_rate, validate_name
 
 __all__ = ["add_arguments", "main"]
@@ -43,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "over the other nodes (default: fill each node's slots in turn)")
     s.add_argument("--round-robin", action="store_true",
                    help="with --np: every rank round-robin over all nodes")
+    _add_tuning(s)
     sub.add_parser("hosts", help="print addr:slots,... for -H (horovodrun)")
-    sub.add_parser("env", help="print shell exports for horovodrun (ssh stand-in, MCA settings)")
+    _add_tuning(sub.add_parser(
+        "env", help="print shell exports for horovodrun (ssh stand-in, MCA settings)"))
     s = sub.add_parser("link", help="cut, restore or re-rate one node's link")
     s.add_argument("node")
     g = s.add_mutually_exclusive_group(required=True)
@@ -53,10 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bandwidth", default=None, metavar="RATE")
     g.add_argument("--unlimited", action="store_true", help="remove the rate limit")
     sub.add_parser("down", help="remove everything `up` made (and its Slurm, if started)")
-    from mpsync import cluster_slurm
-
-    cluster_slurm.add_arguments(sub.add_parser(
+    slurm.add_arguments(sub.add_parser(
         "slurm", help="a multi-node Slurm: slurmctld here, one slurmd per node"))
+
+
+def _add_tuning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mpi-tuning", default=None, metavar="SPEC",
+                   help="Open MPI transport settings: tuned (default, or $MPSYNC_MPI_TUNING), "
+                        "none (Open MPI's defaults), or name=value,... (see mpsync.transport)")
 
 
 def main(args) -> int:
@@ -65,7 +72,8 @@ def main(args) -> int:
             validate_name(args.name)
         if getattr(args, "bandwidth", None) is not None:
             parse_rate(args.bandwidth)
-    except ClusterError as e:
+        transport.mca_pairs(getattr(args, "mpi_tuning", None))
+    except (ClusterError, transport.TransportError) as e:
         print(f"mpsync cluster: error: {e}", file=sys.stderr)
         return 2
     action = args.action
@@ -131,7 +139,7 @@ def _status(args) -> int:
 
 def _mpirun_args(args) -> int:
     opts = cluster.launch_options(args.np, name=args.name, server_alone=not args.round_robin,
-                                  standalone=True)
+                                  standalone=True, tuning=args.mpi_tuning)
     print(" ".join(shlex.quote(o) for o in opts))
     return 0
 
@@ -142,7 +150,7 @@ def _hosts(args) -> int:
 
 
 def _env(args) -> int:
-    for k, v in cluster.shell_env(args.name).items():
+    for k, v in cluster.shell_env(args.name, tuning=args.mpi_tuning).items():
         print(f"export {k}={shlex.quote(v)}")
     return 0
 
@@ -160,9 +168,7 @@ def _link(args) -> int:
 
 
 def _down(args) -> int:
-    from mpsync import cluster_slurm
-
-    if cluster_slurm.stop_for(args.name or cluster.default_name()):
+    if slurm.stop_for(args.name or cluster.default_name()):
         print("stopped the cluster's Slurm")
     state = cluster.down(args.name)
     if state is None:
@@ -174,9 +180,7 @@ def _down(args) -> int:
 
 
 def _slurm(args) -> int:
-    from mpsync import cluster_slurm
-
-    return cluster_slurm.main(args)
+    return slurm.main(args)
 
 
 _ACTIONS = {"up": _up, "status": _status, "mpirun-args": _mpirun_args, "hosts": _hosts,

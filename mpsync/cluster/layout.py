@@ -310,7 +310,7 @@ def hostfile_text(state: ClusterState, ranks: list[str] | None = None) -> str:
 
 
 def mpirun_options(state: ClusterState, *, hostfile: str, sequential: bool = False,
-                   standalone: bool = True) -> list[str]:
+                   standalone: bool = True, transport=()) -> list[str]:
     """The ``mpirun`` options that place ranks on the cluster's nodes.
 
     ``hostfile``: a file written from ``hostfile_text``; ``sequential``: it lists one line per
@@ -321,6 +321,7 @@ def mpirun_options(state: ClusterState, *, hostfile: str, sequential: bool = Fal
     Only TCP between ranks (``btl tcp,self``: ranks on one node talk over its loopback, ranks on
     two nodes over the link), and both Open MPI's runtime (oob) and MPI traffic (btl) are kept on
     the cluster subnet, or they would pick the host's own interface, which namespaces lack.
+    ``transport``: the tuning options (``mpsync.transport.mca_argv``), last.
     """
     argv = ["--hostfile", hostfile]
     if sequential:
@@ -331,7 +332,7 @@ def mpirun_options(state: ClusterState, *, hostfile: str, sequential: bool = Fal
              "--mca", "btl_tcp_if_include", state.subnet]
     if standalone:
         argv += ["--allow-run-as-root", "--oversubscribe"]
-    return argv
+    return argv + list(transport)
 
 
 def differences(current: ClusterState, wanted: ClusterState) -> list[str]:

@@ -1,4 +1,4 @@
-"""The serve loop: receive, validate, dispatch to the policy, reply (STYLE.md practice 5).
+"""The serve loop: receive, validate, dispatch to the policy, reply; an explicit stop message.
 
 One thread, one communicator.  The loop never blocks in MPI (Open MPI's blocking receive
 polls a core at 100 %): it polls with ``Iprobe`` and has four speeds.
@@ -37,7 +37,6 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpsync import policies
 from mpsync.config import ConfigError
 from mpsync.server import _fastpath, rules, wire as W
 from mpsync.server._handlers import MessageHandlers
@@ -104,7 +103,7 @@ class StateServer(MessageHandlers):
             self.policy = make_policy(config, len(self.ranks))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        spec = policies.get(config.policy)
+        spec = config.resolved().spec
         # ESync §4.2: a report may be sent without waiting for its reply.
         self.delayed_ack = spec.reads("esync_delayed_ack")
         self.table = self.policy.t

@@ -2,22 +2,27 @@
 
 Model
 -----
-Workers run the cycle of ``mpsync.torch.strategies``: compute one iteration (its time from a
+Workers run the cycle of ``mpsync.torch``'s strategies: compute one iteration (its time from a
 speed model, ``_speeds``), report it to the server and wait for the answer (one query round
 trip), then either go on locally (LOCAL) or aggregate (SYNC): on the ring, an allreduce that
 starts when the last worker of the round has been told SYNC; on the parameter server, a push
-and a pull through the server's link, the pull held while the policy's staleness rule says
-so.  The aggregation costs come from a stated model (``_model``)::
+and a pull through the shard servers, the pull held while the policy's staleness rule says
+so.  Each policy's own worker steps come from the registry as the workers read them
+(ElasticBSP's push every iteration on the PS, ESync's capability test and delayed ACK, OSP's
+importance report with its epoch, loss and Eq. 5 bound: ``_events``).  The costs come from a
+stated model (``_model``)::
 
     ring:  T = 2(n-1)/n * B / bandwidth + 2(n-1) * latency        per round
-    PS:    T = B / bandwidth + latency                             per push or pull, served one
-                                                                   at a time by the server's
-                                                                   link (n pushes: n * B / bw)
-    query: one round trip ``query`` per report; the server's processing is instantaneous
+    PS:    S shard servers, a link each; a push costs every shard (B/S)/bandwidth + latency
+           + (B/S)/apply_rate (receiving and applying the update), a pull (B/S)/bandwidth +
+           latency; each shard serves one at a time, in arrival order (n pushes queue: about
+           n * B / (S * bandwidth)), none takes less than the worker's own link, B / bandwidth
+    query: one round trip ``query`` per report; the state server's decisions are instantaneous
 
 or, replaying a trace, from the costs the real run measured.  Compute, waiting for the server
 and aggregating (including waiting for slower peers) add up to each worker's time; the wait
-fraction is (wait + aggregate) / total, as ``mpsync train`` reports it.
+fraction is (wait + aggregate) / total, as ``mpsync train`` reports it.  What the training
+reports (epochs, losses, layers: OSP's inputs) is a ``TrainingModel``.
 
 Engines (the design)
 --------------------
@@ -51,42 +56,57 @@ from __future__ import annotations
 import time
 
 from mpsync.config import SyncConfig
-from mpsync.simulate._events import run_events
+from mpsync.simulate._events import run_events, worker_behaviour
 from mpsync.simulate._model import CostModel, parse_rate
 from mpsync.simulate._speeds import SpeedModel, parse_speeds, read_trace
 from mpsync.simulate._stats import Recorder
+from mpsync.simulate._training import TrainingModel
 
-__all__ = ["simulate", "run_events", "Recorder", "CostModel", "SpeedModel", "parse_speeds",
-           "parse_rate", "read_trace", "fast_model", "ENGINES"]
+__all__ = ["simulate", "run_events", "Recorder", "CostModel", "SpeedModel", "TrainingModel",
+           "parse_speeds", "parse_rate", "read_trace", "fast_model", "ENGINES", "FAST_MODELS",
+           "worker_behaviour"]
 
 ENGINES = ("auto", "exact", "fast")
+# The registry's simulation models the fast engines implement, per topology; the others
+# (ElasticBSP's PS superstep, ESync's PS rounds) run on the exact engine.
+FAST_MODELS = {"ring": ("every_step", "overlap", "query_state", "planned"),
+               "ps": ("no_wait", "staleness", "in_step", "dynamic_staleness")}
 
 
 def fast_model(config: SyncConfig) -> str | None:
     """The fast engine's model of ``config.policy`` on its topology (the registry's
-    ``simulation``), or None where only the exact engine can run it."""
+    ``simulation``), or None where only the exact engine can run it (a model the fast engines
+    do not implement, or ESync's delayed ACK, whose aborts need the event engine)."""
     from mpsync import policies
 
-    return policies.get(config.policy).simulation_model(config.topology)
+    model = policies.get(config.policy).simulation_model(config.topology)
+    if model not in FAST_MODELS.get(config.topology, ()) or \
+            worker_behaviour(config)["delayed_ack"]:
+        return None
+    return model
 
 
 def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
              iterations: int | None = None, duration: float | None = None,
-             engine: str = "auto", batch_size: int = 32) -> dict:
+             engine: str = "auto", batch_size: int = 32,
+             training: TrainingModel | None = None) -> dict:
     """Simulate ``config.policy`` on ``config.topology`` until ``workers * iterations``
     iterations are done in total (or the virtual clock reaches ``duration``); returns one row
-    of results (``Recorder.row`` plus policy, topology, engine and the run time)."""
+    of results (``Recorder.row`` plus policy, topology, engine and the run time).
+    ``training``: what the workers report besides timing (OSP's epochs and losses)."""
     config.validate()
     if (iterations is None) == (duration is None):
         raise ValueError("give exactly one of iterations or duration")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    fast_ok = fast_model(config) is not None and speeds.pause is None
+    replay = speeds.pause is not None or speeds.spread is not None
+    fast_ok = fast_model(config) is not None and not replay
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast engine for {config.policy} on {config.topology}"
-                         f"{' with pauses' if speeds.pause is not None else ''}; "
+                         f"{' with pauses or a measured spread' if replay else ''}; "
                          f"use engine='exact'")
     use_fast = fast_ok and engine != "exact"
+    training = training or TrainingModel()
     t0, cpu0 = time.perf_counter(), time.process_time()
     if use_fast:
         rec = Recorder(speeds.n, ps=config.topology == "ps", batch_size=batch_size)
@@ -95,10 +115,11 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
             run_ps(config, speeds, cost, rec, iterations=iterations, duration=duration)
         else:
             from mpsync.simulate._fast_ring import run_ring
-            run_ring(config, speeds, cost, rec, iterations=iterations, duration=duration)
+            run_ring(config, speeds, cost, rec, iterations=iterations, duration=duration,
+                     training=training)
     else:
         rec = run_events(config, speeds, cost, iterations=iterations, duration=duration,
-                         batch_size=batch_size)
+                         batch_size=batch_size, training=training)
     row = {"policy": config.policy, "topology": config.topology,
            "engine": "fast" if use_fast else "exact", **rec.row(),
            "runtime_s": round(time.perf_counter() - t0, 3),

@@ -21,18 +21,59 @@ compiled into it (``jit(inline=True)``), so naming the steps adds no function ca
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import numpy as np
 
 from mpsync import policies, sched
 from mpsync.sched._numba import jit
 
-__all__ = ["run_ps"]
+__all__ = ["run_ps", "PSRun", "PSOut", "Speed"]
 
 # ordered as the event engine orders simultaneous events (server messages first), ties
 # then in scheduling order (a sequence number), so both engines agree event for event
 _PUSHED, _PULL, _DONE, _REPLIED = 2, 3, 4, 5
 ASP, SSP, DSSP = 0, 1, 2
+# the registry's simulation models on the PS -> the rule the loop applies at a pull
+_KINDS = {"no_wait": ASP, "staleness": SSP, "in_step": SSP, "dynamic_staleness": DSSP}
+
+
+class PSRun(NamedTuple):
+    """What the compiled loop is told: the rule (``kind``: ASP, SSP or DSSP, with SSP's bound
+    ``s`` and DSSP's [s_L, s_U]), the costs (query round trip; a shard's service of a push and
+    of a pull; the worker's own link; ``shared``: transfers queue at the shards) and when to
+    stop (``total_target`` iterations, or the virtual time ``duration``; 0: not given)."""
+    kind: int
+    s: int
+    s_low: int
+    s_high: int
+    query: float
+    push_s: float
+    pull_s: float
+    worker_link: float
+    shared: bool
+    total_target: int
+    duration: float
+    seed: int
+
+
+class Speed(NamedTuple):
+    """Iteration times as ``SpeedModel.time_of`` draws them: base per worker, the slowdown
+    schedule (times, factors per worker) and the lognormal jitter."""
+    base: np.ndarray
+    sched_t: np.ndarray
+    sched_f: np.ndarray
+    jitter: float
+
+
+class PSOut(NamedTuple):
+    """What the loop fills: per worker seconds in compute / wait / aggregate, iterations and
+    rounds; the staleness histogram; ``totals`` = [t_end, messages, pushes]."""
+    time: np.ndarray
+    iters: np.ndarray
+    rounds: np.ndarray
+    stale_hist: np.ndarray
+    totals: np.ndarray
 
 
 @jit
@@ -51,26 +92,25 @@ def _schedule(heap, seq, t, ev, w):
 
 @jit(inline=True)
 def _iteration_time(speed, w, t):
-    """One iteration of ``w`` starting at ``t``; ``speed``: (base, schedule times, schedule
-    factors, jitter), as ``SpeedModel.time_of`` draws it."""
-    base, sched_t, sched_f, jitter = speed
-    c = base[w]
-    for i in range(sched_t.shape[0]):
-        if t >= sched_t[i]:
-            c = base[w] * sched_f[i, w]
-    if jitter > 0.0:
-        c *= np.exp(np.random.normal(-0.5 * jitter * jitter, jitter))
+    """One iteration of ``w`` starting at ``t`` (a :class:`Speed`)."""
+    c = speed.base[w]
+    for i in range(speed.sched_t.shape[0]):
+        if t >= speed.sched_t[i]:
+            c = speed.base[w] * speed.sched_f[i, w]
+    if speed.jitter > 0.0:
+        c *= np.exp(np.random.normal(-0.5 * speed.jitter * speed.jitter, speed.jitter))
     return c
 
 
 @jit(inline=True)
-def _take_link(t, link_free, link_s, shared):
-    """A transfer ready at ``t``: when it is done, and when the server's link is free again
-    (transfers queue for it when ``shared``, else each takes ``link_s`` on its own)."""
-    if shared:
-        link_free = max(t, link_free) + link_s
-        return link_free, link_free
-    return t + link_s, link_free
+def _transfer(t, server_free, service, run):
+    """A push or pull started at ``t`` that costs each shard ``service``: when it is done,
+    and when the shards are free again (transfers queue at them when ``run.shared``, else each
+    takes ``service`` on its own); never sooner than the worker's own link allows."""
+    if run.shared:
+        server_free = max(t, server_free) + service
+        return max(server_free, t + run.worker_link), server_free
+    return t + service, server_free
 
 
 @jit(inline=True)
@@ -155,40 +195,40 @@ def _may_pull(kind, gap, s, s_low, held_by_dssp):
 
 
 @jit(inline=True)
-def _resume(w, t, gap, link_free, link_s, shared, half, book, stale_hist, heap, seq, speed):
-    """The pull of ``w`` answered at ``t`` with staleness ``gap``: the weights take the link,
-    come back, the reset is sent and the next iteration starts (its end is the next event);
-    returns the link's next free time.  ``book``: (start, phase, time_, rounds) per worker."""
+def _resume(w, t, gap, server_free, run, book, stale_hist, heap, seq, speed):
+    """The pull of ``w`` answered at ``t`` with staleness ``gap``: the weights come back from
+    the shards, the reset is sent and the next iteration starts (its end is the next event);
+    returns when the shards are free again.  ``book``: (start, phase, time_, rounds)."""
     start, phase, time_, rounds = book
     stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
-    end, link_free = _take_link(t, link_free, link_s, shared)
-    back = end + half
+    end, server_free = _transfer(t, server_free, run.pull_s, run)
+    back = end + run.query / 2.0
     rounds[w] += 1
     time_[w, 2] += back - start[w]
     start[w] = back
     phase[w] = 0
     _schedule(heap, seq, back + _iteration_time(speed, w, back), _DONE, w)
-    return link_free
+    return server_free
 
 
 @jit(inline=True)
-def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, link_free, link_s, shared,
-                  half, book, stale_hist, heap, seq, speed):
+def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, server_free, run, book,
+                  stale_hist, heap, seq, speed):
     """The minimum push count rose: answer every held pull now within ``bound`` of it (SSP's
     s, DSSP's s_L: a held DSSP pull waits for the slowest), in the order they were held;
-    returns (how many are still held, the link's next free time)."""
+    returns (how many are still held, when the shards are free again)."""
     keep = 0
     for i in range(n_held):
         v = held[i]
         gap = pushes[v] - lo
         if gap <= bound:
             dssp_held[v] = False
-            link_free = _resume(v, t, gap, link_free, link_s, shared, half, book, stale_hist,
-                                heap, seq, speed)
+            server_free = _resume(v, t, gap, server_free, run, book, stale_hist, heap, seq,
+                                  speed)
         else:
             held[keep] = v
             keep += 1
-    return keep, link_free
+    return keep, server_free
 
 
 @jit(inline=True)
@@ -205,27 +245,27 @@ def _close_phases(t_end, book):
 
 
 @jit
-def _loop(kind, s, s_low, s_high, speed, seed, query, link_s, shared, total_target, duration,
-          time_, iters, rounds, stale_hist, out):
-    """``out``: [t_end, messages, pushes]; ``time_[w]``: compute, wait, aggregate seconds.
-    Per event: an iteration done (the step query goes out), its reply in (the push takes the
-    server's link), the push at the server, the pull request (answered or held)."""
-    np.random.seed(seed)
-    n = speed[0].shape[0]
-    half = query / 2.0
+def _loop(run, speed, res):
+    """Fill ``res`` (a :class:`PSOut`) with the run ``run`` (a :class:`PSRun`) of workers
+    ``speed`` (a :class:`Speed`).  Per event: an iteration done (the step query goes out), its
+    reply in (the push goes to the shards), the push at the server, the pull request
+    (answered or held)."""
+    np.random.seed(run.seed)
+    n = speed.base.shape[0]
+    half = run.query / 2.0
     pushes = np.zeros(n, dtype=np.int64)
     table = np.zeros((n, 2), dtype=np.float64)
     r_extra = np.zeros(n, dtype=np.int64)
     dssp_held = np.zeros(n, dtype=np.bool_)
     start = np.zeros(n)                       # when the current phase began
     phase = np.zeros(n, dtype=np.int64)
-    book = (start, phase, time_, rounds)
+    book = (start, phase, res.time, res.rounds)
     count = np.zeros(1024, dtype=np.int64)    # workers per push count
     count[0] = n
     lo, hi = 0, 0                             # min(pushes), max(pushes)
     held = np.empty(n, dtype=np.int64)
     n_held = 0
-    link_free = 0.0
+    server_free = 0.0
     messages = 0
     total = 0
     heap = [(0.0, np.int64(0))]
@@ -238,86 +278,84 @@ def _loop(kind, s, s_low, s_high, speed, seed, query, link_s, shared, total_targ
         t, key = heapq.heappop(heap)
         ev = key >> 58
         w = key & 0xFFFFF
-        if duration > 0.0 and t > duration:
-            t_end = duration
+        if run.duration > 0.0 and t > run.duration:
+            t_end = run.duration
             break
         t_end = t
         if ev == _DONE:
-            iters[w] += 1
+            res.iters[w] += 1
             total += 1
             _computed(book, w, t)
             messages += 1
-            # step query (always SYNC); the push takes the server's link when the reply is in;
+            # step query (always SYNC); the push goes out when the reply is in;
             # (t + half) + half: the sum the event engine computes
             _schedule(heap, seq, (t + half) + half, _REPLIED, w)
-            if total_target > 0 and total >= total_target:
+            if run.total_target > 0 and total >= run.total_target:
                 break
         elif ev == _REPLIED:
-            end, link_free = _take_link(t, link_free, link_s, shared)
+            end, server_free = _transfer(t, server_free, run.push_s, run)
             _schedule(heap, seq, end, _PUSHED, w)
         elif ev == _PUSHED:
-            _pushed(book, w, t, query)
+            _pushed(book, w, t, run.query)
             messages += 1
             old = _record_push(w, t, pushes, table)
             count, lo, hi, raised = _count_push(count, old, lo, hi)
-            if kind == DSSP:
-                _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high)
-            _schedule(heap, seq, t + query, _PULL, w)
+            if run.kind == DSSP:
+                _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, run.s_low, run.s_high)
+            _schedule(heap, seq, t + run.query, _PULL, w)
             if raised and n_held > 0:
                 # the slowest moved on: held pulls may go now (the loop retries after a message)
-                n_held, link_free = _release_held(held, n_held, s if kind == SSP else s_low,
-                                                  pushes, lo, dssp_held, t, link_free, link_s,
-                                                  shared, half, book, stale_hist, heap, seq,
-                                                  speed)
+                bound = run.s if run.kind == SSP else run.s_low
+                n_held, server_free = _release_held(held, n_held, bound, pushes, lo, dssp_held,
+                                                    t, server_free, run, book, res.stale_hist,
+                                                    heap, seq, speed)
         elif ev == _PULL:
             messages += 1
             gap = pushes[w] - lo
-            if _may_pull(kind, gap, s, s_low, dssp_held[w]):
+            if _may_pull(run.kind, gap, run.s, run.s_low, dssp_held[w]):
                 dssp_held[w] = False
-                link_free = _resume(w, t, gap, link_free, link_s, shared, half, book,
-                                    stale_hist, heap, seq, speed)
+                server_free = _resume(w, t, gap, server_free, run, book, res.stale_hist, heap,
+                                      seq, speed)
             else:
                 held[n_held] = w
                 n_held += 1
     _close_phases(t_end, book)
-    out[0] = t_end
-    out[1] = messages
-    out[2] = pushes.sum()
+    res.totals[0] = t_end
+    res.totals[1] = messages
+    res.totals[2] = pushes.sum()
 
 
 def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     """Fill the recorder ``rec`` with a simulated run of asp / ssp / dssp / bsp on PS."""
     model = policies.get(config.policy).simulation_model("ps")
-    kind = {"no_wait": ASP, "staleness": SSP, "in_step": SSP, "dynamic_staleness": DSSP}[model]
-    if speeds.n > 1 << 20:
-        raise ValueError(f"the PS engine handles up to {1 << 20} workers, got {speeds.n}")
-    s = 0 if model == "in_step" else config.staleness
+    kind = _KINDS[model]
+    n = speeds.n
+    if n > 1 << 20:
+        raise ValueError(f"the PS engine handles up to {1 << 20} workers, got {n}")
     if speeds.schedule:
         sched_t = np.array([t for t, _ in speeds.schedule])
         sched_f = np.array([f for _, f in speeds.schedule])
     else:
-        sched_t, sched_f = np.zeros(0), np.zeros((0, speeds.n))
-    n = speeds.n
-    time_ = np.zeros((n, 3))
-    iters = np.zeros(n, dtype=np.int64)
-    rounds = np.zeros(n, dtype=np.int64)
-    stale = np.zeros(4096, dtype=np.int64)
-    out = np.zeros(3)
-    speed = (speeds.base, sched_t, sched_f, float(speeds.jitter))
-    _loop(kind, s, config.staleness_low, config.staleness_high, speed, int(speeds.seed),
-          cost.query, cost.link(), cost.shared_link,
-          0 if iterations is None else n * iterations, 0.0 if duration is None else duration,
-          time_, iters, rounds, stale, out)
-    rec.time[:, :3] = time_
-    rec.iters[:] = iters
-    rec.total_iterations = int(iters.sum())
-    rec.rounds[:] = rounds
-    rec.add_local_steps(np.ones(1, dtype=np.int64) * 1)
+        sched_t, sched_f = np.zeros(0), np.zeros((0, n))
+    run = PSRun(kind=kind, s=0 if model == "in_step" else int(config.staleness),
+                s_low=int(config.staleness_low), s_high=int(config.staleness_high),
+                query=float(cost.query), push_s=float(cost.push()), pull_s=float(cost.link()),
+                worker_link=float(cost.worker_link()), shared=bool(cost.shared_link),
+                total_target=0 if iterations is None else n * iterations,
+                duration=0.0 if duration is None else float(duration), seed=int(speeds.seed))
+    res = PSOut(time=np.zeros((n, 3)), iters=np.zeros(n, dtype=np.int64),
+                rounds=np.zeros(n, dtype=np.int64), stale_hist=np.zeros(4096, dtype=np.int64),
+                totals=np.zeros(3))
+    _loop(run, Speed(speeds.base, sched_t, sched_f, float(speeds.jitter)), res)
+    rec.time[:, :3] = res.time
+    rec.iters[:] = res.iters
+    rec.total_iterations = int(res.iters.sum())
+    rec.rounds[:] = res.rounds
     rec.local_hist[1] = rec.total_iterations
-    rec.add_staleness(stale)
+    rec.add_staleness(res.stale_hist)
     rec.syncs = rec.total_iterations
-    rec.messages = int(out[1])
-    rec.agg_cost_s = 2 * cost.link() * float(out[2])
-    rec.sim_time = float(out[0])
+    rec.messages = int(res.totals[1])
+    rec.agg_cost_s = (cost.push() + cost.link()) * float(res.totals[2])
+    rec.sim_time = float(res.totals[0])
     rec.phase_since[:] = rec.sim_time
     return rec

@@ -1,6 +1,7 @@
-"""The ring policies (bsp, osp, esync, ebsp) at scale: one synchronization round at a time.
+"""The ring policies (bsp, osp, ebsp; esync in ``_fast_esync``) at scale: one synchronization
+round at a time.
 
-On the ring every worker is told SYNC for the same round (DESIGN.md invariant), so a round is
+On the ring every worker is told SYNC for the same round (an invariant the server keeps), so a round is
 a closed unit: all workers start computing when the previous collective ends, each runs some
 local iterations (one query round trip after each), and the collective starts when the last
 worker's SYNC reply arrives.  A round is therefore computed with numpy over all workers, one
@@ -8,21 +9,16 @@ vector step per local iteration, instead of one event per report.
 
 How many iterations each worker runs in a round is the policy's answer:
 
-* bsp, osp: one (their ``on_step`` answers SYNC to every report).
+* bsp, osp: one (their ``on_step`` answers SYNC to every report).  OSP's bitmap of the round
+  comes from the server's own OSP object (``bitmap_for``, Alg. 1 with Eq. 5's bound), called
+  once per round with the round's first report: the epoch and loss of ``TrainingModel`` and the
+  smallest bound the workers reported so far (what the object would hold had every worker
+  reported; with jitter the others' bounds are those of the round before).
 * ebsp: ``z + 1`` from the real planning kernels, ``sched.zipline(sched.predict(last, interval,
-  R))``, on the table the server holds at the last reset of the round before (last event =
-  the reset, interval = the one each worker's last report closed), i.e. what
-  ``ElasticBSP._try_plan`` computes; the monitoring phase (two reports from everyone first)
-  is replayed the same way (with jitter it draws its own iteration times, a first round that
-  differs in its draws from the event engine's).
-* esync: Alg. 2's test (``sched.esync_ready``), evaluated for all workers at once per local
-  iteration: READY at the first report where the slowest device (largest capability, lowest
-  index) has reported, or p cannot finish another iteration before it does
-  (c_p + eps > c_slowest - now + t_e,slowest), or p itself is now the slowest.  The first round
-  everyone is READY at once (all capabilities start at 0, so each reporter is the slowest so
-  far).  The slowest is fixed at the round's start, which is exact for constant speeds;
-  with jitter or a schedule a worker whose capability overtakes it mid-round is taken as
-  the slowest from then on, the others keep comparing against the round's first one.
+  R))``, on the table the server holds after the superstep's monitoring phase (ZipLine Fig. 5,
+  two reports from everyone after every barrier), i.e. what ``ElasticBSP._try_plan``
+  computes; with jitter the monitoring phase draws its own iteration times.
+* esync: the event loop of ``_fast_esync``, which calls the server's ESync rules.
 
 Tests run this engine and the event engine (the policy objects themselves) on the same seeded
 speeds and compare iterations, rounds and times.
@@ -33,30 +29,34 @@ from __future__ import annotations
 import numpy as np
 
 from mpsync import policies, sched
+from mpsync.simulate._adapter import PolicyDriver
+from mpsync.simulate._fast_esync import run_esync
+from mpsync.simulate._training import TrainingModel
 
 __all__ = ["run_ring"]
 
 
-def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
+def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None, training=None):
     """Fill the recorder ``rec`` with a simulated run of bsp / osp / esync / ebsp on the ring."""
+    model = policies.get(config.policy).simulation_model("ring")
+    if model == "query_state":
+        return run_esync(config, speeds, cost, rec, iterations=iterations, duration=duration)
     n = speeds.n
     q = cost.query
     half = q / 2
-    model = policies.get(config.policy).simulation_model("ring")
-    osp = config.osp_ics_max_fraction if model == "overlap" else 0.0
+    ics = _Overlap(config, n, cost, training or TrainingModel()) if model == "overlap" else None
     target = None if iterations is None else n * iterations
     horizon = np.inf if duration is None else duration
     T0 = 0.0
     total = 0
     state = _RingState(n)
-    first_round = True
     while True:
-        plan_j = _ebsp_plan(config, speeds, cost, T0, state, first_round) \
+        plan_j = _ebsp_monitoring(config, speeds, cost, np.full(n, T0)) \
             if model == "planned" else None
-        j, D_sync, reports = _local_iterations(config, speeds, half, T0, plan_j, state,
-                                               first_round)
+        j, D_sync, reports = _local_iterations(speeds, half, T0, plan_j, state)
         E = (D_sync + half) + half
         start_agg = float(E.max())
+        osp = ics.fraction(int(rec.collectives) + 1, reports) if ics else 0.0
         blocking = cost.ring(n, 1.0 - osp)
         # OSP's In-Computation Sync overlaps the next iteration (as in the event engine)
         hidden = max(0.0, cost.ring(n, osp) - _min_c(reports)) if osp else 0.0
@@ -74,7 +74,6 @@ def run_ring(config, speeds, cost, rec, *, iterations=None, duration=None):
         rec.collectives += 1
         rec.add_local_steps(j)
         T0 = done
-        first_round = False
     _finish(rec, total, n)
     return rec
 
@@ -83,74 +82,62 @@ class _RingState:
     """What the server's tables carry from one round to the next."""
 
     def __init__(self, n):
-        self.cap = np.zeros(n)                # ESync capability table (last compute per worker)
         self.interval = np.full(n, np.nan)    # ElasticBSP: the interval each last report closed
 
 
-class _Slowest:
-    """ESync's reference for one round: the slowest device at the round's start (largest
-    capability, lowest index), its capability, its last fetch (the reset) and, once seen,
-    when its first report of the round reaches the server."""
+class _Overlap:
+    """OSP: the In-Computation Sync fraction of each round, from the server's OSP object."""
 
-    def __init__(self, cap, reset_at):
-        self.w = int(np.argmax(cap))
-        self.cap = cap[self.w]
-        self.fetched = reset_at
-        self.report = None
+    def __init__(self, config, n, cost, training):
+        self.drv = PolicyDriver(config, n)
+        self.training = training
+        self.sizes = training.layer_sizes(cost.model_bytes)
+        agg = cost.ring(n, 1.0)
+        self.rate = cost.model_bytes / agg if agg > 0 else 0.0
+        self.n = n
+        self.u = np.full(n, np.inf)        # each worker's last Eq. 5 bound
+
+    def fraction(self, k, reports):
+        """The bitmap of iteration ``k`` (every worker's k-th iteration is this round's),
+        decided at its first report."""
+        D, c, idx = reports[0]
+        first = int(np.argmin(D))
+        tr = self.training
+        u_first = tr.u_max(self.rate, float(c[first]), self.n)
+        others = np.delete(self.u, idx[first])
+        u = min(u_first, float(others.min())) if others.size else u_first
+        for i, w in enumerate(idx):
+            self.u[w] = tr.u_max(self.rate, float(c[i]), self.n)
+        epoch = tr.epoch(k)
+        return self.drv.importance(int(idx[first]), k, epoch, tr.loss(epoch), u, self.sizes)
 
 
-def _ebsp_plan(config, speeds, cost, T0, state, first_round):
-    """ElasticBSP: the iterations each worker runs this superstep; every superstep starts
-    with the monitoring phase (ZipLine Fig. 5), whose reports the plan is made from."""
-    return _ebsp_monitoring(config, speeds, cost, np.full(speeds.n, T0))
-
-
-def _local_iterations(config, speeds, half, T0, plan_j, state, first_round):
+def _local_iterations(speeds, half, T0, plan_j, state):
     """One round's local iterations, one vector step each over the workers still running:
     start S, compute c, report D (the server sees it at D + half).  Returns the iterations
     per worker, each worker's SYNC report time and the reports ``(D, c, idx)`` in order."""
     n = speeds.n
-    policy = policies.get(config.policy).simulation_model("ring")
     idx = np.arange(n)
     Si = np.full(n, T0)
     j = np.zeros(n, dtype=np.int64)
     D_sync = np.zeros(n)
     D_prev = np.full(n, np.nan)
     reports = []
-    slowest = _Slowest(state.cap, T0 + half) if policy == "query_state" and not first_round else None
-    i = 0
     while idx.size:
-        i += 1
         c = speeds.times(Si, idx)
         D = Si + c
         reports.append((D, c, idx))
         j[idx] += 1
-        if policy == "planned":
+        if plan_j is not None:
             sync = j[idx] >= plan_j[idx]
-        elif slowest is not None:
-            sync = _esync_ready(slowest, i, D + half, c, config.esync_slack)
-        else:   # bsp, osp, and esync's first round: SYNC at every report
-            sync = np.ones(idx.size, dtype=bool)
-        if policy == "query_state":
-            state.cap[idx] = c
-        if policy == "planned":
             _close_intervals(state.interval, D_prev, idx, D, T0, half)
+        else:   # bsp, osp: SYNC at every report
+            sync = np.ones(idx.size, dtype=bool)
         D_sync[idx[sync]] = D[sync]
         keep = ~sync
         idx = idx[keep]
         Si = (D[keep] + half) + half
     return j, D_sync, reports
-
-
-def _esync_ready(slowest, i, N, c, slack):
-    """Alg. 2's READY test for the reports ``N`` (server time) of local iteration ``i``."""
-    if i == 1:
-        slowest.report = N[slowest.w]       # the slowest's first report: it is READY
-    sync = (N >= slowest.report) | (c + slack > slowest.cap - N + slowest.fetched) | \
-        (c > slowest.cap)
-    if i == 1:
-        sync[slowest.w] = True
-    return sync
 
 
 def _close_intervals(interval, D_prev, idx, D, T0, half):

@@ -1,27 +1,39 @@
-"""The cost model: what an aggregation and a server query cost on the virtual clock.
+"""The cost model: what an aggregation, a server query and the parameter server's work cost
+on the virtual clock.
 
 Ring allreduce of ``B`` bytes among ``n`` workers (reduce-scatter then all-gather, 2(n-1)
 steps, each moving B/n bytes per link):
 
     T_ring(n) = 2(n-1)/n * B / bandwidth + 2(n-1) * latency
 
-Parameter server: every push and every pull moves ``B`` bytes through the server's one link,
-which serves transfers one at a time in arrival order (a FIFO link), each taking
+Parameter server with ``S`` shards (``ps_shards``): the flat model is split into S pieces of
+B/S bytes, each held by a shard server behind its own link; a push sends every piece at once
+(and a pull fetches every piece at once).  A shard serves the pieces that reach it one at a
+time in arrival order (a FIFO queue): receiving a pushed piece and applying it to its weights,
+or sending a pulled piece, each take
 
-    T_link = B / bandwidth + latency
+    T_push_piece = (B/S) / bandwidth + latency + (B/S) / apply_rate
+    T_pull_piece = (B/S) / bandwidth + latency
 
-so n workers pushing at once finish after n * B / bandwidth: the PS bottleneck.
+The apply term is the server's own work on an update, in proportion to its bytes: the ZipLine
+paper (§6.2.2) names the server's processing of the pushes that queue at it as what slows ASP,
+SSP and DSSP on a parameter server.  Every shard sees the same requests in the same order, so
+one queue of piece service times stands for all S of them.  The worker's own link bounds it
+from below: a push or pull is done no sooner than B / bandwidth + latency after it started.
+n workers pushing at once finish after about n * T_push_piece: with one shard the PS
+bottleneck (n * B through one link), with S = n shards about one model per link, as the ring.
 
 A server query (a step report and its reply) costs ``query`` seconds round trip, half each
-way; the server's own processing is taken as instantaneous (``decisions_per_s`` in the
+way; the state server's decisions are taken as instantaneous (``decisions_per_s`` in the
 output says how fast a real server must be for that to hold).
 
-``fixed_aggregation`` replaces T_ring / T_link by a measured per-round cost (what a replayed
-trace measured), for validation against the run the trace came from.  A measured cost is
-taken as a latency each worker pays, not as a link the workers queue for
+``fixed_aggregation`` replaces T_ring / the PS transfers by a measured per-round cost (what a
+replayed trace measured), for validation against the run the trace came from.  A measured cost
+is taken as a latency each worker pays, not as a queue the workers wait in
 (``shared_link`` False): on one host a push of a small model is a memory copy (~0.1 ms for
 150 KB) and the 10-30 ms measured per push+pull are process scheduling on an oversubscribed
-CPU, which workers do not pay one after the other.
+CPU, which workers do not pay one after the other; the server's apply of such an update is
+inside the measured figure.
 """
 
 from __future__ import annotations
@@ -31,6 +43,11 @@ from dataclasses import dataclass
 from mpsync.config import ConfigError
 
 __all__ = ["CostModel", "parse_rate"]
+
+# A shard server's apply rate unless told (bytes of update per second; see CostModel): the
+# server's own ``WeightStore.apply`` of a 100 MB float64 update took 3.1 GB/s with a scale
+# (averaging policies) and 6.3 GB/s without, medians of 7 on this 2-core machine under load.
+APPLY_RATE = 3e9
 
 _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9}
 
@@ -61,9 +78,15 @@ class CostModel:
     latency: float = 5e-6            # seconds per ring step / per PS message
     query: float = 100e-6            # server query round trip, seconds
     fixed_aggregation: float | None = None   # measured cost per round, replaces the model
+    ps_shards: int = 1               # S: shard servers of the parameter server, a link each
+    # bytes/s a shard server applies a pushed update at (its own work per push)
+    apply_rate: float = APPLY_RATE
 
     def __post_init__(self):
-        for name in ("model_bytes", "bandwidth"):
+        if isinstance(self.ps_shards, bool) or not isinstance(self.ps_shards, int) or \
+                self.ps_shards < 1:
+            raise ConfigError(f"ps_shards must be an integer >= 1, got {self.ps_shards!r}")
+        for name in ("model_bytes", "bandwidth", "apply_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("latency", "query"):
@@ -87,12 +110,26 @@ class CostModel:
         return self.fixed_aggregation is None
 
     def link(self) -> float:
-        """One push or one pull through the server's link (half a measured push+pull)."""
+        """One pull: a shard's service of its piece (half a measured push+pull)."""
         if self.fixed_aggregation is not None:
             return self.fixed_aggregation / 2
+        return self.model_bytes / self.ps_shards / self.bandwidth + self.latency
+
+    def push(self) -> float:
+        """One push: a shard receives its piece and applies it (half a measured push+pull)."""
+        if self.fixed_aggregation is not None:
+            return self.fixed_aggregation / 2
+        return self.link() + self.model_bytes / self.ps_shards / self.apply_rate
+
+    def worker_link(self) -> float:
+        """The least time a push or a pull takes: the whole model through the worker's link
+        (0 with a measured cost, which is the whole of it)."""
+        if self.fixed_aggregation is not None:
+            return 0.0
         return self.model_bytes / self.bandwidth + self.latency
 
     def describe(self) -> dict:
         return {"model_bytes": self.model_bytes, "bandwidth_bytes_per_s": self.bandwidth,
                 "latency_s": self.latency, "query_rtt_s": self.query,
-                "fixed_aggregation_s": self.fixed_aggregation}
+                "fixed_aggregation_s": self.fixed_aggregation, "ps_shards": self.ps_shards,
+                "apply_rate_bytes_per_s": self.apply_rate}

@@ -1,7 +1,8 @@
 """Speed models: how long each worker's iterations take on the virtual clock.
 
 A :class:`SpeedModel` holds each worker's base iteration time (seconds), an optional
-per-iteration jitter (lognormal, coefficient of variation ``jitter``) and an optional slowdown
+per-iteration jitter (lognormal, coefficient of variation ``jitter``, or factors drawn from a
+measured ``spread``) and an optional slowdown
 schedule (``[(t, factors)]``, factors >= 1 from virtual time t on, the same format as
 ``mpsync train --slowdown-schedule``).
 
@@ -25,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mpsync.config import ConfigError
+from mpsync.config import ConfigError, SyncConfig
+from mpsync.simulate._events import worker_behaviour
+from mpsync.slowdown import parse_schedule
 
 __all__ = ["SpeedModel", "parse_speeds", "read_trace"]
 
@@ -39,6 +42,8 @@ class SpeedModel:
     trace: dict | None = None             # the run a trace: SPEC came from
     label: str = ""
     pause: np.ndarray | None = None       # seconds per iteration outside the phases (replay)
+    # measured per-iteration factors (mean 1) drawn from instead of the lognormal (replay)
+    spread: np.ndarray | None = None
 
     def __post_init__(self):
         self.base = np.asarray(self.base, dtype=np.float64)
@@ -53,6 +58,10 @@ class SpeedModel:
             self.pause = np.asarray(self.pause, dtype=np.float64)
             if self.pause.shape != self.base.shape or np.any(self.pause < 0):
                 raise ConfigError("pause: one value >= 0 per worker")
+        if self.spread is not None:
+            self.spread = np.asarray(self.spread, dtype=np.float64)
+            if self.spread.ndim != 1 or self.spread.size < 1 or np.any(self.spread <= 0):
+                raise ConfigError("spread: one or more factors > 0")
         self.rng = np.random.default_rng([self.seed, 7])
 
     @property
@@ -80,7 +89,9 @@ class SpeedModel:
             c = base * f
         else:
             c = base.copy()
-        if self.jitter > 0:
+        if self.spread is not None:
+            c *= self.rng.choice(self.spread, base.size)
+        elif self.jitter > 0:
             c *= self.rng.lognormal(-0.5 * self.jitter ** 2, self.jitter, base.size)
         return c
 
@@ -90,7 +101,9 @@ class SpeedModel:
         for at, values in self.schedule:
             if start >= at:
                 c = float(self.base[w] * values[w])
-        if self.jitter > 0:
+        if self.spread is not None:
+            c *= float(self.spread[self.rng.integers(self.spread.size)])
+        elif self.jitter > 0:
             c *= float(self.rng.lognormal(-0.5 * self.jitter ** 2, self.jitter))
         return c
 
@@ -106,7 +119,16 @@ def read_trace(path: str | Path) -> dict:
                           f"per-worker compute_s and iterations ({type(e).__name__}: {e})") \
             from None
     rounds = [max(w["rounds"], 1) for w in workers]
-    jitter = _jitter_from_events(m.get("server", {}).get("events") or [])
+    if _pushes_every_step(m.get("config", {})):
+        rounds = [max(w["iterations"], 1) for w in workers]   # a push-pull per iteration
+    aggregation = min(w["aggregation_s"] / r for w, r in zip(workers, rounds))
+    if m.get("config", {}).get("topology") == "ps":
+        # A PS worker's aggregation counter mixes its transfers with the time its pulls were
+        # held (the staleness rule, ElasticBSP's barrier, ESync's round), which the replay
+        # applies itself; the run's timeline has each push and pull apart: a typical one is
+        # the median, and the least over workers is the one that waited least.
+        aggregation = _median_transfer(Path(path).with_name("trace.json")) or aggregation
+    jitter, spread = _spread_from_events(m.get("server", {}).get("events") or [])
     iters = [max(w["iterations"], 1) for w in workers]
     cfg = m.get("config", {})
     # Each worker's counters book compute, server waits and aggregation; what they miss
@@ -116,24 +138,72 @@ def read_trace(path: str | Path) -> dict:
     busy = [w["compute_s"] + w["wait_s"] + w["aggregation_s"] for w in workers]
     span = max(busy)
     return {
-        "path": str(path), "base": base, "policy": cfg.get("policy"),
+        "path": str(path), "base": base, "policy": cfg.get("policy"), "config": cfg,
         "topology": cfg.get("topology"), "wall_s": m.get("wall_s"),
         "batch_size": cfg.get("batch_size"), "samples_per_s": m.get("samples_per_s"),
         "wait_fraction": m.get("wait_fraction"), "slowdown_schedule": cfg.get("slowdown_schedule"),
         # The worker that waits least for its peers shows the aggregation's own cost.
-        "aggregation_s": min(w["aggregation_s"] / r for w, r in zip(workers, rounds)),
+        "aggregation_s": aggregation,
         "query_s": float(np.median([w["wait_s"] / k for w, k in zip(workers, iters)])),
-        "iterations": iters, "workers": len(workers), "jitter": jitter,
+        "iterations": iters, "workers": len(workers), "jitter": jitter, "spread": spread,
         "span_s": span, "pause": [max(0.0, span - b) / k for b, k in zip(busy, iters)],
         "samples": sum(w.get("samples", 0) for w in workers),
+        **_progress(m, cfg, len(workers)),
     }
 
 
-def _jitter_from_events(events: list) -> float | None:
-    """The spread of iteration times a run's server saw: the standard deviation of the log of
-    the intervals between a worker's consecutive reports (a LOCAL answer in between, so the
-    interval is one iteration plus one query), the median over workers with at least 10 such
-    intervals; None when the run has none (policies that synchronize every iteration)."""
+def _median_transfer(trace_json: Path) -> float | None:
+    """The least, over workers, of the median duration of their aggregations in the run's
+    timeline (``trace.json`` of ``mpsync train``): one push and pull without waiting."""
+    try:
+        events = json.loads(trace_json.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    per_worker: dict = {}
+    for e in events:
+        if e.get("name") == "aggregate" and e.get("ph") == "X":
+            per_worker.setdefault(e.get("tid"), []).append(float(e["dur"]) / 1e6)
+    medians = [float(np.median(v)) for v in per_worker.values() if len(v) >= 10]
+    return min(medians) if medians else None
+
+
+def _pushes_every_step(cfg: dict) -> bool:
+    try:
+        config = SyncConfig(policy=cfg.get("policy"), topology=cfg.get("topology") or "")
+        return worker_behaviour(config.validate())["push_every_step"]
+    except ValueError:      # a policy this installation does not know: plain rounds
+        return False
+
+
+def _progress(m: dict, cfg: dict, n: int) -> dict:
+    """The run's epoch length (iterations per worker) and mean loss per epoch, from its
+    evaluations (what OSP's Alg. 1 sizes the In-Computation Sync from); {} if not recorded."""
+    train, batch = cfg.get("train_samples"), cfg.get("batch_size")
+    if not (train and batch and n):
+        return {}
+    per_epoch: dict = {}
+    for e in m.get("evals") or []:
+        if e.get("loss") is not None and e.get("samples") is not None:
+            per_epoch.setdefault(int(e["samples"] // train) + 1, []).append(float(e["loss"]))
+    losses, last = [], None
+    for epoch in range(1, max(per_epoch, default=0) + 1):
+        last = float(np.mean(per_epoch[epoch])) if epoch in per_epoch else last
+        if last is not None:
+            losses.append(last)
+    return {"epoch_iterations": max(int(train // n // batch), 1), "losses": losses}
+
+
+def _spread_from_events(events: list) -> tuple[float | None, list | None]:
+    """The spread of iteration times a run's server saw, from the intervals between a worker's
+    consecutive reports with a LOCAL answer in between (one iteration plus one query each):
+    each interval over its worker's mean, pooled over the workers with at least 10 such
+    intervals; factors outside [0.5, 2] are left out (an idle iteration of a joined worker, an
+    evaluation: other phases, not iteration noise).  Returns the standard deviation of their
+    log and the factors themselves (rescaled to mean 1: the base times are the means), or
+    (None, None) when the run has none (policies that synchronize every iteration).  The
+    factors are replayed as they are: iteration times here are mostly regular with a heavy
+    tail (a log-std several times the median absolute deviation), which a lognormal of the
+    same log-std does not reproduce."""
     last: dict = {}
     intervals: dict = {}
     for t, w, kind, _ in events:
@@ -143,9 +213,16 @@ def _jitter_from_events(events: list) -> float | None:
             last[w] = t
         else:
             last[w] = None
-    sigmas = [float(np.std(np.log(v))) for v in intervals.values()
-              if len(v) >= 10 and min(v) > 0]
-    return float(np.median(sigmas)) if sigmas else None
+    factors = [np.asarray(v) / np.mean(v) for v in intervals.values()
+               if len(v) >= 10 and min(v) > 0]
+    if not factors:
+        return None, None
+    f = np.concatenate(factors)
+    f = f[(f >= 0.5) & (f <= 2.0)]
+    if f.size < 10:
+        return None, None
+    f = f / f.mean()
+    return float(np.std(np.log(f))), f.tolist()
 
 
 def _positive(text: str, what: str) -> float:
@@ -159,9 +236,11 @@ def _positive(text: str, what: str) -> float:
 
 
 def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: int = 0,
-                 jitter: float | None = None, schedule: str | None = None) -> SpeedModel:
+                 jitter: float | None = None, schedule: str | None = None,
+                 spread=None) -> SpeedModel:
     """A :class:`SpeedModel` from a SPEC string (module doc); ``workers`` None: from the SPEC;
-    ``jitter`` None: the trace's measured spread for ``trace:``, else none."""
+    ``jitter`` None: the trace's measured spread for ``trace:`` (its factors, ``spread``),
+    else none; ``spread``: per-iteration factors to draw from instead."""
     kind, _, arg = spec.partition(":")
     trace = None
     if kind == "lognormal":
@@ -213,11 +292,12 @@ def parse_speeds(spec: str, workers: int | None, iter_time: float = 0.1, seed: i
                           f"groups:FxN,..., trace:FILE, const)")
     sched = []
     if schedule:
-        from mpsync.apps.heterogeneity import parse_schedule
-
         sched = parse_schedule(schedule, len(base))
     if jitter is None:
         jitter = (trace or {}).get("jitter") or 0.0
+        if spread is None:
+            spread = (trace or {}).get("spread")
     if not jitter >= 0:
         raise ConfigError(f"--jitter must be >= 0, got {jitter}")
-    return SpeedModel(base, jitter=jitter, schedule=sched, seed=seed, trace=trace, label=spec)
+    return SpeedModel(base, jitter=jitter, schedule=sched, seed=seed, trace=trace, label=spec,
+                      spread=spread)

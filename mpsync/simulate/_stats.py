@@ -58,6 +58,7 @@ class Recorder:
         self.syncs = 0
         self.locals = 0
         self.total_iterations = 0
+        self.aborted = 0               # ESync §4.2: iterations discarded by a READY
         self.sim_time = 0.0
         self.policy_state: dict = {}
 
@@ -151,4 +152,5 @@ class Recorder:
             "local_steps_per_round": distribution(self.local_hist),
             "decisions_per_s": queries / T if T > 0 else None,
             "messages_per_s": self.messages / T if T > 0 else None,
+            "aborted_iterations": int(self.aborted),
         }

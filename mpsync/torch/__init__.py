@@ -28,6 +28,21 @@ from mpsync.torch.broadcast import (
     gather_object,
 )
 from mpsync.torch.compression import Compression
+from mpsync.torch.differentiable import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
+from mpsync.torch.exceptions import (
+    HorovodInternalError,
+    HorovodVersionMismatchError,
+    HostsUpdatedInterrupt,
+)
 from mpsync.torch.mpi_ops import (
     Adasum,
     Average,
@@ -35,15 +50,13 @@ from mpsync.torch.mpi_ops import (
     Min,
     Product,
     Sum,
-    allgather,
+    allgather_async,
     allgather_object,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
+    alltoall_async,
     barrier,
-    broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
@@ -54,10 +67,11 @@ from mpsync.torch.mpi_ops import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    grouped_allreduce,
+    grouped_allgather_async,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter_async,
     is_initialized,
     join,
     local_size,
@@ -66,11 +80,18 @@ from mpsync.torch.mpi_ops import (
     mpi_threads_supported,
     nccl_built,
     poll,
-    reducescatter,
+    reducescatter_async,
     rocm_built,
+    sparse_allreduce_async,
     synchronize,
 )
 from mpsync.torch.optimizer import DistributedOptimizer
+from mpsync.torch.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 
 __all__ = [
     # set-up and topology
@@ -87,11 +108,17 @@ __all__ = [
     "synchronize", "allgather", "allgather_object", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "alltoall", "reducescatter",
     "barrier", "join", "gather_object", "CollectiveTimeout",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "alltoall_async",
+    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "sparse_allreduce_async",
+    # errors and process sets
+    "HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
 ]
 
 
 def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
-         server: str | None = None, comm=None, **policy_options) -> None:
+         server: str | None = None, comm=None, process_sets=None, **policy_options) -> None:
     """Set up the workers, the aggregation backend and the state server (see module doc).
 
     A setting not passed comes from its ``MPSYNC_*`` variable (``MPSYNC_POLICY``,
@@ -104,8 +131,11 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     ``lookahead``, ``epsilon``, ``deadline``, ...) plus ``stats_path`` / ``trace_path`` (where
     the server writes its stats JSON and Chrome trace) and ``server_rank``.  Invalid settings
     raise :class:`mpsync.config.ConfigError` on every rank before any communication.
+    ``process_sets``: :class:`ProcessSet` s to register (Horovod's ``init(process_sets=)``).
+    Calling ``init`` again while initialised does nothing more (Horovod's idempotent init).
     """
-    _runtime.init(policy, topology, backend, server, comm, **policy_options)
+    _runtime.init(policy, topology, backend, server, comm, process_sets=process_sets,
+                  **policy_options)
 
 
 def shutdown() -> None:

@@ -1,24 +1,54 @@
-"""The machinery under :mod:`mpsync.torch.mpi_ops`: the reduce ops, bounded waits that keep
-answering the state server, handles of asynchronous collectives, and :class:`UserOps`, the
-collectives on a ``Dup()`` of the workers' communicator (or through Horovod).
+"""The machinery under :mod:`mpsync.torch.mpi_ops`: reduce ops, bounded waits that keep
+answering the state server, and :class:`UserOps`, the script's collectives over one set of
+workers (all of them, or a process set).
+
+Every collective runs in two steps, like a request to Horovod's coordinator and its answer:
+
+1. a small allgather of one int64 record per worker on the ``meta`` communicator
+   (:mod:`~mpsync.torch._metadata`): kind, dtype, shape, reduce op, scale factors, root,
+   name; every worker checks the records with the same pure function, so a mismatch raises
+   :class:`~mpsync.torch.HorovodInternalError` with the same message on every worker before
+   any data moves, and the next collective runs normally;
+2. the data collective on the ``comm`` communicator (:mod:`~mpsync.torch._moves`), started
+   only once the records are in.
+
+Collectives start their data step in the order they were called (a FIFO), so non-blocking
+collectives on ``comm`` are matched in the same order on every worker, even when a script
+synchronizes its handles in another order.  A worker inside ``join()`` answers each record
+exchange with a ``JOINED`` record and takes part in the data step (zeros into reductions,
+Horovod's join semantics; see :mod:`~mpsync.torch.joining`).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 
 import numpy as np
 import torch
 
-from mpsync.torch import _runtime
+from mpsync.torch import _metadata as meta
 from mpsync.torch._wait import poll_until_done
-from mpsync.torch.compression import as_compressor
+from mpsync.torch.exceptions import HorovodInternalError
+
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "UserOps",
+           "wait_while_stepping", "AdasumRefused", "DTYPES"]
 
 # Horovod's values, so ``op=horovod.torch.Average`` means the same here.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
              Product: "Product"}
+# dtype codes carried in the records (index in this tuple).
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+          torch.complex128)
+_DTYPE_NAMES = [str(d).replace("torch.", "") for d in DTYPES]
+
+
+class AdasumRefused(NotImplementedError, ValueError):
+    """op=Adasum: Horovod raises NotImplementedError where it cannot run Adasum; mpsync never
+    can (a ValueError too, what earlier mpsync versions raised)."""
 
 
 def reduce_op(average=None, op=None) -> int:
@@ -31,18 +61,10 @@ def reduce_op(average=None, op=None) -> int:
     if op not in _OP_NAMES:
         raise ValueError(f"unknown reduce op {op!r}; use Average, Sum, Min, Max or Product")
     if op == Adasum:
-        raise ValueError("op=Adasum is not supported by mpsync; use op=Average (Adasum needs "
-                         "Horovod's own DistributedOptimizer: run the script on horovod.torch)")
+        raise AdasumRefused("op=Adasum is not supported by mpsync; use op=Average (Adasum "
+                            "needs Horovod's own DistributedOptimizer: run the script on "
+                            "horovod.torch)")
     return op
-
-
-def _check_process_set(process_set) -> None:
-    if process_set is None:
-        return
-    if getattr(process_set, "process_set_id", None) == 0:
-        return  # Horovod's global_process_set: all workers, which is what mpsync reduces over
-    raise ValueError("process_set: mpsync collectives run over all workers; only the global "
-                     "process set is supported")
 
 
 # A script's collective that has waited this long while a policy with local steps runs:
@@ -75,283 +97,221 @@ def wait_while_stepping(test, *, deadline: float, what: str, idle=None) -> None:
 
 
 class _Op:
-    """A started collective: ``test()`` progresses it, ``wait()`` finishes it (deadline),
-    ``result`` is what ``synchronize(handle)`` returns."""
+    """A collective in flight: waiting for the records, then for its data step.
 
-    def __init__(self, test, finish, what: str, deadline: float, idle=None):
-        self._test, self._finish, self.what, self.deadline = test, finish, what, deadline
-        self.idle = idle
+    ``start(records)`` starts the data step and returns ``(test, finish)``; ``finish()``
+    gives the result that ``synchronize(handle)`` returns."""
+
+    def __init__(self, ops: "UserOps", what: str, name, start, local_error=None):
+        self.ops, self.what, self.name, self._start = ops, what, name, start
+        self.local_error = local_error
+        self.records = None
+        self.error: BaseException | None = None
+        self._test = self._finish = None
         self.done = False
         self.result = None
 
+    def begin_data(self, records: np.ndarray) -> None:
+        self.records = records
+        if self._start is None:  # a joined worker's round (joining) reads the records
+            return
+        msg = meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
+        if self.local_error is not None:
+            self.error = self.local_error
+        elif msg is not None:
+            self.error = HorovodInternalError(msg)
+        else:
+            self._test, self._finish = self._start(records)
+
+    def test_records(self) -> bool:
+        self.ops.advance()
+        return self.records is not None
+
     def test(self) -> bool:
-        if not self.done and self._test():
+        if self.done:
+            return True
+        self.ops.advance()
+        if self.records is None:
+            return False
+        if self.error is None and not self._test():
+            return False
+        self.done = True
+        self.ops.release(self.name)
+        if self.error is None:
             self.result = self._finish()
-            self.done = True
-        return self.done
+        return True
 
     def wait(self):
         if not self.done:
-            wait_while_stepping(self._test, deadline=self.deadline, what=self.what,
-                                idle=self.idle)
-            self.result = self._finish()
-            self.done = True
+            wait_while_stepping(self.test, deadline=self.ops.deadline, what=self.what,
+                                idle=self.ops.idle)
+        if self.error is not None:
+            raise self.error
         return self.result
 
 
-def _done(result, what: str) -> _Op:
-    op = _Op(lambda: True, lambda: result, what, 0.0)
-    op.test()
-    return op
+class _Group:
+    """Several collectives behind one handle (grouped ops, sparse allreduce)."""
+
+    def __init__(self, parts: list, combine=list):
+        self.parts, self.combine = parts, combine
+        self.what = parts[0].what if parts else "group"
+
+    def test(self) -> bool:
+        return all([p.test() for p in self.parts])
+
+    def wait(self):
+        errors, results = [], []
+        for p in self.parts:
+            try:
+                results.append(p.wait())
+            except Exception as e:  # every part is waited for, then the first error raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return self.combine(results)
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy (the staging buffer for a CUDA tensor; a fresh buffer for CPU)."""
-    return tensor.detach().to("cpu", copy=True).contiguous()
+class _Done:
+    """A result that is already there, behind a handle."""
 
+    def __init__(self, result, what: str):
+        self.result, self.what = result, what
 
-def _bytes_view(t: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a contiguous CPU tensor of any dtype (bfloat16 and bool too)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    def test(self) -> bool:
+        return True
 
-
-_MPI_OPS = {Sum: "SUM", Average: "SUM", Min: "MIN", Max: "MAX", Product: "PROD"}
-_REDUCIBLE = (torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8,
-              torch.uint8)
+    def wait(self):
+        return self.result
 
 
 class UserOps:
-    """The script's collectives over one communicator of the workers (a ``Dup()`` reserved
-    for them); ``hvd``: Horovod initialised on the same workers, used for allreduce."""
+    """The script's collectives over the workers of ``comm`` (a ``Dup()`` reserved for them;
+    the record exchanges get a ``Dup()`` of their own).  ``ranks``: the worker ranks of the
+    members in ``comm``'s order (a process set); ``idle``: called while a collective waits
+    (see :func:`wait_while_stepping`), True if it did something."""
 
-    def __init__(self, comm, deadline: float, hvd=None, idle=None):
+    def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None):
         self.comm = comm
+        self.meta = comm.Dup()
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.ranks = list(range(self.size)) if ranks is None else list(ranks)
         self.deadline = float(deadline)
-        self.hvd = hvd
-        # Called while a collective waits (see wait_while_stepping); True if it did something.
+        self.hvd = hvd  # kept for callers' signatures: every collective here is mpi4py
         self.idle = idle
-        self.handles: dict[int, _Op] = {}
+        self.handles: dict[int, object] = {}
         self._ids = itertools.count(1)
+        self._queue: collections.deque[tuple[_Op, object, np.ndarray]] = collections.deque()
+        self._names: set[str] = set()
+        self.exchanges = 0  # record exchanges started: the same count on every member
 
-    def _wait(self, req, what: str) -> None:
-        wait_while_stepping(req.Test, deadline=self.deadline, what=what, idle=self.idle)
-
-    def _op(self, test, finish, what: str) -> _Op:
-        return _Op(test, finish, what, self.deadline, self.idle)
-
-    def keep(self, op: _Op) -> int:
+    def keep(self, op) -> int:
         handle = next(self._ids)
         self.handles[handle] = op
         return handle
 
-    # -- reductions ---------------------------------------------------------------------------
-    def start_allreduce(self, tensor: torch.Tensor, op: int, prescale: float, postscale: float,
-                        compression, what: str, out: torch.Tensor | None = None) -> _Op:
-        """Reduce ``tensor`` over the workers; the result goes to ``out`` (default: a new
-        tensor of ``tensor``'s dtype and device)."""
-        compression = as_compressor(compression)
-        if tensor.dtype == torch.bool or tensor.is_complex():
-            raise TypeError(f"allreduce of a {tensor.dtype} tensor is not supported")
-        if op == Average and not tensor.is_floating_point():
-            raise TypeError(f"allreduce: cannot average a {tensor.dtype} tensor (no integer "
-                            f"result); pass op=Sum (or average=False) for its exact sum, or "
-                            f"convert it to a floating dtype")
-        source = tensor.detach()
-        wire, ctx = compression.compress(source)
-        if self.hvd is not None and tensor.device.type == "cpu":
-            buf = wire.clone() if wire is source else wire.contiguous()
-            return self._start_hvd(tensor, buf, ctx, op, prescale, postscale, compression,
-                                   what, out)
-        what = what or "allreduce"
-        x = _host(wire)
-        if x.dtype in (torch.float16, torch.bfloat16):
-            self._reduce_half(x, op, prescale, what)
-        else:
-            if x.dtype not in _REDUCIBLE:
-                raise TypeError(f"allreduce: cannot reduce {x.dtype}")
-            if prescale != 1.0:
-                x.mul_(prescale)
-            from mpi4py import MPI
+    # -- the record exchange ------------------------------------------------------------------
+    def submit(self, what: str, name, rec: np.ndarray, start, local_error=None) -> _Op:
+        """Post ``rec`` and queue the collective; raises ``local_error`` (after posting, so the
+        others learn of it and raise too) or a duplicate in-flight ``name`` (before)."""
+        if name is not None:
+            if name in self._names:
+                raise ValueError(f"{what}: requested a collective named {name!r} while another "
+                                 f"one with that name is in flight (not yet synchronized); "
+                                 f"use a different name")
+            self._names.add(name)
+        op = _Op(self, what, name, start, local_error)
+        if local_error is not None:
+            rec[meta.Field.INVALID] = 1
+        self._post(op, rec)
+        if local_error is not None:
+            self.release(name)
+            raise local_error
+        return op
 
-            req = self.comm.Iallreduce(MPI.IN_PLACE, x.numpy(), op=getattr(MPI, _MPI_OPS[op]))
-
-        def finish():
-            y = x
-            if op == Average:
-                y = y.div_(self.size)
-            if postscale != 1.0:
-                y = y.mul_(postscale) if y.is_floating_point() else (y * postscale).to(y.dtype)
-            y = compression.decompress(y, ctx)
-            return _deliver(y, tensor, out)
-
-        if x.dtype in (torch.float16, torch.bfloat16):
-            return _done(finish(), what)
-        return self._op(req.Test, finish, what)
-
-    def _start_hvd(self, tensor, buf, ctx, op, prescale, postscale, compression, what, out):
-        hvd = self.hvd
-        # Horovod matches in-flight collectives by name; unnamed ones get its own unique name.
-        name = None if what is None else f"mpsync.user.{what}"
-        handle = hvd.allreduce_async_(buf, name=name, op=op, prescale_factor=prescale,
-                                      postscale_factor=postscale)
-        what = what or "allreduce"
-
-        def finish():
-            hvd.synchronize(handle)
-            return _deliver(compression.decompress(buf, ctx), tensor, out)
-
-        return self._op(lambda: hvd.poll(handle), finish, what)
-
-    def _reduce_half(self, x: torch.Tensor, op: int, prescale: float, what: str) -> None:
-        """float16/bfloat16 in place: MPI has no such datatype to reduce, so Sum/Average move
-        the 2-byte values themselves (:meth:`sum_half_`) and add in float32; Min/Max/Product
-        reduce a float32 copy."""
-        if prescale != 1.0:
-            x.mul_(prescale)
-        if op in (Sum, Average):
-            self.sum_half_(x, what)
-            return
+    def _post(self, op, rec: np.ndarray) -> None:
         from mpi4py import MPI
 
-        y = x.to(torch.float32)
-        req = self.comm.Iallreduce(MPI.IN_PLACE, y.numpy(), op=getattr(MPI, _MPI_OPS[op]))
-        self._wait(req, what)
-        x.copy_(y)
+        rec = np.ascontiguousarray(rec, dtype=np.int64)
+        out = np.empty((self.size, rec.size), dtype=np.int64)
+        req = self.meta.Iallgather([rec, MPI.INT64_T], [out, MPI.INT64_T])
+        self.exchanges += 1
+        self._queue.append((op, req, out))
 
-    def sum_half_(self, x: torch.Tensor, what: str = "half sum") -> torch.Tensor:
-        """In place, the sum over the workers of a contiguous CPU float16/bfloat16 tensor.
+    def advance(self) -> None:
+        """Start the data step of every queued collective whose records are in, in order."""
+        while self._queue:
+            op, req, out = self._queue[0]
+            if not req.Test():
+                return
+            self._queue.popleft()
+            op.begin_data(out)
 
-        The bandwidth-optimal allreduce as two exchanges of 2-byte values: each worker
-        receives everyone's copy of its own 1/N of the tensor (alltoall), adds them in
-        float32, and the sums are gathered back (allgather).  Bytes moved per worker:
-        2(N-1)/N x the tensor's bytes, half of what a float32 allreduce moves."""
+    def release(self, name) -> None:
+        self._names.discard(name)
 
-        n, size = x.numel(), self.size
-        if size == 1 or n == 0:
-            return x
-        chunk = -(-n // size)
-        padded = torch.zeros(chunk * size, dtype=x.dtype)
-        padded[:n] = x.reshape(-1)
-        send = padded.view(torch.int16).numpy()
-        recv = np.empty_like(send)
-        self._wait(self.comm.Ialltoall(send, recv), what + " (exchange)")
-        parts = torch.from_numpy(recv).view(x.dtype).reshape(size, chunk)
-        mine = parts.to(torch.float32).sum(dim=0).to(x.dtype).contiguous()
-        gathered = np.empty_like(send)
-        self._wait(self.comm.Iallgather(mine.view(torch.int16).numpy(), gathered),
-                   what + " (gather)")
-        x.reshape(-1).copy_(torch.from_numpy(gathered).view(x.dtype)[:n])
-        return x
+    def drain(self) -> None:
+        """Wait until every queued collective has its records (before ``join``)."""
+        while self._queue:
+            op = self._queue[0][0]
+            wait_while_stepping(lambda: (self.advance(), op.records is not None)[1],
+                                deadline=self.deadline, what=op.what, idle=self.idle)
 
-    # -- data movement ------------------------------------------------------------------------
-    def allgather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        from mpi4py import MPI
+    def start_allreduce(self, tensor, op, prescale, postscale, compression, what, out=None):
+        """``mps.allreduce``'s path, for callers holding a UserOps (the bench)."""
+        from mpsync.torch._moves import start_allreduce
 
-        x = _host(tensor)
-        if x.dim() == 0:
-            raise ValueError("allgather needs a tensor with at least one dimension")
-        shapes = np.empty((self.size, x.dim()), dtype=np.int64)
-        self._wait(self.comm.Iallgather(np.array(x.shape, dtype=np.int64), shapes),
-                   what + " (shapes)")
-        if np.any(shapes[:, 1:] != shapes[self.rank, 1:]):
-            raise ValueError(f"allgather {what!r}: tensors differ beyond the first dimension: "
-                             f"{[tuple(s) for s in shapes.tolist()]}")
-        row = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
-        counts = shapes[:, 0] * row
-        out = torch.empty((int(shapes[:, 0].sum()), *x.shape[1:]), dtype=x.dtype)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        self._wait(self.comm.Iallgatherv(_bytes_view(x),
-                                         [_bytes_view(out), counts, displs, MPI.BYTE]), what)
-        return out.to(tensor.device)
+        return start_allreduce(self, tensor, op, prescale, postscale, compression, what, out)
 
-    def broadcast_(self, tensor: torch.Tensor, root: int, what: str) -> torch.Tensor:
-        _check_root(root, self.size)
-        x = _host(tensor)
-        self._wait(self.comm.Ibcast(_bytes_view(x), root=root), what)
-        with torch.no_grad():
-            tensor.copy_(x)
-        return tensor
+    def sum_half_(self, x, what: str = "half sum"):
+        """In place, the sum of a float16/bfloat16 tensor (``_moves.sum_half_``)."""
+        from mpsync.torch._moves import sum_half_
 
-    def alltoall(self, tensor: torch.Tensor, splits, what: str):
-        from mpi4py import MPI
+        return sum_half_(self, x, what)
 
-        x = _host(tensor)
-        rows = x.shape[0] if x.dim() else 0
-        if splits is None:
-            if rows % self.size:
-                raise ValueError(f"alltoall {what!r}: first dimension {rows} does not split "
-                                 f"evenly over {self.size} workers; pass splits=")
-            send_rows = np.full(self.size, rows // self.size, dtype=np.int64)
-        else:
-            send_rows = np.asarray(torch.as_tensor(splits).cpu(), dtype=np.int64).reshape(-1)
-            if send_rows.size != self.size or np.any(send_rows < 0) or send_rows.sum() != rows:
-                raise ValueError(f"alltoall {what!r}: splits {send_rows.tolist()} must be "
-                                 f"{self.size} non-negative counts summing to {rows}")
-        recv_rows = np.empty(self.size, dtype=np.int64)
-        self._wait(self.comm.Ialltoall(send_rows, recv_rows), what + " (splits)")
-        row = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
-        out = torch.empty((int(recv_rows.sum()), *x.shape[1:]), dtype=x.dtype)
-        sc, rc = send_rows * row, recv_rows * row
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-        self._wait(self.comm.Ialltoallv([_bytes_view(x), sc, sd, MPI.BYTE],
-                                        [_bytes_view(out), rc, rd, MPI.BYTE]), what)
-        out = out.to(tensor.device)
-        if splits is None:
-            return out
-        return out, torch.from_numpy(recv_rows.astype(np.int32))
+    def _wait(self, req, what: str) -> None:
+        wait_while_stepping(req.Test, deadline=self.deadline, what=what, idle=self.idle)
 
-    def barrier(self, what: str = "barrier") -> None:
-        self._wait(self.comm.Ibarrier(), what)
+    def exchange(self, rec: np.ndarray) -> _Op:
+        """Post a record with no data step of its own (a joined worker's round): the
+        returned op's ``test_records()`` says when every member's record is in."""
+        op = _Op(self, "join", None, None)
+        self._post(op, rec)
+        return op
 
-    def allgather_bytes(self, data: bytes, what: str) -> list[bytes]:
-        from mpi4py import MPI
-
-        sizes = np.empty(self.size, dtype=np.int64)
-        self._wait(self.comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes),
-                   what + " (sizes)")
-        out = np.empty(int(sizes.sum()), dtype=np.uint8)
-        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        self._wait(self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8),
-                                         [out, sizes, displs, MPI.BYTE]), what)
-        return [out[a:a + n].tobytes() for a, n in zip(displs, sizes)]
+    def check(self, records: np.ndarray) -> str | None:
+        return meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
 
 
-def _deliver(y: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return y.to(device=like.device, dtype=like.dtype)
-    with torch.no_grad():
-        out.copy_(y)
-    return out
+def user_ops(what: str, process_set=None) -> UserOps:
+    """The :class:`UserOps` of ``process_set`` (default: all workers), made at ``init``."""
+    from mpsync.torch import _runtime
 
-
-def _check_root(root: int, size: int) -> None:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
-        raise ValueError(f"root_rank must be a worker rank in 0..{size - 1}, got {root!r}")
-
-
-def user_ops(what: str) -> UserOps:
-    """This run's :class:`UserOps`, made on first use (the first collective a script calls
-    is called by every worker, so the ``Dup()`` is too)."""
     ctx = _runtime.worker_context(what)
-    if ctx.user_ops is None:
-        hvd = ctx.hvd if ctx.config.backend == "horovod" else None
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return ctx.user_ops
+    from mpsync.torch.process_sets import ops_of
 
-        def idle() -> bool:
-            stepped = False
-            for opt in ctx.optimizers:
-                stepped = opt.strategy.idle_step() or stepped
-            return stepped
-
-        ctx.user_ops = UserOps(ctx.workers.Dup(), ctx.config.deadline, hvd, idle)
-    return ctx.user_ops
+    return ops_of(process_set, what)
 
 
-def _name(name, default: str) -> str:
-    return str(name) if name is not None else default
+def make_user_ops(ctx) -> UserOps:
+    """The global set's :class:`UserOps` (at ``init``: ``Dup()`` is collective)."""
+
+    def idle() -> bool:
+        stepped = False
+        for opt in ctx.optimizers:
+            stepped = opt.strategy.idle_step() or stepped
+        return stepped
+
+    return UserOps(ctx.workers.Dup(), ctx.config.deadline, None, idle)
 
 
-def _opt_name(name) -> str | None:
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def name_of(name) -> str | None:
     return None if name is None else str(name)
+

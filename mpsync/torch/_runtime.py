@@ -41,10 +41,14 @@ class Context:
     local_size: int = 1
     cross_rank: int = 0
     cross_size: int = 1
-    user_ops: object | None = None  # mpi_ops.UserOps: the script's own collectives
+    user_ops: object | None = None  # _collectives.UserOps: the script's own collectives
+    peers: object | None = None     # a UserOps of DistributedOptimizer's own (fp16 sums, barriers)
+    process_sets: dict = field(default_factory=dict)  # id -> (ProcessSet, UserOps | None)
+    next_process_set_id: int = 0
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
-    # EmulatedLink when ``comm_delay`` > 0 (metrics and broadcasts are not delayed).
+    # EmulatedLink when ``comm_delay`` or ``comm_bandwidth`` > 0 (metrics and broadcasts are
+    # not delayed).
     data_backend: object | None = None
     objects: object | None = None   # communicator for gather_object
     client: object | None = None
@@ -114,13 +118,18 @@ def install_abort_hooks(comm, label: str) -> None:
 
 def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
          server: str | None = None, comm=None, *, stats_path: str | None = None,
-         trace_path: str | None = None, server_rank: int = 0, **policy_options) -> Context:
+         trace_path: str | None = None, server_rank: int = 0, process_sets=None,
+         **policy_options) -> Context:
     """Every setting left as ``None`` comes from ``MPSYNC_*`` or else the default of
     :class:`SyncConfig` (explicit > environment > default), so ``init()`` alone runs the policy
-    of the environment."""
+    of the environment.  A second call while initialised returns the running context (Horovod's
+    ``init()`` is idempotent: libraries and notebooks call it again) and only registers
+    ``process_sets`` not registered yet."""
     global _CONTEXT
     if _CONTEXT is not None and not _CONTEXT.closed:
-        raise RuntimeError("mps.init() was already called in this process")
+        if not _CONTEXT.is_server:
+            _add_process_sets(process_sets)
+        return _CONTEXT
     given = {k: v for k, v in (("policy", policy), ("topology", topology),
                                ("backend", backend), ("server", server)) if v is not None}
     # Validation needs no communicator: a bad setting fails identically on every rank.
@@ -177,7 +186,16 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
             workers, config, world_ranks)
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
+    _add_process_sets(process_sets)
     return ctx
+
+
+def _add_process_sets(process_sets) -> None:
+    from mpsync.torch.process_sets import add_process_set
+
+    for ps in process_sets or ():
+        if getattr(ps, "process_set_id", None) is None:
+            add_process_set(ps)
 
 
 def _check_same_config(world, config: SyncConfig, server_rank: int) -> None:
@@ -234,8 +252,14 @@ def _start_backend(ctx: Context) -> None:
         ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
     else:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
-    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay)
-                        if ctx.config.comm_delay > 0 else ctx.backend)
+    emulated = ctx.config.comm_delay > 0 or ctx.config.comm_bandwidth > 0
+    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay,
+                                     bandwidth=ctx.config.comm_bandwidth)
+                        if emulated else ctx.backend)
+    from mpsync.torch._collectives import UserOps, make_user_ops
+
+    ctx.user_ops = make_user_ops(ctx)
+    ctx.peers = UserOps(ctx.workers.Dup(), ctx.config.deadline)
 
 
 def _start_control_plane(ctx: Context) -> None:

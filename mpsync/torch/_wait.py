@@ -23,10 +23,12 @@ import numpy as np
 __all__ = ["CollectiveTimeout", "PeerWatch", "poll_until_done", "wait_on_event"]
 
 from mpsync.server import DeadlineExceeded
+from mpsync.torch.exceptions import HorovodInternalError
 
 
-class CollectiveTimeout(DeadlineExceeded):
-    """A collective did not complete within the deadline.
+class CollectiveTimeout(DeadlineExceeded, HorovodInternalError):
+    """A collective did not complete within the deadline (a :class:`HorovodInternalError`,
+    which is what a Horovod script catches when a collective fails).
 
     ``silent_ranks`` are ranks of the workers' communicator that never reached it (as far as the
     notices tell); ``what`` names the collective.

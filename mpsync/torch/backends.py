@@ -61,7 +61,15 @@ class Pending:
             return
         agg = self._agg
         deadline = agg.deadline if deadline is None else deadline
-        if self._event is not None:
+        hook = agg.while_waiting
+        if hook is not None:
+            # A joined worker answers the script's collectives while it waits here.
+            def test() -> bool:
+                return self._test() or (hook(), self._test())[1]
+
+            poll_until_done(test, deadline=deadline, what=self.what, watch=agg.watch,
+                            seq=self.seq, sleep=1e-4, spin_for=2e-3)
+        elif self._event is not None:
             wait_on_event(self._event, deadline=deadline, what=self.what, watch=agg.watch,
                           seq=self.seq)
         else:
@@ -114,6 +122,8 @@ class Aggregator:
         self.deadline = float(deadline)
         self.watch = watch
         self.seq = 0  # collectives started; equal on every worker, names them in errors
+        # Called between polls while a collective waits (mpsync.torch.joining), or None.
+        self.while_waiting = None
 
     def _next(self, what: str) -> tuple[str, int]:
         self.seq += 1

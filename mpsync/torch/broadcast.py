@@ -39,10 +39,18 @@ def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def broadcast_parameters(params, root_rank: int = 0) -> None:
-    """Copy ``root_rank``'s tensors into every worker's (in place), like Horovod's."""
+def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
+    """Copy ``root_rank``'s tensors into every worker's (in place), like Horovod's;
+    ``process_set``: only among its members (``root_rank`` is a worker rank)."""
+    from mpsync.torch.mpi_ops import broadcast_
+    from mpsync.torch.process_sets import is_whole_world
+
     ctx = _runtime.worker_context("broadcast_parameters")
     _check_root(root_rank, ctx.size)
+    send = (lambda flat: ctx.backend.broadcast_(flat, root_rank, "parameters",
+                                                _broadcast_deadline(ctx))) \
+        if is_whole_world(process_set) else \
+        (lambda flat: broadcast_(flat, root_rank, "parameters", process_set))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for _, t in _named_tensors(params):
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -51,7 +59,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors]) if tensors else None
         if flat is None or flat.numel() == 0:
             continue
-        ctx.backend.broadcast_(flat, root_rank, "parameters", _broadcast_deadline(ctx))
+        send(flat)
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -63,9 +71,9 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
 def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
     """``root_rank``'s picklable object on every worker (torch.save, so tensors travel).
     ``name`` is accepted for Horovod's signature; only the global process set exists."""
-    from mpsync.torch.mpi_ops import _check_process_set
+    from mpsync.torch.mpi_ops import broadcast_
+    from mpsync.torch.process_sets import is_whole_world
 
-    _check_process_set(process_set)
     ctx = _runtime.worker_context("broadcast_object")
     _check_root(root_rank, ctx.size)
     data = None
@@ -73,17 +81,35 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
         b = io.BytesIO()
         torch.save(obj, b)
         data = b.getvalue()
-    data = ctx.backend.broadcast_bytes(data, root_rank, "object", _broadcast_deadline(ctx))
+    if is_whole_world(process_set):
+        data = ctx.backend.broadcast_bytes(data, root_rank, "object", _broadcast_deadline(ctx))
+    else:
+        n = torch.tensor([len(data) if data is not None else 0])
+        broadcast_(n, root_rank, process_set=process_set)
+        buf = torch.zeros(int(n), dtype=torch.uint8)
+        if data is not None:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        data = broadcast_(buf, root_rank, process_set=process_set).numpy().tobytes()
     if ctx.worker_rank == root_rank:
         return obj
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
-    """Load ``root_rank``'s optimizer state (and hyper-parameters) on every worker."""
+    """Load ``root_rank``'s optimizer state (and hyper-parameters) on every worker.
+
+    As in Horovod, an optimizer without state yet (no step taken) first takes one local step
+    of the wrapped optimizer on zero gradients (set where a gradient is None), so its state
+    exists and has the same structure everywhere; the gradients are then zeros, not None."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
+    if not inner.state:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        inner.step()
     state = broadcast_object(inner.state_dict(), root_rank)
     if _runtime.context().worker_rank != root_rank:
         inner.load_state_dict(state)

@@ -1,227 +1,272 @@
-"""The collectives a training script calls itself, with ``horovod.torch``'s names and
-arguments: ``allreduce`` (and ``_``/``_async`` forms, ``poll``, ``synchronize``),
-``grouped_allreduce``, ``allgather``, ``allgather_object``, ``broadcast``, ``broadcast_``,
-``alltoall``, ``reducescatter``, ``barrier``, ``join``; the reduce ops; the topology queries.
+"""The collectives a training script calls itself, with ``horovod.torch``'s names, arguments
+and semantics: the asynchronous and in-place forms (``*_async``, ``*_``, ``poll``,
+``synchronize``), ``barrier``, ``join``, ``allgather_object``, the reduce ops and the
+topology queries.  The differentiable forms (``allreduce``, ``allgather``, ``broadcast``,
+``alltoall``, ``reducescatter`` and their grouped variants) are in
+:mod:`~mpsync.torch.differentiable`.
 
-Everything runs over the workers only (a dedicated state-server rank never takes part): on
-its own ``Dup()`` of the workers' communicator with mpi4py, or, for ``allreduce`` with
-``backend='horovod'``, through Horovod (initialised on that same set of workers).  Every wait
-is bounded by the run's ``deadline`` (:class:`~mpsync.torch.CollectiveTimeout`).  A CUDA
-tensor is staged through host memory and the result comes back on its device.
-
-Process sets (``process_set=``) other than the global one are refused: mpsync aggregates over
-all workers.  ``op=Adasum`` is refused: use ``Average`` (Adasum needs Horovod's own
-optimizer; run the script on Horovod for it).
+Everything runs over the workers only (a dedicated state-server rank never takes part), on
+communicators of their own (mpi4py; the ``backend`` setting chooses how
+``DistributedOptimizer`` aggregates), and never consults the state server, so every policy
+runs them the same way.  ``process_set=`` limits a collective to a process set
+(:mod:`~mpsync.torch.process_sets`); ``root_rank`` is a worker rank (``mps.rank()``), as in
+Horovod.  Before any data moves the workers compare what each asked for; a mismatch raises
+:class:`~mpsync.torch.HorovodInternalError` on every worker and the job goes on.  Every wait is
+bounded by the run's ``deadline`` (:class:`~mpsync.torch.CollectiveTimeout`).
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 
-import numpy as np
 import torch
 
-from mpsync.torch import _runtime
-from mpsync.torch.compression import Compression
+from mpsync.torch import _moves, _runtime
 from mpsync.torch._collectives import (  # noqa: F401  (Average ... Product are public here)
-    Average, Sum, Adasum, Min, Max, Product, _OP_NAMES, reduce_op, _check_process_set, _done, UserOps, user_ops, _name, _opt_name)
+    Adasum, Average, Max, Min, Product, Sum, UserOps, _Done, _Group, name_of, reduce_op,
+    user_ops)
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "poll",
-    "synchronize", "allgather", "allgather_object", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "alltoall", "reducescatter", "barrier", "join",
+    "allreduce_async", "allreduce_async_", "allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_allreduce_", "sparse_allreduce_async",
+    "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
+    "broadcast_", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
+    "poll", "synchronize", "allgather_object", "barrier", "join",
     "is_initialized", "local_size", "cross_rank", "cross_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
     "ccl_built", "cuda_built", "rocm_built", "UserOps", "reduce_op",
 ]
 
 
+def _keep(ops: UserOps, op) -> int:
+    return ops.keep(op)
+
+
+def _member_root(ops: UserOps, root_rank) -> tuple[int, Exception | None]:
+    """``root_rank`` (a worker rank) as an index among the members of ``ops``."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or \
+            root_rank not in ops.ranks:
+        return -1, ValueError(f"broadcast received invalid root rank {root_rank!r} for the "
+                              f"process set of workers {ops.ranks}")
+    return ops.ranks.index(root_rank), None
+
+
 # -- allreduce family ----------------------------------------------------------------------------
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=None) -> int:
     """Start reducing ``tensor`` into a new tensor; ``synchronize(handle)`` returns it."""
-    _check_process_set(process_set)
-    ops = user_ops("allreduce_async")
+    ops = user_ops("allreduce_async", process_set)
     op = reduce_op(average, op)
-    return ops.keep(ops.start_allreduce(tensor, op, prescale_factor, postscale_factor, None,
-                                        _opt_name(name)))
+    return _keep(ops, _moves.start_allreduce(ops, tensor, op, prescale_factor,
+                                             postscale_factor, None, name_of(name)))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None) -> int:
     """In-place form of :func:`allreduce_async`."""
-    _check_process_set(process_set)
-    ops = user_ops("allreduce_async_")
+    ops = user_ops("allreduce_async_", process_set)
     op = reduce_op(average, op)
-    return ops.keep(ops.start_allreduce(tensor, op, prescale_factor, postscale_factor, None,
-                                        _opt_name(name), out=tensor))
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> torch.Tensor:
-    """A new tensor: ``tensor`` reduced over the workers (default: averaged).  Sums of integer
-    tensors are exact; averaging one is refused (it has no integer result).
-    ``compression=Compression.fp16`` reduces a float16 copy and returns the tensor's dtype."""
-    _check_process_set(process_set)
-    ops = user_ops("allreduce")
-    op = reduce_op(average, op)
-    return ops.start_allreduce(tensor, op, prescale_factor, postscale_factor, compression,
-                               _opt_name(name)).wait()
+    return _keep(ops, _moves.start_allreduce(ops, tensor, op, prescale_factor,
+                                             postscale_factor, None, name_of(name), out=tensor))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None) -> torch.Tensor:
     """In place: ``tensor`` becomes its reduction over the workers."""
-    _check_process_set(process_set)
-    ops = user_ops("allreduce_")
+    ops = user_ops("allreduce_", process_set)
     op = reduce_op(average, op)
-    return ops.start_allreduce(tensor, op, prescale_factor, postscale_factor, None,
-                               _opt_name(name), out=tensor).wait()
+    return _moves.start_allreduce(ops, tensor, op, prescale_factor, postscale_factor, None,
+                                  name_of(name), out=tensor).wait()
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> list:
-    """A list of new tensors, each reduced as by :func:`allreduce`."""
-    return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op,
-                      prescale_factor, postscale_factor, process_set)
-            for i, t in enumerate(tensors)]
+def _part_name(name, i: int):
+    return None if name is None else f"{name}.{i}"
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=None) -> list:
-    return [allreduce_(t, average, None if name is None else f"{name}.{i}", op, prescale_factor,
-                       postscale_factor, process_set) for i, t in enumerate(tensors)]
-
-
-def _grouped_async(tensors, average, name, op, pre, post, process_set, in_place) -> int:
-    _check_process_set(process_set)
-    ops = user_ops("grouped_allreduce_async")
-    op = reduce_op(average, op)
-    started = [ops.start_allreduce(t, op, pre, post, None, None if name is None else f"{name}.{i}",
-                                   out=t if in_place else None) for i, t in enumerate(tensors)]
-
-    def test():
-        return all(s.test() for s in started)
-
-    return ops.keep(ops._op(test, lambda: [s.wait() for s in started],
-                            _name(name, "grouped")))
+def start_grouped_allreduce(ops, tensors, op, pre, post, compression, name, in_place):
+    return _Group([_moves.start_allreduce(ops, t, op, pre, post, compression,
+                                          _part_name(name, i), out=t if in_place else None)
+                   for i, t in enumerate(tensors)])
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None) -> int:
-    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                          process_set, in_place=False)
+    ops = user_ops("grouped_allreduce_async", process_set)
+    return _keep(ops, start_grouped_allreduce(ops, tensors, reduce_op(average, op),
+                                              prescale_factor, postscale_factor, None,
+                                              name_of(name), False))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None) -> int:
-    return _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                          process_set, in_place=True)
+    ops = user_ops("grouped_allreduce_async_", process_set)
+    return _keep(ops, start_grouped_allreduce(ops, tensors, reduce_op(average, op),
+                                              prescale_factor, postscale_factor, None,
+                                              name_of(name), True))
 
 
-def poll(handle: int) -> bool:
-    """True once the collective of ``handle`` has completed (``synchronize`` then returns
-    without waiting)."""
-    op = user_ops("poll").handles.get(handle)
-    if op is None:
-        raise ValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
-    return op.test()
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=None) -> list:
+    ops = user_ops("grouped_allreduce_", process_set)
+    return start_grouped_allreduce(ops, tensors, reduce_op(average, op), prescale_factor,
+                                   postscale_factor, None, name_of(name), True).wait()
 
 
-def synchronize(handle: int):
-    """Wait for the collective of ``handle`` (with the deadline) and return its result."""
-    ops = user_ops("synchronize")
-    op = ops.handles.pop(handle, None)
-    if op is None:
-        raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
-    return op.wait()
+def sparse_allreduce_async(tensor, name, op, process_set=None):
+    """Horovod's sparse path: the indices and values of a sparse COO ``tensor`` are
+    allgathered (so the result stays sparse, duplicates summed when coalesced); ``op=Average``
+    divides the values by the number of workers.  Returns a handle for ``synchronize``."""
+    ops = user_ops("sparse_allreduce_async", process_set)
+    op = reduce_op(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or op=Sum, got {op!r}")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    base = name_of(name) or "sparse"
+    idx = _moves.start_allgather(ops, t.indices().t().contiguous(), f"{base}.indices")
+    val = _moves.start_allgather(ops, t.values().contiguous(), f"{base}.values")
+
+    def combine(parts):
+        indices, values = parts
+        if op == Average:
+            values = values / ops.size
+        return torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce()
+
+    return _keep(ops, _Group([idx, val], combine))
 
 
 # -- data movement ------------------------------------------------------------------------------
-def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
-    """Every worker's ``tensor`` concatenated along the first dimension (whose length may
-    differ between workers), in worker order."""
-    _check_process_set(process_set)
-    return user_ops("allgather").allgather(tensor, _name(name, "allgather"))
+def allgather_async(tensor, name=None, process_set=None) -> int:
+    ops = user_ops("allgather_async", process_set)
+    return _keep(ops, _moves.start_allgather(ops, tensor, name_of(name)))
 
 
-def allgather_object(obj, name=None) -> list:
-    """Every worker's picklable ``obj``, as a list in worker order."""
-    ops = user_ops("allgather_object")
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    parts = ops.allgather_bytes(data, _name(name, type(obj).__name__))
-    return [pickle.loads(p) for p in parts]
+def start_grouped_allgather(ops, tensors, name):
+    return _Group([_moves.start_allgather(ops, t, _part_name(name, i))
+                   for i, t in enumerate(tensors)])
+
+
+def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
+    ops = user_ops("grouped_allgather_async", process_set)
+    return _keep(ops, start_grouped_allgather(ops, tensors, name_of(name)))
+
+
+def start_broadcast(ops, tensor, root_rank, name, out=None):
+    root, error = _member_root(ops, root_rank)
+    return _moves.start_broadcast(ops, tensor, root, name_of(name), out, error)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
+    ops = user_ops("broadcast_async", process_set)
+    return _keep(ops, start_broadcast(ops, tensor, root_rank, name))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
+    ops = user_ops("broadcast_async_", process_set)
+    return _keep(ops, start_broadcast(ops, tensor, root_rank, name, out=tensor))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
     """In place: ``tensor`` becomes worker ``root_rank``'s."""
-    _check_process_set(process_set)
-    return user_ops("broadcast_").broadcast_(tensor, root_rank, _name(name, "broadcast"))
+    ops = user_ops("broadcast_", process_set)
+    return start_broadcast(ops, tensor, root_rank, name, out=tensor).wait()
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
-    """A new tensor holding worker ``root_rank``'s ``tensor``."""
-    out = tensor.detach().clone()
-    return broadcast_(out, root_rank, name, process_set)
+def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
+    """``synchronize`` returns (rows received, rows received from each worker)."""
+    ops = user_ops("alltoall_async", process_set)
+    return _keep(ops, _moves.start_alltoall(ops, tensor, splits, name_of(name)))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
-    ops = user_ops("broadcast_async_")
-    return ops.keep(_done(broadcast_(tensor, root_rank, name, process_set), "broadcast"))
+def start_reducescatter(ops, tensor, op, pre, post, compression, name):
+    rows = tensor.shape[0] if tensor.dim() else 0
+    start, count = _moves.reducescatter_rows(rows, ops.size, ops.rank)
+    return _moves.start_allreduce(
+        ops, tensor, op, pre, post, compression, name, kind=_moves.meta.REDUCESCATTER,
+        finish=lambda y: y[start:start + count].clone().to(tensor.device, tensor.dtype),
+        error=_moves.check_reducescatter(tensor, op))
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
-    ops = user_ops("broadcast_async")
-    return ops.keep(_done(broadcast(tensor, root_rank, name, process_set), "broadcast"))
+def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0) -> int:
+    ops = user_ops("reducescatter_async", process_set)
+    return _keep(ops, start_reducescatter(ops, tensor, reduce_op(None, op), prescale_factor,
+                                          postscale_factor, None, name_of(name)))
 
 
-def alltoall(tensor, splits=None, name=None, process_set=None):
-    """Slices of ``tensor``'s first dimension go to the workers in order (``splits`` rows
-    each, default equal); returns what the others sent, and with ``splits`` given also the
-    rows received from each worker."""
-    _check_process_set(process_set)
-    return user_ops("alltoall").alltoall(tensor, splits, _name(name, "alltoall"))
+def start_grouped_reducescatter(ops, tensors, op, pre, post, compression, name):
+    return _Group([start_reducescatter(ops, t, op, pre, post, compression, _part_name(name, i))
+                   for i, t in enumerate(tensors)])
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=None, prescale_factor=1.0, postscale_factor=1.0):
-    """``tensor`` reduced over the workers, then split along the first dimension; this worker
-    gets its part (the first ``rows % size`` workers one row more, as Horovod)."""
-    _check_process_set(process_set)
-    ops = user_ops("reducescatter")
-    op = reduce_op(None, op)
-    if op not in (Average, Sum):
-        raise ValueError(f"reducescatter supports op=Average or op=Sum, got {_OP_NAMES[op]}")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    full = ops.start_allreduce(tensor, op, prescale_factor, postscale_factor, compression,
-                               _name(name, "reducescatter")).wait()
-    rows, size, r = tensor.shape[0], ops.size, ops.rank
-    base, extra = divmod(rows, size)
-    start = r * base + min(r, extra)
-    return full[start:start + base + (1 if r < extra else 0)].clone()
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+    ops = user_ops("grouped_reducescatter_async", process_set)
+    return _keep(ops, start_grouped_reducescatter(ops, tensors, reduce_op(None, op),
+                                                  prescale_factor, postscale_factor, None,
+                                                  name_of(name)))
+
+
+# -- handles ------------------------------------------------------------------------------------
+def _find(handle):
+    ctx = _runtime.worker_context("synchronize")
+    from mpsync.torch.process_sets import every_ops
+
+    for ops in every_ops(ctx):
+        if handle in ops.handles:
+            return ops, ops.handles[handle]
+    return None, None
+
+
+def poll(handle) -> bool:
+    """True once the collective of ``handle`` has completed (``synchronize`` then returns
+    without waiting)."""
+    _, op = _find(handle)
+    if op is None:
+        raise ValueError(f"Handle {handle!r} was not created or has been cleared.")
+    return op.test()
+
+
+def synchronize(handle):
+    """Wait for the collective of ``handle`` (with the deadline) and return its result; an
+    unknown handle returns None, as in Horovod."""
+    ops, op = _find(handle)
+    if op is None:
+        return None
+    ops.handles.pop(handle, None)
+    return op.wait()
+
+
+# -- objects, barrier, join ----------------------------------------------------------------------
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Every worker's picklable ``obj``, as a list in worker order."""
+    ops = user_ops("allgather_object", process_set)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                            dtype=torch.uint8)
+    sizes = _moves.start_allgather(ops, torch.tensor([data.numel()]), None).wait()
+    flat = _moves.start_allgather(ops, data, name_of(name)).wait()
+    out, at = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(flat[at:at + n].numpy().tobytes()))
+        at += n
+    return out
 
 
 def barrier(process_set=None) -> None:
-    """Wait until every worker has reached the barrier."""
-    _check_process_set(process_set)
-    user_ops("barrier").barrier()
+    """Wait until every worker (of the process set) has reached the barrier."""
+    _moves.start_barrier(user_ops("barrier", process_set)).wait()
 
 
 def join(device: int = -1) -> int:
-    """This worker has no more data: it keeps taking part in the others' aggregations (every
-    ``DistributedOptimizer``'s policy, see ``strategies``) until every worker has joined;
-    then all hold the same model.  Returns the worker that joined last (by the wall clocks
-    of the workers' hosts)."""
-    ctx = _runtime.worker_context("join")
-    entered = time.time()
-    for opt in list(ctx.optimizers):
-        opt.synchronize_model()
-    times = allgather_object(entered, name="join")
-    return int(np.argmax(times))
+    """This worker has no more data (Horovod's ``join``): until every worker has joined it
+    takes part in the others' collectives -- their ``DistributedOptimizer`` aggregations
+    (under every policy, see ``strategies``) and the script's own collectives (zeros into
+    ``allreduce`` / ``reducescatter``, no rows into ``allgather``, a receiver of
+    ``broadcast``; ``alltoall`` and a broadcast from a joined root raise
+    HorovodInternalError on the others).  Returns the worker that joined last."""
+    from mpsync.torch import joining
+
+    return joining.join(_runtime.worker_context("join"))
 
 
 # -- queries --------------------------------------------------------------------------------

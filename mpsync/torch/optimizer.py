@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 
@@ -60,22 +61,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  num_groups: int = 0, groups=None, process_set=None, _context=None):
         # Deliberately not calling Optimizer.__init__: the wrapped optimizer owns the groups.
         from mpsync.torch import _runtime
-        from mpsync.torch.mpi_ops import Average, Sum, _check_process_set, user_ops
+        from mpsync.torch.mpi_ops import Average, Sum
+        from mpsync.torch.process_sets import is_whole_world
 
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         ctx = _context if _context is not None else _runtime.worker_context("DistributedOptimizer")
-        _check_process_set(process_set)
+        if not is_whole_world(process_set):
+            raise ValueError(f"DistributedOptimizer(process_set={process_set}): "
+                             f"policy={ctx.config.policy!r} decides its rounds at the state "
+                             f"server for every worker, so aggregating over a subset would "
+                             f"leave the others' rounds unmatched; use the global process set "
+                             f"(process sets work for the script's own collectives)")
         op = _check_horovod_keywords(ctx.config, compression, backward_passes_per_step, op,
                                      gradient_predivide_factor)
         self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
         named = name_parameters(optimizer, named_parameters)
+        # Horovod's attribute: some scripts and tools read the names from it.
+        self._parameter_names = {p: n for n, p in named}
+        self._synchronized = False
         self._buffers = group_by_dtype(named)
         self._counters = ctx.counters
         backend = ctx.data_backend or ctx.backend
@@ -86,7 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"op=Sum has no meaning under policy={ctx.config.policy!r} on "
                              f"topology={ctx.config.topology!r}: it aggregates model updates, "
                              f"which are averaged by definition; use op=Average")
-        peers = user_ops("DistributedOptimizer") if _context is None else None
+        peers = ctx.peers if _context is None else None
         self._strategy.peers = peers
         self._strategy.op_sum = op == Sum
         if backend is not None:
@@ -104,6 +111,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                        for _, p in named if p.requires_grad]
         self._last_step_end = time.perf_counter()
         ctx.optimizers.append(self)
+
+    # The wrapped optimizer's own objects, read through (its load_state_dict replaces them).
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
 
     @property
     def strategy(self) -> Strategy:
@@ -128,6 +160,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                f"than backward_passes_per_step={self.backward_passes_per_step}; "
                                f"increase backward_passes_per_step to accumulate gradients "
                                f"locally")
+        if self._synchronized and not self._strategy.skip_aggregation:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                          "context after optimizer.synchronize(). This can cause training "
+                          "slowdown. You may want to consider using "
+                          "optimizer.skip_synchronize() context if you use "
+                          "optimizer.synchronize() in your code.")
+        self._synchronized = False
         self._densify()
         now = time.perf_counter()
         compute_time = now - self._last_step_end
@@ -153,6 +192,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._passes > 0:
             self._densify()
             self._strategy.synchronize_gradients()
+            self._synchronized = True
         else:
             self.synchronize_model()
         self._last_step_end = time.perf_counter()

@@ -32,34 +32,23 @@ import argparse
 import dataclasses
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync._job_text import (HOROVODRUN_LAUNCH, MPIRUN_LAUNCH, PAYLOAD, PROLOGUE, RUN, doc,
-                              header, settings_block, variables)
-from mpsync.config import DEFAULTS, ConfigError, SyncConfig, parse_float_list
+from mpsync.config import ConfigError, SyncConfig, parse_float_list
+from mpsync.launch import registry as targets
+from mpsync.launch._text import PAYLOAD, RUN, doc, header, settings_block, variables
+from mpsync.launch.settings import JobSettings, JobTemplateError
+from mpsync.launch.target import LaunchTarget
 
-__all__ = ["JobSettings", "JobTemplateError", "TEMPLATES", "SCHEDULERS", "render",
-           "default_path", "sync_jobs_dir", "add_arguments", "main"]
+__all__ = ["JobSettings", "JobTemplateError", "schedulers", "render", "default_path",
+           "sync_jobs_dir", "add_arguments", "main"]
 
-SCHEDULERS = ("slurm", "pbs", "horovodrun")
 
-# (scheduler, template) -> path under the repository's jobs/ directory.
-TEMPLATES: dict[tuple[str, str], str] = {
-    ("slurm", "train"): "slurm/train.sbatch",
-    ("slurm", "compare"): "slurm/compare.sbatch",
-    ("slurm", "bench-kernels"): "slurm/bench-kernels.sbatch",
-    ("pbs", "train"): "pbs/train.pbs",
-    ("horovodrun", "train"): "horovodrun/train.sh",
-}
+def schedulers() -> tuple[str, ...]:
+    """The launch targets that write job scripts, in registration order."""
+    return tuple(t.name for t in targets.targets() if t.templates)
 
-# Per template: tasks per node (train: 4 workers + the dedicated server) and wall time.
-_TEMPLATE_DEFAULTS = {
-    "train": (5, "01:00:00"),
-    "compare": (5, "02:00:00"),
-    "bench-kernels": (1, "01:00:00"),
-}
 
 # Characters that would end or expand a ``${VAR:-default}`` word or a directive.
 _UNSAFE = re.compile(r"[$`\\\"'}\n\r]")
@@ -67,68 +56,24 @@ _TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class JobTemplateError(ValueError):
-    """A setting that cannot go into a job script; the message names it."""
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    """What a user picks when rendering a script.  ``None`` means the template's default."""
-
-    # allocation
-    nodes: int = 1
-    tasks_per_node: int | None = None
-    cpus_per_task: int = 1
-    gpus_per_node: int = 0
-    time: str | None = None          # wall time, [D-]HH:MM:SS
-    job_name: str | None = None      # default: mpsync-<template>
-    partition: str = ""              # Slurm partition / PBS queue
-    account: str = ""
-    hosts: str = ""                  # horovodrun: host1:K,host2:K (default localhost:<ranks>)
-    # run (defaults of the scripts' ${VAR:-default} settings; those of mpsync's own, SyncConfig)
-    policy: str = DEFAULTS.policy
-    # Empty: the policy's own topology (its registry entry), chosen by mpsync train / compare,
-    # so that POLICY=ssp alone is a valid submission.
-    topology: str = ""
-    backend: str = DEFAULTS.backend
-    server: str = DEFAULTS.server
-    epochs: int = 5
-    dataset: str = "digits"
-    slowdown: str = ""
-    target_acc: str = ""
-    policies: str = ",".join(  # compare: the policies whose own topology is the ring
-        p.name for p in registry.specs() if p.default_topology == "ring")
-    venv: str = ""                   # default: <repository>/.venv
-    out_dir: str = ""                # default: beside the job's log
-
-    def resolved(self, template: str) -> "JobSettings":
-        tasks, time = _TEMPLATE_DEFAULTS[template]
-        return dataclasses.replace(
-            self,
-            tasks_per_node=tasks if self.tasks_per_node is None else self.tasks_per_node,
-            time=time if self.time is None else self.time,
-            job_name=f"mpsync-{template}" if self.job_name is None else self.job_name)
-
-
 def default_path(scheduler: str, template: str) -> str:
     """Path of the default script under ``jobs/``, e.g. ``slurm/train.sbatch``."""
-    _check_choice(scheduler, template)
-    return TEMPLATES[(scheduler, template)]
+    return _target(scheduler, template).templates[template]
 
 
 def render(scheduler: str, template: str = "train", settings: JobSettings | None = None) -> str:
-    """The job script for ``scheduler``/``template`` with ``settings``; pure."""
-    _check_choice(scheduler, template)
-    s = _validated((settings or JobSettings()).resolved(template), scheduler, template)
-    settings_vars = variables(scheduler, template, s)
+    """The job script of launch target ``scheduler`` for ``template`` with ``settings``; pure."""
+    target = _target(scheduler, template)
+    s = _validated((settings or JobSettings()).resolved(template), target, template)
+    settings_vars = variables(target, template, s)
     parts = [
-        header(scheduler, template, s) + "\n" + doc(scheduler, template, s, settings_vars),
-        PROLOGUE[scheduler].format(ranks=s.nodes * s.tasks_per_node),
+        header(target, template, s) + "\n" + doc(target, template, s, settings_vars),
+        target.prologue.format(ranks=s.nodes * s.tasks_per_node),
         settings_block(settings_vars),
         PAYLOAD[template],
     ]
     if template == "train":
-        parts.append(HOROVODRUN_LAUNCH if scheduler == "horovodrun" else MPIRUN_LAUNCH)
+        parts.append(target.launch_text)
         parts.append(RUN)
     return "\n\n".join(p.strip("\n") for p in parts) + "\n"
 
@@ -139,7 +84,7 @@ def sync_jobs_dir(jobs_dir: str | Path, *, check: bool = False) -> list[str]:
     With ``check`` nothing is written (a CI check that jobs/ matches the renderer).
     """
     changed = []
-    for (scheduler, template), rel in TEMPLATES.items():
+    for (scheduler, template), rel in targets.templates().items():
         path = Path(jobs_dir) / rel
         text = render(scheduler, template)
         if not path.exists() or path.read_text() != text:
@@ -154,15 +99,18 @@ def sync_jobs_dir(jobs_dir: str | Path, *, check: bool = False) -> list[str]:
 
 # -- validation ------------------------------------------------------------------------------
 
-def _check_choice(scheduler: str, template: str) -> None:
-    if scheduler not in SCHEDULERS:
-        raise JobTemplateError(f"unknown scheduler {scheduler!r}; choose one of: {', '.join(SCHEDULERS)}")
-    if (scheduler, template) not in TEMPLATES:
-        have = sorted(t for sch, t in TEMPLATES if sch == scheduler)
-        raise JobTemplateError(f"no {template!r} template for {scheduler}; {scheduler} has: {', '.join(have)}")
+def _target(scheduler: str, template: str) -> LaunchTarget:
+    if scheduler not in schedulers():
+        raise JobTemplateError(f"unknown scheduler {scheduler!r}; choose one of: "
+                               f"{', '.join(schedulers())}")
+    target = targets.get(scheduler)
+    if template not in target.templates:
+        raise JobTemplateError(f"no {template!r} template for {scheduler}; {scheduler} has: "
+                               f"{', '.join(sorted(target.templates))}")
+    return target
 
 
-def _validated(s: JobSettings, scheduler: str, template: str) -> JobSettings:
+def _validated(s: JobSettings, target: LaunchTarget, template: str) -> JobSettings:
     for name in ("nodes", "tasks_per_node", "cpus_per_task", "epochs"):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -206,11 +154,7 @@ def _validated(s: JobSettings, scheduler: str, template: str) -> JobSettings:
     if template in ("train", "compare") and s.server == "dedicated" and ranks < 2:
         raise JobTemplateError(f"a dedicated server needs at least 2 ranks (server + 1 worker); "
                                f"nodes x tasks-per-node = {ranks}")
-    if scheduler == "horovodrun" and s.nodes > 1 and not s.hosts:
-        raise JobTemplateError("horovodrun on more than one node needs --hosts "
-                               "(e.g. node1:8,node2:8) or a HOSTFILE at run time")
-    if s.hosts and scheduler != "horovodrun":
-        raise JobTemplateError(f"--hosts is for horovodrun; {scheduler} takes the hosts from its allocation")
+    target.check(template, s)
     return s
 
 
@@ -220,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
     sub.add_parser("list", help="the available scheduler/template pairs")
     r = sub.add_parser("render", help="print a job script for your settings")
-    r.add_argument("--scheduler", required=True, choices=SCHEDULERS)
+    r.add_argument("--scheduler", required=True, choices=schedulers(),
+                   help="the launch target whose script to write")
     r.add_argument("--template", default="train", help="train | compare | bench-kernels (default train)")
     r.add_argument("-o", "--output", help="write to this file (executable) instead of stdout")
     d = JobSettings()
@@ -249,13 +194,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--venv", default=d.venv, help="default: <repository>/.venv")
     run.add_argument("--out-dir", default=d.out_dir, help="default: beside the job's log")
     s = sub.add_parser("sync", help="rewrite jobs/ from the defaults (maintainers)")
-    s.add_argument("--jobs-dir", default=str(Path(__file__).resolve().parent.parent / "jobs"))
+    s.add_argument("--jobs-dir", default=str(Path(__file__).resolve().parents[2] / "jobs"))
     s.add_argument("--check", action="store_true", help="only report files that differ (exit 1)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.jobs_command == "list":
-        for (scheduler, template), rel in TEMPLATES.items():
+        for (scheduler, template), rel in targets.templates().items():
             print(f"{scheduler:<11} {template:<14} jobs/{rel}")
         return 0
     if args.jobs_command == "sync":

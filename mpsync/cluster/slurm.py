@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpsync import cluster
+
 __all__ = ["SlurmNode", "slurm_conf", "slurmd_argv", "start", "stop", "status", "client_env",
            "SlurmError", "DEFAULT_DIR", "nodes_from_cluster", "directory_of", "stop_for",
            "add_arguments", "main"]
@@ -87,7 +89,7 @@ def slurm_conf(*, login_host: str, login_addr: str, nodes: list[SlurmNode], dire
         raise ValueError(f"slurm_conf: node names repeat: {names}")
     d = directory
     lines = [
-        "# Written by mpsync cluster slurm: the virtual cluster's Slurm (see mpsync/cluster_slurm.py).",
+        "# Written by mpsync cluster slurm: the virtual cluster's Slurm (see mpsync/cluster/slurm.py).",
         "ClusterName=mpsync-cluster",
         f"SlurmctldHost={login_host}({login_addr})",
         f"SlurmctldPort={ctld_port}",
@@ -393,8 +395,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mpsync import cluster
-
     name = getattr(args, "name", None) or cluster.default_name()
     d = Path(args.dir) if args.dir else directory_of(name)
     action = args.slurm_action

@@ -12,10 +12,15 @@ other nodes (``--cluster-placement round-robin``: every rank round-robin over al
 from __future__ import annotations
 
 import argparse
-import os
+
+from mpsync import cluster as vc
+from mpsync.launch.mpirun import mpirun_argv
+from mpsync.launch.target import LaunchTarget
 
 __all__ = ["add_cluster_arguments", "cluster_mpirun_extra", "cluster_mpirun_argv",
-           "argv_from_namespace"]
+           "argv_from_namespace", "TARGET", "PLACEMENTS"]
+
+PLACEMENTS = ("server-alone", "round-robin")
 
 
 def add_cluster_arguments(parser) -> None:
@@ -24,30 +29,29 @@ def add_cluster_arguments(parser) -> None:
                         help="run the ranks on the nodes of the virtual cluster "
                              "(`mpsync cluster up`); NAME defaults to $MPSYNC_CLUSTER or mpsync")
     parser.add_argument("--cluster-placement", default="server-alone",
-                        choices=("server-alone", "round-robin"),
+                        choices=PLACEMENTS,
                         help="server-alone: rank 0 alone on node1, the rest round-robin over "
                              "the other nodes; round-robin: every rank over all nodes")
 
 
 def cluster_mpirun_extra(np: int, cluster: str | None = "", *,
-                         placement: str = "server-alone") -> list[str]:
-    """The options ``mpsync.launch.mpirun_argv(extra=...)`` needs to put ``np`` ranks on the
-    cluster's nodes ([] when ``cluster`` is None: run on this host)."""
+                         placement: str = "server-alone", tuning: str | None = None) -> list[str]:
+    """The options ``mpirun_argv(extra=...)`` needs to put ``np`` ranks on the
+    cluster's nodes ([] when ``cluster`` is None: run on this host), the transport settings
+    of ``mpsync.transport`` for ``tuning`` (None: ``$MPSYNC_MPI_TUNING`` or the tuned set)
+    last."""
     if cluster is None:
         return []
-    from mpsync import cluster as vc
-
     return vc.launch_options(np, name=cluster or None,
-                             server_alone=placement == "server-alone")
+                             server_alone=placement == "server-alone", tuning=tuning)
 
 
 def cluster_mpirun_argv(np: int, command: list[str], cluster: str | None = "", *,
-                        placement: str = "server-alone", **mpirun_kw) -> list[str]:
+                        placement: str = "server-alone", tuning: str | None = None,
+                        **mpirun_kw) -> list[str]:
     """``mpirun_argv`` for ``np`` ranks of ``command`` on the cluster (any ``mpirun_argv``
     keyword passes through; ``extra`` is appended after the cluster's options)."""
-    from mpsync.launch import mpirun_argv
-
-    extra = tuple(cluster_mpirun_extra(np, cluster, placement=placement)) + \
+    extra = tuple(cluster_mpirun_extra(np, cluster, placement=placement, tuning=tuning)) + \
         tuple(mpirun_kw.pop("extra", ()))
     return mpirun_argv(np, command, extra=extra, **mpirun_kw)
 
@@ -73,38 +77,6 @@ def argv_from_namespace(parser: argparse.ArgumentParser, args: argparse.Namespac
     return argv
 
 
-def run_train_on_cluster(args, add_train_arguments) -> int:
-    """``mpsync train --cluster``: start this same training under ``mpirun`` on the cluster's
-    nodes (``--np`` workers, default one per node besides node1; plus the dedicated server's
-    rank) and wait for it; the exit code is mpirun's."""
-    import subprocess
-    import sys
-
-    from mpsync import cluster as vc
-    from mpsync.launch import clean_launch_env, forwarded_env, python_argv
-
-    name = args.cluster or None
-    state = vc.load_state(name)
-    if state is None:
-        print(f"mpsync train: error: cluster {name or vc.default_name()!r} is not up "
-              f"(mpsync cluster up --nodes N)", file=sys.stderr)
-        return 2
-    dedicated = args.server == "dedicated"
-    workers = args.np or max(1, len(state.nodes) - (1 if dedicated else 0))
-    ranks = workers + (1 if dedicated else 0)
-    from mpsync.apps.train import validate
-    from mpsync.config import ConfigError
-
-    try:
-        validate(args, workers)
-    except ConfigError as e:
-        print(f"mpsync train: error: {e}", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np"))
-    argv = cluster_mpirun_argv(ranks, python_argv("mpsync.apps.train", *rest), name or "",
-                               placement=args.cluster_placement, forward_env=forwarded_env())
-    print(f"mpsync train: {ranks} ranks on cluster {state.name}: {' '.join(argv)}",
-          file=sys.stderr, flush=True)
-    return subprocess.run(argv, env=clean_launch_env(os.environ)).returncode
+TARGET = LaunchTarget(name="cluster", description="the virtual cluster's nodes (mpsync cluster "
+                                                  "up): mpirun through its ssh stand-in",
+                      argv=cluster_mpirun_argv)

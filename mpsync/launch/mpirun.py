@@ -8,6 +8,7 @@ benchmarks, the job templates and the test harness alike.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -16,9 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from mpsync.launch.settings import JobSettings
+from mpsync.launch.target import LaunchTarget, Variable
+
 __all__ = ["mpirun_argv", "mpirun_options", "python_argv", "run_with_deadline", "LaunchResult",
            "is_root", "forwarded_env", "clean_launch_env", "FORWARDED_ENV", "FORWARDED_PREFIXES",
-           "YIELD_WHEN_IDLE"]
+           "YIELD_WHEN_IDLE", "MPIRUN_LAUNCH", "script_variables", "TARGET"]
 
 # Environment variables an mpsync rank needs to see on every node.  Open MPI forwards nothing by
 # default to remote nodes, so launchers pass these with ``-x``, which takes names, not patterns:
@@ -99,6 +103,37 @@ def mpirun_argv(nprocs: int, command: Sequence[str], *, mpirun: str = "mpirun",
     if not command:
         raise ValueError("command must not be empty")
     return [mpirun, "-np", str(nprocs), *mpirun_options(**options), *command]
+
+
+# The job scripts' launch (Slurm, PBS): the fixed options are mpirun_options' (the same builder
+# as mpsync compare, the benchmarks and the tests); root, the hostfile and the forwarded names
+# are known only when the job runs, so the script adds them, from the same lists.
+MPIRUN_LAUNCH = """
+# Ranks are placed by slot: rank 0 (the dedicated server) is the first task of the first node.
+launch=(mpirun -np "$NP" """ + shlex.join(mpirun_options(
+    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """ "${tuning[@]}")
+[ "$(id -u)" != 0 ] || launch+=(--allow-run-as-root)  # Open MPI refuses root without it
+[ -z "$HOSTFILE" ] || launch+=(--hostfile "$HOSTFILE")
+# Open MPI passes no environment to remote nodes unless named with -x (names, not patterns).
+for name in """ + " ".join(FORWARDED_ENV) + """ \\
+            $(compgen -e | grep -E '^(""" + "|".join(p.rstrip("_") for p in FORWARDED_PREFIXES) + """)_' || true); do
+  [ -z "${!name+set}" ] || launch+=(-x "$name")
+done
+read -r -a more <<<"$MPIRUN_ARGS"
+launch+=("${more[@]}")
+command=("${launch[@]}" "${train[@]}")
+"""
+
+
+def script_variables(template: str, s: JobSettings) -> list[Variable]:
+    """The settings of a script whose ranks MPIRUN_LAUNCH starts."""
+    if template != "train":
+        return []
+    return [("MPIRUN_ARGS", "", "more mpirun options, e.g. \"--map-by ppr:4:node\"")]
+
+
+TARGET = LaunchTarget(name="mpirun", description="Open MPI's mpirun on this machine",
+                      argv=mpirun_argv)
 
 
 @dataclass

@@ -1,59 +1,29 @@
-"""The text of the job scripts that ``mpsync.jobs.render`` assembles: header, documentation,
-settings, the prologue of each scheduler and the payload of each template.
+"""The text every job script shares, whatever its launch target: the opening comment, the
+settings, their checks and the payload of each template (``train``, ``compare``,
+``bench-kernels``).  What only one target knows (its scheduler's header, its prologue, the
+lines that start its ranks) is in that target's module.
 
-Pure data and pure functions of :class:`mpsync.jobs.JobSettings`; kept apart from the renderer
-so that ``mpsync/jobs.py`` reads as the API (settings, validation, render, sync, CLI).
+Pure data and pure functions of :class:`mpsync.launch.settings.JobSettings`;
+:func:`mpsync.launch.jobs.render` assembles them.
 """
 
 from __future__ import annotations
 
-import shlex
 import textwrap
-from typing import TYPE_CHECKING
 
 from mpsync import policies as registry
 from mpsync.config import BACKENDS, SERVER_PLACEMENTS, TOPOLOGIES
-from mpsync.launch import FORWARDED_ENV, FORWARDED_PREFIXES, YIELD_WHEN_IDLE, mpirun_options
+from mpsync.launch.settings import JobSettings
+from mpsync.launch.target import LaunchTarget, Variable
+from mpsync.transport import ENV_VAR as TUNING_VAR
+from mpsync.transport import mca_pairs as tuning_pairs
 
-if TYPE_CHECKING:
-    from mpsync.jobs import JobSettings
-
-__all__ = ["WIDTH", "header", "doc", "variables", "settings_block", "PROLOGUE", "PAYLOAD",
-           "MPIRUN_LAUNCH", "HOROVODRUN_LAUNCH", "RUN"]
+__all__ = ["WIDTH", "header", "doc", "variables", "settings_block", "PAYLOAD", "RUN"]
 
 WIDTH = 96  # comment rule width in the scripts
 
 
 # -- header and documentation ----------------------------------------------------------------
-
-USAGE = {
-    ("slurm", "train"): [
-        "sbatch jobs/slurm/train.sbatch                      # from the repository root",
-        "POLICY=esync SLOWDOWN=1,1,2,4 sbatch jobs/slurm/train.sbatch",
-        "sbatch --nodes=2 --ntasks-per-node=8 jobs/slurm/train.sbatch",
-        "mpsync jobs render --scheduler slurm --nodes 2 --tasks-per-node 8 --policy esync > my.sbatch",
-    ],
-    ("slurm", "compare"): [
-        "sbatch jobs/slurm/compare.sbatch                    # from the repository root",
-        "POLICIES=bsp,esync SLOWDOWN=1,1,2,4 TARGET_ACC=0.9 sbatch jobs/slurm/compare.sbatch",
-        "POLICIES=bsp,ssp,esync TOPOLOGY=ps sbatch jobs/slurm/compare.sbatch   # all on the PS",
-    ],
-    ("slurm", "bench-kernels"): [
-        "sbatch jobs/slurm/bench-kernels.sbatch              # from the repository root",
-        "BENCH_SIZES=4,100,1000 BENCH_RS=15 sbatch jobs/slurm/bench-kernels.sbatch",
-    ],
-    ("pbs", "train"): [
-        "qsub jobs/pbs/train.pbs                             # from the repository root",
-        "POLICY=esync SLOWDOWN=1,1,2,4 qsub jobs/pbs/train.pbs     # -V: the environment is passed",
-        "qsub -l select=2:ncpus=8:mpiprocs=8 jobs/pbs/train.pbs",
-        "mpsync jobs render --scheduler pbs --nodes 2 --tasks-per-node 8 > my.pbs",
-    ],
-    ("horovodrun", "train"): [
-        "bash jobs/horovodrun/train.sh                       # 5 ranks on this machine",
-        "NP=9 HOSTS=node1:5,node2:4 POLICY=esync bash jobs/horovodrun/train.sh",
-        "NP=16 HOSTFILE=hosts.txt bash jobs/horovodrun/train.sh   # lines: node1 slots=8",
-    ],
-}
 
 SUMMARY = {
     "train": [
@@ -85,80 +55,17 @@ NOT_APPLICABLE = {
     ],
 }
 
-LAUNCHER_WORDS = {
-    "slurm": ("a Slurm batch job", "mpirun that reads the allocation from Slurm"),
-    "pbs": ("a PBS (PBS Pro / OpenPBS) batch job", "mpirun over $PBS_NODEFILE"),
-    "horovodrun": ("a horovodrun launch", "horovodrun --mpi (Horovod's launcher, over mpirun)"),
-}
-
-TESTED = {
-    ("slurm", "train"): [
-        "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05",
-        "(slurmctld + slurmd started by .ci/slurm.sh) with a small run and checks the job's",
-        "final state and the metrics.json it wrote. tests/test_cluster_slurm.py submits it",
-        "with sbatch -N 2 to a two-node Slurm on the virtual cluster (mpsync cluster slurm:",
-        "one slurmd per network-namespace node) and checks that ranks ran on both nodes."],
-    ("slurm", "compare"): [
-        "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05,",
-        "once with DRY_RUN=1 (the command built from the allocation) and once for real with",
-        "POLICIES=bsp, 2 workers and a few seconds of training, and checks compare.json.",
-        "Longer comparisons and multi-node runs were not tested."],
-    ("slurm", "bench-kernels"): [
-        "Tested: tests/test_slurm.py submits this script to a real single-node Slurm 22.05",
-        "with a small sweep and checks the job's final state, zipline.csv and zipline.png."],
-    ("pbs", "train"): [
-        "Tested: tests/test_jobs.py runs this script with the variables a PBS server sets",
-        "(PBS_JOBID, PBS_O_WORKDIR, PBS_NODEFILE, ...) on one node and checks the outputs.",
-        "Not tested: the #PBS directives against a real PBS server (none in Debian's",
-        "packages), multi-node runs. On Torque, write -l nodes=N:ppn=K instead of -l select=..."],
-    ("horovodrun", "train"): [
-        "Tested: tests/test_jobs.py runs this script on one node (HOSTS=localhost:NP) and",
-        "checks the outputs. Multi-node runs (ssh between hosts) were not tested."],
-}
+def header(target: LaunchTarget, template: str, s: JobSettings) -> str:
+    return "\n".join(["#!/bin/bash", *target.header(template, s)])
 
 
-def header(scheduler: str, template: str, s: JobSettings) -> str:
-    lines = ["#!/bin/bash"]
-    if scheduler == "slurm":
-        lines += [f"#SBATCH --job-name={s.job_name}",
-                  f"#SBATCH --nodes={s.nodes}",
-                  f"#SBATCH --ntasks-per-node={s.tasks_per_node}",
-                  f"#SBATCH --cpus-per-task={s.cpus_per_task}"]
-        if s.gpus_per_node:
-            lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
-        if template == "bench-kernels":
-            lines.append("#SBATCH --exclusive")
-        lines.append(f"#SBATCH --time={s.time}")
-        if s.partition:
-            lines.append(f"#SBATCH --partition={s.partition}")
-        if s.account:
-            lines.append(f"#SBATCH --account={s.account}")
-        lines.append(f"#SBATCH --output={s.job_name}-%j.out")
-    elif scheduler == "pbs":
-        select = (f"{s.nodes}:ncpus={s.tasks_per_node * s.cpus_per_task}"
-                  f":mpiprocs={s.tasks_per_node}:ompthreads={s.cpus_per_task}")
-        if s.gpus_per_node:
-            select += f":ngpus={s.gpus_per_node}"
-        lines += [f"#PBS -N {s.job_name}",
-                  f"#PBS -l select={select}",
-                  "#PBS -l place=scatter",
-                  f"#PBS -l walltime={s.time}",
-                  "#PBS -j oe",
-                  "#PBS -V"]
-        if s.partition:
-            lines.append(f"#PBS -q {s.partition}")
-        if s.account:
-            lines.append(f"#PBS -A {s.account}")
-    return "\n".join(lines)
-
-
-def doc(scheduler: str, template: str, s: JobSettings, variables) -> str:
+def doc(target: LaunchTarget, template: str, s: JobSettings, variables) -> str:
     ranks = s.nodes * s.tasks_per_node
-    what, launcher = LAUNCHER_WORDS[scheduler]
+    what, launcher = target.words
     summary = textwrap.wrap(" ".join(SUMMARY[template]).format(
         what=what, launcher=launcher, ranks=ranks, workers=ranks - 1), width=WIDTH - 2)
     out = ["#", *("# " + line for line in summary), "#", "# Usage:"]
-    out += ["#   " + u for u in USAGE[(scheduler, template)]]
+    out += ["#   " + u for u in target.usage[template]]
     out += ["#", "# Settings: environment variables, each read once below as ${NAME:-default}."]
     width = max(len(v[0]) for v in variables)
     for name, _default, text in variables:
@@ -167,7 +74,7 @@ def doc(scheduler: str, template: str, s: JobSettings, variables) -> str:
         out += [f"#   {'':<{width}}  {more}" for more in rest]
     if template in NOT_APPLICABLE:
         out += ["#", *("# " + line for line in NOT_APPLICABLE[template])]
-    out += ["#", *("# " + line for line in TESTED[(scheduler, template)])]
+    out += ["#", *("# " + line for line in target.tested[template])]
     return "\n".join(out)
 
 
@@ -175,18 +82,18 @@ def doc(scheduler: str, template: str, s: JobSettings, variables) -> str:
 # (NAME, default as shell text, documentation).  The documentation states the default in words
 # where it is computed at run time.
 
-def variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str, str, str]]:
+def variables(target: LaunchTarget, template: str, s: JobSettings) -> list[Variable]:
     venv = s.venv or "$REPO/.venv"
     venv_doc = (f"Python environment with mpsync (default: {s.venv})" if s.venv else
                 "Python environment with mpsync (default: the repository's .venv)")
     out_doc = ("the run folder (default: mpsync-<template>-<job id> next to the job's log)"
                .replace("<template>", template))
-    if scheduler == "horovodrun":
+    if not target.allocated:
         out_doc = f"the run folder (default: ./mpsync-{template}-<date-time>)"
     out_dir = s.out_dir or f"$LOG_DIR/mpsync-{template}-$JOB_ID"
     if s.out_dir:
         out_doc = f"the run folder (default: {s.out_dir})"
-    ranks_doc = ("MPI ranks (default: all tasks of the job)" if scheduler != "horovodrun"
+    ranks_doc = ("MPI ranks (default: all tasks of the job)" if target.allocated
                  else f"MPI ranks (default: {s.nodes * s.tasks_per_node})")
     ps_own = ", ".join(p.name for p in registry.specs() if p.default_topology == "ps")
     topology_doc = (f"{' | '.join(TOPOLOGIES)} (default: {s.topology})" if s.topology else
@@ -236,15 +143,12 @@ def variables(scheduler: str, template: str, s: JobSettings) -> list[tuple[str, 
         ]
     if template != "bench-kernels":
         variables.append(("NP", "$TASKS", ranks_doc))
-    if scheduler == "horovodrun":
-        hosts = s.hosts or "localhost:$NP"
-        variables += [
-            ("HOSTS", hosts, f"host:slots list (default: {s.hosts or 'localhost:NP'})"),
-            ("HOSTFILE", "", "Horovod hostfile, lines 'host slots=K' (default: empty; used instead of HOSTS)"),
-            ("HOROVODRUN_ARGS", "", "more horovodrun options"),
-        ]
-    elif template == "train":
-        variables.append(("MPIRUN_ARGS", "", "more mpirun options, e.g. \"--map-by ppr:4:node\""))
+    variables += target.variables(template, s)
+    if template != "bench-kernels":
+        pairs = " ".join(f"{k}={v}" for k, v in tuning_pairs("tuned"))
+        variables.append((TUNING_VAR, "tuned", "\n".join(textwrap.wrap(
+            f"Open MPI transport settings (mpsync.transport): tuned (default: {pairs}), "
+            f"none (Open MPI's defaults), or name=value,... pairs instead", width=70))))
     variables += [
         ("OUT_DIR", out_dir, out_doc),
         ("VENV", venv, venv_doc),
@@ -260,58 +164,6 @@ def settings_block(variables) -> str:
     return "\n".join(lines)
 
 
-# -- prologues: where the job runs -----------------------------------------------------------
-
-PROLOGUE = {
-    "slurm": """
-set -euo pipefail
-
-# -- where this job runs -----------------------------------------------------------------------
-JOB_ID=${{SLURM_JOB_ID:?not inside a Slurm job: submit this script with sbatch}}
-# Slurm runs a copy of this script from its spool directory; scontrol names the submitted file
-# (the repository is two levels above it) and the job's log (the run folder goes beside it).
-job_info=$(timeout 30 scontrol show job "$JOB_ID" 2>/dev/null || true)
-submitted=$(sed -n 's/^ *Command=//p' <<<"$job_info")
-job_log=$(sed -n 's/^ *StdOut=//p' <<<"$job_info")
-LOG_DIR=$(dirname -- "${{job_log:-$SLURM_SUBMIT_DIR/log}}")
-REPO=$SLURM_SUBMIT_DIR
-if [ -f "$submitted" ] && [ -d "$(dirname -- "$submitted")/../../mpsync" ]; then
-  REPO=$(cd -- "$(dirname -- "$submitted")/../.." && pwd)
-fi
-TASKS=$SLURM_NTASKS
-HOSTFILE=""  # mpirun reads the nodes and tasks per node from Slurm itself
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-${{SLURM_CPUS_PER_TASK:-1}}}}
-""",
-    "pbs": """
-set -euo pipefail
-
-# -- where this job runs -----------------------------------------------------------------------
-JOB_ID=${{PBS_JOBID:?not inside a PBS job: submit this script with qsub}}
-JOB_ID=${{JOB_ID%%.*}}  # 1234.server -> 1234
-# PBS starts a job in $HOME and copies its log (-j oe) to the submission directory.
-cd -- "${{PBS_O_WORKDIR:?PBS_O_WORKDIR is not set}}"
-LOG_DIR=$PBS_O_WORKDIR
-REPO=$PBS_O_WORKDIR
-# One line per MPI process: select=N:...:mpiprocs=K lists each node K times.  Open MPI as
-# packaged by Debian has no PBS (tm) support, so the hostfile is passed explicitly.
-HOSTFILE=${{PBS_NODEFILE:?PBS_NODEFILE is not set}}
-TASKS=$(grep -c . "$HOSTFILE")
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}  # PBS sets it from ompthreads=
-""",
-    "horovodrun": """
-set -euo pipefail
-
-# -- where this runs ---------------------------------------------------------------------------
-# Started in place (no scheduler): the repository is two levels above this file.
-REPO=$(cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")/../.." && pwd)
-JOB_ID=$(date +%Y%m%d-%H%M%S)
-LOG_DIR=$PWD
-TASKS={ranks}
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
-""",
-}
-
-
 # -- payloads: what the job does ---------------------------------------------------------------
 
 CHECKS = """
@@ -319,6 +171,13 @@ CHECKS = """
 die() { echo "error: $*" >&2; exit 2; }
 [ -x "$VENV/bin/python" ] ||
   die "VENV=$VENV has no bin/python; set VENV to the environment where mpsync is installed"
+"""
+
+# The transport settings as mpirun options, from the one function that decides them (it also
+# names a bad MPSYNC_MPI_TUNING); exported, so mpsync compare's own launches use them too.
+TUNING = """export """ + TUNING_VAR + """
+tuning_text=$("$VENV/bin/python" -m mpsync.transport "$""" + TUNING_VAR + """") || exit 2
+read -r -a tuning <<<"$tuning_text"
 """
 
 RANK_CHECKS = """case $TOPOLOGY in
@@ -365,8 +224,8 @@ echo >>"$OUT_DIR/command.sh"
 """
 
 PAYLOAD = {
-    "train": CHECKS + RANK_CHECKS + TRAIN_ARGV,
-    "compare": CHECKS + RANK_CHECKS + """
+    "train": CHECKS + RANK_CHECKS + TUNING + TRAIN_ARGV,
+    "compare": CHECKS + RANK_CHECKS + TUNING + """
 if [ -z "$WORKERS" ]; then
   WORKERS=$NP
   [ "$SERVER" = colocated ] || WORKERS=$((NP - 1))
@@ -401,33 +260,3 @@ bench+=("${more[@]}")
 command=("${bench[@]}")
 """ + RUN,
 }
-
-# The fixed mpirun options are mpsync.launch's (the same builder as mpsync compare, the
-# benchmarks and the tests); root, the hostfile and the forwarded names are known only when
-# the job runs, so the script adds them, from the same lists.
-MPIRUN_LAUNCH = """
-# Ranks are placed by slot: rank 0 (the dedicated server) is the first task of the first node.
-launch=(mpirun -np "$NP" """ + shlex.join(mpirun_options(
-    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """)
-[ "$(id -u)" != 0 ] || launch+=(--allow-run-as-root)  # Open MPI refuses root without it
-[ -z "$HOSTFILE" ] || launch+=(--hostfile "$HOSTFILE")
-# Open MPI passes no environment to remote nodes unless named with -x (names, not patterns).
-for name in """ + " ".join(FORWARDED_ENV) + """ \\
-            $(compgen -e | grep -E '^(""" + "|".join(p.rstrip("_") for p in FORWARDED_PREFIXES) + """)_' || true); do
-  [ -z "${!name+set}" ] || launch+=(-x "$name")
-done
-read -r -a more <<<"$MPIRUN_ARGS"
-launch+=("${more[@]}")
-command=("${launch[@]}" "${train[@]}")
-"""
-
-HOROVODRUN_LAUNCH = """
-# horovodrun --mpi: mpsync's state server talks over MPI, so Horovod must start the ranks with
-# mpirun (not Gloo).  horovodrun forwards the whole environment (-x for every variable) itself.
-launch=("$VENV/bin/horovodrun" --mpi -np "$NP")
-if [ -n "$HOSTFILE" ]; then launch+=(--hostfile "$HOSTFILE"); else launch+=(-H "$HOSTS"); fi
-launch+=(--mpi-args=\"""" + " ".join(YIELD_WHEN_IDLE) + """\")
-read -r -a more <<<"$HOROVODRUN_ARGS"
-launch+=("${more[@]}")
-command=("${launch[@]}" "${train[@]}")
-"""

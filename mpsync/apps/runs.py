@@ -1,0 +1,71 @@
+"""One policy's run within ``mpsync compare``: its ``mpsync train`` flags, its ``mpirun``
+command line, and the line that says what was compared (shared by the single runs and the
+repeats)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpsync import cluster, transport
+from mpsync.launch.mpirun import forwarded_env, python_argv
+from mpsync.launch.registry import launch_argv as target_argv
+
+__all__ = ["train_argv", "ranks", "launch_argv", "setup_line"]
+
+
+def train_argv(args, policy: str, out: Path) -> list[str]:
+    argv = ["--policy", policy, "--slowdown", args.slowdown, "--target-acc", str(args.target_acc),
+            "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
+            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
+            "--comm-delay", str(args.comm_delay), "--server", args.server,
+            "--out", str(out), "--no-progress"]
+    if args.topology is not None:  # else train picks the policy's own topology
+        argv += ["--topology", args.topology]
+    if getattr(args, "ps_shards", None) is not None:
+        argv += ["--ps-shards", str(args.ps_shards)]
+    if args.iter_time:
+        argv += ["--iter-time", str(args.iter_time)]
+    if args.slowdown_schedule:
+        argv += ["--slowdown-schedule", args.slowdown_schedule]
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    else:
+        argv += ["--time-budget", str(args.time_budget or 25.0)]
+    return argv + args.train_args.split()
+
+
+def ranks(args) -> int:
+    """MPI ranks of one run: the workers, plus one for a dedicated server."""
+    return args.np + (1 if args.server == "dedicated" else 0)
+
+
+def launch_argv(args, policy: str, out: Path) -> list[str]:
+    """The command line of one policy's run, from the launch target ``--cluster`` picks (no
+    launch; with ``--cluster`` it writes the cluster's hostfile for this rank count)."""
+    command = python_argv("mpsync.apps.train", *train_argv(args, policy, out))
+    on = getattr(args, "cluster", None)
+    # On one host Open MPI's defaults stand unless the user (or a job script) chose.
+    extra = transport.mca_argv() if on is None and transport.is_set() else []
+    return target_argv(ranks(args), command, cluster=on,
+                       placement=getattr(args, "cluster_placement", "server-alone"),
+                       forward_env=forwarded_env(), extra=extra)
+
+
+def setup_line(args, runs) -> str:
+    """One line saying what was compared: where, data, workers, slowdowns, budget, settings."""
+    any_run = next(iter(runs.values()), None)
+    het = (any_run["config"]["heterogeneity"] if any_run else
+           f"slowdown {args.slowdown or 'none'}")
+    stop = f"{args.epochs} epochs" if args.epochs is not None else \
+        f"{args.time_budget or 25.0:g} s per policy"
+    server = ("+ 1 server rank" if args.server == "dedicated" else
+              "(server thread on rank 0)")
+    where = ""
+    if getattr(args, "cluster", None) is not None:
+        st = cluster.load_state(args.cluster or None)
+        if st is not None:
+            where = (f"across {len(st.nodes)} nodes (links {st.bandwidth or 'unlimited'}, "
+                     f"{args.cluster_placement}), ")
+    return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
+            f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
+            f"target accuracy {args.target_acc}")

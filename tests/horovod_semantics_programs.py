@@ -1,0 +1,261 @@
+"""Multi-rank programs for tests/test_horovod_semantics.py: horovod.torch's semantics beyond
+its names, on 2 or 3 workers of a co-located server, under the policy of the arguments.
+
+Every value and gradient is compared with a reference each worker computes alone from the
+seeds of every worker (Horovod's backward definitions); every error case must raise on every
+worker and leave the next collective working.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+import mpsync.torch as mps
+
+
+def _arg(name: str, default: str) -> str:
+    for a in sys.argv[1:]:
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def _raises(exc, fn, match: str):
+    try:
+        fn()
+    except exc as e:
+        if match not in str(e):
+            raise AssertionError(f"expected {match!r} in {e!r}") from None
+        return e
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
+def _x(k: int, *shape) -> torch.Tensor:
+    """Worker k's input: the same on every worker that computes it."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 + k),
+                       dtype=torch.float64)
+
+
+def _w(k: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(900 + k),
+                       dtype=torch.float64)
+
+
+def _close(a, b, what):
+    assert torch.allclose(a, b, atol=1e-10), (what, a, b)
+
+
+def _usable(n):
+    """The job goes on after an error: a plain allreduce is right."""
+    assert mps.allreduce(torch.ones(3), op=mps.Sum).tolist() == [float(n)] * 3
+
+
+def integers(r, n):
+    v = [torch.tensor([5 * k + 3, -7 * k - 1, 1]) for k in range(n)]
+    total = sum(v)
+    got = mps.allreduce(v[r], op=mps.Average)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [int(t / n) for t in total.tolist()], got  # truncated mean
+    pre = [(x.double() * 0.7).trunc().long() for x in v]
+    want = (sum(pre).double() * 1.5).trunc().long()
+    got = mps.allreduce(v[r].int(), op=mps.Sum, prescale_factor=0.7, postscale_factor=1.5)
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist(), (got, want)
+    rs = mps.reducescatter(torch.tensor([3, 4, 5, 7]) * (r + 1), op=mps.Average)
+    full = (torch.tensor([3, 4, 5, 7]) * sum(range(1, n + 1))).double() / n
+    rows = [4 // n + (1 if k < 4 % n else 0) for k in range(n)]
+    start = sum(rows[:r])
+    assert rs.tolist() == full.trunc().long()[start:start + rows[r]].tolist(), rs
+
+
+def mismatches(r, n):
+    HIE = mps.HorovodInternalError
+    cases = [
+        (lambda: mps.allreduce(torch.zeros(2 + (r == n - 1))), "Mismatched allreduce tensor shapes"),
+        (lambda: mps.allgather(torch.zeros(2, 2 + (r == 1))), "dimension 1"),
+        (lambda: mps.allgather(torch.zeros(2, dtype=torch.float32 if r else torch.float64)),
+         "Mismatched data types"),
+        (lambda: mps.broadcast(torch.zeros(2), root_rank=r), "root ranks"),
+        (lambda: mps.broadcast(torch.zeros(2 + r), root_rank=0), "Mismatched broadcast tensor shapes"),
+        (lambda: mps.alltoall(torch.zeros(n, dtype=torch.int32 if r else torch.int64)),
+         "Mismatched data types"),
+        (lambda: mps.reducescatter(torch.zeros(n + r)), "Mismatched reducescatter tensor shapes"),
+        (lambda: mps.allreduce(torch.zeros(2), op=mps.Sum if r else mps.Max), "reduction operation"),
+        (lambda: mps.allreduce(torch.zeros(2), prescale_factor=1.0 + r), "prescale"),
+        (lambda: mps.allreduce(torch.zeros(2)) if r else mps.allgather(torch.zeros(2)),
+         "Mismatched collective operations"),
+        (lambda: mps.reducescatter(torch.zeros(4), op=mps.Max), "only supports AVERAGE and SUM"),
+    ]
+    for fn, match in cases:
+        e = _raises(HIE, fn, match)
+        assert isinstance(e, RuntimeError)
+        _usable(n)
+    # An argument error on one worker: it raises its own error, the others learn of it.
+    bad = torch.tensor([n + 1] + [0] * (n - 1)) if r == 0 else None
+    if r == 0:
+        _raises(ValueError, lambda: mps.alltoall(torch.zeros(n), splits=bad), "splits")
+    else:
+        _raises(HIE, lambda: mps.alltoall(torch.zeros(n)), "invalid arguments")
+    _usable(n)
+    # Two collectives with the same name in flight: Horovod's ValueError, before any exchange.
+    h = mps.allreduce_async(torch.ones(2), name="twice")
+    _raises(ValueError, lambda: mps.allreduce_async(torch.ones(2), name="twice"), "in flight")
+    assert mps.synchronize(h).tolist() == [1.0, 1.0]
+    assert mps.synchronize(12345) is None
+    _raises(ValueError, lambda: mps.poll(12345), "was not created")
+    _raises(ValueError, lambda: mps.allreduce(torch.tensor([True])), "not supported")
+    _raises(NotImplementedError, lambda: mps.allreduce(torch.ones(1), op=mps.Adasum), "Adasum")
+    _usable(n)
+
+
+def gradients(r, n):
+    # allreduce: backward = allreduce of the gradient with the same op.
+    for op, scale in ((mps.Average, 1.0 / n), (mps.Sum, 1.0)):
+        x = _x(r, 4).requires_grad_()
+        y = mps.allreduce(x, op=op, prescale_factor=2.0)
+        _close(y.detach(), 2.0 * scale * sum(_x(k, 4) for k in range(n)), "allreduce")
+        (y * _w(r, 4)).sum().backward()
+        _close(x.grad, 2.0 * scale * sum(_w(k, 4) for k in range(n)), "allreduce grad")
+    xs = [_x(r, 3).requires_grad_(), _x(r, 2, 2).requires_grad_()]
+    ys = mps.grouped_allreduce(xs, op=mps.Sum)
+    sum(((y * (i + 1)).sum() for i, y in enumerate(ys))).backward()
+    _close(xs[1].grad, torch.full((2, 2), float(2 * n), dtype=torch.float64), "grouped grad")
+    # allgather (rows differ per worker): backward averages, then takes this worker's rows.
+    rows = [k + 1 for k in range(n)]
+    x = _x(r, rows[r], 2).requires_grad_()
+    y = mps.allgather(x)
+    _close(y.detach(), torch.cat([_x(k, rows[k], 2) for k in range(n)]), "allgather")
+    (y * _w(r, sum(rows), 2)).sum().backward()
+    mean_w = sum(_w(k, sum(rows), 2) for k in range(n)) / n
+    _close(x.grad, mean_w[sum(rows[:r]):sum(rows[:r + 1])], "allgather grad")
+    # broadcast: the averaged gradient on the root, zeros elsewhere.
+    root = n - 1
+    x = _x(r, 3).requires_grad_()
+    y = mps.broadcast(x, root_rank=root)
+    _close(y.detach(), _x(root, 3), "broadcast")
+    (y * _w(r, 3)).sum().backward()
+    want = sum(_w(k, 3) for k in range(n)) / n if r == root else torch.zeros(3, dtype=torch.float64)
+    _close(x.grad, want, "broadcast grad")
+    # alltoall with splits: worker k sends k+1+j rows to worker j; backward sends back.
+    splits = {k: [k + 1 + j for j in range(n)] for k in range(n)}
+    x = _x(r, sum(splits[r])).requires_grad_()
+    y, got_splits = mps.alltoall(x, splits=torch.tensor(splits[r]))
+    parts = {k: torch.split(_x(k, sum(splits[k])), splits[k]) for k in range(n)}
+    _close(y.detach(), torch.cat([parts[k][r] for k in range(n)]), "alltoall")
+    assert got_splits.tolist() == [splits[k][r] for k in range(n)]
+    (y * _w(r, y.shape[0])).sum().backward()
+    back = [torch.split(_w(j, sum(splits[k][j] for k in range(n))),
+                        [splits[k][j] for k in range(n)])[r] for j in range(n)]
+    _close(x.grad, torch.cat(back), "alltoall grad")
+    # reducescatter Sum: backward = allgather of the gradient times the number of workers.
+    x = _x(r, 2 * n + 1).requires_grad_()
+    y = mps.reducescatter(x, op=mps.Sum)
+    counts = [2 + (1 if k == 0 else 0) for k in range(n)]
+    start = sum(counts[:r])
+    _close(y.detach(), sum(_x(k, 2 * n + 1) for k in range(n))[start:start + counts[r]], "rs")
+    (y * _w(r, counts[r])).sum().backward()
+    _close(x.grad, n * torch.cat([_w(k, counts[k]) for k in range(n)]), "reducescatter grad")
+
+
+def variants(r, n):
+    h = mps.allgather_async(torch.full((r + 1,), float(r)))
+    assert mps.synchronize(h).tolist() == [float(k) for k in range(n) for _ in range(k + 1)]
+    a, b = mps.grouped_allgather([torch.tensor([r]), torch.tensor([[r, r]])])
+    assert a.tolist() == list(range(n)) and b.shape == (n, 2)
+    h = mps.grouped_allgather_async([torch.tensor([r])], name="ga")
+    assert mps.synchronize(h)[0].tolist() == list(range(n))
+    h = mps.reducescatter_async(torch.ones(n, 2), op=mps.Sum)
+    assert mps.synchronize(h).tolist() == [[float(n)] * 2]
+    outs = mps.grouped_reducescatter([torch.ones(n), 2 * torch.ones(n, 3)], op=mps.Sum)
+    assert outs[0].tolist() == [float(n)] and outs[1].tolist() == [[2.0 * n] * 3]
+    h = mps.grouped_reducescatter_async([torch.ones(n)], op=mps.Average)
+    assert mps.synchronize(h)[0].tolist() == [1.0]
+    # Sparse: every worker adds 1 at row r and 2 at row 0; the result stays sparse.
+    t = torch.sparse_coo_tensor([[r, 0]], [1.0, 2.0], (n, )).coalesce()
+    got = mps.synchronize(mps.sparse_allreduce_async(t, name="sp", op=mps.Sum))
+    assert got.is_sparse and got.to_dense().tolist() == [2.0 * n + 1] + [1.0] * (n - 1)
+
+
+def process_sets(r, n):
+    members = list(range(1, n))
+    ps = mps.add_process_set(members)
+    assert ps.process_set_id is not None and ps.size() == len(members)
+    _raises(ValueError, lambda: mps.add_process_set(members), "duplicate")
+    if r in members:
+        assert ps.rank() == members.index(r) and ps.included()
+        s = mps.allreduce(torch.tensor([float(r)]), op=mps.Sum, process_set=ps)
+        assert s.tolist() == [float(sum(members))]
+        g = mps.allgather(torch.tensor([r]), process_set=ps)
+        assert g.tolist() == members
+        b = mps.broadcast(torch.tensor([r]), root_rank=n - 1, process_set=ps)
+        assert b.tolist() == [n - 1]
+        _raises(ValueError, lambda: mps.broadcast(torch.tensor([r]), root_rank=0,
+                                                  process_set=ps), "invalid root rank")
+        assert mps.broadcast_object({"r": r}, root_rank=n - 1, process_set=ps) == {"r": n - 1}
+        model = torch.nn.Linear(2, 1)
+        mps.broadcast_parameters(model.state_dict(), root_rank=members[0], process_set=ps)
+        mps.barrier(process_set=ps)
+    else:
+        _raises(ValueError, lambda: mps.allreduce(torch.ones(1), process_set=ps), "not a member")
+    model = torch.nn.Linear(2, 1)
+    _raises(ValueError, lambda: mps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), process_set=ps), "policy=")
+    _usable(n)
+    assert mps.remove_process_set(ps) and not mps.remove_process_set(ps)
+    assert mps.global_process_set.process_set_id == 0
+    _usable(n)
+
+
+def joined(r, n):
+    """Worker 0 joins first; the others run collectives, then join."""
+    if r == 0:
+        last = mps.join()
+    else:
+        assert mps.allreduce(torch.ones(2), op=mps.Sum).tolist() == [float(n - 1)] * 2
+        assert mps.allreduce(torch.tensor([3 * n]), op=mps.Average).tolist() == [3 * (n - 1)]
+        assert mps.allgather(torch.tensor([r, r])).tolist() == [k for k in range(1, n) for _ in "ab"]
+        assert mps.broadcast(torch.tensor([float(r)]), root_rank=n - 1).tolist() == [n - 1.0]
+        _raises(mps.HorovodInternalError, lambda: mps.broadcast(torch.ones(1), root_rank=0),
+                "has joined")
+        mps.barrier()
+        last = mps.join()
+    assert last == n - 1, last
+    _usable(n)
+
+
+def optimizer_details(r, n):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    dopt = mps.DistributedOptimizer(opt)  # no named_parameters: Horovod allows it
+    assert len(dopt._parameter_names) == 2
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    mps.broadcast_optimizer_state(dopt, root_rank=0)
+    assert dopt.param_groups[0]["lr"] == 0.1, dopt.param_groups  # the wrapper sees root's
+    assert all(p.grad is not None for p in model.parameters())
+    dopt.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    dopt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dopt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught), caught
+    dopt.synchronize()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert all(torch.equal(flat, o) for o in mps.allgather_object(flat))
+
+
+def main():
+    policy = _arg("policy", "bsp")
+    mps.init(policy=policy, topology="ring", backend="mpi", server="colocated", deadline=30)
+    mps.init()  # idempotent, as Horovod's
+    r, n = mps.rank(), mps.size()
+    checks = [integers, mismatches, gradients, variants, process_sets, joined]
+    if _arg("optimizer", "yes") == "yes":
+        checks.append(optimizer_details)
+    for check in checks:
+        check(r, n)
+        print(f"CHECK-OK {check.__name__} rank={r}", flush=True)
+    mps.shutdown()
+    print(f"SEMANTICS-OK rank={r}", flush=True)

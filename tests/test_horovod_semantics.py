@@ -1,0 +1,26 @@
+"""horovod.torch's semantics on mpsync's workers, checked against references computed from
+the same seeds: integer averages, errors raised on every worker with the job going on,
+gradients through collectives, the async and grouped variants, process sets, join with the
+script's collectives, DistributedOptimizer details.  One mpirun per case, each running every
+check (tests/horovod_semantics_programs.py); 2 and 3 workers, the collectives also under the
+local-step policies (which never consult the state server for them).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+CASES = [(2, "bsp"), (3, "bsp"), (2, "esync"), (3, "ebsp")]
+
+
+@pytest.mark.parametrize("np, policy", CASES, ids=[f"{p}-np{n}" for n, p in CASES])
+def test_horovod_semantics(np, policy):
+    run = run_mpi("horovod_semantics_programs:main", np=np,
+                  args=[f"policy={policy}", f"optimizer={'yes' if policy == 'bsp' else 'no'}"],
+                  timeout=240)
+    for r in range(np):
+        assert f"SEMANTICS-OK rank={r}" in run.rank_out(r), run.report()
