@@ -174,7 +174,8 @@ def format_repeats_table(rows: list[dict]) -> str:
     """The table of ``mpsync compare --repeats``: medians with their min–max."""
     head = ["policy", "reached", "time to target (s): median (min–max)",
             "final acc: median (min–max)", "samples/s", "wait fraction",
-            f"speedup vs {_baseline()} (medians)"]
+            f"speedup vs {_baseline()} "
+            f"({rows[0].get('speedup_basis', 'medians') if rows else 'medians'})"]
     out = []
     for r in rows:
         ttt = (f"{_fmt(r['time_to_target_s'], '.1f', 'not reached')} "

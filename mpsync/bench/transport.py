@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mpsync import transport
-    from mpsync.bench.allreduce import _sizes
+    from mpsync.bench._timing import byte_sizes
     from mpsync.bench.nodes import _parse_list, cluster_at_rate, set_rate
     from mpsync.cluster.layout import parse_rate
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     counts = sorted({int(x) for x in _parse_list(args.cluster_nodes, "nodes")})
     if counts[0] < 2:
         raise SystemExit(f"--cluster-nodes: at least 2 nodes per run, got {counts}")
-    sizes = _sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES)
+    sizes = byte_sizes(args.sizes, DEFAULT_SIZES)
     started = time.time()
     runs = []
     with cluster_at_rate(max(counts), rates[0], args.cluster) as state:
