@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON rows")
     p.add_argument("--timeout", type=float, default=None,
                    help="per-run hard limit (default: budget + 240 s)")
+    p.add_argument("--ps-shards", default=None, metavar="N|auto",
+                   help="parameter-server shards for the PS policies (default: "
+                        "$MPSYNC_PS_SHARDS or auto: one per node, 2 on one host)")
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")

@@ -21,6 +21,8 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
             "--out", str(out), "--no-progress", "--no-plots"]
     if args.topology is not None:  # else train picks the policy's own topology
         argv += ["--topology", args.topology]
+    if getattr(args, "ps_shards", None) is not None:
+        argv += ["--ps-shards", str(args.ps_shards)]
     if args.iter_time:
         argv += ["--iter-time", str(args.iter_time)]
     if args.slowdown_schedule:

@@ -47,7 +47,7 @@ from mpsync.apps.datasets import check_dataset_spec
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    ConfigError, SyncConfig, plugins_from_env
+    ConfigError, SyncConfig, plugins_from_env, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv
@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds after which the server counts a quiet worker as gone "
                         f"(default {d.silent_timeout:g}; start-up before a worker's first "
                         f"step has its own allowance of {d.startup_timeout:g} s)")
+    g.add_argument("--ps-shards", default=None, metavar="N|auto",
+                   help=f"parameter-server shards (topology ps): N, or auto = one per node, "
+                        f"2 on one host (default: $MPSYNC_PS_SHARDS or {d.ps_shards})")
     g.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
                    help="modules that register policies of their own, imported on every rank "
                         "(default: $MPSYNC_PLUGINS)")
@@ -139,7 +142,9 @@ def build_config(args) -> SyncConfig:
     # No topology: the policy's own (SyncConfig.validate asks the registry).
     opts: dict = {"policy": args.policy, "topology": args.topology or "",
                   "backend": args.backend, "server": args.server,
-                  "plugins": plugins_from_env() if args.plugins is None else args.plugins}
+                  "plugins": plugins_from_env() if args.plugins is None else args.plugins,
+                  "ps_shards": (setting_from_env("ps_shards") if args.ps_shards is None
+                                else args.ps_shards)}
     if args.staleness is not None:
         opts["staleness"] = args.staleness
     if args.staleness_range is not None:
@@ -208,7 +213,7 @@ def main(args) -> int:
         config = validate(args, workers)
         resume = None
         if args.resume:
-            from mpsync.apps.checkpoint import latest_good
+            from mpsync.apps.checkpoint import latest_good  # torch
 
             # Every rank reads and verifies the checkpoint before any communication, so a bad
             # one fails the whole job at once with the same message.
@@ -220,7 +225,7 @@ def main(args) -> int:
                 print(f"mpsync train: resuming from {path}: round {resume['round']}, "
                       f"step {resume['step']}", flush=True)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
-        from mpsync.apps.checkpoint import CheckpointError
+        from mpsync.apps.checkpoint import CheckpointError  # torch
 
         if not isinstance(e, (ConfigError, CheckpointError)):
             raise
