@@ -27,6 +27,9 @@ class ElasticBSP(Policy):
     latest report and interval (``sched.predict``) and ZipLine picks the barrier with the least
     total waiting; worker p synchronizes at iteration ``z[p] + 1`` after its latest report.
     Steps with a barrier planned are answered by ``rules.ebsp_step`` in both serve loops.
+    A worker that has joined (PS: sent its last push; uneven step counts) takes no more
+    steps, so it leaves the plans: the next superstep's monitoring, prediction and barrier
+    cover the workers still running (``running``).
 
     What a LOCAL step does is the topology's:
 
@@ -38,10 +41,10 @@ class ElasticBSP(Policy):
       update without everyone taking part): local SGD between barriers, the model deltas
       averaged at the barrier.  Both variants synchronize at the same ZipLine barriers.
 
-    Departures: the paper times iterations by *push* timestamps; here by step reports, which
-    on the PS precede each push by the report's round trip, and on the ring are the only
-    per-iteration event.  With equal speeds the optimum is z = 0 (ties go to the earliest
-    barrier, §4.2 Thm. 1): a superstep is then the monitoring iterations plus one.
+    Departure [ebsp-report-intervals]: the paper times iterations by *push* timestamps; here by
+    step reports, which on the PS precede each push by the report's round trip, and on the ring
+    are the only per-iteration event.  With equal speeds the optimum is z = 0 (ties go to the
+    earliest barrier, §4.2 Thm. 1): a superstep is then the monitoring iterations plus one.
     """
 
     MONITOR_REPORTS = rules.EBSP_MONITOR_REPORTS   # Fig. 5: "at least two push requests"
@@ -69,12 +72,17 @@ class ElasticBSP(Policy):
             return False
         return bool(np.all(self.reports[ws] >= self.MONITOR_REPORTS))
 
+    def running(self) -> np.ndarray:
+        """The workers a plan covers: every live worker, registered yet or not (a plan made
+        before a slow starter has registered would leave it out of the barrier, and on the
+        ring the others would then wait for it in the aggregation; a worker that never starts
+        is taken out for silence), except those that sent their last push (PS: joined, they
+        take no more steps, so ZipLine plans over the workers still running)."""
+        return np.flatnonzero(self.t.active & ~self.t.final_pushed)
+
     def _try_plan(self, now: float | None = None) -> None:
         t = self.t
-        # Every live worker, registered yet or not: a plan made before a slow starter has
-        # registered would leave it out of the barrier, and on the ring the others would then
-        # wait for it in the aggregation.  A worker that never starts is taken out for silence.
-        ws = np.flatnonzero(t.active)
+        ws = self.running()
         if ws.size == 0 or np.any(self.target[ws] >= 0) or not self.monitored(ws):
             return
         if np.any(np.isnan(t.interval[ws])):
@@ -118,14 +126,14 @@ class ElasticBSP(Policy):
         once every active worker has pushed at its barrier or passed it (BSP)."""
         if not self.t.in_sync[w]:
             return True
-        t = self.t
-        ws = np.flatnonzero(t.active & ~t.final_pushed)
+        ws = self.running()
         return bool(np.all(self.barrier_pushed[ws] | (self.completed[ws] == self.epoch)))
 
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
+        # A joined worker's resets end no superstep: it left the plan at its last push.
         if self.epoch >= 0 and self.completed[w] != self.epoch and \
-                len(self.supersteps) < self.max_plans_kept:
+                not self.t.final_pushed[w] and len(self.supersteps) < self.max_plans_kept:
             self.supersteps.append({"superstep": int(self.epoch), "worker": int(w),
                                     "barrier_iteration": int(self.t.iteration[w]),
                                     "pushes": int(self.pushes_in_superstep[w])})
@@ -179,12 +187,15 @@ class ESync(Policy):
     worker has pulled (``rules.esync_step``), so the PS computes what the ring's allreduce of
     deltas computes.
 
-    Departures: t_e is the server's receipt time, not the device's clock (the paper's
-    comparison of a device's time with the server's assumes synchronized clocks); a READY
-    waits for every device's pull of the last round, where Alg. 2 line 5 names only the
-    slowest (on the ring the two agree, see ``rules.esync_step``); the capability test's
-    reply is held until every capability is known (Alg. 1 does not say how the first
-    queries meet: without it the first reporter would find no slower device).
+    Departure [esync-server-clock]: t_e is the server's receipt time, not the device's clock
+    (the paper's comparison of a device's time with the server's assumes synchronized
+    clocks).  Departure [esync-ready-after-every-pull]: a READY waits for every device's pull
+    of the last round, where Alg. 2 line 5 names only the slowest (on the ring the two agree,
+    see ``rules.esync_step``).  Departure [esync-held-capability-test]: the capability test's
+    reply is held until every capability is known (Alg. 1 does not say how the first queries
+    meet: without it the first reporter would find no slower device).
+    On the sharded PS every shard applies the round's deltas before any pull is granted
+    (``mpsync.server.shards``), in the parameters' dtype.
     """
 
 
@@ -279,11 +290,14 @@ class OSP(Policy):
     * S(G^u) (Alg. 1 lines 3-12): 0 in epoch 1, whose mean reported loss becomes L; in epoch
       i > 1, (1 - loss_i / L)·U_max with loss_i the mean loss reported in epoch i so far.
 
-    Departures: the loss rate lr of Eq. 5 is not measured (the measured rate already includes
-    retransmissions), so lr = 0; loss_i is the running mean of epoch i (the epoch's loss is
-    known only at its end), so S(G^u) moves within an epoch; a report carries the loss and
-    epoch of the iteration before the one its GIB is for, so at an epoch's first iteration
-    the GIB is sized with the previous epoch's S(G^u).
+    Departure [osp-ring]: the paper's RS and ICS go through a parameter server; here both are
+    ring allreduces and the state server only decides the bitmap.  Departure
+    [osp-no-loss-rate]: the loss rate lr of Eq. 5 is not measured (the measured rate already
+    includes retransmissions), so lr = 0.  Departure [osp-running-mean-loss]: loss_i is the
+    running mean of epoch i (the epoch's loss is known only at its end), so S(G^u) moves
+    within an epoch.  Departure [osp-loss-one-ahead]: a report carries the loss and epoch of
+    the iteration before the one its GIB is for (it leaves before that iteration is
+    computed), so an epoch's first GIB is sized with the previous epoch's S(G^u).
     """
 
     takes_importance = True

@@ -62,10 +62,10 @@ class TwoStageSync(Strategy):
        server answers with the GIB of iteration i+1 (one iteration of lag, §3.2; sized by
        Alg. 1; the first report of an iteration decides it for every worker).
 
-    Departure: on the layers in In-Computation Sync the importance in step 4 is of the local
-    gradient, the estimate of the global one that LGP (Eq. 6) also steps with, because their
-    global gradient lands during the next computation; the paper's PS computes the GIB from
-    what it holds when it computes it.  The first iteration, and rounds after a join or a
+    Departure [osp-ics-local-importance]: on the layers in In-Computation Sync the importance
+    in step 4 is of the local gradient, the estimate of the global one that LGP (Eq. 6) also
+    steps with, because their global gradient lands during the next computation; the paper's
+    PS computes the GIB from what it holds when it computes it.  The first iteration, and rounds after a join or a
     ``synchronize()``, have no report in flight: they report the global gradients of the
     previous iteration and wait for the answer.
     Eq. 5's b is the rate of the network, not of the slowest worker: a Routine Sync is a
@@ -86,8 +86,9 @@ class TwoStageSync(Strategy):
     server and runs the same collectives with zero gradients.
 
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
-    in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
-    correction is the same SGD-shaped term (the optimizer state keeps the local gradient).
+    in ``synchronize()``.  Departure [osp-lgp-plain-sgd]: Eq. 7 is exact for plain SGD; with
+    momentum or Adam the correction is the same SGD-shaped term (the optimizer state keeps the
+    local gradient).
     With the ``mpi`` backend Open MPI progresses a non-blocking collective only inside MPI
     calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
     thread.
