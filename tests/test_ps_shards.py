@@ -152,10 +152,11 @@ def test_bytes_per_sample_in_the_report_are_data_and_control_apart():
                      "control_sent": 50, "control_received": 30, "shard_sent": 200,
                      "shard_received": 300}}
     m = report.summarize({"workers": workers, "wall_s": 1.0, "evals": []}, None)
-    assert m["data_bytes_per_sample"] == 150 and m["min_data_bytes_per_sample"] == 80
+    # Each byte once, at its sender: the worker's sends and its shard's.
+    assert m["data_bytes_per_sample"] == 60 and m["min_data_bytes_per_sample"] == 80
     assert m["control_bytes_per_sample"] == 8
     row = {"policy": "ssp", "time_to_target_s": None, "final_acc": 0.5, "samples_per_s": 1.0,
            "wait_fraction": 0.1, **{k: m[k] for k in ("data_bytes_per_sample",
                                                      "min_data_bytes_per_sample",
                                                      "control_bytes_per_sample")}}
-    assert "| 150 (80) | 8 |" in report.format_table([row])
+    assert "| 60 (80) | 8 |" in report.format_table([row])

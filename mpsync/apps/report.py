@@ -60,16 +60,17 @@ def summarize(metrics: dict, target: float | None) -> dict:
 
 
 def _bytes_per_sample(workers, total: int) -> dict:
-    """Data-plane and control-plane bytes on the workers' links (sent + received, a hosted
-    shard server's included) per sample, and the analytic minimum of the data plane for the
-    synchronizations done (ring 2·2(n-1)/n·B per round, sharded PS 2·B per push+pull);
-    None for runs that did not count them."""
+    """Bytes moved per sample, each byte once (at its sender): the data plane (a worker's
+    sends, and the shard server it hosts: the pulls it answers) and the control plane (a
+    worker's messages to the state server and the replies), and the analytic minimum of the
+    data plane for the synchronizations done (ring 2(n-1)/n·B per worker and round, sharded
+    PS 2·B per worker and push+pull).  A worker's push to the shard on its own rank counts
+    though it crosses no link.  None for runs that did not count them."""
     workers = list(workers)
     if not total or not all("data_sent" in w for w in workers):
         return {"data_bytes_per_sample": None, "min_data_bytes_per_sample": None,
                 "control_bytes_per_sample": None}
-    data = sum(w["data_sent"] + w["data_received"] + w.get("shard_sent", 0) +
-               w.get("shard_received", 0) for w in workers)
+    data = sum(w["data_sent"] + w.get("shard_sent", 0) for w in workers)
     return {"data_bytes_per_sample": data / total,
             "min_data_bytes_per_sample": sum(w["data_min"] for w in workers) / total,
             "control_bytes_per_sample": sum(w["control_sent"] + w["control_received"]
@@ -190,8 +191,8 @@ def format_table(rows: list[dict]) -> str:
         for r in rows])
 
 
-# Data bytes per sample on the workers' links (sent + received), measured, and the analytic
-# minimum for the topology in parentheses.
+# Data bytes moved per sample (each byte once), measured, and the analytic minimum for the
+# topology in parentheses (``_bytes_per_sample``).
 BYTES_HEAD = "data bytes/sample (min)"
 
 

@@ -26,9 +26,10 @@ MLP, raw and over an emulated 2 Gbit/s link (OSP's target: faster when communica
 A second job (skip it with ``--no-ps``) with one extra rank as a dedicated state server times
 the PS topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights over
 the shard servers, policy asp, float32) at the same sizes (``ps_ms``), next to the ring's
-``mpsync_ms`` (ring vs PS), with the data bytes one worker moved per exchange, counted
-message by message (``ps_wire_bytes``, both ways), beside the analytic minima of a push and
-a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce (``ring_min_bytes`` = 2·2(n-1)/n·B).
+``mpsync_ms`` (ring vs PS), with the data bytes one worker's exchange moved, counted message
+by message (``ps_wire_bytes``: its push out, its pull in), beside the analytic minima per
+worker of a push and a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce
+(``ring_min_bytes`` = 2(n-1)/n·B sent, as much received).
 
 ``--json`` prints only the list of rows, one per size, with the keys above (``ps_ms`` and
 ``ps_vs_ring`` when the PS job ran; ``np`` and the ratios ``mpsync_vs_horovod``,
@@ -253,8 +254,8 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
 
 def _ps_child(sizes, max_repeats, budget) -> None:
     """The sharded PS's push + pull of a float32 model of each size (``auto`` shards), and
-    the data bytes each worker moved per exchange, counted message by message, beside the
-    analytic minima: 2·B for a push and a pull, 2·2(n-1)/n·B for a ring allreduce."""
+    the data bytes each worker's exchange moved, counted message by message, beside the
+    analytic minima: 2·B for a push and a pull, 2(n-1)/n·B for a ring allreduce."""
     import numpy as np
     from mpi4py import MPI
 
@@ -300,7 +301,7 @@ def _ps_child(sizes, max_repeats, budget) -> None:
             print("ROW " + json.dumps({
                 "bytes": nbytes, "ps_ms": ms, "ps_shards": layout.count,
                 "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
-                "ring_min_bytes": 4 * (size - 1) * weights.nbytes // size}), flush=True)
+                "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size}), flush=True)
         world.Barrier()
 
 

@@ -24,8 +24,8 @@ class LocalCounters:
     data_received: int = 0
     control_sent: int = 0
     control_received: int = 0
-    # The analytic minimum of data bytes (both ways) for the synchronizations done: ring
-    # 2·2(n-1)/n·B per round, sharded PS 2·B per push+pull.
+    # The analytic minimum of data bytes moved (each counted once) for the synchronizations
+    # done: ring 2(n-1)/n·B per round, sharded PS 2·B per push+pull (push out, pull in).
     data_min: int = 0
     max_events: int = 100_000
     # (name, t0, t1) on the wall clock (time.time()), for the Chrome trace.

@@ -211,13 +211,14 @@ class Strategy:
 
     def _count_wire(self, nbytes: int) -> None:
         """The data bytes of one ring allreduce of ``nbytes`` on this worker's link: a ring
-        moves 2(n-1)/n of the buffer each way, which is also the least any allreduce can."""
+        sends and receives 2(n-1)/n of the buffer, which is also the least any allreduce
+        can (``data_min``: bytes moved, counted at the sender)."""
         n = self.n_workers
         each_way = int(2 * (n - 1) * nbytes * self._wire_ratio() // n)
         c = self.counters
         c.data_sent += each_way
         c.data_received += each_way
-        c.data_min += 2 * each_way
+        c.data_min += each_way
 
     def _broadcast_model(self, root: int = 0) -> None:
         """Make every worker's parameters bitwise equal to worker ``root``'s."""
