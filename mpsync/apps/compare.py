@@ -21,7 +21,7 @@ from pathlib import Path
 from mpsync import cluster
 from mpsync import policies as registry
 from mpsync.apps import repeats, train
-from mpsync.apps.report import comparison_figure, format_table
+from mpsync.apps.report import comparison_figure, format_table, plot_run
 from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
 from mpsync.bench.nodes import cluster_at_rate
 from mpsync.cluster.layout import ClusterError, parse_rate
@@ -166,6 +166,10 @@ def _compare(args) -> int:
             m = runs[policy]
             print(f"[{policy}] done in {res.elapsed:.0f}s (training {m['wall_s']:.1f}s): "
                   f"final acc {m['final_acc']:.3f}", flush=True)
+    if not args.from_runs:   # every run's own plots, now that the last one has finished
+        for policy in runs:
+            if (out / policy / "trace.json").is_file():
+                plot_run(out / policy)
     rows = table_rows(runs)
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
               "setup": setup_line(args, runs)}
