@@ -22,9 +22,7 @@ TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers 
                                 iteration, LGP correction (Eq. 6-7) when it lands
 ==================  ==========  ============================================================
 
-Every strategy works on :class:`~mpsync.torch.fusion.FusionBuffer` s and an
-:class:`~mpsync.torch.backends.Aggregator`; ``client`` is the control plane's ``SyncClient``
-(``None``: no state server, every step synchronizes, which only makes sense for BSP).
+Strategies work on FusionBuffers and an Aggregator; ``client``: the ``SyncClient`` or None.
 ``synchronize()`` is the final aggregation after which every worker holds the same model.
 
 Uneven step counts (Horovod's ``join()`` is the model).  ``synchronize()`` first runs
@@ -54,6 +52,7 @@ from mpsync.server import LOCAL, Decision
 from mpsync.torch._counters import LocalCounters
 from mpsync.torch.backends import Aggregator
 from mpsync.torch.compression import WireSum
+from mpsync.torch.followers import Following
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "LocalStepsThenAggregate",
@@ -63,7 +62,7 @@ __all__ = ["Strategy", "average_gradients", "GradientAveraging", "LocalStepsThen
 _NOT_READY = Decision(LOCAL, 0, 0)
 
 
-class Strategy:
+class Strategy(Following):
     """Common plumbing: the server query, counters, the final identical-model broadcast."""
 
     # True: every step aggregates (no local steps between rounds).
@@ -162,6 +161,8 @@ class Strategy:
     def ask(self, compute_time: float, iteration: int):
         """Report that local iteration ``iteration`` (1-based) finished and get the decision
         (SyncClient.step, one round trip); None without a control plane."""
+        if self.leader is not None:
+            return self.follow_decision()
         if self.client is None:
             return None
         t0 = time.perf_counter()
@@ -212,8 +213,9 @@ class Strategy:
 
     def synchronize(self) -> None:
         """Horovod's ``synchronize()`` after ``step()``: join, then make every worker's model
-        bitwise equal (all workers call it)."""
-        self.join()
+        bitwise equal (all workers call it).  A follower's rounds ran in its leader's join."""
+        if self.leader is None:
+            self.join()
         self._broadcast_model(min(self.last_active))
         self.last_active = list(range(self.n_workers))
         self.settled = True
@@ -308,6 +310,7 @@ class GradientAveraging(Strategy):
                 contributors, active = self._average(0.0)
                 if contributors:
                     self.optimizer.step()
+                self.followers_round()
                 if not active:
                     return
         finally:
@@ -389,13 +392,14 @@ class LocalStepsThenAggregate(Strategy):
         raise NotImplementedError
 
     def idle_step(self) -> bool:
-        if self.joined or self.settled or not self._idle_ready():
+        if self.joined or self.settled or self.leader is not None or not self._idle_ready():
             return False
         pace = self._pace()
         self.iteration += 1
         if self.is_sync(self.ask(pace, self.iteration)):
             self._aggregate()
             self.local_steps = 0
+            self.followers_round(joined=False)  # the others run theirs at their next step
         time.sleep(pace)
         return True
 
@@ -470,6 +474,7 @@ class DeltaAveraging(LocalStepsThenAggregate):
                     _, active = self._aggregate(contributing=pending)
                     pending = False
                     self.local_steps = 0
+                    self.followers_round()
                     if not active:
                         return
                 else:
