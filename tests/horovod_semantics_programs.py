@@ -338,3 +338,25 @@ def main():
         print(f"CHECK-OK {getattr(check, '__name__', check)} rank={r}", flush=True)
     mps.shutdown()
     print(f"SEMANTICS-OK rank={r}", flush=True)
+
+
+def deadline():
+    """A collective's set-up is bounded: worker 0's first barrier gives up at the deadline
+    naming worker 1, which arrives late; worker 0's next barrier then completes both."""
+    import time
+
+    mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=3)
+    r, n = mps.rank(), mps.size()
+    if r == 0:
+        t0 = time.monotonic()
+        e = _raises(mps.CollectiveTimeout, mps.barrier, "no word from worker 1")
+        assert isinstance(e, mps.HorovodInternalError) and "barrier" in str(e), e
+        assert 3.0 <= time.monotonic() - t0 < 10.0
+        mps.barrier()
+    else:
+        time.sleep(4.5)
+        mps.barrier()
+        mps.barrier()
+    _usable(n)
+    mps.shutdown()
+    print(f"DEADLINE-OK rank={r}", flush=True)

@@ -30,3 +30,8 @@ def test_horovod_semantics(tmp_path, np, policy):
     if policy == "bsp":
         names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
         assert {"compute", "aggregate"} <= names, names
+
+
+def test_a_collectives_set_up_has_a_deadline_naming_the_late_worker():
+    run = run_mpi("horovod_semantics_programs:deadline", np=2, timeout=120)
+    assert all(f"DEADLINE-OK rank={r}" in run.rank_out(r) for r in range(2)), run.report()
