@@ -17,8 +17,8 @@
 # Everything lives in one private directory ($MPSYNC_SLURM_DIR, default /var/lib/mpsync-slurm):
 # its own slurm.conf (clients find it through SLURM_CONF), its own munge key and socket, state,
 # spool, logs and pid files, and ports away from Slurm's defaults.  A system Slurm or munge on
-# the machine is never reconfigured or stopped.  The configuration is the one recorded in
-# shared/FACTS.md (proctrack/linuxproc, task/none, cons_tres, one partition), plus:
+# the machine is never reconfigured or stopped.  The configuration is the smallest that runs
+# here without cgroups (proctrack/linuxproc, task/none, cons_tres, one partition), plus:
 #   - MinJobAge=3600: finished jobs stay visible to `scontrol show job` for an hour; without
 #     slurmdbd `sacct` has no data, so the job's final state is read from scontrol and from the
 #     jobcomp/filetxt log ($MPSYNC_SLURM_DIR/log/jobcomp.txt).

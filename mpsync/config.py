@@ -15,13 +15,13 @@ import os
 from dataclasses import dataclass, field
 
 from mpsync import policies
-from mpsync.policies import PolicyError
+from mpsync.policies import PolicyChoice, PolicyError
 from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
-    "plugins_from_env",
+    "plugins_from_env", "parse_ps_shards", "setting_from_env",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -47,7 +47,8 @@ class SyncConfig:
     # Empty: the policy's own default topology (its registry entry); filled in by validate().
     topology: str = ""
     # mpi4py's collectives need nothing beyond mpi4py, which the control plane needs anyway;
-    # Horovod is an optional source build (shared/FACTS.md), so it is chosen explicitly.
+    # Horovod is an optional source build (0.28.1 needs a patch to compile against torch 2.x),
+    # so it is chosen explicitly.
     backend: str = "mpi"
     server: str = "dedicated"
     # SSP threshold s (SSP: a worker may run at most s iterations ahead of the slowest).
@@ -89,13 +90,24 @@ class SyncConfig:
     # the MPI library directly (Open MPI), and the client's step is compiled too: a query round
     # trip 1.6-1.7x a raw ping-pong instead of 5-6x (bench/server).  Off: Python alone.
     server_fast_path: bool = True
+    # Parameter server: shard servers holding the flat model, split by bytes ("auto": one
+    # per node of the job, 2 on a single host; or a count >= 1).  Shards are data plane only;
+    # the state server decides (mpsync.server.shards).
+    ps_shards: int | str = "auto"
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0
+    # Emulated link rate (bytes per second) of the ring's aggregations: each allreduce takes at
+    # least a ring allreduce's time over links of this rate (EmulatedLink).  For experiments on
+    # one machine; 0 = off.
+    comm_bandwidth: float = 0.0
     # Modules that register policies of their own (comma-separated, ``MPSYNC_PLUGINS``),
     # imported on every rank by validate() before the policy name is looked up.
     plugins: str = ""
     extra: dict = field(default_factory=dict)
+    # The policy resolved by validate(): what the server, the workers and the reports read
+    # instead of looking the name up again.  Not a setting.
+    choice: PolicyChoice | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.topology and self.policy in policies.names():
@@ -108,7 +120,8 @@ class SyncConfig:
             if not self.topology:
                 self.topology = spec.default_topology
             _one_of("topology", self.topology, TOPOLOGIES)
-            spec.check_topology(self.topology)
+            self.choice = policies.choose(self.policy, self.topology,
+                                          {o: getattr(self, o) for o in spec.options})
         except PolicyError as e:
             raise ConfigError(str(e)) from None
         _one_of("backend", self.backend, BACKENDS)
@@ -134,14 +147,24 @@ class SyncConfig:
             raise ConfigError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout}")
         if not self.deadline > 0:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
+        self.ps_shards = parse_ps_shards(self.ps_shards)
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
+        if not self.comm_bandwidth >= 0:
+            raise ConfigError(f"comm_bandwidth must be >= 0 bytes/s (0: off), got "
+                              f"{self.comm_bandwidth}")
         return self
+
+    def resolved(self) -> PolicyChoice:
+        """The policy as validate() resolved it (validating now if it has not run)."""
+        if self.choice is None:
+            self.validate()
+        return self.choice
 
     @classmethod
     def from_options(cls, env: dict | None = None, **options) -> "SyncConfig":
         """Build from keyword options over ``MPSYNC_*`` environment variables; unknown keys fail."""
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        names = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "extra"}
         values: dict = {}
         env = os.environ if env is None else env
         for name, f in names.items():
@@ -155,7 +178,7 @@ class SyncConfig:
         return cls(**values).validate()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "choice"}
 
 
 DEFAULTS = SyncConfig()
@@ -165,6 +188,13 @@ def plugins_from_env(env=None) -> str:
     """``MPSYNC_PLUGINS``, for front ends that otherwise ignore the environment (mpsync train:
     a policy module must be importable on every rank however the policy was chosen)."""
     return (os.environ if env is None else env).get(ENV_PREFIX + "PLUGINS", DEFAULTS.plugins)
+
+
+def setting_from_env(name: str, env=None):
+    """The ``MPSYNC_<NAME>`` text, or the default of setting ``name``: for front ends that
+    otherwise ignore the environment (mpsync train) but honour a few settings from it."""
+    return (os.environ if env is None else env).get(ENV_PREFIX + name.upper(),
+                                                     getattr(DEFAULTS, name))
 
 
 def parse_float_list(name: str, text: str, length: int | None = None) -> list[float]:
@@ -178,6 +208,21 @@ def parse_float_list(name: str, text: str, length: int | None = None) -> list[fl
     if length is not None and len(values) != length:
         raise ConfigError(f"{name}: {len(values)} values for {length} workers ({text!r})")
     return values
+
+
+def parse_ps_shards(value) -> int | str:
+    """``ps_shards`` as ``"auto"`` or an int >= 1 (from an int, or text from the CLI or
+    ``MPSYNC_PS_SHARDS``); anything else is a :class:`ConfigError` naming the setting."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.lstrip("+-").isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"ps_shards (--ps-shards, MPSYNC_PS_SHARDS) must be 'auto' or an "
+                          f"integer >= 1 (the number of parameter-server shards), got {value!r}")
+    return value
 
 
 def parse_number(name: str, text: str, kind: type = float, *, at_least: float | None = None):

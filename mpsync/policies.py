@@ -21,9 +21,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["PolicySpec", "PolicyError", "TOPOLOGIES", "BASELINE", "FAST_PATH_KINDS",
-           "SIMULATION_MODELS", "register", "unregister", "get", "names", "specs",
-           "default_topology", "load_plugins", "resolve", "policy_table", "fidelity_table"]
+__all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE",
+           "FAST_PATH_KINDS", "SIMULATION_MODELS", "register", "unregister", "get", "names",
+           "specs", "choose", "baseline", "is_baseline", "default_topology", "load_plugins",
+           "resolve", "policy_table", "fidelity_table"]
 
 TOPOLOGIES = ("ring", "ps")
 # What the other policies are measured against (``mpsync compare``'s speedup column).
@@ -74,9 +75,11 @@ class PolicySpec:
     within a superstep).  Only exact with a server rule that completes each round before
     anyone pulls (BSP's and ESync's).
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
-    the README's fidelity table (:func:`fidelity_table`).  Each departure names, in
-    parentheses, the ``module:Class`` whose docstring states it where the code makes it
-    (``tests/test_policies.py`` checks both).
+    the README's fidelity table (:func:`fidelity_table`).  Each departure carries its key in
+    brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
+    ``module:Class`` (or function) whose source states it as ``Departure [<key>]`` where the code
+    makes it; "none" if there is none.  ``tests/test_policies.py`` checks that the table and
+    the code state the same departures.
     """
 
     name: str
@@ -124,8 +127,41 @@ class PolicySpec:
         """ε of ESync Eq. 8 for a policy that reads ``epsilon``, else 1 (plain averaging)."""
         return float(config.epsilon) if "epsilon" in self.options else 1.0
 
+    def ps_update_scale(self, config, n_workers: int) -> float:
+        """The factor a parameter server applies each pushed update with: (global step) / n
+        under ``ps_average``, else 1 (each update as it is)."""
+        return self.global_step(config) / n_workers if self.ps_average else 1.0
+
     def reads(self, option: str) -> bool:
         return option in self.options
+
+    @property
+    def is_baseline(self) -> bool:
+        """Whether the other policies are measured against this one."""
+        return self.name == BASELINE
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """A policy resolved once for a run: its registry entry, the topology it runs on, the
+    values of the settings it reads (``spec.options``) and the baseline it is measured
+    against.  :meth:`mpsync.config.SyncConfig.validate` makes it; the server, the workers and
+    the reports take it from the configuration instead of looking the name up again."""
+
+    spec: PolicySpec
+    topology: str
+    parameters: Mapping[str, object]
+    baseline: str = BASELINE
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def server_class(self) -> type:
+        return self.spec.server_class()
+
+    def strategy_class(self) -> type:
+        return self.spec.strategy_class(self.topology)
 
 
 _REGISTRY: dict[str, PolicySpec] = {}
@@ -196,6 +232,30 @@ def names() -> tuple[str, ...]:
 
 def specs() -> tuple[PolicySpec, ...]:
     return tuple(_REGISTRY.values())
+
+
+def choose(name: str, topology: str = "", parameters: Mapping[str, object] | None = None
+           ) -> PolicyChoice:
+    """Resolve ``name`` on ``topology`` (empty: the policy's own) with the values of the
+    settings it reads; PolicyError names what does not fit."""
+    spec = get(name)
+    topology = topology or spec.default_topology
+    spec.check_topology(topology)
+    values = dict(parameters or {})
+    missing = [o for o in spec.options if o not in values]
+    if missing:
+        raise PolicyError(f"policy {name!r} reads {', '.join(missing)}: give a value for each")
+    return PolicyChoice(spec, topology, {o: values[o] for o in spec.options})
+
+
+def baseline() -> PolicySpec:
+    """The policy the others are measured against."""
+    return get(BASELINE)
+
+
+def is_baseline(name: str) -> bool:
+    """Whether ``name`` is the baseline (a name not registered here is not)."""
+    return name == BASELINE
 
 
 def default_topology(name: str) -> str:
@@ -282,9 +342,30 @@ register(
     simulation={"ps": "dynamic_staleness"},
     fidelity={"ps": ("Alg. 1 server and Alg. 2 synchronization controller on every push",
                      "the controller is given the allowance left, not the full r_max, so the "
-                     "gap never exceeds s_U (mpsync.server.policies:DSSP)")})
+                     "gap never exceeds s_U [dssp-allowance-left] (mpsync.server.policies:DSSP); "
+                     "Alg. 2 is given Alg. 1's slowest worker (fewest pushes), not the one its "
+                     "line 3 finds from the timestamps [dssp-slowest-by-pushes]; the OK sent "
+                     "with a grant of r* is the first of the r* extra iterations (r_p = r* - 1) "
+                     "[dssp-first-extra-ok] (mpsync.sched.dssp:dssp_on_push)")})
 _POL = "mpsync.server.step_policies:"
 _STR = "mpsync.torch.strategies:"
+# ZipLine's search departs from the paper's text only in ways that keep its barrier.
+_ZIPLINE_SEARCH = ("ZipLine's search, with the paper's barrier: Ω sorted by keys for larger "
+                   "matrices [zipline-omega-sort], z canonical [zipline-canonical-z] "
+                   "(mpsync.sched.zipline_omega:omega); ZipLineOptBS's dead marks "
+                   "[zipline-optbs-dead-marks], finger [zipline-optbs-finger] and compaction "
+                   "[zipline-optbs-compaction] (mpsync.sched.zipline_scans:scan_optbs); "
+                   "GridScan's \"close to\" read as the earliest element not before "
+                   "[zipline-gridscan-close-to] (mpsync.sched.zipline_scans:scan_grid)")
+_EBSP_INTERVALS = (f"intervals from step reports, not push timestamps [ebsp-report-intervals] "
+                   f"({_POL}ElasticBSP)")
+_ESYNC = (f"t_e stamped by the server on receipt, not the device's clock [esync-server-clock]; "
+          f"READY only once every device (not only the slowest) pulled the last round "
+          f"[esync-ready-after-every-pull]; the capability test reply is held until every "
+          f"capability is known [esync-held-capability-test] ({_POL}ESync); the test batch is "
+          f"the first training batch [esync-test-batch], and the §4.2 abort is checked between "
+          f"backward and the optimizer step [esync-abort-between-steps] "
+          f"({_STR}LocalStepsThenAggregate)")
 register(
     "ebsp", description="ElasticBSP: supersteps ending at a barrier that the server places "
                         "with ZipLine from `R` predicted iterations per worker, after a "
@@ -298,13 +379,14 @@ register(
         "ps": ("superstep of Fig. 5 after every barrier: monitoring (2 reports per worker), "
                "prediction (R iterations), ZipLine barrier (Alg. 2, ties to the earliest); "
                "a push and an ungated pull every iteration within it (§6.2.5 ASP-like "
-               "mode); at the barrier every pull waits for every barrier push (BSP)",
-               f"intervals from step reports, not push timestamps ({_POL}ElasticBSP)"),
+               "mode); at the barrier every pull waits for every barrier push (BSP); after a "
+               "worker joins, the plans cover the workers still running",
+               f"{_EBSP_INTERVALS}; {_ZIPLINE_SEARCH}"),
         "ring": ("the same monitoring, prediction and ZipLine barriers as on the PS",
                  f"ElasticBSP barriers with local SGD between them: no server copy of the "
                  f"weights to push to, so iterations within a superstep stay local and the "
-                 f"model deltas are averaged at the barrier ({_POL}ElasticBSP, "
-                 f"{_STR}DeltaAveraging)"),
+                 f"model deltas are averaged at the barrier [ebsp-ring-local-sgd] "
+                 f"({_STR}DeltaAveraging); {_EBSP_INTERVALS}; {_ZIPLINE_SEARCH}"),
     })
 register(
     "esync", description="fast workers run extra local iterations until the slowest is ready; "
@@ -317,14 +399,10 @@ register(
         "ring": ("Alg. 1 (capability test, local steps, Eq. 6-8 delta averaging, restart from "
                  "w_{t+1}), Alg. 2 QUERY-STATE, §4.2 delayed ACK with the abort of iteration "
                  "k+δ",
-                 f"t_e stamped by the server on receipt, not the device's clock; READY only "
-                 f"once every device (not only the slowest) pulled the last round; the "
-                 f"capability test reply is held until every capability is known ({_POL}ESync); "
-                 f"the test batch is the first training batch, and the §4.2 abort is checked "
-                 f"between backward and the optimizer step ({_STR}LocalStepsThenAggregate)"),
+                 _ESYNC),
         "ps": ("as on the ring: synchronous rounds (every Δ in before any pull of w_{t+1}), "
                "so PS and ring compute the same model",
-               f"as on the ring; the weights are float64 on the server ({_POL}ESync)"),
+               f"as on the ring: {_ESYNC}"),
     })
 register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
@@ -337,7 +415,10 @@ register(
                  "with a one-iteration lag (§3.2), U_max = b·T_c/N from measured rates (Eq. 5) "
                  "capped at 0.8 (Alg. 1 line 2), S(G^u) = 0 in epoch 1 then (1 - loss_i/L)·U_max "
                  "(Alg. 1), LGP correction (Eq. 6-7)",
-                 f"ring allreduce instead of a PS; lr of Eq. 5 not measured (0); loss_i is the "
-                 f"running mean of epoch i; GIB computed in the step's round trip "
-                 f"({_POL}OSP); Eq. 7 is exact for plain SGD only (mpsync.torch.two_stage:TwoStageSync)"),
+                 f"ring allreduce instead of a PS [osp-ring]; lr of Eq. 5 not measured (0) "
+                 f"[osp-no-loss-rate]; loss_i is the running mean of epoch i "
+                 f"[osp-running-mean-loss]; GIB computed in the step's round trip "
+                 f"[osp-gib-in-round-trip] ({_POL}OSP); S(G^u) clipped to [0, U_max] "
+                 f"[osp-clip-ics-size] (mpsync.sched.osp:osp_ics_size); Eq. 7 is exact for "
+                 f"plain SGD only [osp-lgp-plain-sgd] (mpsync.torch.two_stage:TwoStageSync)"),
     })

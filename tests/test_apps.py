@@ -192,10 +192,10 @@ def test_compare_json(tmp_path):
     assert [row["policy"] for row in rows] == ["bsp", "esync"]
     for row in rows:
         assert set(row) == {"policy", "time_to_target_s", "final_acc", "samples_per_s",
-                            "wait_fraction", "speedup_vs_bsp"}
+                            "wait_fraction", "speedup_vs_baseline"}
         assert 0 < row["final_acc"] <= 1 and row["samples_per_s"] > 0
     bsp = rows[0]
     if bsp["time_to_target_s"] is not None:
-        assert bsp["speedup_vs_bsp"] == pytest.approx(1.0)
+        assert bsp["speedup_vs_baseline"] == pytest.approx(1.0)
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "| bsp |" in (tmp_path / "table.md").read_text()

@@ -76,10 +76,10 @@ def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
         "#SBATCH --partition=gpu",
         "#SBATCH --account=proj1",
         "# other ranks train (16 ranks = 15 workers + server by default).",
-        "#   POLICY       bsp | asp | ssp | dssp | ebsp | esync | osp (default: esync)",
-        "#   EPOCHS       epochs per worker (default: 20); ignored if TIME_BUDGET is set",
-        "#   SLOWDOWN     per-worker slowdown factors, e.g. 1,1,2,4 (default: 1,1,2,4)",
-        "#   VENV         Python environment with mpsync (default: /opt/mpsync/venv)",
+        "#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: esync)",
+        "#   EPOCHS             epochs per worker (default: 20); ignored if TIME_BUDGET is set",
+        "#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: 1,1,2,4)",
+        "#   VENV               Python environment with mpsync (default: /opt/mpsync/venv)",
         "POLICY=${POLICY:-esync}",
         "EPOCHS=${EPOCHS:-20}",
         "SLOWDOWN=${SLOWDOWN:-1,1,2,4}",
@@ -90,10 +90,10 @@ def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
         "#SBATCH --ntasks-per-node=5",
         "#SBATCH --time=01:00:00",
         "# other ranks train (5 ranks = 4 workers + server by default).",
-        "#   POLICY       bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)",
-        "#   EPOCHS       epochs per worker (default: 5); ignored if TIME_BUDGET is set",
-        "#   SLOWDOWN     per-worker slowdown factors, e.g. 1,1,2,4 (default: empty, none)",
-        "#   VENV         Python environment with mpsync (default: the repository's .venv)",
+        "#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)",
+        "#   EPOCHS             epochs per worker (default: 5); ignored if TIME_BUDGET is set",
+        "#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: empty, none)",
+        "#   VENV               Python environment with mpsync (default: the repository's .venv)",
         "POLICY=${POLICY:-bsp}",
         "EPOCHS=${EPOCHS:-5}",
         "SLOWDOWN=${SLOWDOWN:-}",
@@ -314,6 +314,29 @@ def test_pbs_payload_rejects_bad_settings_before_starting(tmp_path, variables, m
     assert res.returncode == 2 and message in res.stderr, (res.stdout, res.stderr)
 
 
+def mca_of(argv: list[str]) -> dict[str, str]:
+    return {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "--mca"}
+
+
+def test_pbs_dry_run_launches_with_the_tuned_transport_unless_told_otherwise(tmp_path):
+    from mpsync.transport import TUNED
+
+    res, _ = pbs_job(tmp_path / "tuned", ranks=3, DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    launch = printed_command(res.stdout)
+    launch = launch[:launch.index(str(VENV / "bin" / "python"))]
+    assert mca_of(launch) == {"mpi_yield_when_idle": "1", **dict(TUNED)}
+    res, _ = pbs_job(tmp_path / "none", ranks=3, DRY_RUN="1", MPSYNC_MPI_TUNING="none")
+    assert res.returncode == 0, res.stderr
+    assert mca_of(printed_command(res.stdout)) == {"mpi_yield_when_idle": "1"}
+    res, _ = pbs_job(tmp_path / "own", ranks=3, DRY_RUN="1",
+                     MPSYNC_MPI_TUNING="btl_tcp_links=4")
+    assert mca_of(printed_command(res.stdout)) == {"mpi_yield_when_idle": "1",
+                                                    "btl_tcp_links": "4"}
+    res, _ = pbs_job(tmp_path / "bad", ranks=3, DRY_RUN="1", MPSYNC_MPI_TUNING="links")
+    assert res.returncode == 2 and "MPSYNC_MPI_TUNING='links'" in res.stderr, res.stderr
+
+
 def test_pbs_payload_outside_a_job_says_so(tmp_path):
     res = run_with_deadline(["bash", str(JOBS / "pbs" / "train.pbs")], 30, env=clean_env(),
                             cwd=str(tmp_path))
@@ -330,6 +353,10 @@ def test_horovodrun_dry_run_uses_mpi_mode_and_the_repository_venv(tmp_path):
                         "-H", "localhost:3"]
     assert "--backend" in argv and argv[argv.index("--backend") + 1] == "mpi"
     assert argv[argv.index("--out") + 1].startswith(str(tmp_path / "mpsync-train-"))
+    # Horovod's own allreduce is an MPI_Allreduce: the transport settings go to its mpirun.
+    from mpsync.transport import mca_argv
+
+    assert f"--mpi-args=--mca mpi_yield_when_idle 1 {' '.join(mca_argv('tuned'))}" in argv
 
 
 # -- mpsync compare: the flags compare.sbatch passes ------------------------------------------
@@ -353,6 +380,16 @@ def test_compare_launches_np_ranks_colocated_and_np_plus_one_dedicated(tmp_path)
         train = argv[argv.index("mpsync.apps.train") + 1:]
         assert train[train.index("--server") + 1] == server
         assert "--topology" not in train  # default: train picks the policy's own topology
+
+
+def test_compare_on_one_host_tunes_the_transport_only_when_asked(tmp_path, monkeypatch):
+    from mpsync.apps.compare import launch_argv
+
+    monkeypatch.delenv("MPSYNC_MPI_TUNING", raising=False)
+    assert "btl_tcp_links" not in launch_argv(compare_args(), "bsp", tmp_path / "bsp")
+    monkeypatch.setenv("MPSYNC_MPI_TUNING", "tuned")  # what compare.sbatch exports
+    argv = launch_argv(compare_args(), "bsp", tmp_path / "bsp")
+    assert argv[argv.index("btl_tcp_links") + 1] == "2"
 
 
 def test_compare_topology_is_passed_to_every_run(tmp_path):

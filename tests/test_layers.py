@@ -23,7 +23,7 @@ PACKAGE = REPO / "mpsync"
 # modules of its own part; never a part of its own layer or of a higher one.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("mpsync", "zipline_variants", "policies"),   # the version; names; the policy registry
-    ("config",),                                   # SyncConfig, MPSYNC_* (reads the registry)
+    ("config", "transport"),                       # SyncConfig, MPSYNC_*; Open MPI settings
     ("slowdown", "sched"),                         # slowdown parsing; the decision kernels
     ("server",),                                   # the state server and its rules
     ("torch", "simulate", "cluster"),              # workers; the simulator; the virtual cluster

@@ -4,7 +4,9 @@ outside mpsync runs on the ring under mpirun; policy names are compared nowhere 
 from __future__ import annotations
 
 import ast
+import inspect
 import json
+import re
 import os
 import subprocess
 import sys
@@ -160,6 +162,52 @@ def test_policy_names_appear_only_in_the_registry():
     assert not found, f"policy names compared outside mpsync/policies.py: {found}"
 
 
+def _baseline_comparisons(path: Path) -> list[int]:
+    """Lines that compare something with the registry's BASELINE name (is_baseline's job)."""
+    tree = ast.parse(path.read_text())
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            and any(isinstance(side, ast.Name) and side.id == "BASELINE"
+                    or isinstance(side, ast.Attribute) and side.attr == "BASELINE"
+                    for side in (n.left, *n.comparators))]
+
+
+def test_the_baseline_is_compared_only_in_the_registry(tmp_path):
+    found = {path.relative_to(REPO).as_posix(): _baseline_comparisons(path)
+             for path in sorted((REPO / "mpsync").rglob("*.py"))
+             if path.name != "policies.py" or path.parent.name != "mpsync"}
+    assert {k: v for k, v in found.items() if v} == {}
+    probe = tmp_path / "probe.py"
+    probe.write_text("from mpsync import policies\ndef f(p):\n"
+                     "    return p != policies.BASELINE\n")
+    assert _baseline_comparisons(probe) == [3]
+
+
+# -- the policy resolved once ---------------------------------------------------------------------
+def test_validate_resolves_the_policy_once_with_the_settings_it_reads():
+    config = SyncConfig.from_options(env={}, policy="esync", epsilon=0.5)
+    choice = config.choice
+    assert (choice.name, choice.topology, choice.baseline) == ("esync", "ring", policies.BASELINE)
+    assert dict(choice.parameters) == {"epsilon": 0.5, "esync_slack": 0.0,
+                                       "esync_delayed_ack": False}
+    assert choice.spec is policies.get("esync") and config.resolved() is choice
+    assert SyncConfig.from_options(env={}, policy="ssp").choice.topology == "ps"
+    assert "choice" not in config.to_dict()
+    with pytest.raises(ConfigError, match="unknown option 'choice'"):
+        SyncConfig.from_options(env={}, choice=None)
+    unvalidated = SyncConfig(policy="dssp")
+    assert unvalidated.choice is None and unvalidated.resolved().parameters == {
+        "staleness_low": 3, "staleness_high": 15}
+
+
+def test_choose_names_what_does_not_fit():
+    with pytest.raises(policies.PolicyError, match="runs only on topology='ps'"):
+        policies.choose("ssp", "ring", {"staleness": 3})
+    with pytest.raises(policies.PolicyError, match="reads staleness"):
+        policies.choose("ssp", "ps")
+    assert policies.baseline().is_baseline and not policies.get("esync").is_baseline
+    assert policies.is_baseline(policies.BASELINE) and not policies.is_baseline("nonesuch")
+
+
 def test_the_name_check_catches_a_comparison(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('"""bsp in a docstring is fine."""\n'
@@ -169,23 +217,81 @@ def test_the_name_check_catches_a_comparison(tmp_path):
     assert _policy_name_literals(probe) == [(5, "ssp")]
 
 
-def test_readme_fidelity_table_is_the_registry_and_every_departure_is_stated_in_the_code():
-    """The README's fidelity table is generated from the registry; each departure names the
-    classes that make it, and each of those states a departure in its docstring."""
-    import inspect
-    import re
+# -- the fidelity table and the departures the code states ------------------------------------
+# In the code a departure from a paper is stated where it is made as ``Departure [key]``; in
+# the registry (and so the README) each departure carries the same ``[key]`` and is followed
+# by the ``(module:Class)`` refs whose source states it.
+_STATED = re.compile(r"Departure\s+\[([a-z0-9-]+)\]")
+_UNKEYED = re.compile(r"\bDepartures?\b(?!\s+\[)")
+_KEY = re.compile(r"\[([a-z0-9-]+)\]")
+_REF = re.compile(r"mpsync\.[\w.]+:\w+")
 
+
+def _stated_in_code() -> dict[str, set[str]]:
+    """key -> the files under mpsync/ that state ``Departure [key]``."""
+    out: dict[str, set[str]] = {}
+    for path in sorted((REPO / "mpsync").rglob("*.py")):
+        for key in _STATED.findall(path.read_text()):
+            out.setdefault(key, set()).add(path.relative_to(REPO).as_posix())
+    return out
+
+
+def _source_file(ref: str) -> str:
+    obj = policies.resolve(ref)
+    obj = getattr(obj, "py_func", obj)     # a Numba dispatcher: its Python function
+    return Path(inspect.getsourcefile(obj)).resolve().relative_to(REPO).as_posix()
+
+
+def _builtin_rows():
+    for spec in policies.specs():
+        if spec.server.startswith("mpsync."):
+            for topology, (as_written, departures) in spec.fidelity.items():
+                yield spec, topology, as_written, departures
+
+
+def test_every_departure_stated_in_the_code_carries_its_key():
+    unkeyed = {}
+    for path in sorted((REPO / "mpsync").rglob("*.py")):
+        text = path.read_text()
+        hits = [text[:m.start()].count("\n") + 1 for m in _UNKEYED.finditer(text)]
+        if hits:
+            unkeyed[path.relative_to(REPO).as_posix()] = hits
+    assert not unkeyed, ("state a departure as 'Departure [key]: ...' and list [key] in the "
+                         f"policy's fidelity entry (mpsync/policies.py): {unkeyed}")
+
+
+def test_readme_fidelity_table_and_the_code_state_the_same_departures():
+    """Every departure the registry lists is stated in the source of a class it names, every
+    departure stated anywhere in mpsync is in some policy's row, and the README holds the
+    table: a departure added to the code without the table, or to the table without the
+    code, or dropped from either, fails here."""
     readme = (REPO / "README.md").read_text()
     table = policies.fidelity_table()
     assert table in readme, "README's fidelity table differs from policies.fidelity_table():\n" + table
-    for spec in policies.specs():
-        if not spec.server.startswith("mpsync.server."):
-            continue   # a plugin registered by another test
+    stated = _stated_in_code()
+    listed: set[str] = set()
+    for spec, topology, as_written, departures in _builtin_rows():
         assert set(spec.fidelity) == set(spec.topologies), spec.name
-        for topology, (as_written, departures) in spec.fidelity.items():
-            assert as_written, (spec.name, topology)
-            refs = re.findall(r"mpsync\.[\w.]+:\w+", departures)
-            assert departures == "none" or refs, (spec.name, topology, departures)
-            for ref in refs:
-                doc = inspect.getdoc(policies.resolve(ref)) or ""
-                assert "departure" in doc.lower(), f"{ref} does not state its departure"
+        where = (spec.name, topology)
+        assert as_written, where
+        keys, refs = _KEY.findall(departures), _REF.findall(departures)
+        if departures == "none":
+            continue
+        assert keys and refs, (where, "a departure needs its [key] and (module:Class)")
+        files = {_source_file(ref) for ref in refs}
+        for key in keys:
+            assert stated.get(key, set()) & files, (
+                f"{where}: [{key}] is not stated as 'Departure [{key}]' in {sorted(files)}")
+        for ref, file in zip(refs, map(_source_file, refs)):
+            mine = {k for k, fs in stated.items() if file in fs}
+            assert mine & set(keys), f"{where}: {ref} states none of this row's departures"
+        listed |= set(keys)
+    missing = {k: sorted(fs) for k, fs in stated.items() if k not in listed}
+    assert not missing, f"departures stated in the code but in no fidelity row: {missing}"
+
+
+def test_the_departure_check_reads_the_keys_it_must():
+    assert _STATED.findall("x. Departure [a-b1]: y; Departure\n    [c]: z") == ["a-b1", "c"]
+    assert _UNKEYED.findall("Departures: a. Departure [k]: b. three departures") == \
+        ["Departures"]
+    assert _KEY.findall("clipped to [0, U_max] [osp-clip] (m:C)") == ["osp-clip"]

@@ -301,3 +301,17 @@ def test_osp_u_max_follows_the_measured_rate_halving_it_shrinks_ics():
     policy.bitmap_for(1, imp, sizes, 1.0, 1, 12_000.0, 0)
     policy.bitmap_for(1, imp, sizes, 1.0, 1, 4_000.0, 1)
     assert policy.bitmap_for(2, imp, sizes, 0.0, 2, 12_000.0, 0).sum() == 1
+
+
+def test_osp_round_opened_by_a_joined_worker_belongs_to_the_current_epoch():
+    """A joined worker reports no epoch (0): the round it opens is sized and logged in the
+    epoch the others are in, so osp_ics_fraction has no epoch 0 and the bitmap is theirs."""
+    policy = _osp()
+    imp = np.array([4.0, 3.0, 2.0, 1.0])
+    sizes = np.full(4, 10.0)
+    policy.bitmap_for(1, imp, sizes, 2.0, 1, 30.0, 0)
+    policy.bitmap_for(2, imp, sizes, 0.5, 3, 30.0, 0)          # epoch 3: S = 22.5, 2 layers
+    # Iteration 3 opened by worker 1, joined (no loss, epoch 0): epoch 3's bitmap.
+    assert policy.bitmap_for(3, imp, sizes, None, 0, 30.0, 1).tolist() == \
+        [False, False, True, True]
+    assert [e["epoch"] for e in policy.ics_fraction_per_epoch()] == [1, 3]

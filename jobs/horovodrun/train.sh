@@ -10,26 +10,30 @@
 #   NP=16 HOSTFILE=hosts.txt bash jobs/horovodrun/train.sh   # lines: node1 slots=8
 #
 # Settings: environment variables, each read once below as ${NAME:-default}.
-#   POLICY           bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)
-#   TOPOLOGY         ring | ps (default: empty, the policy's own: ps for asp, ssp, dssp;
-#                    ring for the others; --topology is passed only when set)
-#   BACKEND          mpi | horovod (default: mpi)
-#   SERVER           dedicated | colocated (default: dedicated): dedicated = rank 0 serves,
-#                    the rest train; colocated = a server thread on rank 0, every rank trains
-#   EPOCHS           epochs per worker (default: 5); ignored if TIME_BUDGET is set
-#   TIME_BUDGET      seconds of training instead of EPOCHS (default: empty)
-#   DATASET          digits | synthetic | npz:PATH (default: digits)
-#   SLOWDOWN         per-worker slowdown factors, e.g. 1,1,2,4 (default: empty, none)
-#   TARGET_ACC       accuracy for the time-to-accuracy report (default: empty, none)
-#   SEED             random seed (default: empty, mpsync train's own)
-#   TRAIN_ARGS       more mpsync train flags, e.g. "--staleness 3 --lookahead 15"
-#   NP               MPI ranks (default: 5)
-#   HOSTS            host:slots list (default: localhost:NP)
-#   HOSTFILE         Horovod hostfile, lines 'host slots=K' (default: empty; used instead of HOSTS)
-#   HOROVODRUN_ARGS  more horovodrun options
-#   OUT_DIR          the run folder (default: ./mpsync-train-<date-time>)
-#   VENV             Python environment with mpsync (default: the repository's .venv)
-#   DRY_RUN          1: print the command and exit without running it
+#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)
+#   TOPOLOGY           ring | ps (default: empty, the policy's own: ps for asp, ssp, dssp;
+#                      ring for the others; --topology is passed only when set)
+#   BACKEND            mpi | horovod (default: mpi)
+#   SERVER             dedicated | colocated (default: dedicated): dedicated = rank 0 serves,
+#                      the rest train; colocated = a server thread on rank 0, every rank trains
+#   EPOCHS             epochs per worker (default: 5); ignored if TIME_BUDGET is set
+#   TIME_BUDGET        seconds of training instead of EPOCHS (default: empty)
+#   DATASET            digits | synthetic | npz:PATH (default: digits)
+#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: empty, none)
+#   TARGET_ACC         accuracy for the time-to-accuracy report (default: empty, none)
+#   SEED               random seed (default: empty, mpsync train's own)
+#   TRAIN_ARGS         more mpsync train flags, e.g. "--staleness 3 --lookahead 15"
+#   NP                 MPI ranks (default: 5)
+#   HOSTS              host:slots list (default: localhost:NP)
+#   HOSTFILE           Horovod hostfile, lines 'host slots=K' (default: empty; used instead of HOSTS)
+#   HOROVODRUN_ARGS    more horovodrun options
+#   MPSYNC_MPI_TUNING  Open MPI transport settings (mpsync.transport): tuned (default:
+#                      btl_tcp_links=2 coll_tuned_use_dynamic_rules=1
+#                      coll_tuned_allreduce_algorithm=4), none (Open MPI's defaults), or
+#                      name=value,... pairs instead
+#   OUT_DIR            the run folder (default: ./mpsync-train-<date-time>)
+#   VENV               Python environment with mpsync (default: the repository's .venv)
+#   DRY_RUN            1: print the command and exit without running it
 #
 # Tested: tests/test_jobs.py runs this script on one node (HOSTS=localhost:NP) and
 # checks the outputs. Multi-node runs (ssh between hosts) were not tested.
@@ -60,6 +64,7 @@ NP=${NP:-$TASKS}
 HOSTS=${HOSTS:-localhost:$NP}
 HOSTFILE=${HOSTFILE:-}
 HOROVODRUN_ARGS=${HOROVODRUN_ARGS:-}
+MPSYNC_MPI_TUNING=${MPSYNC_MPI_TUNING:-tuned}
 OUT_DIR=${OUT_DIR:-$LOG_DIR/mpsync-train-$JOB_ID}
 VENV=${VENV:-$REPO/.venv}
 DRY_RUN=${DRY_RUN:-0}
@@ -78,6 +83,9 @@ case $SERVER in
   colocated) ;;
   *) die "SERVER must be dedicated or colocated, got '$SERVER'" ;;
 esac
+export MPSYNC_MPI_TUNING
+tuning_text=$("$VENV/bin/python" -m mpsync.transport "$MPSYNC_MPI_TUNING") || exit 2
+read -r -a tuning <<<"$tuning_text"
 
 # -- the command -------------------------------------------------------------------------------
 export PYTHONUNBUFFERED=1
@@ -100,7 +108,7 @@ train+=("${more[@]}")
 # mpirun (not Gloo).  horovodrun forwards the whole environment (-x for every variable) itself.
 launch=("$VENV/bin/horovodrun" --mpi -np "$NP")
 if [ -n "$HOSTFILE" ]; then launch+=(--hostfile "$HOSTFILE"); else launch+=(-H "$HOSTS"); fi
-launch+=(--mpi-args="--mca mpi_yield_when_idle 1")
+launch+=(--mpi-args="--mca mpi_yield_when_idle 1 ${tuning[*]}")
 read -r -a more <<<"$HOROVODRUN_ARGS"
 launch+=("${more[@]}")
 command=("${launch[@]}" "${train[@]}")

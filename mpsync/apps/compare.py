@@ -18,11 +18,16 @@ import os
 import sys
 from pathlib import Path
 
+from mpsync import cluster
 from mpsync import policies as registry
-from mpsync.apps import repeats
+from mpsync.apps import repeats, train
+from mpsync.apps.report import comparison_figure, format_table
 from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
+from mpsync.bench.nodes import cluster_at_rate
+from mpsync.cluster.layout import ClusterError, parse_rate
 from mpsync.config import DEFAULTS, ConfigError
 from mpsync.launch.cluster import add_cluster_arguments
+from mpsync.launch.mpirun import run_with_deadline
 
 __all__ = ["add_arguments", "main", "table_rows", "DEMO_POLICIES"]
 
@@ -61,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON rows")
     p.add_argument("--timeout", type=float, default=None,
                    help="per-run hard limit (default: budget + 240 s)")
+    p.add_argument("--ps-shards", default=None, metavar="N|auto",
+                   help="parameter-server shards for the PS policies (default: "
+                        "$MPSYNC_PS_SHARDS or auto: one per node, 2 on one host)")
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")
@@ -76,8 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args) -> list[str]:
-    from mpsync.apps import train
-
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies: empty list")
@@ -99,8 +105,6 @@ def main(args) -> int:
     bandwidth = getattr(args, "bandwidth", None)
     if bandwidth is None or args.from_runs:
         return _compare(args)
-    from mpsync.cluster.layout import ClusterError, parse_rate
-
     if getattr(args, "cluster", None) is None:
         print("mpsync compare: error: --bandwidth sets the links of a virtual cluster; "
               "give --cluster [NAME] too", file=sys.stderr)
@@ -111,8 +115,6 @@ def main(args) -> int:
     except (ConfigError, ClusterError) as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
-    from mpsync.bench.nodes import cluster_at_rate
-
     with cluster_at_rate(ranks(args), bandwidth, args.cluster or None):
         return _compare(args)
 
@@ -126,16 +128,12 @@ def _compare(args) -> int:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
     if getattr(args, "cluster", None) is not None and not args.from_runs:
-        from mpsync import cluster
-
         if cluster.load_state(args.cluster or None) is None:
             print(f"mpsync compare: error: cluster {args.cluster or cluster.default_name()!r} "
                   f"is not up (mpsync cluster up --nodes N)", file=sys.stderr)
             return 2
     if args.repeats is not None or args.seeds:
         return repeats.main(args, policies, seeds)
-    from mpsync.launch import run_with_deadline
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = args.time_budget or (25.0 if args.epochs is None else 0.0)
@@ -172,8 +170,6 @@ def _compare(args) -> int:
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
               "setup": setup_line(args, runs)}
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
-    from mpsync.apps.report import format_table
-
     table = format_table(rows)
     (out / "table.md").write_text(f"{result['setup']}\n\n{table}\n")
     if runs:
@@ -181,7 +177,7 @@ def _compare(args) -> int:
     if args.json:
         print(json.dumps({"rows": [{k: r[k] for k in ("policy", "time_to_target_s", "final_acc",
                                                       "samples_per_s", "wait_fraction",
-                                                      "speedup_vs_bsp")} for r in rows]}))
+                                                      "speedup_vs_baseline")} for r in rows]}))
     else:
         print(result["setup"])
         print(table)
@@ -191,49 +187,37 @@ def _compare(args) -> int:
 
 
 def table_rows(runs: dict[str, dict]) -> list[dict]:
-    base = runs.get(registry.BASELINE, {}).get("time_to_target_s")
-    bsp_wall = runs.get(registry.BASELINE, {}).get("wall_s")
+    baseline = next((m for p, m in runs.items() if registry.is_baseline(p)), {})
+    base = baseline.get("time_to_target_s")
+    base_wall = baseline.get("wall_s")
     rows = []
     for policy, m in runs.items():
         ttt = m["time_to_target_s"]
         rows.append({"policy": policy, "time_to_target_s": ttt, "final_acc": m["final_acc"],
                      "samples_per_s": m["samples_per_s"], "wait_fraction": m["wait_fraction"],
                      "bytes_per_sample": m["bytes_per_sample"],
-                     "speedup_vs_bsp": (base / ttt if base is not None and ttt else None),
-                     # BSP missed the target within its run: the speedup is at least this.
-                     "speedup_at_least": (bsp_wall / ttt if base is None and bsp_wall and ttt
+                     "speedup_vs_baseline": (base / ttt if base is not None and ttt else None),
+                     # The baseline missed the target within its run: the speedup is at least this.
+                     "speedup_at_least": (base_wall / ttt if base is None and base_wall and ttt
                                           else None),
                      "topology": m["config"]["topology"]})
     return rows
 
 
 def _plot(runs, rows, path: Path, target: float, setup: str) -> None:
-    from mpsync.apps.report import _pyplot
-
-    plt = _pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    for policy, m in runs.items():
-        ax.plot([e["wall_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
-                marker=".", label=policy)
-    ax.axhline(target, color="gray", ls="--", lw=1)
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    names = [r["policy"] for r in rows]
-    values = [r["time_to_target_s"] if r["time_to_target_s"] is not None else 0 for r in rows]
-    bars = bx.bar(names, values, color="#4c72b0")
-    for b, r in zip(bars, rows):
-        if r["time_to_target_s"] is None:
-            bx.text(b.get_x() + b.get_width() / 2, 0, "not\nreached", ha="center",
-                    va="bottom", fontsize=8)
-    bx.set_ylabel(f"time to {target:g} accuracy (s)")
-    bx.grid(alpha=0.3, axis="y")
-    fig.suptitle(setup, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with comparison_figure(path, target, setup) as (_, ax, bx):
+        for policy, m in runs.items():
+            ax.plot([e["wall_s"] for e in m["evals"]], [e["accuracy"] for e in m["evals"]],
+                    marker=".", label=policy)
+        names = [r["policy"] for r in rows]
+        values = [r["time_to_target_s"] if r["time_to_target_s"] is not None else 0
+                  for r in rows]
+        bars = bx.bar(names, values, color="#4c72b0")
+        for b, r in zip(bars, rows):
+            if r["time_to_target_s"] is None:
+                bx.text(b.get_x() + b.get_width() / 2, 0, "not\nreached", ha="center",
+                        va="bottom", fontsize=8)
+        bx.set_ylabel(f"time to {target:g} accuracy (s)")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,16 @@ aggregation (which includes waiting for slower peers in a collective), over comp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
+from mpsync import policies as registry
+
 __all__ = ["summarize", "write_metrics", "plot_accuracy", "plot_timeline", "write_trace",
-           "time_to_target", "format_table"]
+           "time_to_target", "format_table", "format_repeats_table", "comparison_figure",
+           "pyplot"]
 
 EVENT_COLORS = {"compute": "#4c72b0", "wait_server": "#dd8452", "aggregate": "#c44e52",
                 "ics_wait": "#8172b3"}
@@ -65,7 +69,8 @@ def write_metrics(metrics: dict, out: Path) -> Path:
     return path
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot drawing to files (Agg); imported on first use: it is heavy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +82,7 @@ def _pyplot():
 def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | None = None,
                   title: str = "") -> Path:
     """Accuracy vs wall time, one line per run (``series``: label -> evals)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, evals in series.items():
         ax.plot([e["wall_s"] for e in evals], [e["accuracy"] for e in evals], marker=".",
@@ -98,7 +103,7 @@ def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | 
 def plot_timeline(events: dict[int, list], path: Path, *, t0: float, title: str = "") -> Path:
     """Per worker, compute / server-wait / aggregation bars over wall time (``events``:
     worker -> [(name, start, end)] in wall-clock seconds)."""
-    plt = _pyplot()
+    plt = pyplot()
     workers = sorted(events)
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(workers) + 1.6))
     for row, w in enumerate(workers):
@@ -143,23 +148,71 @@ def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-def format_table(rows: list[dict]) -> str:
-    """The compare table (Markdown, so it pastes into a README)."""
-    head = ("| policy | time to target (s) | final acc | samples/s | wait fraction | "
-            "bytes/sample | speedup vs BSP |")
-    lines = [head, "|" + "---|" * 7]
-    for r in rows:
-        lines.append(
-            f"| {r['policy']} | {_fmt(r['time_to_target_s'], '.1f', 'not reached')} | "
-            f"{_fmt(r['final_acc'], '.3f')} | {_fmt(r['samples_per_s'], '.0f')} | "
-            f"{_fmt(r['wait_fraction'], '.2f')} | {_fmt(r.get('bytes_per_sample'), '.0f')} | "
-            f"{_speedup(r)} |")
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
+def _baseline() -> str:
+    """The baseline's name as the tables print it (``BSP``)."""
+    return registry.BASELINE.upper()
+
+
+def format_table(rows: list[dict]) -> str:
+    """The compare table (Markdown, so it pastes into a README)."""
+    head = ["policy", "time to target (s)", "final acc", "samples/s", "wait fraction",
+            "bytes/sample", f"speedup vs {_baseline()}"]
+    return _markdown(head, [
+        [r["policy"], _fmt(r["time_to_target_s"], ".1f", "not reached"),
+         _fmt(r["final_acc"], ".3f"), _fmt(r["samples_per_s"], ".0f"),
+         _fmt(r["wait_fraction"], ".2f"), _fmt(r.get("bytes_per_sample"), ".0f"), _speedup(r)]
+        for r in rows])
+
+
+def format_repeats_table(rows: list[dict]) -> str:
+    """The table of ``mpsync compare --repeats``: medians with their min–max."""
+    head = ["policy", "reached", "time to target (s): median (min–max)",
+            "final acc: median (min–max)", "samples/s", "wait fraction",
+            f"speedup vs {_baseline()} "
+            f"({rows[0].get('speedup_basis', 'medians') if rows else 'medians'})"]
+    out = []
+    for r in rows:
+        ttt = (f"{_fmt(r['time_to_target_s'], '.1f', 'not reached')} "
+               f"({_fmt(r['time_to_target_min_s'], '.1f')}–"
+               f"{_fmt(r['time_to_target_max_s'], '.1f', 'not reached')})")
+        acc = (f"{_fmt(r['final_acc'], '.3f')} ({_fmt(r['final_acc_min'], '.3f')}–"
+               f"{_fmt(r['final_acc_max'], '.3f')})")
+        out.append([r["policy"], f"{r['reached']}/{r['repeats']}", ttt, acc,
+                    f"{r['samples_per_s']:.0f}", f"{r['wait_fraction']:.2f}", _speedup(r)])
+    return _markdown(head, out)
+
+
 def _speedup(r: dict) -> str:
-    if r.get("speedup_vs_bsp") is not None:
-        return f"{r['speedup_vs_bsp']:.2f}x"
+    if r.get("speedup_vs_baseline") is not None:
+        return f"{r['speedup_vs_baseline']:.2f}x"
     if r.get("speedup_at_least") is not None:
-        return f"> {r['speedup_at_least']:.1f}x (BSP missed the target)"
+        return f"> {r['speedup_at_least']:.1f}x ({_baseline()} missed the target)"
     return "-"
+
+
+@contextlib.contextmanager
+def comparison_figure(path: Path, target: float, setup: str):
+    """The two panels of a comparison's plot, written to ``path`` on leaving: yields pyplot,
+    the accuracy-over-time axes (the caller draws the curves) and the times-to-target axes."""
+    plt = pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    try:
+        yield plt, ax, bx
+        ax.axhline(target, color="gray", ls="--", lw=1)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        bx.grid(alpha=0.3, axis="y")
+        fig.suptitle(setup, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)

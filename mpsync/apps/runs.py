@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpsync import cluster
+from mpsync import cluster, transport
 from mpsync.launch.mpirun import forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv as target_argv
 
@@ -21,6 +21,8 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
             "--out", str(out), "--no-progress"]
     if args.topology is not None:  # else train picks the policy's own topology
         argv += ["--topology", args.topology]
+    if getattr(args, "ps_shards", None) is not None:
+        argv += ["--ps-shards", str(args.ps_shards)]
     if args.iter_time:
         argv += ["--iter-time", str(args.iter_time)]
     if args.slowdown_schedule:
@@ -41,9 +43,12 @@ def launch_argv(args, policy: str, out: Path) -> list[str]:
     """The command line of one policy's run, from the launch target ``--cluster`` picks (no
     launch; with ``--cluster`` it writes the cluster's hostfile for this rank count)."""
     command = python_argv("mpsync.apps.train", *train_argv(args, policy, out))
-    return target_argv(ranks(args), command, cluster=getattr(args, "cluster", None),
+    on = getattr(args, "cluster", None)
+    # On one host Open MPI's defaults stand unless the user (or a job script) chose.
+    extra = transport.mca_argv() if on is None and transport.is_set() else []
+    return target_argv(ranks(args), command, cluster=on,
                        placement=getattr(args, "cluster_placement", "server-alone"),
-                       forward_env=forwarded_env())
+                       forward_env=forwarded_env(), extra=extra)
 
 
 def setup_line(args, runs) -> str:

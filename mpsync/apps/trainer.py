@@ -21,6 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
+# torch, mpsync.torch and the models (torch) are imported inside the functions that use them:
+# `mpsync train` checks its arguments and starts mpirun without loading torch.
+from mpsync.apps import report
+from mpsync.apps.datasets import load_dataset, partition
+from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.train_checkpoints import COUNTERS, ps_checkpoint, warn_if_slow, worker_state, \
     write_checkpoint
 from mpsync.config import SyncConfig
@@ -81,8 +86,6 @@ class Worker:
         import torch
 
         import mpsync.torch as mps
-        from mpsync.apps.datasets import load_dataset, partition
-        from mpsync.apps.heterogeneity import Heterogeneity
         from mpsync.apps.models import build_model
 
         torch.set_num_threads(1)
@@ -362,8 +365,6 @@ def finish(w: Worker) -> int:
     e["wall_s"] = final_wall
     events = {i: g.pop("events") for i, g in enumerate(gathered)}
     metrics = _metrics(w, gathered, final_wall)
-    from mpsync.apps import report
-
     report.summarize(metrics, w.args.target_acc)
     _print_summary(metrics)
     if w.out is not None:
@@ -396,8 +397,6 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
 
 def _write_results(w: Worker, metrics: dict, events: dict) -> None:
     import torch
-
-    from mpsync.apps import report
 
     out, config = w.out, w.config
     report.write_metrics(metrics, out)

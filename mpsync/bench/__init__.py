@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "zipline": ("mpsync.bench.zipline", "ZipLine variants vs np.sort (ZipLine paper §6.1 data)"),
     "server": ("mpsync.bench.server", "state-server query latency/throughput vs raw mpi4py ping-pong"),
     "allreduce": ("mpsync.bench.allreduce", "mpsync aggregation vs raw hvd.allreduce / mpi4py Allreduce"),
+    "transport": ("mpsync.bench.transport", "Open MPI defaults vs mpsync's tuned transport across cluster nodes (bus bandwidth)"),
     "simulate": ("mpsync.bench.simulate", "mpsync simulate replaying real runs: wait fraction and samples/s errors"),
     "memory": ("mpsync.bench.memory", "bytes each policy keeps per worker beyond parameters and gradients"),
 }

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpsync import transport
 from mpsync.cluster.layout import (DEFAULT_NAME, ClusterError, ClusterState, Node, agent_script,
                                  choose_subnet, differences, down_commands, hostfile_text,
                                  link_state_commands, mpirun_options, placement, plan,
@@ -317,19 +318,22 @@ def status(name: str | None = None) -> dict | None:
 
 
 def launch_options(np: int | None = None, *, name: str | None = None, server_alone: bool = True,
-                   standalone: bool = False) -> list[str]:
+                   standalone: bool = False, tuning: str | None = None) -> list[str]:
     """``mpirun`` options that run ranks on the cluster's nodes.
 
     With ``np``: rank 0 alone on node1 (mpsync's dedicated state server), the others round-robin
     over the remaining nodes (``server_alone=False``: all ranks round-robin), through a
     sequential hostfile written for that count.  Without: the per-node hostfile with slots.
     ``standalone`` adds ``--allow-run-as-root --oversubscribe`` for a bare ``mpirun``
-    (``mpsync.launch.mpirun_argv`` adds them itself).
+    (``mpsync.launch.mpirun_argv`` adds them itself).  The transport settings are
+    ``mpsync.transport``'s for ``tuning`` (None: ``$MPSYNC_MPI_TUNING``, else the tuned set).
     """
+    mca = transport.mca_argv(tuning)
     state = _running(name)
     d = Path(state.state_dir)
     if np is None:
-        return mpirun_options(state, hostfile=str(d / "hostfile"), standalone=standalone)
+        return mpirun_options(state, hostfile=str(d / "hostfile"), standalone=standalone,
+                              transport=mca)
     ranks = placement(state, np, server_alone=server_alone)
     path = d / f"hostfile-np{np}{'' if server_alone else '-rr'}"
     text = hostfile_text(state, ranks)
@@ -337,7 +341,8 @@ def launch_options(np: int | None = None, *, name: str | None = None, server_alo
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
-    return mpirun_options(state, hostfile=str(path), sequential=True, standalone=standalone)
+    return mpirun_options(state, hostfile=str(path), sequential=True, standalone=standalone,
+                          transport=mca)
 
 
 def hosts_option(name: str | None = None) -> str:
@@ -346,13 +351,15 @@ def hosts_option(name: str | None = None) -> str:
     return ",".join(f"{n.address}:{n.slots}" for n in state.nodes)
 
 
-def shell_env(name: str | None = None) -> dict[str, str]:
+def shell_env(name: str | None = None, tuning: str | None = None) -> dict[str, str]:
     """Environment for launchers that call ``ssh`` and ``mpirun`` themselves (horovodrun): the
-    agent first on PATH as ``ssh``, and Open MPI's interface choice as MCA variables (given
-    on horovodrun's command line they would repeat its own ``--mca`` options)."""
+    agent first on PATH as ``ssh``, and Open MPI's interface choice and the transport settings
+    (``mpsync.transport``, ``tuning`` as there) as MCA variables (given on horovodrun's
+    command line they would repeat its own ``--mca`` options)."""
+    mca = transport.mca_env(tuning)
     state = _running(name)
     path = os.environ.get("PATH", "/usr/bin:/bin")
-    return {"PATH": f"{state.ssh_dir}:{path}",
+    return {"PATH": f"{state.ssh_dir}:{path}", **mca,
             "OMPI_MCA_oob_tcp_if_include": state.subnet,
             "OMPI_MCA_btl_tcp_if_include": state.subnet,
             "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

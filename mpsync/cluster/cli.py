@@ -18,7 +18,7 @@ import json
 import shlex
 import sys
 
-from mpsync import cluster
+from mpsync import cluster, transport
 from mpsync.cluster import slurm
 from mpsync.cluster.layout import ClusterError, format_rate, parse_rate, validate_name
 
@@ -44,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "over the other nodes (default: fill each node's slots in turn)")
     s.add_argument("--round-robin", action="store_true",
                    help="with --np: every rank round-robin over all nodes")
+    _add_tuning(s)
     sub.add_parser("hosts", help="print addr:slots,... for -H (horovodrun)")
-    sub.add_parser("env", help="print shell exports for horovodrun (ssh stand-in, MCA settings)")
+    _add_tuning(sub.add_parser(
+        "env", help="print shell exports for horovodrun (ssh stand-in, MCA settings)"))
     s = sub.add_parser("link", help="cut, restore or re-rate one node's link")
     s.add_argument("node")
     g = s.add_mutually_exclusive_group(required=True)
@@ -58,13 +60,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "slurm", help="a multi-node Slurm: slurmctld here, one slurmd per node"))
 
 
+def _add_tuning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mpi-tuning", default=None, metavar="SPEC",
+                   help="Open MPI transport settings: tuned (default, or $MPSYNC_MPI_TUNING), "
+                        "none (Open MPI's defaults), or name=value,... (see mpsync.transport)")
+
+
 def main(args) -> int:
     try:
         if args.name is not None:
             validate_name(args.name)
         if getattr(args, "bandwidth", None) is not None:
             parse_rate(args.bandwidth)
-    except ClusterError as e:
+        transport.mca_pairs(getattr(args, "mpi_tuning", None))
+    except (ClusterError, transport.TransportError) as e:
         print(f"mpsync cluster: error: {e}", file=sys.stderr)
         return 2
     action = args.action
@@ -130,7 +139,7 @@ def _status(args) -> int:
 
 def _mpirun_args(args) -> int:
     opts = cluster.launch_options(args.np, name=args.name, server_alone=not args.round_robin,
-                                  standalone=True)
+                                  standalone=True, tuning=args.mpi_tuning)
     print(" ".join(shlex.quote(o) for o in opts))
     return 0
 
@@ -141,7 +150,7 @@ def _hosts(args) -> int:
 
 
 def _env(args) -> int:
-    for k, v in cluster.shell_env(args.name).items():
+    for k, v in cluster.shell_env(args.name, tuning=args.mpi_tuning).items():
         print(f"export {k}={shlex.quote(v)}")
     return 0
 

@@ -19,9 +19,11 @@ Layout of a cluster called NAME with N nodes on subnet S (a /24):
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 __all__ = ["ClusterError", "Node", "ClusterState", "parse_rate", "format_rate", "tbf_burst",
            "choose_subnet", "plan", "up_commands", "down_commands", "link_state_commands",
@@ -266,9 +268,6 @@ def link_state_commands(state: ClusterState, node: Node, up: bool) -> list[list[
 def agent_script(state: ClusterState, python: str = "/usr/bin/python3") -> str:
     """The executable agent (``mpsync/cluster/agent.py``) with this cluster's node table: an
     ``ssh`` look-alike that runs a command on a node (see that module)."""
-    import json
-    from pathlib import Path
-
     table = {}
     for n in state.nodes:
         entry = {"name": n.name, "namespace": n.namespace, "address": n.address}
@@ -310,7 +309,7 @@ def hostfile_text(state: ClusterState, ranks: list[str] | None = None) -> str:
 
 
 def mpirun_options(state: ClusterState, *, hostfile: str, sequential: bool = False,
-                   standalone: bool = True) -> list[str]:
+                   standalone: bool = True, transport=()) -> list[str]:
     """The ``mpirun`` options that place ranks on the cluster's nodes.
 
     ``hostfile``: a file written from ``hostfile_text``; ``sequential``: it lists one line per
@@ -321,6 +320,7 @@ def mpirun_options(state: ClusterState, *, hostfile: str, sequential: bool = Fal
     Only TCP between ranks (``btl tcp,self``: ranks on one node talk over its loopback, ranks on
     two nodes over the link), and both Open MPI's runtime (oob) and MPI traffic (btl) are kept on
     the cluster subnet, or they would pick the host's own interface, which namespaces lack.
+    ``transport``: the tuning options (``mpsync.transport.mca_argv``), last.
     """
     argv = ["--hostfile", hostfile]
     if sequential:
@@ -331,7 +331,7 @@ def mpirun_options(state: ClusterState, *, hostfile: str, sequential: bool = Fal
              "--mca", "btl_tcp_if_include", state.subnet]
     if standalone:
         argv += ["--allow-run-as-root", "--oversubscribe"]
-    return argv
+    return argv + list(transport)
 
 
 def differences(current: ClusterState, wanted: ClusterState) -> list[str]:

@@ -15,6 +15,8 @@ from mpsync import policies as registry
 from mpsync.config import BACKENDS, SERVER_PLACEMENTS, TOPOLOGIES
 from mpsync.launch.settings import JobSettings
 from mpsync.launch.target import LaunchTarget, Variable
+from mpsync.transport import ENV_VAR as TUNING_VAR
+from mpsync.transport import mca_pairs as tuning_pairs
 
 __all__ = ["WIDTH", "header", "doc", "variables", "settings_block", "PAYLOAD", "RUN"]
 
@@ -142,6 +144,11 @@ def variables(target: LaunchTarget, template: str, s: JobSettings) -> list[Varia
     if template != "bench-kernels":
         variables.append(("NP", "$TASKS", ranks_doc))
     variables += target.variables(template, s)
+    if template != "bench-kernels":
+        pairs = " ".join(f"{k}={v}" for k, v in tuning_pairs("tuned"))
+        variables.append((TUNING_VAR, "tuned", "\n".join(textwrap.wrap(
+            f"Open MPI transport settings (mpsync.transport): tuned (default: {pairs}), "
+            f"none (Open MPI's defaults), or name=value,... pairs instead", width=70))))
     variables += [
         ("OUT_DIR", out_dir, out_doc),
         ("VENV", venv, venv_doc),
@@ -164,6 +171,13 @@ CHECKS = """
 die() { echo "error: $*" >&2; exit 2; }
 [ -x "$VENV/bin/python" ] ||
   die "VENV=$VENV has no bin/python; set VENV to the environment where mpsync is installed"
+"""
+
+# The transport settings as mpirun options, from the one function that decides them (it also
+# names a bad MPSYNC_MPI_TUNING); exported, so mpsync compare's own launches use them too.
+TUNING = """export """ + TUNING_VAR + """
+tuning_text=$("$VENV/bin/python" -m mpsync.transport "$""" + TUNING_VAR + """") || exit 2
+read -r -a tuning <<<"$tuning_text"
 """
 
 RANK_CHECKS = """case $TOPOLOGY in
@@ -210,8 +224,8 @@ echo >>"$OUT_DIR/command.sh"
 """
 
 PAYLOAD = {
-    "train": CHECKS + RANK_CHECKS + TRAIN_ARGV,
-    "compare": CHECKS + RANK_CHECKS + """
+    "train": CHECKS + RANK_CHECKS + TUNING + TRAIN_ARGV,
+    "compare": CHECKS + RANK_CHECKS + TUNING + """
 if [ -z "$WORKERS" ]; then
   WORKERS=$NP
   [ "$SERVER" = colocated ] || WORKERS=$((NP - 1))

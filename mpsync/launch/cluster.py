@@ -35,20 +35,23 @@ def add_cluster_arguments(parser) -> None:
 
 
 def cluster_mpirun_extra(np: int, cluster: str | None = "", *,
-                         placement: str = "server-alone") -> list[str]:
+                         placement: str = "server-alone", tuning: str | None = None) -> list[str]:
     """The options ``mpirun_argv(extra=...)`` needs to put ``np`` ranks on the
-    cluster's nodes ([] when ``cluster`` is None: run on this host)."""
+    cluster's nodes ([] when ``cluster`` is None: run on this host), the transport settings
+    of ``mpsync.transport`` for ``tuning`` (None: ``$MPSYNC_MPI_TUNING`` or the tuned set)
+    last."""
     if cluster is None:
         return []
     return vc.launch_options(np, name=cluster or None,
-                             server_alone=placement == "server-alone")
+                             server_alone=placement == "server-alone", tuning=tuning)
 
 
 def cluster_mpirun_argv(np: int, command: list[str], cluster: str | None = "", *,
-                        placement: str = "server-alone", **mpirun_kw) -> list[str]:
+                        placement: str = "server-alone", tuning: str | None = None,
+                        **mpirun_kw) -> list[str]:
     """``mpirun_argv`` for ``np`` ranks of ``command`` on the cluster (any ``mpirun_argv``
     keyword passes through; ``extra`` is appended after the cluster's options)."""
-    extra = tuple(cluster_mpirun_extra(np, cluster, placement=placement)) + \
+    extra = tuple(cluster_mpirun_extra(np, cluster, placement=placement, tuning=tuning)) + \
         tuple(mpirun_kw.pop("extra", ()))
     return mpirun_argv(np, command, extra=extra, **mpirun_kw)
 

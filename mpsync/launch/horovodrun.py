@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from mpsync import transport
 from mpsync.launch.mpirun import YIELD_WHEN_IDLE
 from mpsync.launch.settings import JobSettings, JobTemplateError
 from mpsync.launch.target import LaunchTarget, Variable
@@ -49,7 +50,7 @@ HOROVODRUN_LAUNCH = """
 # mpirun (not Gloo).  horovodrun forwards the whole environment (-x for every variable) itself.
 launch=("$VENV/bin/horovodrun" --mpi -np "$NP")
 if [ -n "$HOSTFILE" ]; then launch+=(--hostfile "$HOSTFILE"); else launch+=(-H "$HOSTS"); fi
-launch+=(--mpi-args=\"""" + " ".join(YIELD_WHEN_IDLE) + """\")
+launch+=(--mpi-args=\"""" + " ".join(YIELD_WHEN_IDLE) + """ ${tuning[*]}\")
 read -r -a more <<<"$HOROVODRUN_ARGS"
 launch+=("${more[@]}")
 command=("${launch[@]}" "${train[@]}")
@@ -65,8 +66,11 @@ def horovodrun_argv(nprocs: int, command: Sequence[str], *, hosts: str | None = 
     if not command:
         raise ValueError("command must not be empty")
     exe = horovodrun or str(Path(sys.executable).with_name("horovodrun"))
+    # Across hosts (or when asked) Horovod's MPI_Allreduce gets the tuned transport.
+    mpi_args = [*YIELD_WHEN_IDLE, *(transport.mca_argv() if hosts or transport.is_set()
+                                    else ())]
     return [exe, "--mpi", "-np", str(nprocs), "-H", hosts or f"localhost:{nprocs}",
-            f"--mpi-args={' '.join(YIELD_WHEN_IDLE)}", *command]
+            f"--mpi-args={' '.join(mpi_args)}", *command]
 
 
 def variables(template: str, s: JobSettings) -> list[Variable]:

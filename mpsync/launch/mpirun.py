@@ -111,7 +111,7 @@ def mpirun_argv(nprocs: int, command: Sequence[str], *, mpirun: str = "mpirun",
 MPIRUN_LAUNCH = """
 # Ranks are placed by slot: rank 0 (the dedicated server) is the first task of the first node.
 launch=(mpirun -np "$NP" """ + shlex.join(mpirun_options(
-    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """)
+    oversubscribe=False, allow_run_as_root=False, tag_output=True)) + """ "${tuning[@]}")
 [ "$(id -u)" != 0 ] || launch+=(--allow-run-as-root)  # Open MPI refuses root without it
 [ -z "$HOSTFILE" ] || launch+=(--hostfile "$HOSTFILE")
 # Open MPI passes no environment to remote nodes unless named with -x (names, not patterns).

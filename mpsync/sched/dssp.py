@@ -178,11 +178,15 @@ def dssp_on_push(iters, r_extra, push_table, p, s_lower, r_max):
     The caller has already done line 1 (``iters[p] += 1``), line 2 (applied the gradients) and
     recorded the push in ``push_table``; ``r_extra`` is r_p, the extra iterations p still has.
     Returns ``(send_ok, new_r_p)``. ``send_ok`` False is line 17: hold p's OK until
-    ``ssp_may_continue(iters, p, s_lower)`` holds again after later pushes of others. The
-    controller is given Alg. 1's slowest worker (fewest pushes), the one line 17 waits for.
+    ``ssp_may_continue(iters, p, s_lower)`` holds again after later pushes of others.
 
-    Departure from the listing: when the controller grants r* > 0 (lines 12-14) the OK sent at
-    once is the first of the r* extra iterations, so r_p becomes r* - 1. Taken literally
+    Departure [dssp-slowest-by-pushes]: the controller is given Alg. 1's slowest worker (fewest
+    pushes, line 7), the one line 17 waits for, where Alg. 2 line 3 finds "the slowest worker
+    from table 𝒜" (the timestamps); the two can differ, and the wait the controller shortens
+    is the one for Alg. 1's slowest.
+
+    Departure [dssp-first-extra-ok]: when the controller grants r* > 0 (lines 12-14) the OK
+    sent at once is the first of the r* extra iterations, so r_p becomes r* - 1. Taken literally
     (r_p = r*, then line 3-5 sends OK while r_p > 0), p would run r* + 1 iterations beyond s_L,
     one past Alg. 2's simulated stop point Sim_p[r*] and Fig. 2's "run 3 more iterations".
     """

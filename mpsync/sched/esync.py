@@ -14,7 +14,8 @@ round)", is kept by the server as five arrays indexed by rank (the index is the 
 
 Clock: Alg. 1 sends the device's own GET-CURRENT-TIME() as t_e and Alg. 2 compares it with the
 server's clock, which assumes synchronized clocks. In mpsync the server stamps t_e itself on
-receipt (DESIGN.md invariant); the kernels only need t_e and ``now`` on one clock.
+receipt, so no agreement of clocks across machines is assumed; the kernels only need t_e and
+``now`` on one clock.
 """
 
 from __future__ import annotations

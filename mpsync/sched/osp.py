@@ -94,8 +94,9 @@ def osp_ics_size(epoch, loss, first_loss, u_max):
     """S(G^u) for epoch ``epoch`` (1-based) by Alg. 1: 0 in epoch 1 (lines 7-9), then
     (1 - loss_i / L)·U_max with L = ``first_loss``, the loss of epoch 1 (line 11).
 
-    Departure: the result is clipped to [0, U_max]. Alg. 1 assumes the loss falls from L
-    towards 0; a loss above L would give a negative size, a negative loss more than U_max.
+    Departure [osp-clip-ics-size]: the result is clipped to [0, U_max]. Alg. 1 assumes the loss
+    falls from L towards 0; a loss above L would give a negative size, a negative loss more than
+    U_max.
     """
     if epoch < 1:
         raise ValueError("epoch is 1-based")

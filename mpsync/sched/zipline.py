@@ -21,19 +21,23 @@ The kernels live in :mod:`mpsync.sched.zipline_omega` (Ω) and
 the brute-force search over all R^n solutions (§5.1 "naive search"), in
 :mod:`mpsync.sched.zipline_reference`.
 
-Departures from the paper, each explained where it is implemented:
+Where the implementation departs from the paper (each stated where it is made, under the key
+the README's fidelity table uses):
 
-* Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by construction, for small
-  matrices (O(Rn log n)); from 256 elements up, by numpy's sort of one unique uint64 key per
-  element (timestamp bits, then worker-major index), which is faster on CPUs where numpy's
-  sort is vectorized although it is O(Rn log Rn). Same order either way (``omega``).
-* ZipLineOptBS checks the slot its old element was written to before binary searching
-  (``scan_optbs``).
-* ``z`` is canonical (each worker's last push not after t_sync), see ``zipline_omega``.
-* ZipLineOptBS marks removed elements dead instead of shifting the array (``scan_optbs``).
-* GridScan's "close to" (Alg. 1 line 10; the algorithm box is not in the text) is read as
-  "earliest element not before the designated one", which makes FullGridScan exact as Table 3
-  reports.
+* [zipline-omega-sort] Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by
+  construction, for small matrices (O(Rn log n)); from 256 elements up, by numpy's sort of one
+  unique uint64 key per element (timestamp bits, then worker-major index), which is faster on
+  CPUs where numpy's sort is vectorized although it is O(Rn log Rn). Same order either way
+  (``omega``).
+* [zipline-optbs-finger] ZipLineOptBS checks the slot its old element was written to before
+  binary searching (``scan_optbs``).
+* [zipline-canonical-z] ``z`` is canonical (each worker's last push not after t_sync), see
+  ``zipline_omega``.
+* [zipline-optbs-dead-marks] ZipLineOptBS marks removed elements dead instead of shifting the
+  array, and [zipline-optbs-compaction] compacts its buffer of Z when full (``scan_optbs``).
+* [zipline-gridscan-close-to] GridScan's "close to" (Alg. 1 line 10; the algorithm box is not
+  in the text) is read as "earliest element not before the designated one", which makes
+  FullGridScan exact as Table 3 reports.
 """
 
 from __future__ import annotations

@@ -8,19 +8,21 @@ Conventions shared by every kernel:
   :func:`_check` before any kernel runs).
 * Ω, the merged timeline of §5.2 Step 1, is ordered by (timestamp, worker id, iteration index):
   §5.2 sorts equal timestamps by worker id, and within a row equal timestamps keep their index
-  order. :func:`omega` builds it, by merging the rows (:func:`merge_pushes`, small matrices) or by
-  sorting one unique integer key per element (:func:`omega_keys`, :func:`omega_unpack`);
+  order. :func:`omega` builds it, by merging the rows (:func:`merge_pushes`, small matrices) or,
+  Departure [zipline-omega-sort], from 256 elements up by sorting one unique integer key per
+  element (:func:`omega_keys`, :func:`omega_unpack`), O(Rn log Rn) where the paper merges;
   both give the same arrays bit for bit. The variants that scan Ω take it as ``ts, ws``.
 * Every kernel returns ``(z, d, t_sync, candidates)``. ``d`` is always computed as
   ``max(Z) - min(Z)`` of actual timestamps, so two variants that find the same pair of end
   points agree bit for bit and the tie rule below is decided on identical floats.
 * Tie rule (§4.2, Thm. 1 and Corollary 1): minimum d, then the earliest t_sync. Scanning Ω from
   the left and keeping a candidate only when it is strictly better implements it.
-* ``z`` of an exact variant is canonical: for each worker the last predicted push not after
-  t_sync, ``z[p] = max{i : M[p, i] <= t_sync}`` (:func:`z_at`). Among solutions with the same
-  d and t_sync this is the one in which every worker waits least. Alg. 2 taken literally may
-  return an earlier element for a worker whose push at exactly t_sync comes later in the
-  equal-timestamp order; finishing that tie group is what makes z independent of the scan.
+* Departure [zipline-canonical-z]: ``z`` of an exact variant is canonical: for each worker the
+  last predicted push not after t_sync, ``z[p] = max{i : M[p, i] <= t_sync}`` (:func:`z_at`).
+  Among solutions with the same d and t_sync this is the one in which every worker waits least.
+  Alg. 2 taken literally may return an earlier element for a worker whose push at exactly t_sync
+  comes later in the equal-timestamp order; finishing that tie group is what makes z independent
+  of the scan.
 """
 
 from __future__ import annotations

@@ -185,32 +185,32 @@ def scan_optbs(M, ts, ws, want_candidates):
     element it replaces, e_{i-1}^p = M[p, i-1]; Z is sorted, so a binary search on (timestamp,
     worker, index) finds it in O(log n) even among equal timestamps (the "rare case" of §5.3.2).
 
-    Departures from §5.3.2, none of which changes candidates, pruning or result:
+    Three departures from §5.3.2, none of which changes candidates, pruning or result:
 
-    * The located element is marked dead instead of being removed by shifting its successors.
-      Shifting costs O(n) per case (ii), which the paper's (1-α)·O(Rn log n) bound leaves out;
-      with the §6.1 data α is small (the incoming worker is rarely the oldest in Z), so
-      shifting would make the variant O(Rn^2) in practice. Dead entries keep their keys, so the
-      array stays sorted for the binary search, and the front pointer skips them (amortised
-      O(1)).
-    * The search starts from a finger. Entries never move except at compaction (below), so
-      the slot where e_{i-1}^p was written is still its slot unless a compaction has run
-      since; that slot is checked first (one compare) and the binary search runs only when
-      the check fails. In §5.3.2 the search is needed on every case (ii) because ZipLineOpt's
-      removals shift the array. At n = 1000, R = 150 (§6.1 data) 8,700 of the 150,000
-      elements still need the binary search, and the scan (Ω given) takes about 1.7 ms
-      instead of 5.8 ms; the 137,000 searches of ~11 dependent loads each were two thirds of
+    * Departure [zipline-optbs-dead-marks]: the located element is marked dead instead of being
+      removed by shifting its successors. Shifting costs O(n) per case (ii), which the paper's
+      (1-α)·O(Rn log n) bound leaves out; with the §6.1 data α is small (the incoming worker is
+      rarely the oldest in Z), so shifting would make the variant O(Rn^2) in practice. Dead
+      entries keep their keys, so the array stays sorted for the binary search, and the front
+      pointer skips them (amortised O(1)).
+    * Departure [zipline-optbs-finger]: the search starts from a finger. Entries never move
+      except at compaction (below), so the slot where e_{i-1}^p was written is still its slot
+      unless a compaction has run since; that slot is checked first (one compare) and the binary
+      search runs only when the check fails. In §5.3.2 the search is needed on every case (ii)
+      because ZipLineOpt's removals shift the array. At n = 1000, R = 150 (§6.1 data) 8,700 of
+      the 150,000 elements still need the binary search, and the scan (Ω given) takes about
+      1.7 ms instead of 5.8 ms; the 137,000 searches of ~11 dependent loads each were two thirds of
       it.
-    * Z lives in a buffer of 16n + 1 slots. When the buffer is full, the live entries (at most
-      n - 1 at that point) are moved, in order, to its start: O(n) every 15n or more elements,
-      amortised O(1) each. This bounds the searched slice by 16n + 1 and Z's memory by O(n)
-      instead of O(Rn). Without it the slice grows with every dead entry between the front
-      and the end; once the fastest workers have used up their R predictions their last
-      elements stay the oldest in Z, the front stops moving, and the slice reached 29,000
-      entries at n = 1000, R = 150 (§6.1 data). Each compaction makes the fingers of the
-      entries it moves stale, so the buffer size sets how often the binary search runs:
-      46,000 searches at 4n + 1, 8,700 at 16n + 1, 3,900 at 32n + 1 (scan 3.0, 1.7 and
-      1.6 ms, measured with signed indices; the unsigned ones below took 1.7 to 1.4 ms);
+    * Departure [zipline-optbs-compaction]: Z lives in a buffer of 16n + 1 slots. When the
+      buffer is full, the live entries (at most n - 1 at that point) are moved, in order, to its
+      start: O(n) every 15n or more elements, amortised O(1) each. This bounds the searched
+      slice by 16n + 1 and Z's memory by O(n) instead of O(Rn). Without it the slice grows with
+      every dead entry between the front and the end; once the fastest workers have used up
+      their R predictions their last elements stay the oldest in Z, the front stops moving, and
+      the slice reached 29,000 entries at n = 1000, R = 150 (§6.1 data). Each compaction makes
+      the fingers of the entries it moves stale, so the buffer size sets how often the binary
+      search runs: 46,000 searches at 4n + 1, 8,700 at 16n + 1, 3,900 at 32n + 1 (scan 3.0, 1.7
+      and 1.6 ms, measured with signed indices; the unsigned ones below took 1.7 to 1.4 ms);
       16n + 1 keeps Z's arrays within 17 bytes x 16n (272 KB at n = 1000).
     """
     n, R = M.shape
@@ -375,8 +375,9 @@ def scan_grid(M, want_candidates):
     """GridScan, Alg. 1 (§5.1), a heuristic: O(R^2 n).
 
     The designated row is the one with the earliest first timestamp (line 4; ties: lowest id).
-    For each of its R elements e, every other row contributes the element "close to" e (line 10)
-    read as its earliest element not before e, so e is min(Z) and d_Z = max(Z) - e. Only R
+    For each of its R elements e, every other row contributes the element "close to" e (line 10;
+    Departure [zipline-gridscan-close-to]: the algorithm box is not in the text, "close to" is
+    read as its earliest element not before e), so e is min(Z) and d_Z = max(Z) - e. Only R
     candidates are seen, so the optimum is missed whenever its earliest element lies in another
     row. Returns the Z it found (not the canonical z of the exact variants).
     """

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpsync import sched
+from mpsync.policies import PolicyError
 from mpsync.server import rules
 from mpsync.server.wire import SYNC
 
@@ -164,8 +165,9 @@ class DSSP(Policy):
     the fastest worker up to ``s_U - s_L`` extra iterations; a pull that Alg. 1 line 17 holds is
     answered once ``ssp_may_continue(s_L)`` holds again.
 
-    Departure from Alg. 1 line 12: the controller is given the allowance that is left, not
-    the full r_max, so repeated grants never carry the fastest worker past s_U (``on_push``).
+    Departure [dssp-allowance-left] from Alg. 1 line 12: the controller is given the
+    allowance that is left, not the full r_max, so repeated grants never carry the fastest
+    worker past s_U (``on_push``).  The other two departures are ``sched.dssp_on_push``'s.
     """
 
 
@@ -185,10 +187,11 @@ class DSSP(Policy):
             return
         p = int(np.flatnonzero(idx == w)[0])
         r_before = int(self.r_extra[w])
-        # Departure from Alg. 1 line 12: the listing calls the controller with the full r_max
-        # each time the fastest worker is beyond s_L with no extra iterations left, so repeated
-        # grants could carry it past s_U.  We pass the allowance that is left, s_U - gap + 1
-        # (the OK sent now counts as the first extra iteration), so the gap never exceeds s_U.
+        # Departure [dssp-allowance-left], Alg. 1 line 12: the listing calls the controller
+        # with the full r_max each time the fastest worker is beyond s_L with no extra
+        # iterations left, so repeated grants could carry it past s_U.  We pass the allowance
+        # that is left, s_U - gap + 1 (the OK sent now counts as the first extra iteration),
+        # so the gap never exceeds s_U.
         gap = int(iters[p] - iters.min())
         r_max = max(0, min(self.config.staleness_high - self.config.staleness_low,
                            self.config.staleness_high - gap + 1))
@@ -224,14 +227,11 @@ class DSSP(Policy):
 
 
 def make_policy(config, n_workers: int) -> Policy:
-    """The server policy of ``config.policy``, from the policy registry (mpsync.policies)."""
-    from mpsync import policies
-
-    spec = policies.get(config.policy)
-    spec.check_topology(config.topology)  # PolicyError is a ValueError naming the policy
+    """The server policy of the configuration's resolved policy (its registry entry)."""
+    spec = config.resolved().spec  # a bad policy or topology: ConfigError, naming it
     cls = spec.server_class()
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise policies.PolicyError(f"policy {config.policy!r}: {spec.server} is not a "
+        raise PolicyError(f"policy {config.policy!r}: {spec.server} is not a "
                                    f"mpsync.server Policy subclass")
     return cls(WorkerTable(n_workers), config)
 

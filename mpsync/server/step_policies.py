@@ -27,6 +27,9 @@ class ElasticBSP(Policy):
     latest report and interval (``sched.predict``) and ZipLine picks the barrier with the least
     total waiting; worker p synchronizes at iteration ``z[p] + 1`` after its latest report.
     Steps with a barrier planned are answered by ``rules.ebsp_step`` in both serve loops.
+    A worker that has joined (PS: sent its last push; uneven step counts) takes no more
+    steps, so it leaves the plans: the next superstep's monitoring, prediction and barrier
+    cover the workers still running (``running``).
 
     What a LOCAL step does is the topology's:
 
@@ -38,10 +41,10 @@ class ElasticBSP(Policy):
       update without everyone taking part): local SGD between barriers, the model deltas
       averaged at the barrier.  Both variants synchronize at the same ZipLine barriers.
 
-    Departures: the paper times iterations by *push* timestamps; here by step reports, which
-    on the PS precede each push by the report's round trip, and on the ring are the only
-    per-iteration event.  With equal speeds the optimum is z = 0 (ties go to the earliest
-    barrier, §4.2 Thm. 1): a superstep is then the monitoring iterations plus one.
+    Departure [ebsp-report-intervals]: the paper times iterations by *push* timestamps; here by
+    step reports, which on the PS precede each push by the report's round trip, and on the ring
+    are the only per-iteration event.  With equal speeds the optimum is z = 0 (ties go to the
+    earliest barrier, §4.2 Thm. 1): a superstep is then the monitoring iterations plus one.
     """
 
     MONITOR_REPORTS = rules.EBSP_MONITOR_REPORTS   # Fig. 5: "at least two push requests"
@@ -69,12 +72,17 @@ class ElasticBSP(Policy):
             return False
         return bool(np.all(self.reports[ws] >= self.MONITOR_REPORTS))
 
+    def running(self) -> np.ndarray:
+        """The workers a plan covers: every live worker, registered yet or not (a plan made
+        before a slow starter has registered would leave it out of the barrier, and on the
+        ring the others would then wait for it in the aggregation; a worker that never starts
+        is taken out for silence), except those that sent their last push (PS: joined, they
+        take no more steps, so ZipLine plans over the workers still running)."""
+        return np.flatnonzero(self.t.active & ~self.t.final_pushed)
+
     def _try_plan(self, now: float | None = None) -> None:
         t = self.t
-        # Every live worker, registered yet or not: a plan made before a slow starter has
-        # registered would leave it out of the barrier, and on the ring the others would then
-        # wait for it in the aggregation.  A worker that never starts is taken out for silence.
-        ws = np.flatnonzero(t.active)
+        ws = self.running()
         if ws.size == 0 or np.any(self.target[ws] >= 0) or not self.monitored(ws):
             return
         if np.any(np.isnan(t.interval[ws])):
@@ -118,14 +126,14 @@ class ElasticBSP(Policy):
         once every active worker has pushed at its barrier or passed it (BSP)."""
         if not self.t.in_sync[w]:
             return True
-        t = self.t
-        ws = np.flatnonzero(t.active & ~t.final_pushed)
+        ws = self.running()
         return bool(np.all(self.barrier_pushed[ws] | (self.completed[ws] == self.epoch)))
 
     def on_reset(self, w, round_, now):
         super().on_reset(w, round_, now)
+        # A joined worker's resets end no superstep: it left the plan at its last push.
         if self.epoch >= 0 and self.completed[w] != self.epoch and \
-                len(self.supersteps) < self.max_plans_kept:
+                not self.t.final_pushed[w] and len(self.supersteps) < self.max_plans_kept:
             self.supersteps.append({"superstep": int(self.epoch), "worker": int(w),
                                     "barrier_iteration": int(self.t.iteration[w]),
                                     "pushes": int(self.pushes_in_superstep[w])})
@@ -179,12 +187,15 @@ class ESync(Policy):
     worker has pulled (``rules.esync_step``), so the PS computes what the ring's allreduce of
     deltas computes.
 
-    Departures: t_e is the server's receipt time, not the device's clock (the paper's
-    comparison of a device's time with the server's assumes synchronized clocks); a READY
-    waits for every device's pull of the last round, where Alg. 2 line 5 names only the
-    slowest (on the ring the two agree, see ``rules.esync_step``); the capability test's
-    reply is held until every capability is known (Alg. 1 does not say how the first
-    queries meet: without it the first reporter would find no slower device).
+    Departure [esync-server-clock]: t_e is the server's receipt time, not the device's clock
+    (the paper's comparison of a device's time with the server's assumes synchronized
+    clocks).  Departure [esync-ready-after-every-pull]: a READY waits for every device's pull
+    of the last round, where Alg. 2 line 5 names only the slowest (on the ring the two agree,
+    see ``rules.esync_step``).  Departure [esync-held-capability-test]: the capability test's
+    reply is held until every capability is known (Alg. 1 does not say how the first queries
+    meet: without it the first reporter would find no slower device).
+    On the sharded PS every shard applies the round's deltas before any pull is granted
+    (``mpsync.server.shards``), in the parameters' dtype.
     """
 
 
@@ -269,18 +280,21 @@ class OSP(Policy):
       worker holds once iteration k-1's ICS has landed), and given to every worker of k.
     * U_max (Eq. 5, Alg. 1 lines 1-2): each report carries the bound its worker measured,
       b·T_c/N in model elements, b the aggregation rate the worker measured (N times its
-      bytes per second: the rate at which a parameter server would take N workers' pushes),
-      T_c its compute time; the server uses the smallest (every worker's ICS must land
+      bytes per second: the rate at which a parameter server would take N workers' pushes;
+      timed after a barrier, so waiting for a straggler is not in it), T_c its compute time; the server uses the smallest (every worker's ICS must land
       within its own next computation), capped at ``osp_ics_max_fraction`` (0.8) of the
       model.  ``osp_ics_size="fixed"``: U_max is that fraction of the model instead.
     * S(G^u) (Alg. 1 lines 3-12): 0 in epoch 1, whose mean reported loss becomes L; in epoch
       i > 1, (1 - loss_i / L)·U_max with loss_i the mean loss reported in epoch i so far.
 
-    Departures: the loss rate lr of Eq. 5 is not measured (the measured rate already includes
-    retransmissions), so lr = 0; loss_i is the running mean of epoch i (the epoch's loss is
-    known only at its end), so S(G^u) moves within an epoch; the GIB is computed when the
-    first report of an iteration arrives, inside that step's round trip, not overlapped with
-    the computation as on the paper's PS (a ring has no PS to compute it meanwhile).
+    Departure [osp-ring]: the paper's RS and ICS go through a parameter server; here both are
+    ring allreduces and the state server only decides the bitmap.  Departure
+    [osp-no-loss-rate]: the loss rate lr of Eq. 5 is not measured (the measured rate already
+    includes retransmissions), so lr = 0.  Departure [osp-running-mean-loss]: loss_i is the
+    running mean of epoch i (the epoch's loss is known only at its end), so S(G^u) moves
+    within an epoch.  Departure [osp-gib-in-round-trip]: the GIB is computed when the first
+    report of an iteration arrives, inside that step's round trip, not overlapped with the
+    computation as on the paper's PS (a ring has no PS to compute it meanwhile).
     """
 
     takes_importance = True
@@ -292,6 +306,7 @@ class OSP(Policy):
         self.loss_sum: dict[int, float] = {}
         self.loss_count: dict[int, int] = {}
         self.first_loss: float | None = None        # L of Alg. 1
+        self.epoch = 1                              # the latest epoch a report named
         self.ics_layers = 0
         self.ics_log: list[dict] = []               # per iteration: epoch, U_max, S(G^u), ICS size
 
@@ -325,7 +340,15 @@ class OSP(Policy):
                    loss: float | None = None, epoch: int = 0,
                    u_max: float | None = None, w: int = 0) -> np.ndarray:
         """The GIB of iteration ``k`` from a report of iteration ``k`` (its importance: the
-        global gradients of k-1); the first report of ``k`` decides it for every worker."""
+        global gradients of k-1); the first report of ``k`` decides it for every worker.
+
+        A report without an epoch (0: a joined worker's, which trains no more) belongs to the
+        latest epoch any report named, so a round opened by a joined worker is sized and
+        logged with the epoch the others are in, not as an epoch 0."""
+        if epoch >= 1:
+            self.epoch = max(self.epoch, int(epoch))
+        else:
+            epoch = self.epoch
         if u_max is not None and u_max >= 0.0:
             self.u_max_reported[w] = u_max
         if loss is not None and epoch >= 1 and np.isfinite(loss):

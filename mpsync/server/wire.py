@@ -2,7 +2,7 @@
 
 Every control message is one float64[8] buffer (``MSG_LEN``) sent with ``Send``/``Recv`` on the
 buffer (no pickle: on these machines a pickled numpy message costs 35-49 µs one-way against
-2-4 µs for a buffer, FACTS.md).  Integers (iterations, rounds, counts) travel as float64, exact
+2-4 µs for a buffer).  Integers (iterations, rounds, counts) travel as float64, exact
 up to 2**53.  Variable-size payloads (OSP layer importance, parameter-server weights) follow
 their header as a second float64 message with tag ``DATA``; the header carries the count.
 

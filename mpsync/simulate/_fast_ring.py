@@ -1,7 +1,7 @@
 """The ring policies (bsp, osp, ebsp; esync in ``_fast_esync``) at scale: one synchronization
 round at a time.
 
-On the ring every worker is told SYNC for the same round (DESIGN.md invariant), so a round is
+On the ring every worker is told SYNC for the same round (an invariant the server keeps), so a round is
 a closed unit: all workers start computing when the previous collective ends, each runs some
 local iterations (one query round trip after each), and the collective starts when the last
 worker's SYNC reply arrives.  A round is therefore computed with numpy over all workers, one

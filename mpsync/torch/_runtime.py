@@ -48,11 +48,17 @@ class Context:
     timeline: tuple | None = None   # (path, first event) from start_timeline
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
-    # EmulatedLink when ``comm_delay`` > 0 (metrics and broadcasts are not delayed).
+    # EmulatedLink when ``comm_delay`` or ``comm_bandwidth`` > 0 (metrics and broadcasts are
+    # not delayed).
     data_backend: object | None = None
     objects: object | None = None   # communicator for gather_object
     client: object | None = None
     colocated: object | None = None
+    # The sharded parameter server (topology='ps'): this worker's client of every shard,
+    # the shard thread it hosts (or None) and the layout (mpsync.server.shards).
+    shards: object | None = None
+    shard_thread: object | None = None
+    shard_layout: object | None = None
     hvd: object | None = None
     counters: LocalCounters = field(default_factory=LocalCounters)
     optimizers: list = field(default_factory=list)
@@ -174,6 +180,11 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     node.Free()
     cross.Free()
     _start_backend(ctx)
+    if config.topology == "ps":
+        from mpsync.server.shards import start_shards
+
+        ctx.shards, ctx.shard_thread, ctx.shard_layout = start_shards(
+            workers, config, world_ranks)
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
     _add_process_sets(process_sets)
@@ -242,8 +253,10 @@ def _start_backend(ctx: Context) -> None:
         ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
     else:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
-    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay)
-                        if ctx.config.comm_delay > 0 else ctx.backend)
+    emulated = ctx.config.comm_delay > 0 or ctx.config.comm_bandwidth > 0
+    ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay,
+                                     bandwidth=ctx.config.comm_bandwidth)
+                        if emulated else ctx.backend)
     from mpsync.torch._collectives import UserOps, make_user_ops
 
     ctx.user_ops = make_user_ops(ctx)
@@ -255,7 +268,8 @@ def _start_control_plane(ctx: Context) -> None:
 
     if not ctx.dedicated and ctx.world.Get_rank() == ctx.server_rank:
         ctx.colocated = start_colocated(ctx.control, ctx.config, server_rank=ctx.server_rank)
-    ctx.client = SyncClient(ctx.control, ctx.config, server_rank=ctx.server_rank)
+    ctx.client = SyncClient(ctx.control, ctx.config, server_rank=ctx.server_rank,
+                            shards=ctx.shards)
 
 
 def shutdown() -> None:
@@ -267,6 +281,10 @@ def shutdown() -> None:
         # Joins the others (uneven step counts) and ends with the same model everywhere.
         opt.synchronize_model()
         opt.close()
+    if ctx.shards is not None:
+        ctx.shards.close()
+        if ctx.shard_thread is not None:
+            ctx.shard_thread.join()   # until every worker is done with this shard
     if ctx.client is not None:
         server_stats = ctx.client.stats()
         ctx.client.shutdown()

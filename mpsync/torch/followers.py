@@ -33,6 +33,11 @@ class Following:
         self._seen_round = leader.round
         leader_followers(leader).append(self)
 
+    def join_as_leader(self) -> None:
+        """``join()``, unless a follower (its rounds ran in its leader's join)."""
+        if self.leader is None:
+            self.join()
+
     def follow_decision(self):
         """None (aggregate now) or a LOCAL decision, from the leader's rounds."""
         from mpsync.server import LOCAL, Decision

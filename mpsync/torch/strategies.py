@@ -1,7 +1,6 @@
 """What a worker aggregates, per policy, and when.
 
-Which strategy a policy uses on each topology is its entry in the registry
-(:mod:`mpsync.policies`); the table below is mpsync's own policies.
+A policy's strategy per topology is its registry entry (:mod:`mpsync.policies`):
 
 ==================  ==========  ============================================================
 strategy            policies    per ``optimizer.step()``
@@ -17,29 +16,25 @@ ParameterServer     asp, ssp,   local step; ask; on SYNC push the delta since th
 ElasticSuperstep    ebsp (ps)   local step; ask; push and pull every iteration (ASP within
                                 the superstep); at the ZipLine barrier (SYNC) the pull waits
                                 for every worker's barrier push (BSP)
-TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), In-
-(``two_stage``)                 Computation Sync of the rest overlapped with the next
-                                iteration, LGP correction (Eq. 6-7) when it lands
+TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), ICS
+(``two_stage``)                 of the rest overlapping the next iteration, LGP (Eq. 6-7) after
 ==================  ==========  ============================================================
 
-Strategies work on FusionBuffers and an Aggregator; ``client``: the ``SyncClient`` or None.
-``synchronize()`` is the final aggregation after which every worker holds the same model.
+``synchronize()``: the final aggregation, after which every worker holds the same model.
 
 Uneven step counts (Horovod's ``join()`` is the model).  ``synchronize()`` first runs
-``join()``: a worker that has no more steps to take keeps taking part in the others'
-aggregations until every worker has joined, contributing nothing (zeros, weight 0).
-On the ring every aggregation carries a header in the same collective (``FusionBuffer.wire``):
-``[contributors, active_0 .. active_{N-1}]`` (summed over the workers: how many sent data,
-and which workers still train); averages divide by the number of workers as Horovod's do
-(a joined worker's zeros count), and the round whose active set is empty is the last one,
-on every worker at once.  A joined worker asks the server as before, so the policy sees it
-as a (fast) worker and never waits for it; it paces its idle iterations by its own mean
-compute time (1-50 ms).  On the parameter server the joined worker pushes what is left as
-its last update (staleness rules stop counting it) and waits for a non-blocking barrier of
-all workers, sending resets at that pace (so an ElasticBSP barrier does not wait for it);
-under a policy whose rounds are decided from every worker's reports (ESync's QUERY-STATE)
-it reports idle iterations instead and takes part in the rounds with an empty update.  The
-model is then broadcast from a worker that took part in the last aggregation.
+``join()``: a worker with no more steps keeps taking part in the others' aggregations until
+every worker has joined, contributing nothing (zeros, weight 0).  On the ring every
+aggregation carries a header in the same collective (``FusionBuffer.wire``): ``[contributors,
+active_0 .. active_{N-1}]`` summed over the workers; averages divide by the number of workers
+as Horovod's do (a joined worker's zeros count), and the round whose active set is empty is
+the last, on every worker at once.  A joined worker keeps asking the server at its mean
+iteration pace (1-50 ms), so the policy sees a fast worker and never waits for it.  On the
+parameter server it pushes what is left as its last update (staleness rules and ElasticBSP's
+plans stop counting it) and waits for a non-blocking barrier of all workers, sending resets
+at that pace; under ESync's QUERY-STATE it reports idle iterations instead and takes part in
+the rounds with an empty update.  Then the model is broadcast from a worker of the last
+aggregation.  More than one optimizer per process: ``followers``.
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ from mpsync.server import LOCAL, Decision
 from mpsync.torch._counters import LocalCounters
 from mpsync.torch.backends import Aggregator
 from mpsync.torch.compression import WireSum
-from mpsync.torch.followers import Following
+from mpsync.torch.followers import Following  # more than one optimizer per process
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "LocalStepsThenAggregate",
@@ -214,8 +209,7 @@ class Strategy(Following):
     def synchronize(self) -> None:
         """Horovod's ``synchronize()`` after ``step()``: join, then make every worker's model
         bitwise equal (all workers call it).  A follower's rounds ran in its leader's join."""
-        if self.leader is None:
-            self.join()
+        self.join_as_leader()
         self._broadcast_model(min(self.last_active))
         self.last_active = list(range(self.n_workers))
         self.settled = True
@@ -338,9 +332,9 @@ class LocalStepsThenAggregate(Strategy):
     held by the server until every capability is known); and in delayed-ACK mode (§4.2) a
     READY that has arrived by the time an iteration's gradients are computed aborts that
     iteration (k + δ): its update is discarded and iterations 1..k + δ - 1 are aggregated.
-    Departure: the test batch is the first training batch (it is then trained on, not thrown
-    away), and the abort is checked between backward and the optimizer step, not as soon as
-    READY lands (a worker sees replies between iterations only).
+    Departure [esync-test-batch]: the test batch is the first training batch, then trained on.
+    Departure [esync-abort-between-steps]: the abort is checked between backward and the
+    optimizer step, not as soon as READY lands (a worker sees replies between iterations).
     """
 
     local_steps = 0       # since the last aggregation (ESync's k)
@@ -412,10 +406,9 @@ class DeltaAveraging(LocalStepsThenAggregate):
     once the server's ZipLine barrier is reached.  Memory: one global model copy per buffer
     (``_global``), reusing the fusion buffer for the delta.
 
-    Departure (ElasticBSP on the ring): the paper's superstep pushes every iteration to a
-    parameter server (ASP within it, ZipLine §6.2.5); a ring has no server copy of the
-    weights, so the iterations between ZipLine barriers are local SGD and the barrier
-    averages the model deltas: ElasticBSP barriers with local SGD between them.
+    Departure [ebsp-ring-local-sgd]: ElasticBSP's superstep pushes every iteration to a
+    parameter server (ASP within it, ZipLine §6.2.5); a ring has no server copy of the weights,
+    so between ZipLine barriers it runs local SGD and the barrier averages the model deltas.
     """
 
     memory_target = "at most one parameter copy beyond the fusion buffer"
@@ -457,8 +450,16 @@ class DeltaAveraging(LocalStepsThenAggregate):
             w_global.add_(delta, alpha=self.epsilon)                # Eq. 8
             buf.unpack_to_params(w_global)
             nbytes += buf.nbytes
+        header = self._read_header(first.header)
+        if self.round == 0:
+            # Every replica restarts from the same w_{t+1} (ESync Alg. 1 lines 17-22, ZipLine
+            # §3's barrier): the same mean delta goes onto the same w_t, which the first round
+            # (reached by all together) makes equal, with or without broadcast_parameters.
+            for buf, w_global in zip(self.buffers, self._global):
+                self.backend.broadcast_(w_global, min(header[1] or self.last_active), "w_1")
+                buf.unpack_to_params(w_global)
         self.reset(self._aggregated(t0, nbytes))
-        return self._read_header(first.header)
+        return header
 
     def join(self) -> None:
         """Idle iterations at this worker's pace; on SYNC, the local progress left (first
@@ -472,8 +473,7 @@ class DeltaAveraging(LocalStepsThenAggregate):
                 self.iteration += 1
                 if self.is_sync(self.ask(pace, self.iteration)):
                     _, active = self._aggregate(contributing=pending)
-                    pending = False
-                    self.local_steps = 0
+                    pending, self.local_steps = False, 0
                     self.followers_round()
                     if not active:
                         return

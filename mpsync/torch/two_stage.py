@@ -11,7 +11,16 @@ import torch
 from mpsync.torch.backends import Pending
 from mpsync.torch.strategies import Strategy
 
-__all__ = ["TwoStageSync", "osp_u_max"]
+__all__ = ["TwoStageSync", "osp_u_max", "times_rate"]
+
+# Rounds whose Routine Sync is timed for Eq. 5's bandwidth: the first RATE_WARMUP, then one in
+# RATE_EVERY (each costs one barrier; the rate of a link changes slowly).
+RATE_WARMUP, RATE_EVERY = 3, 8
+
+
+def times_rate(k: int) -> bool:
+    """Whether round ``k`` (1-based; the same on every worker) times its Routine Sync."""
+    return k <= RATE_WARMUP or k % RATE_EVERY == 0
 
 
 def osp_u_max(rate_bytes_s: float, t_compute: float, itemsize: int, n_workers: int = 1) -> float:
@@ -39,13 +48,22 @@ class TwoStageSync(Strategy):
        now holds G^g of iteration i-1 on every layer.
     2. Importance I_l = Σ|G^g·P| per layer (Eq. 4) of those global gradients goes to the
        server with this iteration's loss and epoch (``note_progress``) and the U_max this
-       worker measured (Eq. 5, :func:`osp_u_max`: the rate of its blocking allreduces and its
-       compute time); the server returns the Gradient Importance Bitmap of iteration i
-       (global gradients, one iteration of lag, §3.2; sized by Alg. 1).
+       worker measured (Eq. 5, :func:`osp_u_max`: ``link_rate`` times ``compute_time``); the
+       server returns the Gradient Importance Bitmap of iteration i (global gradients, one
+       iteration of lag, §3.2; sized by Alg. 1).
     3. Routine Sync: the layers the bitmap for i marks important are averaged (blocking); the
        others start a non-blocking allreduce (ICS) that runs during the next forward/backward;
        the optimizer steps with global gradients on RS layers and local ones on ICS layers
        (LGP, Eq. 6).
+
+    Eq. 5's b is the rate of the network, not of the slowest worker: a Routine Sync is a
+    blocking allreduce, so on a worker that finished its computation early it also lasts until
+    the slowest worker arrives, and its duration would give a fast worker a bound as small as
+    its waiting is long.  So the rounds that time it (:func:`times_rate`) first meet in a
+    barrier, where that waiting ends, and ``link_rate`` is the Routine Sync's bytes over the
+    allreduce's own duration after it.  T_c is the worker's own time between steps
+    (``compute_time``, forward + backward + data), so U_max differs between workers by the
+    ratio of their compute times, and the server takes the smallest.
 
     Without ``note_progress`` (a training loop that does not report its epoch) every
     iteration counts as epoch 1, where Alg. 1 keeps S(G^u) = 0: all Routine Sync, i.e. BSP.
@@ -56,8 +74,9 @@ class TwoStageSync(Strategy):
     server and runs the same collectives with zero gradients.
 
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
-    in ``synchronize()``.  Departure: Eq. 7 is exact for plain SGD; with momentum or Adam the
-    correction is the same SGD-shaped term (the optimizer state keeps the local gradient).
+    in ``synchronize()``.  Departure [osp-lgp-plain-sgd]: Eq. 7 is exact for plain SGD; with
+    momentum or Adam the correction is the same SGD-shaped term (the optimizer state keeps the
+    local gradient).
     With the ``mpi`` backend Open MPI progresses a non-blocking collective only inside MPI
     calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
     thread.
@@ -81,7 +100,7 @@ class TwoStageSync(Strategy):
         self.ics_layers_total = 0
         self._prev_global: torch.Tensor | None = None   # G^g of the previous iteration
         self._epoch, self._loss = 0, None
-        self._rate = 0.0       # bytes/s of the blocking allreduces (moving average)
+        self._rate = 0.0       # bytes/s of the timed Routine Syncs (moving average)
         self._t_compute = 0.0  # seconds of computation per iteration (moving average)
         self._hooks = [p.register_hook(self._progress) for p in self.buf.params
                        if p.requires_grad]
@@ -93,6 +112,17 @@ class TwoStageSync(Strategy):
         if seconds > 0 and nbytes > 0:
             rate = nbytes / seconds
             self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+
+    @property
+    def link_rate(self) -> float:
+        """Bytes per second of the Routine Sync allreduce, timed after a barrier (0 before
+        the first timed round)."""
+        return self._rate
+
+    @property
+    def compute_time(self) -> float:
+        """Seconds of computation per iteration, T_c of Eq. 5 (moving average)."""
+        return self._t_compute
 
     @property
     def u_max(self) -> float:
@@ -137,7 +167,7 @@ class TwoStageSync(Strategy):
             0.8 * self._t_compute + 0.2 * compute_time
         bitmap_now = self._bitmap_of_iteration(compute_time)
         grads = self.buf.pack_grads()
-        self._exchange(grads, bitmap_now)
+        self._exchange(grads, bitmap_now, self.iteration + 1)
         self.buf.unpack_to_grads()
         self.optimizer.step()
         self.iteration += 1
@@ -168,9 +198,9 @@ class TwoStageSync(Strategy):
                                f"the model has {self.n_layers} layers")
         return bitmap_now
 
-    def _exchange(self, grads: torch.Tensor, bitmap_now: np.ndarray) -> list[int]:
+    def _exchange(self, grads: torch.Tensor, bitmap_now: np.ndarray, k: int) -> list[int]:
         """Routine Sync (blocking, with the header) and the start of In-Computation Sync of
-        this iteration's bitmap; returns the active workers."""
+        round ``k``'s bitmap; returns the active workers."""
         t0 = time.perf_counter()
         nbytes = self.buf.nbytes
         contributing = not self.joined
@@ -185,9 +215,12 @@ class TwoStageSync(Strategy):
             header = rs[payload.numel():]
         self._fill_header(header, contributing)
         # Routine Sync first, blocking (§3.1)
+        timed = payload.numel() > 0 and self.n_workers > 1 and times_rate(k)
+        if timed:
+            self.backend.barrier("osp rate")   # the wait for the slowest worker ends here
         t_rs = time.perf_counter()
         self.wire.sum_(rs, "routine sync", payload=payload.numel(), divisor=self._divisor)
-        if payload.numel():
+        if timed:
             self._note_rate(payload.numel() * payload.element_size(),
                             time.perf_counter() - t_rs)
         divisor = self._divisor(header)
@@ -225,7 +258,7 @@ class TwoStageSync(Strategy):
                 self._finish_ics()
                 bitmap_now = self._bitmap_of_iteration(0.0)
                 self.iteration += 1
-                if not self._exchange(self.buf.flat.zero_(), bitmap_now):
+                if not self._exchange(self.buf.flat.zero_(), bitmap_now, self.iteration):
                     self._finish_ics()
                     return
         finally:
