@@ -16,7 +16,9 @@ from mpsync.config import SyncConfig
 
 __all__ = ["worker_state", "write_checkpoint", "ps_checkpoint", "warn_if_slow"]
 
-COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent")
+COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent",
+            "data_sent", "data_received", "control_sent", "control_received", "data_min",
+            "shard_sent", "shard_received")
 
 
 def worker_state(mps, inner, epoch, index, samples, before: dict, slept_s: float) -> dict:
@@ -42,7 +44,7 @@ def write_checkpoint(out, model, gathered: list, n, wall_s, evals, round_, step,
              # For the record: a resumed server starts from the model above and zero clocks
              # (module doc: what is needed for correctness and what is re-learned).
              "server": {"topology": config.topology, **(server or {})}}
-    from mpsync.apps.checkpoint import save_checkpoint
+    from mpsync.apps.checkpoint import save_checkpoint  # torch
 
     t0 = time.perf_counter()
     save_checkpoint(out / "checkpoints", round_, state)

@@ -35,6 +35,7 @@ _SPIN_S = 2e-3           # poll without sleeping this long (module doc)
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
 _new_tuple = tuple.__new__
+_MSG_BYTES = W.MSG_LEN * 8
 
 
 class ServerError(RuntimeError):
@@ -94,6 +95,7 @@ class PendingDecision:
         """Has READY arrived?  Records the query's round trip the first time it is seen."""
         if self.decision is None and self.request.Test():
             seen = time.perf_counter()
+            self.client.control_received += _MSG_BYTES
             self.decision = self.client._decision()
             sent = self.sent.get(int(self.client._rep[W.R_SEQ]))
             if sent is not None:
@@ -109,9 +111,13 @@ class PendingDecision:
 class SyncClient:
     """Talks to the state server at ``server_rank`` of ``comm`` (the control communicator)."""
 
-    def __init__(self, comm, config, *, server_rank: int = 0):
+    def __init__(self, comm, config, *, server_rank: int = 0, shards=None):
         self.comm = comm
         self.server = server_rank
+        # The sharded parameter server's data plane (``shards.ShardClient``): PS payloads go
+        # there and the state server gets the headers only.  None: to the state server's own
+        # store (one process holding the whole model, float64).
+        self.shards = shards
         self.deadline = float(config.deadline)
         # Request and reply: two halves of one array.array block (the compiled step takes its
         # address), written and read cell by cell through memoryviews, ~0.05 µs a cell against
@@ -124,6 +130,9 @@ class SyncClient:
         self._seq = 0
         self._pending: PendingDecision | None = None
         self.iteration = 0
+        # Control-plane bytes on this worker's link (headers, replies, their payloads).
+        self.control_sent = 0
+        self.control_received = 0
         self.wait_s = 0.0        # total time spent waiting for the server
         self.last_rtt = 0.0      # duration of the last blocking call (any kind)
         # ESync §4.2 delayed ACK: the round trip of a state query, as the worker experiences
@@ -205,9 +214,13 @@ class SyncClient:
             rdata = self.comm.Irecv([reply_data, MPI.DOUBLE], source=self.server,
                                     tag=W.REPLY_DATA)
         self.comm.Send(header, dest=self.server, tag=tag)
+        self.control_sent += _MSG_BYTES
         if data is not None:
             self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+            self.control_sent += data.nbytes
         self._wait(rep, what)
+        self.control_received += _MSG_BYTES + (reply_data.nbytes if reply_data is not None
+                                               else 0)
         if int(self._rep[W.R_SEQ]) != seq:
             raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
                               f"{seq} (two users of one SyncClient?)")
@@ -235,6 +248,8 @@ class SyncClient:
             self._call(W.STEP, f"step {iteration}", header=self._header(it, compute_time))
             return self._decision()
         # The compiled round trip: header, receive posted, send, 50 µs of busy polling.
+        self.control_sent += _MSG_BYTES
+        self.control_received += _MSG_BYTES
         seq = self._seq = self._seq + 1
         elapsed = self._query(*self._query_args, seq, it, compute_time, self.wait_s, _BUSY_S)
         if elapsed < 0.0:
@@ -276,6 +291,7 @@ class SyncClient:
         header = self._header(iteration, compute_time, agg=self.query_rtt, flag=1)
         self._pending._note_sent(self._seq, time.perf_counter())
         self.comm.Send(header, dest=self.server, tag=W.STEP)
+        self.control_sent += _MSG_BYTES
         return self._pending
 
     def ready_arrived(self) -> bool:
@@ -289,6 +305,7 @@ class SyncClient:
         """The aggregation that ends round ``round_ - 1`` finished (no reply is awaited)."""
         header = self._header(self.iteration, 0.0, round_, aggregation_time)
         self.comm.Send(header, dest=self.server, tag=W.RESET)
+        self.control_sent += _MSG_BYTES
 
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,
                           epoch: int = 0, u_max: float | None = None) -> np.ndarray:
@@ -310,28 +327,47 @@ class SyncClient:
         return out.astype(bool)
 
     def ps_init(self, flat: np.ndarray) -> None:
+        """The initial weights (sharded: to every shard first, then the state server learns
+        that the model is there)."""
+        if self.shards is not None:
+            self.shards.init(np.ascontiguousarray(flat))
+            self._call(W.PS_INIT, "ps_init", header=self._header(count=0))
+            return
         data = np.ascontiguousarray(flat, dtype=np.float64)
         self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
 
     def push(self, delta: np.ndarray, iteration: int, final: bool = False) -> int:
         """Send an update; the server applies it on arrival.  ``final``: this worker's last
-        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version."""
+        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version.
+        Sharded: every shard applies its slice first, and only then is the push counted by
+        the state server, so its staleness rules count updates that are in on every shard."""
+        if self.shards is not None:
+            self.shards.push(np.ascontiguousarray(delta))
+            self._call(W.PUSH, f"push {iteration}",
+                       header=self._header(iteration, count=0, flag=int(final)))
+            return int(self._rep[W.R_VERSION])
         data = np.ascontiguousarray(delta, dtype=np.float64)
         self._call(W.PUSH, f"push {iteration}",
                    header=self._header(iteration, count=data.size, flag=int(final)), data=data)
         return int(self._rep[W.R_VERSION])
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False) -> int:
-        """Current global weights into ``out`` (float64, contiguous), as soon as the policy's
-        staleness rule allows.  ``final``: the last pull of training, after every worker's
-        last push (nobody will push again, so no staleness rule can be waited for).  Returns
-        the model version (updates applied so far)."""
-        if out.dtype != np.float64 or not out.flags.c_contiguous:
-            raise ValueError("pull needs a contiguous float64 array")
+        """Current global weights into ``out`` (contiguous; float64 from the state server's
+        store, the model's dtype from shards), as soon as the policy's staleness rule
+        allows: the state server grants the pull, then every shard sends its slice.
+        ``final``: the last pull of training, after every worker's last push (nobody will
+        push again, so no staleness rule can be waited for).  Returns the model version
+        (updates applied so far)."""
+        if not out.flags.c_contiguous or (self.shards is None and out.dtype != np.float64):
+            raise ValueError("pull needs a contiguous array (float64 without shards)")
+        count = 0 if self.shards is not None else out.size
         self._call(W.PULL, f"pull {iteration}",
-                   header=self._header(iteration, count=out.size, flag=int(final)),
-                   reply_data=out)
-        return int(self._rep[W.R_VERSION])
+                   header=self._header(iteration, count=count, flag=int(final)),
+                   reply_data=None if self.shards is not None else out)
+        version = int(self._rep[W.R_VERSION])
+        if self.shards is not None:
+            self.shards.pull(out)
+        return version
 
     def stats(self) -> dict:
         self._call(W.STATS, "stats")
@@ -339,6 +375,7 @@ class SyncClient:
         buf = np.empty(size, dtype=np.uint8)
         req = self.comm.Irecv([buf, MPI.BYTE], source=self.server, tag=W.REPLY_STATS)
         self._wait(req, "stats (payload)")
+        self.control_received += size
         return json.loads(buf.tobytes().decode())
 
     def shutdown(self) -> None:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mpsync.config import ConfigError
+from mpsync.config import ConfigError, SyncConfig
+from mpsync.simulate._events import worker_behaviour
 from mpsync.slowdown import parse_schedule
 
 __all__ = ["SpeedModel", "parse_speeds", "read_trace"]
@@ -118,6 +119,15 @@ def read_trace(path: str | Path) -> dict:
                           f"per-worker compute_s and iterations ({type(e).__name__}: {e})") \
             from None
     rounds = [max(w["rounds"], 1) for w in workers]
+    if _pushes_every_step(m.get("config", {})):
+        rounds = [max(w["iterations"], 1) for w in workers]   # a push-pull per iteration
+    aggregation = min(w["aggregation_s"] / r for w, r in zip(workers, rounds))
+    if m.get("config", {}).get("topology") == "ps":
+        # A PS worker's aggregation counter mixes its transfers with the time its pulls were
+        # held (the staleness rule, ElasticBSP's barrier, ESync's round), which the replay
+        # applies itself; the run's timeline has each push and pull apart: a typical one is
+        # the median, and the least over workers is the one that waited least.
+        aggregation = _median_transfer(Path(path).with_name("trace.json")) or aggregation
     jitter, spread = _spread_from_events(m.get("server", {}).get("events") or [])
     iters = [max(w["iterations"], 1) for w in workers]
     cfg = m.get("config", {})
@@ -133,13 +143,36 @@ def read_trace(path: str | Path) -> dict:
         "batch_size": cfg.get("batch_size"), "samples_per_s": m.get("samples_per_s"),
         "wait_fraction": m.get("wait_fraction"), "slowdown_schedule": cfg.get("slowdown_schedule"),
         # The worker that waits least for its peers shows the aggregation's own cost.
-        "aggregation_s": min(w["aggregation_s"] / r for w, r in zip(workers, rounds)),
+        "aggregation_s": aggregation,
         "query_s": float(np.median([w["wait_s"] / k for w, k in zip(workers, iters)])),
         "iterations": iters, "workers": len(workers), "jitter": jitter, "spread": spread,
         "span_s": span, "pause": [max(0.0, span - b) / k for b, k in zip(busy, iters)],
         "samples": sum(w.get("samples", 0) for w in workers),
         **_progress(m, cfg, len(workers)),
     }
+
+
+def _median_transfer(trace_json: Path) -> float | None:
+    """The least, over workers, of the median duration of their aggregations in the run's
+    timeline (``trace.json`` of ``mpsync train``): one push and pull without waiting."""
+    try:
+        events = json.loads(trace_json.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    per_worker: dict = {}
+    for e in events:
+        if e.get("name") == "aggregate" and e.get("ph") == "X":
+            per_worker.setdefault(e.get("tid"), []).append(float(e["dur"]) / 1e6)
+    medians = [float(np.median(v)) for v in per_worker.values() if len(v) >= 10]
+    return min(medians) if medians else None
+
+
+def _pushes_every_step(cfg: dict) -> bool:
+    try:
+        config = SyncConfig(policy=cfg.get("policy"), topology=cfg.get("topology") or "")
+        return worker_behaviour(config.validate())["push_every_step"]
+    except ValueError:      # a policy this installation does not know: plain rounds
+        return False
 
 
 def _progress(m: dict, cfg: dict, n: int) -> dict:
