@@ -8,7 +8,8 @@
 #   2. A virtualenv in .venv with the pinned runtime and test dependencies.
 #   3. mpi4py compiled against that Open MPI (not a generic binary wheel).
 #   4. Horovod 0.28.1 from its PyPI source, patched to C++17 (see build_horovod below).
-#   5. mpsync itself, editable.
+#   5. mpsync itself, editable, with --no-deps and only after Horovod: registered any earlier,
+#      every later pip install would report its unmet horovod==0.28.1 pin as an ERROR.
 # A final check fails loudly unless Horovod reports PyTorch, MPI and Gloo support.
 set -euo pipefail
 
@@ -55,8 +56,8 @@ if [ "$(cat "$STAMP_DIR/deps" 2>/dev/null)" != "$req_hash" ]; then
   "${PIP[@]}" install "torch==$TORCH_VERSION"
   # mpi4py is compiled from source so it links the system Open MPI that mpirun launches.
   MPICC=$(command -v mpicc) "${PIP[@]}" install --no-binary mpi4py "mpi4py==4.1.2"
-  # The rest of the pins live in setup.cfg (install_requires + the [test] extra).
-  "${PIP[@]}" install -e "$ROOT[test]" --no-deps
+  # The rest of the pins live in setup.cfg (install_requires + the [test] extra), read from
+  # the file so that mpsync is not registered before Horovod is in (step 5).
   "$VENV/bin/python" - "$ROOT/setup.cfg" > "$STAMP_DIR/requirements.txt" <<'PYEOF'
 import configparser, sys
 cfg = configparser.ConfigParser()
@@ -114,7 +115,10 @@ if ! horovod_ok; then
 fi
 
 # -- 5. mpsync itself (editable, so the console script `mpsync` is on the venv's PATH) ---------
-if [ ! -x "$VENV/bin/mpsync" ]; then
+# Registered again whenever setup.cfg changed (entry points, metadata), and last: its pins are
+# all installed by now, so pip finds nothing to report.
+if [ ! -x "$VENV/bin/mpsync" ] || [ "$(cat "$STAMP_DIR/self" 2>/dev/null)" != "$req_hash" ]; then
   "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
+  echo "$req_hash" > "$STAMP_DIR/self"
 fi
 log "ok: $("$VENV/bin/python" -c 'import horovod, torch, mpi4py, numba; print("horovod", horovod.__version__, "torch", torch.__version__, "mpi4py", mpi4py.__version__, "numba", numba.__version__)')"

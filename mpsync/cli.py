@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from mpsync import __version__
+
 __all__ = ["main", "SUBCOMMANDS"]
 
 # name -> (module, one-line help)
@@ -31,7 +33,6 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
         prog="mpsync",
         description="Decide when data-parallel workers synchronize: BSP, ASP, SSP, DSSP, "
                     "ElasticBSP (ZipLine), ESync, OSP over MPI.")
-    from mpsync import __version__
     parser.add_argument("--version", action="version", version=f"mpsync {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -21,7 +21,7 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
-    "plugins_from_env",
+    "plugins_from_env", "parse_ps_shards", "setting_from_env",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -90,6 +90,10 @@ class SyncConfig:
     # the MPI library directly (Open MPI), and the client's step is compiled too: a query round
     # trip 1.6-1.7x a raw ping-pong instead of 5-6x (bench/server).  Off: Python alone.
     server_fast_path: bool = True
+    # Parameter server: shard servers holding the flat model, split by bytes ("auto": one
+    # per node of the job, 2 on a single host; or a count >= 1).  Shards are data plane only;
+    # the state server decides (mpsync.server.shards).
+    ps_shards: int | str = "auto"
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0
@@ -143,6 +147,7 @@ class SyncConfig:
             raise ConfigError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout}")
         if not self.deadline > 0:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
+        self.ps_shards = parse_ps_shards(self.ps_shards)
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
         if not self.comm_bandwidth >= 0:
@@ -185,6 +190,13 @@ def plugins_from_env(env=None) -> str:
     return (os.environ if env is None else env).get(ENV_PREFIX + "PLUGINS", DEFAULTS.plugins)
 
 
+def setting_from_env(name: str, env=None):
+    """The ``MPSYNC_<NAME>`` text, or the default of setting ``name``: for front ends that
+    otherwise ignore the environment (mpsync train) but honour a few settings from it."""
+    return (os.environ if env is None else env).get(ENV_PREFIX + name.upper(),
+                                                     getattr(DEFAULTS, name))
+
+
 def parse_float_list(name: str, text: str, length: int | None = None) -> list[float]:
     """Parse ``"1,1,2,4"``; the error names ``name``."""
     try:
@@ -196,6 +208,21 @@ def parse_float_list(name: str, text: str, length: int | None = None) -> list[fl
     if length is not None and len(values) != length:
         raise ConfigError(f"{name}: {len(values)} values for {length} workers ({text!r})")
     return values
+
+
+def parse_ps_shards(value) -> int | str:
+    """``ps_shards`` as ``"auto"`` or an int >= 1 (from an int, or text from the CLI or
+    ``MPSYNC_PS_SHARDS``); anything else is a :class:`ConfigError` naming the setting."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.lstrip("+-").isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"ps_shards (--ps-shards, MPSYNC_PS_SHARDS) must be 'auto' or an "
+                          f"integer >= 1 (the number of parameter-server shards), got {value!r}")
+    return value
 
 
 def parse_number(name: str, text: str, kind: type = float, *, at_least: float | None = None):

@@ -94,7 +94,7 @@ def _mpi_error_summary(stderr: str, returncode) -> str:
 
 
 def _horovod() -> Check:
-    try:
+    try:  # optional, and what this check is about: a missing or broken build is reported
         import horovod.torch as hvd
     except Exception as e:
         return Check("horovod", False, f"cannot import horovod.torch: {e}")
@@ -111,7 +111,7 @@ def _horovod() -> Check:
 
 
 def _numba_kernel() -> Check:
-    try:
+    try:  # numba compiles here: a broken install must be a failed check, not a crash
         import numba
         import numpy as np
 

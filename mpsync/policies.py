@@ -127,6 +127,11 @@ class PolicySpec:
         """ε of ESync Eq. 8 for a policy that reads ``epsilon``, else 1 (plain averaging)."""
         return float(config.epsilon) if "epsilon" in self.options else 1.0
 
+    def ps_update_scale(self, config, n_workers: int) -> float:
+        """The factor a parameter server applies each pushed update with: (global step) / n
+        under ``ps_average``, else 1 (each update as it is)."""
+        return self.global_step(config) / n_workers if self.ps_average else 1.0
+
     def reads(self, option: str) -> bool:
         return option in self.options
 
@@ -397,8 +402,7 @@ register(
                  _ESYNC),
         "ps": ("as on the ring: synchronous rounds (every Δ in before any pull of w_{t+1}), "
                "so PS and ring compute the same model",
-               f"as on the ring: {_ESYNC}; the weights are float64 on the server "
-               f"[esync-ps-float64] ({_POL}ESync)"),
+               f"as on the ring: {_ESYNC}"),
     })
 register(
     "osp", description="important layers sync at once, the rest overlapped with the next "

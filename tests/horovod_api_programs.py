@@ -160,9 +160,6 @@ def refusals_by_policy() -> None:
     if topology == "ps":
         _raises(ValueError, lambda: mps.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
-            compression=mps.Compression.fp16), "topology='ps'")
-        _raises(ValueError, lambda: mps.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
             gradient_predivide_factor=2.0), "topology='ps'")
     assert mps.config().policy == policy  # came from MPSYNC_POLICY when not passed
     mps.shutdown()

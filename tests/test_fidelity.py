@@ -56,9 +56,11 @@ def _bsp_models(topology: str, *extra: str) -> np.ndarray:
 
 
 def test_bsp_on_the_ps_averages_and_gives_the_ring_s_model_from_the_same_seeds():
+    # One shard is the single store; three put every parameter tensor across shard borders.
     ring = _bsp_models("ring")
-    ps = _bsp_models("ps")
-    assert np.abs(ring - ps).max() <= 1e-12 * np.abs(ring).max()
+    for shards in (1, 3):
+        ps = _bsp_models("ps", f"ps_shards={shards}")
+        assert np.abs(ring - ps).max() <= 1e-12 * np.abs(ring).max(), shards
 
 
 def test_esync_delayed_ack_discards_the_iteration_a_ready_interrupts():

@@ -36,7 +36,7 @@ RUNS = [
     ("osp", "ring", ["--uneven-steps", "5", "--gradient-predivide-factor", "2",
                      "--backward-passes-per-step", "2"]),
     ("asp", "ps", ["--uneven-steps", "5"]),
-    ("ssp", "ps", []),
+    ("ssp", "ps", ["--fp16-allreduce"]),
     ("dssp", "ps", ["--uneven-steps", "5", "--end", "join"]),
     ("esync", "ps", ["--uneven-steps", "5"]),
     ("ebsp", "ps", ["--uneven-steps", "5", "--end", "join"]),

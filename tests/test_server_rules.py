@@ -246,7 +246,8 @@ def test_the_python_loop_and_the_compiled_loop_call_the_same_rules():
         if path.name != "wire.py":
             assert not re.search(r"(reply|msg|_rep|_req|msgs)\[\d\]", path.read_text()), path
     compiled = (server / "_fastpath.py").read_text()
-    serve = compiled[compiled.index("def _serve("):compiled.index("return QUIET\n\n")]
+    start = compiled.index("def _serve(")
+    serve = compiled[start:compiled.index("\n\n\n", start)]
     for rule in ("request_problem", "record_heard", "record_report", "count_step",
                  "fast_decision", "record_answer", "fill_reply", "record_reset",
                  "count_reset", "esync_new_round", "log_event"):

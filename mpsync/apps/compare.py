@@ -18,12 +18,16 @@ import os
 import sys
 from pathlib import Path
 
+from mpsync import cluster
 from mpsync import policies as registry
-from mpsync.apps import repeats
-from mpsync.apps.report import comparison_figure, format_table
+from mpsync.apps import repeats, train
+from mpsync.apps.report import comparison_figure, format_table, plot_run
 from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
+from mpsync.bench.nodes import cluster_at_rate
+from mpsync.cluster.layout import ClusterError, parse_rate
 from mpsync.config import DEFAULTS, ConfigError
 from mpsync.launch.cluster import add_cluster_arguments
+from mpsync.launch.mpirun import run_with_deadline
 
 __all__ = ["add_arguments", "main", "table_rows", "DEMO_POLICIES"]
 
@@ -62,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON rows")
     p.add_argument("--timeout", type=float, default=None,
                    help="per-run hard limit (default: budget + 240 s)")
+    p.add_argument("--ps-shards", default=None, metavar="N|auto",
+                   help="parameter-server shards for the PS policies (default: "
+                        "$MPSYNC_PS_SHARDS or auto: one per node, 2 on one host)")
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")
@@ -77,8 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args) -> list[str]:
-    from mpsync.apps import train
-
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies: empty list")
@@ -100,8 +105,6 @@ def main(args) -> int:
     bandwidth = getattr(args, "bandwidth", None)
     if bandwidth is None or args.from_runs:
         return _compare(args)
-    from mpsync.cluster.layout import ClusterError, parse_rate
-
     if getattr(args, "cluster", None) is None:
         print("mpsync compare: error: --bandwidth sets the links of a virtual cluster; "
               "give --cluster [NAME] too", file=sys.stderr)
@@ -112,8 +115,6 @@ def main(args) -> int:
     except (ConfigError, ClusterError) as e:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
-    from mpsync.bench.nodes import cluster_at_rate
-
     with cluster_at_rate(ranks(args), bandwidth, args.cluster or None):
         return _compare(args)
 
@@ -127,16 +128,12 @@ def _compare(args) -> int:
         print(f"mpsync compare: error: {e}", file=sys.stderr)
         return 2
     if getattr(args, "cluster", None) is not None and not args.from_runs:
-        from mpsync import cluster
-
         if cluster.load_state(args.cluster or None) is None:
             print(f"mpsync compare: error: cluster {args.cluster or cluster.default_name()!r} "
                   f"is not up (mpsync cluster up --nodes N)", file=sys.stderr)
             return 2
     if args.repeats is not None or args.seeds:
         return repeats.main(args, policies, seeds)
-    from mpsync.launch import run_with_deadline
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = args.time_budget or (25.0 if args.epochs is None else 0.0)
@@ -169,6 +166,10 @@ def _compare(args) -> int:
             m = runs[policy]
             print(f"[{policy}] done in {res.elapsed:.0f}s (training {m['wall_s']:.1f}s): "
                   f"final acc {m['final_acc']:.3f}", flush=True)
+    if not args.from_runs:   # every run's own plots, now that the last one has finished
+        for policy in runs:
+            if (out / policy / "trace.json").is_file():
+                plot_run(out / policy)
     rows = table_rows(runs)
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
               "setup": setup_line(args, runs)}

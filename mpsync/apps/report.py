@@ -23,7 +23,7 @@ from mpsync import policies as registry
 
 __all__ = ["summarize", "write_metrics", "plot_accuracy", "plot_timeline", "write_trace",
            "time_to_target", "format_table", "format_repeats_table", "comparison_figure",
-           "pyplot"]
+           "plot_run", "pyplot"]
 
 EVENT_COLORS = {"compute": "#4c72b0", "wait_server": "#dd8452", "aggregate": "#c44e52",
                 "ics_wait": "#8172b3"}
@@ -100,6 +100,26 @@ def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | 
     return Path(path)
 
 
+def plot_run(out: Path) -> None:
+    """``accuracy.png`` and ``timeline.png`` of the run in ``out``, from its
+    ``metrics.json`` and ``trace.json`` (``mpsync train`` calls it at its end, or, with
+    ``--no-plots``, the caller does once every run is over: ``mpsync compare`` plots all its
+    runs in one process instead of importing matplotlib once per run)."""
+    out = Path(out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    events: dict[int, list] = {}
+    for e in trace:
+        if e.get("ph") == "X":
+            a = e["ts"] * 1e-6
+            events.setdefault(int(e["tid"]), []).append((e["name"], a, a + e["dur"] * 1e-6))
+    c = metrics["config"]
+    title = f"{c['policy']} on {c['topology']}, {c['heterogeneity']}"
+    plot_accuracy({c["policy"]: metrics["evals"]}, out / "accuracy.png",
+                  target=c.get("target_acc"), title=title)
+    plot_timeline(events, out / "timeline.png", t0=0.0, title=title)
+
+
 def plot_timeline(events: dict[int, list], path: Path, *, t0: float, title: str = "") -> Path:
     """Per worker, compute / server-wait / aggregation bars over wall time (``events``:
     worker -> [(name, start, end)] in wall-clock seconds)."""
@@ -174,7 +194,8 @@ def format_repeats_table(rows: list[dict]) -> str:
     """The table of ``mpsync compare --repeats``: medians with their min–max."""
     head = ["policy", "reached", "time to target (s): median (min–max)",
             "final acc: median (min–max)", "samples/s", "wait fraction",
-            f"speedup vs {_baseline()} (medians)"]
+            f"speedup vs {_baseline()} "
+            f"({rows[0].get('speedup_basis', 'medians') if rows else 'medians'})"]
     out = []
     for r in rows:
         ttt = (f"{_fmt(r['time_to_target_s'], '.1f', 'not reached')} "

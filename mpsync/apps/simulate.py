@@ -109,7 +109,7 @@ def _topology(args, policy: str) -> str:
 
 
 def _config(args, policy: str) -> SyncConfig:
-    kw = {"policy": policy, "topology": _topology(args, policy)}
+    kw = {"policy": policy, "topology": args.topology or ""}  # empty: the policy's own
     for name in policy_options():
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
@@ -126,7 +126,7 @@ def _shards(text: str, n: int) -> int:
 
 
 def _training(args, trace: dict):
-    from mpsync.simulate import TrainingModel
+    from mpsync.simulate import TrainingModel  # numba: compiled on first use
 
     kw = {name: getattr(args, name) for name in ("epoch_iterations", "loss_decay", "layers")
           if getattr(args, name) is not None}
@@ -135,7 +135,7 @@ def _training(args, trace: dict):
 
 def run_rows(args, log=None) -> list[dict]:
     """Every (speed spec, worker count, policy) of the arguments; one row each."""
-    from mpsync.simulate import parse_speeds
+    from mpsync.simulate import parse_speeds  # numba
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
@@ -177,7 +177,7 @@ def run_rows(args, log=None) -> list[dict]:
 
 
 def _cost(args, trace: dict, shards: int):
-    from mpsync.simulate import CostModel, parse_rate
+    from mpsync.simulate import CostModel, parse_rate  # numba
 
     kw = {} if args.ps_apply_rate is None else \
         {"apply_rate": parse_rate(args.ps_apply_rate, "--ps-apply-rate")}
@@ -192,7 +192,7 @@ def _cost(args, trace: dict, shards: int):
 
 
 def _row(args, policy, spec, n, cost, training, iterations, duration, batch, log):
-    from mpsync.simulate import parse_speeds, simulate
+    from mpsync.simulate import parse_speeds, simulate  # numba
 
     config = _config(args, policy)
     # a fresh speed model per policy: every policy sees the same draws
@@ -206,7 +206,7 @@ def _row(args, policy, spec, n, cost, training, iterations, duration, batch, log
     row["speeds"] = spec
     row["ps_shards"] = cost.ps_shards
     row["cost_model"] = cost.describe()
-    row["config"] = {name: getattr(config, name) for name in registry.get(policy).options}
+    row["config"] = dict(config.choice.parameters)
     if log:
         log(f"[{policy} n={row['workers']} S={cost.ps_shards} {spec}] {row['runtime_s']:.1f}s: "
             f"{row['samples_per_s']:.0f} samples/s, wait {row['wait_fraction']:.3f}")
@@ -246,7 +246,7 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """One PNG per metric: the metric against N, a line per (policy, speeds)."""
-    from mpsync.apps.report import pyplot
+    from mpsync.apps.report import pyplot  # matplotlib, only to draw
 
     plt = pyplot()
     flat = [_flat(r) for r in rows]

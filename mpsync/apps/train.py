@@ -38,13 +38,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
+from mpsync import cluster as vc
 from mpsync import policies
-from mpsync.apps.trainer import world_rank, world_size
+from mpsync.apps.datasets import check_dataset_spec
+from mpsync.apps.heterogeneity import Heterogeneity
+from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    ConfigError, SyncConfig, plugins_from_env
-from mpsync.launch.cluster import add_cluster_arguments
+    ConfigError, SyncConfig, plugins_from_env, setting_from_env
+from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
+from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
+from mpsync.launch.registry import launch_argv
 
 __all__ = ["add_arguments", "main", "build_config", "validate"]
 
@@ -78,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds after which the server counts a quiet worker as gone "
                         f"(default {d.silent_timeout:g}; start-up before a worker's first "
                         f"step has its own allowance of {d.startup_timeout:g} s)")
+    g.add_argument("--ps-shards", default=None, metavar="N|auto",
+                   help=f"parameter-server shards (topology ps): N, or auto = one per node, "
+                        f"2 on one host (default: $MPSYNC_PS_SHARDS or {d.ps_shards})")
     g.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
                    help="modules that register policies of their own, imported on every rank "
                         "(default: $MPSYNC_PLUGINS)")
@@ -117,6 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each worker, which is then also when the workers agree to stop)")
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-plots", action="store_true",
+                   help="write metrics and trace only; plot later (mpsync.apps.report.plot_run)")
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
     # Fault injection for the resume test: SIGKILL worker 0 right after this step.
     g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -131,7 +142,9 @@ def build_config(args) -> SyncConfig:
     # No topology: the policy's own (SyncConfig.validate asks the registry).
     opts: dict = {"policy": args.policy, "topology": args.topology or "",
                   "backend": args.backend, "server": args.server,
-                  "plugins": plugins_from_env() if args.plugins is None else args.plugins}
+                  "plugins": plugins_from_env() if args.plugins is None else args.plugins,
+                  "ps_shards": (setting_from_env("ps_shards") if args.ps_shards is None
+                                else args.ps_shards)}
     if args.staleness is not None:
         opts["staleness"] = args.staleness
     if args.staleness_range is not None:
@@ -156,9 +169,6 @@ def build_config(args) -> SyncConfig:
 
 def validate(args, workers: int | None) -> SyncConfig:
     """Every check that needs no communicator (run before launch and on every rank)."""
-    from mpsync.apps.datasets import check_dataset_spec
-    from mpsync.apps.heterogeneity import Heterogeneity
-
     config = build_config(args)
     if (args.epochs is None) == (args.time_budget is None):
         raise ConfigError("give exactly one of --epochs N or --time-budget S")
@@ -182,7 +192,7 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError("--checkpoint-every/--resume need --out DIR (checkpoints and the "
                           "resumed run's results go there)")
     check_dataset_spec(args.dataset)
-    from mpsync.apps.models import MODELS
+    from mpsync.apps.models import MODELS  # torch: only when the arguments get this far
     if args.model not in MODELS:
         raise ConfigError(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
     if workers is not None:
@@ -203,7 +213,7 @@ def main(args) -> int:
         config = validate(args, workers)
         resume = None
         if args.resume:
-            from mpsync.apps.checkpoint import latest_good
+            from mpsync.apps.checkpoint import latest_good  # torch
 
             # Every rank reads and verifies the checkpoint before any communication, so a bad
             # one fails the whole job at once with the same message.
@@ -215,15 +225,13 @@ def main(args) -> int:
                 print(f"mpsync train: resuming from {path}: round {resume['round']}, "
                       f"step {resume['step']}", flush=True)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
-        from mpsync.apps.checkpoint import CheckpointError
+        from mpsync.apps.checkpoint import CheckpointError  # torch
 
         if not isinstance(e, (ConfigError, CheckpointError)):
             raise
         if world_rank() == 0:
             print(f"mpsync train: error: {e}", file=sys.stderr)
         return 2
-    from mpsync.apps.trainer import train
-
     return train(args, config, workers, resume)
 
 
@@ -231,13 +239,6 @@ def _run_on_cluster(args) -> int:
     """``mpsync train --cluster``: start this same training under ``mpirun`` on the cluster's
     nodes (``--np`` workers, default one per node besides node1; plus the dedicated server's
     rank) and wait for it; the exit code is mpirun's."""
-    import subprocess
-
-    from mpsync import cluster as vc
-    from mpsync.launch.cluster import argv_from_namespace
-    from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
-    from mpsync.launch.registry import launch_argv
-
     name = args.cluster or None
     state = vc.load_state(name)
     if state is None:

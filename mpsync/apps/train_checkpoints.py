@@ -42,7 +42,7 @@ def write_checkpoint(out, model, gathered: list, n, wall_s, evals, round_, step,
              # For the record: a resumed server starts from the model above and zero clocks
              # (module doc: what is needed for correctness and what is re-learned).
              "server": {"topology": config.topology, **(server or {})}}
-    from mpsync.apps.checkpoint import save_checkpoint
+    from mpsync.apps.checkpoint import save_checkpoint  # torch
 
     t0 = time.perf_counter()
     save_checkpoint(out / "checkpoints", round_, state)

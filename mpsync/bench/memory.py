@@ -37,11 +37,15 @@ worker's and is not counted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import sys
+import types
 
 from mpsync import policies as registry
+from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
 
 __all__ = ["add_arguments", "run", "CASES"]
 
@@ -89,8 +93,6 @@ def _cases(text: str | None) -> list[tuple[str, str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpsync.launch import mpirun_argv, python_argv, run_with_deadline
-
     if args.np < 1 or args.layers < 1 or args.width < 1 or args.steps < 1:
         raise SystemExit("--np, --layers, --width and --steps must be >= 1")
     cases = _cases(args.cases)
@@ -174,10 +176,7 @@ def _held_buffers(roots: list[tuple[str, object]], skip: set[int]) -> list[dict]
     torch optimizers, modules, mpi4py handles and threads are leaves, and ids in ``skip`` (the
     wrapped optimizer and what it shares) are not followed.
     """
-    import dataclasses
-    import types
-
-    import numpy as np
+    import numpy as np  # the parent process that launches the ranks needs neither
     import torch
 
     found: list[dict] = []
@@ -332,9 +331,7 @@ def _child(labels: list[str], layers: int, width: int, steps: int) -> None:
     """Every case in turn in the same processes (one ``mpirun``: starting torch on 3 ranks
     costs more than all the measuring).  Each case measures against its own baseline, taken
     after the previous case's objects are gone."""
-    import gc
-
-    import torch
+    import torch  # the rank side only
 
     from mpsync.torch import _runtime
 
@@ -354,9 +351,7 @@ def _child(labels: list[str], layers: int, width: int, steps: int) -> None:
 
 def _run_case(label: str, policy: str, topology: str, layers: int, width: int,
               steps: int) -> None:
-    import gc
-
-    import psutil
+    import psutil  # the rank side only, with torch
     import torch
 
     import mpsync.torch as mps

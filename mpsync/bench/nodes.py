@@ -30,13 +30,20 @@ import argparse
 import contextlib
 import json
 import os
+import signal
+import statistics
 import sys
+import threading
 import time
 
-from mpsync.bench._timing import byte_sizes, timed
+from mpsync import cluster
+from mpsync.bench._timing import byte_sizes, report_json, timed
+from mpsync.cluster.layout import parse_rate
+from mpsync.launch import forwarded_env, launch_argv, python_argv, run_with_deadline
 
 __all__ = ["bus_bandwidth", "derive_row", "check_targets", "link_fraction", "cluster_at_rate",
-           "run_allreduce", "cluster_argv", "PROBE_VARIANTS", "add_cluster_arguments"]
+           "run_allreduce", "cluster_argv", "PROBE_VARIANTS", "add_cluster_arguments", "parse_list",
+           "run_job", "set_rate"]
 
 KB, MB = 1 << 10, 1 << 20
 CLUSTER_SIZES = (256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB)
@@ -76,7 +83,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, rates: str, nodes: str)
                    help=f"with --cluster: node counts to sweep (default {nodes})")
 
 
-def _parse_list(text: str, what: str) -> list[str]:
+def parse_list(text: str, what: str) -> list[str]:
     items = [x.strip() for x in str(text).split(",") if x.strip()]
     if not items:
         raise SystemExit(f"--cluster-{what}: empty list")
@@ -90,8 +97,6 @@ def cluster_at_rate(nodes: int, rate: str, name: str | None):
     Made here (and removed on exit, also on error) unless already up, in which case its
     nodes' rates are set to ``rate`` and restored on exit.
     """
-    from mpsync import cluster
-
     name = name or cluster.default_name()
     ok, why = cluster.available()
     if not ok:
@@ -122,9 +127,6 @@ def cluster_at_rate(nodes: int, rate: str, name: str | None):
 
 
 def _raise_on_sigterm():
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return None
 
@@ -135,16 +137,12 @@ def _raise_on_sigterm():
 
 
 def _restore_sigterm(previous) -> None:
-    import signal
-
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
 
 
 def set_rate(name: str | None, rate: str | None) -> None:
     """Every node's link of cluster ``name`` at ``rate`` (None: unlimited)."""
-    from mpsync import cluster
-
     for n in cluster.load_state(name).nodes:
         if cluster.load_state(name).rate_of(n.name) != rate:
             cluster.set_link(n.name, bandwidth=rate, unlimited=rate is None, name=name)
@@ -156,16 +154,12 @@ def cluster_argv(n: int, command: list[str], name: str | None, *, server_alone: 
     node i+1 unless ``server_alone``: rank 0 alone on node1).  ``tuning``: the transport
     settings (``mpsync.transport`` spec); Open MPI's defaults unless given, because the sweep
     adds each variant's options itself (Open MPI refuses a parameter given twice)."""
-    from mpsync.launch import forwarded_env, launch_argv
-
     return launch_argv(n, command, cluster=name or "", forward_env=forwarded_env(), extra=extra,
                        placement="server-alone" if server_alone else "round-robin",
                        tuning=tuning)
 
 
-def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:
-    from mpsync.launch import run_with_deadline
-
+def run_job(argv: list[str], timeout: float, what: str) -> list[dict]:
     res = run_with_deadline(argv, timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if res.returncode != 0:
         sys.stderr.write(res.stdout[-3000:] + res.stderr[-3000:])
@@ -175,11 +169,8 @@ def _run_job(argv: list[str], timeout: float, what: str) -> list[dict]:
 
 
 def run_allreduce(args: argparse.Namespace) -> int:
-    from mpsync.cluster.layout import parse_rate
-    from mpsync.launch import python_argv
-
-    rates = _parse_list(args.cluster_rates, "rates")
-    counts = sorted({int(x) for x in _parse_list(args.cluster_nodes, "nodes")})
+    rates = parse_list(args.cluster_rates, "rates")
+    counts = sorted({int(x) for x in parse_list(args.cluster_nodes, "nodes")})
     if counts[0] < 2:
         raise SystemExit(f"--cluster-nodes: at least 2 nodes per run, got {counts}")
     for r in rates:
@@ -187,13 +178,13 @@ def run_allreduce(args: argparse.Namespace) -> int:
     sizes = byte_sizes(args.sizes, CLUSTER_SIZES)
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
               "--seconds-per-point", str(args.seconds_per_point)]
-    variants = [v for v in _parse_list(args.probe_variants, "variants")] \
+    variants = [v for v in parse_list(args.probe_variants, "variants")] \
         if args.probe_variants else []
     unknown = [v for v in variants if v not in PROBE_VARIANTS]
     if unknown:
         raise SystemExit(f"--probe-variants: unknown {unknown}; choose from "
                          f"{', '.join(PROBE_VARIANTS)}")
-    job_variants = _parse_list(args.job_variants, "variants") if args.job_variants else []
+    job_variants = parse_list(args.job_variants, "variants") if args.job_variants else []
     unknown = [v for v in job_variants if v not in PROBE_VARIANTS]
     if unknown:
         raise SystemExit(f"--job-variants: unknown {unknown}; choose from "
@@ -212,7 +203,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                         print(f"[cluster {state.name}] {n} nodes at {rate}: ring job "
                               f"({variant})", file=sys.stderr, flush=True)
                     suffix = "" if variant == "defaults" else f"_{variant}"
-                    for row in _run_job(cluster_argv(n, python_argv(
+                    for row in run_job(cluster_argv(n, python_argv(
                             "mpsync.bench.allreduce", "--child", "ring", *common),
                             args.cluster, extra=PROBE_VARIANTS.get(variant, ())),
                             args.timeout, f"ring {variant}, {n} nodes at {rate}"):
@@ -222,7 +213,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                     print(f"[cluster {state.name}] {n} nodes at {rate}: link probe "
                           f"({variant})", file=sys.stderr, flush=True)
                     extra = PROBE_VARIANTS.get(variant, ())
-                    for row in _run_job(cluster_argv(n, python_argv(
+                    for row in run_job(cluster_argv(n, python_argv(
                             "mpsync.bench.nodes", "--child", "probe", *common),
                             args.cluster, extra=extra), args.timeout,
                             f"probe {variant}, {n} nodes at {rate}"):
@@ -239,13 +230,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                "elapsed_s": time.time() - started, "runs": results,
                "targets": check_targets(results)}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "cluster.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
+    if not report_json(summary, args.out, "cluster.json", args.json):
         for run in results:
             print(f"\n{run['nodes']} nodes, links at {run['rate']}")
             print(format_table(run["rows"], variants, job_variants))
@@ -260,8 +245,6 @@ def cluster_options_text(state) -> str:
 
 def derive_row(row: dict, n: int, rate: str, job_variants=()) -> dict:
     """Ratios, bus bandwidths and link fractions of one size's row."""
-    from mpsync.cluster.layout import parse_rate
-
     bits = parse_rate(rate)
     out = dict(row, nodes=n, rate=rate)
     if row.get("horovod_ms"):
@@ -285,8 +268,6 @@ def derive_row(row: dict, n: int, rate: str, job_variants=()) -> dict:
 
 def check_targets(results: list[dict]) -> dict:
     """The two figures the cluster benchmark is judged by, where they were measured."""
-    import statistics
-
     out = {}
     for run in results:
         key = f"{run['nodes']}nodes_{run['rate']}"

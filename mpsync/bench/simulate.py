@@ -40,6 +40,9 @@ import sys
 import time
 from pathlib import Path
 
+from mpsync import policies as registry
+from mpsync.config import SyncConfig
+
 __all__ = ["add_arguments", "run", "validate_runs", "WAIT_TARGET", "SAMPLES_TARGET"]
 
 WAIT_TARGET = 0.05       # |simulated - measured| wait fraction
@@ -62,10 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ablations(policy: str, topology: str) -> list[str]:
-    from mpsync import policies
-
     return ["no_jitter", "no_pauses"] + (["queued_link"] if topology == "ps" else []) + \
-        ([] if policies.is_baseline(policy) else ["as_baseline"])
+        ([] if registry.is_baseline(policy) else ["as_baseline"])
 
 
 def validate_runs(runs: Path, policies: list[str], ablations: tuple | None = None) -> list[dict]:
@@ -73,9 +74,8 @@ def validate_runs(runs: Path, policies: list[str], ablations: tuple | None = Non
     each of ``ablations`` (default: all that apply)."""
     import numpy as np
 
-    from mpsync import policies as registry
-    from mpsync.config import SyncConfig
-    from mpsync.simulate import CostModel, TrainingModel, parse_speeds, read_trace, simulate
+    from mpsync.simulate import (CostModel, TrainingModel, parse_speeds,  # numba
+                                 read_trace, simulate)
 
     found = []   # (policy, metrics.json): one run per policy, or its repeats (compare --repeats)
     for p in policies:
@@ -90,7 +90,7 @@ def validate_runs(runs: Path, policies: list[str], ablations: tuple | None = Non
     set_jitter = float(np.median(measured)) if measured else 0.0
     rows = []
     for policy, path, tr in traces:
-        config = _run_config(SyncConfig, policy, tr)
+        config = _run_config(policy, tr)
         spec = f"trace:{path}"
         jitter = tr["jitter"] if tr["jitter"] else set_jitter
         spread = tr["spread"] or set_spread
@@ -140,18 +140,14 @@ def validate_runs(runs: Path, policies: list[str], ablations: tuple | None = Non
     return rows
 
 
-def _run_config(SyncConfig, policy: str, trace_: dict):
+def _run_config(policy: str, trace_: dict):
     """The run's own configuration: the policy's parameters as the run recorded them."""
-    from mpsync import policies as registry
-
     recorded = trace_.get("config") or {}
     kw = {name: recorded[name] for name in registry.get(policy).options if name in recorded}
     return SyncConfig(policy=policy, topology=trace_["topology"], **kw).validate()
 
 
 def format_table(rows: list[dict]) -> str:
-    from mpsync import policies as registry
-
     head = ("| policy | topology | wait fraction measured | simulated | Δ | samples/s measured | "
             "simulated | error | within targets | without spread: Δ wait, error | without "
             "pauses: Δ wait, error | queued PS link: Δ wait, error | with the baseline's "
@@ -179,8 +175,6 @@ def format_table(rows: list[dict]) -> str:
 def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from mpsync import policies as registry
-
     policies = [p.strip() for p in (args.policies or ",".join(registry.names())).split(",")
                 if p.strip()]
     runs = Path(args.runs)

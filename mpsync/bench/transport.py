@@ -14,11 +14,16 @@ over rounds with its min-max; ``tuned_vs_defaults`` is the ratio of the two medi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
+
+from mpsync import transport
+from mpsync.bench._timing import byte_sizes, report_json
+from mpsync.bench.nodes import (add_cluster_arguments, cluster_argv, cluster_at_rate,
+                                link_fraction, parse_list, run_job, set_rate)
+from mpsync.cluster.layout import parse_rate
+from mpsync.launch import python_argv
 
 __all__ = ["add_arguments", "run", "summarize", "format_table", "SETTINGS", "METHODS"]
 
@@ -30,8 +35,6 @@ METHODS = {"mpi": "raw mpi4py Allreduce", "mpsync_mpi": "mpsync BSP path, mpi ba
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mpsync.bench.nodes import add_cluster_arguments
-
     add_cluster_arguments(p, rates="1gbit", nodes="4")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of (defaults, tuned) jobs, order alternating (default 3)")
@@ -47,11 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpsync import transport
-    from mpsync.bench.allreduce import _sizes
-    from mpsync.bench.nodes import _parse_list, cluster_at_rate, set_rate
-    from mpsync.cluster.layout import parse_rate
-
     if args.cluster is None:
         raise SystemExit("bench transport runs across nodes: give --cluster [NAME]")
     if args.rounds < 1:
@@ -61,13 +59,13 @@ def run(args: argparse.Namespace) -> int:
         options = {k: transport.describe(v) for k, v in specs.items()}
     except transport.TransportError as e:
         raise SystemExit(f"--tuning: {e}") from None
-    rates = _parse_list(args.cluster_rates, "rates")
+    rates = parse_list(args.cluster_rates, "rates")
     for r in rates:
         parse_rate(r)
-    counts = sorted({int(x) for x in _parse_list(args.cluster_nodes, "nodes")})
+    counts = sorted({int(x) for x in parse_list(args.cluster_nodes, "nodes")})
     if counts[0] < 2:
         raise SystemExit(f"--cluster-nodes: at least 2 nodes per run, got {counts}")
-    sizes = _sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES)
+    sizes = byte_sizes(args.sizes, DEFAULT_SIZES)
     started = time.time()
     runs = []
     with cluster_at_rate(max(counts), rates[0], args.cluster) as state:
@@ -80,13 +78,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"settings": options, "rounds": args.rounds, "sizes": sizes,
               "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
               "elapsed_s": round(time.time() - started, 1), "runs": runs}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "transport.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
+    if not report_json(result, args.out, "transport.json", args.json):
         for r in runs:
             print(f"\n{r['nodes']} nodes, links at {r['rate']}, {args.rounds} rounds")
             print(format_table(r["rows"]))
@@ -95,9 +87,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(args, name: str, n: int, rate: str, sizes, specs) -> dict:
     """samples[setting][bytes][method] -> list of ms, one per round."""
-    from mpsync.bench.nodes import _run_job, cluster_argv
-    from mpsync.launch import python_argv
-
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
               "--seconds-per-point", str(args.seconds_per_point)]
     samples: dict = {s: {b: {} for b in sizes} for s in SETTINGS}
@@ -108,7 +97,7 @@ def _measure(args, name: str, n: int, rate: str, sizes, specs) -> dict:
                   f"{setting}", file=sys.stderr, flush=True)
             argv = cluster_argv(n, python_argv("mpsync.bench.allreduce", "--child", "ring",
                                                *common), name, tuning=specs[setting])
-            for row in _run_job(argv, args.timeout, f"ring {setting}, {n} nodes at {rate}"):
+            for row in run_job(argv, args.timeout, f"ring {setting}, {n} nodes at {rate}"):
                 for method in METHODS:
                     if f"{method}_ms" in row:
                         samples[setting][row["bytes"]].setdefault(method, []).append(
@@ -119,9 +108,6 @@ def _measure(args, name: str, n: int, rate: str, sizes, specs) -> dict:
 def summarize(samples: dict, sizes, n: int, rate: str) -> list[dict]:
     """One row per (size, method): link fraction median, min and max per setting, and the
     ratio of the medians (tuned over defaults)."""
-    from mpsync.bench.nodes import link_fraction
-    from mpsync.cluster.layout import parse_rate
-
     bits = parse_rate(rate)
     rows = []
     for nbytes in sizes:

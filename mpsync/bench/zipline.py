@@ -19,6 +19,7 @@ import csv
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,8 +70,6 @@ def paper_data(n: int, R: int, seed: int):
 
 def _median_call_us(fn, samples: int) -> float:
     """Median µs per call; each sample loops enough calls to last ~2 ms."""
-    import statistics
-
     fn()  # warm-up (and compile, if not cached)
     t0 = time.perf_counter()
     fn()

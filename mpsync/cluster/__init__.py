@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpsync import transport
 from mpsync.cluster.layout import (DEFAULT_NAME, ClusterError, ClusterState, Node, agent_script,
                                  choose_subnet, differences, down_commands, hostfile_text,
                                  link_state_commands, mpirun_options, placement, plan,
@@ -327,8 +328,6 @@ def launch_options(np: int | None = None, *, name: str | None = None, server_alo
     (``mpsync.launch.mpirun_argv`` adds them itself).  The transport settings are
     ``mpsync.transport``'s for ``tuning`` (None: ``$MPSYNC_MPI_TUNING``, else the tuned set).
     """
-    from mpsync import transport
-
     mca = transport.mca_argv(tuning)
     state = _running(name)
     d = Path(state.state_dir)
@@ -357,8 +356,6 @@ def shell_env(name: str | None = None, tuning: str | None = None) -> dict[str, s
     agent first on PATH as ``ssh``, and Open MPI's interface choice and the transport settings
     (``mpsync.transport``, ``tuning`` as there) as MCA variables (given on horovodrun's
     command line they would repeat its own ``--mca`` options)."""
-    from mpsync import transport
-
     mca = transport.mca_env(tuning)
     state = _running(name)
     path = os.environ.get("PATH", "/usr/bin:/bin")

@@ -19,9 +19,11 @@ Layout of a cluster called NAME with N nodes on subnet S (a /24):
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 __all__ = ["ClusterError", "Node", "ClusterState", "parse_rate", "format_rate", "tbf_burst",
            "choose_subnet", "plan", "up_commands", "down_commands", "link_state_commands",
@@ -266,9 +268,6 @@ def link_state_commands(state: ClusterState, node: Node, up: bool) -> list[list[
 def agent_script(state: ClusterState, python: str = "/usr/bin/python3") -> str:
     """The executable agent (``mpsync/cluster/agent.py``) with this cluster's node table: an
     ``ssh`` look-alike that runs a command on a node (see that module)."""
-    import json
-    from pathlib import Path
-
     table = {}
     for n in state.nodes:
         entry = {"name": n.name, "namespace": n.namespace, "address": n.address}

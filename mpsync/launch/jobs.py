@@ -1,4 +1,5 @@
-"""``mpsync jobs``: batch job scripts for Slurm, PBS and horovodrun, rendered for your settings.
+"""``mpsync jobs``: the job scripts of the launch targets that have them (Slurm, PBS,
+horovodrun; see :mod:`mpsync.launch.registry`), rendered for your settings.
 
     mpsync jobs list
     mpsync jobs render --scheduler slurm --nodes 2 --tasks-per-node 8 --policy esync > my.sbatch
@@ -9,7 +10,8 @@ no file system.  The files under ``jobs/`` are exactly what it renders for the d
 and a test keeps the two identical, so a user can copy a file from ``jobs/`` or render one and
 get the same script.
 
-Every script has the same three parts:
+Every script has the same three parts, the first two and the launch lines from its target's
+module, the rest from :mod:`mpsync.launch._text`:
 
 1. a scheduler header (``#SBATCH`` / ``#PBS`` lines; nothing for horovodrun) and a comment
    listing its ``${VAR:-default}`` settings;

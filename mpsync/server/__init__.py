@@ -1,6 +1,7 @@
 """The control plane: a state server on one rank answering every worker, per iteration,
 "keep training locally" (LOCAL) or "synchronize now" (SYNC), over mpi4py point-to-point
-messages with fixed-size numpy buffers.
+messages with fixed-size numpy buffers; and the parameter server's shard servers, which only
+store, apply and serve the model's bytes (``shards``).
 
 Server side::
 

@@ -109,9 +109,13 @@ class PendingDecision:
 class SyncClient:
     """Talks to the state server at ``server_rank`` of ``comm`` (the control communicator)."""
 
-    def __init__(self, comm, config, *, server_rank: int = 0):
+    def __init__(self, comm, config, *, server_rank: int = 0, shards=None):
         self.comm = comm
         self.server = server_rank
+        # The sharded parameter server's data plane (``shards.ShardClient``): PS payloads go
+        # there and the state server gets the headers only.  None: to the state server's own
+        # store (one process holding the whole model, float64).
+        self.shards = shards
         self.deadline = float(config.deadline)
         # Request and reply: two halves of one array.array block (the compiled step takes its
         # address), written and read cell by cell through memoryviews, ~0.05 µs a cell against
@@ -310,28 +314,47 @@ class SyncClient:
         return out.astype(bool)
 
     def ps_init(self, flat: np.ndarray) -> None:
+        """The initial weights (sharded: to every shard first, then the state server learns
+        that the model is there)."""
+        if self.shards is not None:
+            self.shards.init(np.ascontiguousarray(flat))
+            self._call(W.PS_INIT, "ps_init", header=self._header(count=0))
+            return
         data = np.ascontiguousarray(flat, dtype=np.float64)
         self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
 
     def push(self, delta: np.ndarray, iteration: int, final: bool = False) -> int:
         """Send an update; the server applies it on arrival.  ``final``: this worker's last
-        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version."""
+        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version.
+        Sharded: every shard applies its slice first, and only then is the push counted by
+        the state server, so its staleness rules count updates that are in on every shard."""
+        if self.shards is not None:
+            self.shards.push(np.ascontiguousarray(delta))
+            self._call(W.PUSH, f"push {iteration}",
+                       header=self._header(iteration, count=0, flag=int(final)))
+            return int(self._rep[W.R_VERSION])
         data = np.ascontiguousarray(delta, dtype=np.float64)
         self._call(W.PUSH, f"push {iteration}",
                    header=self._header(iteration, count=data.size, flag=int(final)), data=data)
         return int(self._rep[W.R_VERSION])
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False) -> int:
-        """Current global weights into ``out`` (float64, contiguous), as soon as the policy's
-        staleness rule allows.  ``final``: the last pull of training, after every worker's
-        last push (nobody will push again, so no staleness rule can be waited for).  Returns
-        the model version (updates applied so far)."""
-        if out.dtype != np.float64 or not out.flags.c_contiguous:
-            raise ValueError("pull needs a contiguous float64 array")
+        """Current global weights into ``out`` (contiguous; float64 from the state server's
+        store, the model's dtype from shards), as soon as the policy's staleness rule
+        allows: the state server grants the pull, then every shard sends its slice.
+        ``final``: the last pull of training, after every worker's last push (nobody will
+        push again, so no staleness rule can be waited for).  Returns the model version
+        (updates applied so far)."""
+        if not out.flags.c_contiguous or (self.shards is None and out.dtype != np.float64):
+            raise ValueError("pull needs a contiguous array (float64 without shards)")
+        count = 0 if self.shards is not None else out.size
         self._call(W.PULL, f"pull {iteration}",
-                   header=self._header(iteration, count=out.size, flag=int(final)),
-                   reply_data=out)
-        return int(self._rep[W.R_VERSION])
+                   header=self._header(iteration, count=count, flag=int(final)),
+                   reply_data=None if self.shards is not None else out)
+        version = int(self._rep[W.R_VERSION])
+        if self.shards is not None:
+            self.shards.pull(out)
+        return version
 
     def stats(self) -> dict:
         self._call(W.STATS, "stats")

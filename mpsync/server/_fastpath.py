@@ -28,6 +28,13 @@ What it serves, and what it leaves to the Python loop:
   a steady stream of messages), or when ESync's log of READY decisions is full; the Python
   loop then sleeps, wakes ahead, or keeps house exactly as without it.
 
+What it works on is named: the loop's bindings and the rules' tables travel in one
+:class:`ServeState` (a Numba structref, passed as one pointer), each call's outcome comes back
+as a :class:`ServeResult`, and a client's round trip is bound to a :class:`QueryBinding`.
+The rules are compiled into the loop (LLVM inlines them: the same flags, one module), and a
+change to them reaches the cached loop because ``mpsync.sched._numba`` stamps cached code
+with every file of the jitted packages.
+
 On the worker's side, :class:`ClientPath` does ``SyncClient.step``'s round trip (header,
 receive posted, send, 50 µs of polling) in one call.
 
@@ -37,12 +44,15 @@ on any other MPI, or with ``server_fast_path=False``, server and client run Pyth
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from mpi4py import MPI
 
 from mpsync.server import rules, wire as W
 
-__all__ = ["FastPath", "ClientPath", "query", "unavailable_reason"]
+__all__ = ["FastPath", "ServeResult", "ServeState", "ClientPath", "QueryBinding", "query",
+           "unavailable_reason"]
 
 # Return codes of ``_serve``.
 QUIET = 0      # no message for hot_s, or housekeeping is due
@@ -94,6 +104,23 @@ def _status_layout() -> tuple[int, int, int]:
         np.flatnonzero(cells == 7654321)[0])
 
 
+class ServeResult(NamedTuple):
+    """What one call of the compiled loop did (:meth:`FastPath.serve`)."""
+    code: int            # QUIET, PROBED, RECEIVED, DRAIN or MPI_FAILED (module constants)
+    handled: int         # messages served to the end in compiled code
+    last_msg: float      # receipt time (MPI_Wtime) of the last message it received
+    source: int          # RECEIVED: the handed-over message's rank, tag, worker, receipt time
+    tag: int
+    worker: int
+    received_at: float
+    error: int           # MPI_FAILED: the MPI error code
+
+    @property
+    def handover(self) -> tuple[int, int, int, float]:
+        """(source, tag, worker, receipt time) of a RECEIVED message."""
+        return self.source, self.tag, self.worker, self.received_at
+
+
 class FastPath:
     """The compiled loop bound to one server's buffers and tables.
 
@@ -108,65 +135,61 @@ class FastPath:
                  t0, eps):
         self.kind = kind
         self.policy = policy
-        self.t0 = float(t0)
-        self.eps = float(eps)
         n_cells, src_at, tag_at = _status_layout()
-        mpi = np.array([MPI._handleof(comm), MPI._handleof(MPI.DOUBLE), MPI._handleof(MPI.BYTE),
-                        MPI.ANY_SOURCE, MPI.ANY_TAG, src_at, tag_at], dtype=np.int64)
-        # (handled, last message time, source, tag, worker, receipt time, MPI error code)
-        self.out = np.zeros(7, dtype=np.float64)
         worker_of = np.full(comm.Get_size(), -1, dtype=np.int64)
         for r, w in index.items():
             worker_of[r] = w
-        # mpi handles, MPI_Status cells, Iprobe's flag and Get_count's count, request, reply
-        self.io = (mpi, np.zeros(n_cells, np.int32), np.zeros(2, np.int32), request,
-                   W.new_msg(), worker_of, self.out)
         es = policy.cells if kind == rules.FAST_ESYNC else rules.new_esync_tables(0, 0)
         eb = policy.cells if kind == rules.FAST_EBSP else rules.new_ebsp_tables(0)
         self.esync = es
-        self.state = (tables, counters, events, es, eb)
         self._no_members = np.zeros(0, np.int64)
 
+        def bind(c):
+            return _new_state(
+                MPI._handleof(c), MPI._handleof(MPI.DOUBLE), MPI._handleof(MPI.BYTE),
+                MPI.ANY_SOURCE, MPI.ANY_TAG, src_at, tag_at, np.zeros(n_cells, np.int32),
+                np.zeros(2, np.int32), request, W.new_msg(), worker_of, tables, counters,
+                events, es, eb, float(t0), float(eps), kind)
+
+        self.state = bind(comm)
+        self._bind = bind
+        self._call = _serve   # until warm_up binds the compiled code
+
     def serve(self, last_msg: float, hot_s: float, until: float,
-              max_messages: int = 2 ** 62) -> int:
+              max_messages: int = 2 ** 62) -> ServeResult:
         """Serve what it can until quiet for ``hot_s`` since ``last_msg``, or ``until``, or
-        ``max_messages`` were served; returns a code (module constants)."""
+        ``max_messages`` were served; returns what it did."""
         p = self.policy
-        members = p.members() if self.kind == rules.FAST_ESYNC else self._no_members
+        esync = self.kind == rules.FAST_ESYNC
+        members = p.members() if esync else self._no_members
         epoch = p.epoch if self.kind == rules.FAST_EBSP else -1
-        code = _serve(self.io, self.state, members, last_msg, hot_s, until, max_messages,
-                      self.t0, self.kind, self.eps, epoch)
-        if self.kind == rules.FAST_ESYNC and \
-                self.esync.ready_count[0] == len(self.esync.ready_log):
+        result = _new_result(self._call(self.state, members, last_msg, hot_s, until,
+                                        max_messages, epoch))
+        if esync and self.esync.ready_count[0] == len(self.esync.ready_log):
             p.drain_ready_log()
-        return code
+        return result
 
     def warm_up(self) -> None:
         """Compile ``_serve`` (or load it from Numba's cache) before the first message: one
-        call that probes an empty communicator of this process alone and returns."""
-        io = list(self.io)
-        io[0] = self.io[0].copy()
-        io[0][0] = MPI._handleof(MPI.COMM_SELF)
-        _serve(tuple(io), self.state, self._no_members, 0.0, 0.0, 0.0, 2 ** 62, self.t0,
-               self.kind, self.eps, -1)
+        call that probes an empty communicator of this process alone and returns.  Then
+        binds the compiled function itself: Numba's dispatch, which types every argument on
+        every call, costs about as much as the rest of an entry together (~1.7 µs)."""
+        args = (self.state, self._no_members, 0.0, 0.0, 0.0, 2 ** 62, -1)
+        _serve(self._bind(MPI.COMM_SELF), *args[1:])
+        self._call = _compiled(_serve, args)
 
-    @property
-    def handled(self) -> int:
-        return int(self.out[0])
 
-    @property
-    def last_msg(self) -> float:
-        return float(self.out[1])
+def _compiled(dispatcher, args):
+    """The machine code ``dispatcher`` runs for arguments like ``args``, callable without
+    Numba's per-call typing (its ``entry_point``); the dispatcher itself if it has none."""
+    try:
+        sig = tuple(dispatcher.typeof_pyval(a) for a in args)
+        return dispatcher.overloads[sig].entry_point
+    except (AttributeError, KeyError):
+        return dispatcher
 
-    @property
-    def handover(self) -> tuple[int, int, int, float]:
-        """(source, tag, worker, receipt time) of a RECEIVED message."""
-        o = self.out
-        return int(o[2]), int(o[3]), int(o[4]), float(o[5])
 
-    @property
-    def error(self) -> int:
-        return int(self.out[6])
+_new_result = ServeResult._make
 
 
 # -- the compiled part ------------------------------------------------------------------------
@@ -176,6 +199,7 @@ class FastPath:
 
 import numba  # noqa: E402
 from numba import types  # noqa: E402
+from numba.experimental import structref  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 _i32, _ptr = types.int32, types.intp
@@ -188,62 +212,96 @@ _wtime = types.ExternalFunction("MPI_Wtime", types.float64())
 _jit = numba.njit(cache=True, nogil=True)
 
 
+@structref.register
+class _ServeStateType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class ServeState(structref.StructRefProxy):
+    """What the compiled loop is bound to, by name (fields: ``_STATE_FIELDS``): the MPI
+    handles (``comm``, ``h_double``, ``h_byte``, ``any_source``, ``any_tag``) and where an
+    MPI_Status keeps its source and tag (``src_at``, ``tag_at``); its buffers (``status``
+    cells, ``scratch`` for Iprobe's flag and Get_count's count, the ``request`` received into,
+    the ``reply``) and ``worker_of`` (rank -> worker, -1: none); the rules' tables
+    (``tables``, ``counters``, ``events``, ``esync``, ``ebsp``); the server's clock origin
+    ``t0``, ESync's ``eps`` and the rule family ``kind``.
+
+    One object on purpose: Numba passes it as one pointer, where the 36 arrays inside it,
+    passed as arguments, were each unboxed at every entry into the loop (the entry cost of a
+    query that finds the server between hot windows)."""
+
+
+_STATE_FIELDS = ("comm", "h_double", "h_byte", "any_source", "any_tag", "src_at", "tag_at",
+                 "status", "scratch", "request", "reply", "worker_of", "tables", "counters",
+                 "events", "esync", "ebsp", "t0", "eps", "kind")
+structref.define_constructor(ServeState, _ServeStateType, _STATE_FIELDS)
+structref.define_boxing(_ServeStateType, ServeState)
+
+
 @_jit
-def _serve(io, state, members, last_msg, hot_s, until, max_messages, t0, kind, eps, epoch):
-    """The transport: probe, receive, hand to the rules, send (module doc).  ``io``: (MPI
-    handles and status indices, status cells, scratch, request, reply, worker of rank, out);
-    ``state``: the rules' (tables, counters, events, ESync tables, ElasticBSP tables).
+def _new_state(comm, h_double, h_byte, any_source, any_tag, src_at, tag_at, status, scratch,
+               request, reply, worker_of, tables, counters, events, esync, ebsp, t0, eps,
+               kind):
+    """A :class:`ServeState` (compiled once into Numba's cache, unlike a proxy's own
+    constructor, which is compiled in every process)."""
+    return ServeState(comm, h_double, h_byte, any_source, any_tag, src_at, tag_at, status,
+                      scratch, request, reply, worker_of, tables, counters, events, esync,
+                      ebsp, t0, eps, kind)
+
+
+@_jit
+def _result(code, handled, last_msg, src, tag, w, now, err):
+    """``ServeResult``'s fields, with the types every exit of ``_serve`` shares."""
+    return (np.int64(code), np.int64(handled), np.float64(last_msg), np.int64(src),
+            np.int64(tag), np.int64(w), np.float64(now), np.int64(err))
+
+
+@_jit
+def _serve(st, members, last_msg, hot_s, until, max_messages, epoch):
+    """The transport: probe, receive, hand to the rules, send (module doc).  ``st``: a
+    :class:`ServeState`; returns the fields of a :class:`ServeResult`.
     One function because it is one polling loop whose every exit hands a message back to
     Python at a different point; what a message does is in the ``rules`` it calls."""
-    mpi, status, scratch, msg, reply, worker_of, out = io
-    tables, counters, events, es, eb = state
-    comm, h_double, h_byte = mpi[0], mpi[1], mpi[2]
-    any_source, any_tag = np.int32(mpi[3]), np.int32(mpi[4])
-    src_at, tag_at = mpi[5], mpi[6]
+    tables, counters, events, es, eb = st.tables, st.counters, st.events, st.esync, st.ebsp
+    msg, reply, status, scratch, worker_of = st.request, st.reply, st.status, st.scratch, \
+        st.worker_of
+    comm, h_double, h_byte, kind = st.comm, st.h_double, st.h_byte, st.kind
+    any_source, any_tag = np.int32(st.any_source), np.int32(st.any_tag)
+    src_at, tag_at, t0, eps = st.src_at, st.tag_at, st.t0, st.eps
     status_p = status.ctypes.data
     flag_p = scratch.ctypes.data
     count_p = flag_p + 4
     handled = 0
-    out[0] = 0.0
-    out[1] = last_msg
-    out[6] = 0.0
     # Also back to Python once housekeeping is due, even while messages keep coming: a
     # silent worker must be found under load too.
     while handled < max_messages and last_msg < until:
         err = _iprobe(any_source, any_tag, comm, flag_p, status_p)
         if err != 0:
-            out[6] = err
-            return MPI_FAILED
+            return _result(MPI_FAILED, handled, last_msg, -1, -1, -1, 0.0, err)
         if scratch[0] == 0:
             now = _wtime()
             if now - last_msg >= hot_s or now >= until:
-                return QUIET
+                return _result(QUIET, handled, last_msg, -1, -1, -1, 0.0, 0)
             continue
         src, tag = status[src_at], status[tag_at]
         if (tag != W.STEP and tag != W.RESET) or src < 0 or src >= worker_of.shape[0]:
-            return PROBED
+            return _result(PROBED, handled, last_msg, src, tag, -1, 0.0, 0)
         w = worker_of[src]
         if w < 0:
-            return PROBED
+            return _result(PROBED, handled, last_msg, src, tag, -1, 0.0, 0)
         _get_count(status_p, h_byte, count_p)
         if scratch[1] != 8 * W.MSG_LEN:
-            return PROBED
+            return _result(PROBED, handled, last_msg, src, tag, w, 0.0, 0)
         err = _recv(msg.ctypes.data, W.MSG_LEN, h_double, src, tag, comm, status_p)
         if err != 0:
-            out[6] = err
-            return MPI_FAILED
+            return _result(MPI_FAILED, handled, last_msg, src, tag, w, 0.0, err)
         now = _wtime()
         last_msg = now
-        out[1] = now
-        out[2] = src
-        out[3] = tag
-        out[4] = w
-        out[5] = now
         # Can it be completed here?  (Decided before anything is written.)
-        if rules.request_problem(msg) != 0 or tables.removed[w]:
-            return RECEIVED
-        if rules.fast_hands_over(kind, tag, np.int64(msg[W.ITER]), epoch, eb, w):
-            return RECEIVED
+        if rules.request_problem(msg) != 0 or tables.removed[w] or \
+                rules.fast_hands_over(kind, tag, np.int64(msg[W.ITER]), epoch, eb, w):
+            return _result(RECEIVED, handled, last_msg, src, tag, w, now, 0)
         rules.record_heard(tables, w, now)
         t = now - t0
         if tag == W.RESET:
@@ -254,7 +312,6 @@ def _serve(io, state, members, last_msg, hot_s, until, max_messages, t0, kind, e
                 rules.esync_new_round(es, w, now)
             rules.log_event(events, t, w, rules.K_RESET, rnd)
             handled += 1
-            out[0] = handled
             continue
         k = np.int64(msg[W.ITER])
         compute = msg[W.COMPUTE]
@@ -265,18 +322,16 @@ def _serve(io, state, members, last_msg, hot_s, until, max_messages, t0, kind, e
                                                   eps, delayed, msg[W.AGG])
         rules.log_event(events, t, w, rules.K_REPORT, k)
         handled += 1
-        out[0] = handled
         rules.record_answer(tables, counters, events, w, action, t)
         if action == W.LOCAL and delayed:
             continue   # ESync §4.2: NOT-READY is implicit in delayed-ACK mode
         rules.fill_reply(reply, action, local_iters, tables.round[w], msg[W.SEQ], 0, 0, 0)
         err = _send(reply.ctypes.data, W.MSG_LEN, h_double, src, W.REPLY, comm)
         if err != 0:
-            out[6] = err
-            return MPI_FAILED
+            return _result(MPI_FAILED, handled, last_msg, src, tag, w, now, err)
         if kind == rules.FAST_ESYNC and es.ready_count[0] == es.ready_log.shape[0]:
-            return DRAIN
-    return QUIET
+            return _result(DRAIN, handled, last_msg, -1, -1, -1, 0.0, 0)
+    return _result(QUIET, handled, last_msg, -1, -1, -1, 0.0, 0)
 
 
 # -- the worker's side ------------------------------------------------------------------------
@@ -338,6 +393,16 @@ def _query(comm, h_double, msgs_at, handles_at, server, tag, seq, iteration, com
             return -1.0
 
 
+class QueryBinding(NamedTuple):
+    """``_query``'s first arguments, by name: what one client's round trip is bound to."""
+    comm: int         # MPI handle of the control communicator
+    h_double: int     # MPI handle of MPI_DOUBLE
+    msgs_at: int      # address of the request (8 float64) followed by the reply (8)
+    handles_at: int   # address of the int64 cells: request handle, Test's flag, a status
+    server: int       # the server's rank
+    tag: int          # W.STEP
+
+
 class ClientPath:
     """The compiled step of one :class:`~mpsync.server.SyncClient` (``_query``); ``msgs``:
     its request and reply buffers, one float64 block of 16, kept alive by the client."""
@@ -346,8 +411,9 @@ class ClientPath:
         status_cells = -(-_status_layout()[0] // 2)
         self.handles = np.zeros(2 + status_cells, np.int64)
         self.msgs = msgs
-        self.args = (MPI._handleof(comm), MPI._handleof(MPI.DOUBLE), msgs.ctypes.data,
-                     self.handles.ctypes.data, int(server_rank), W.STEP)
+        self.args = QueryBinding(MPI._handleof(comm), MPI._handleof(MPI.DOUBLE),
+                                 msgs.ctypes.data, self.handles.ctypes.data, int(server_rank),
+                                 W.STEP)
         # Compile or load from the cache now, not in the first step: a self-send on
         # COMM_SELF, answered by its own receive.
         if _query(MPI._handleof(MPI.COMM_SELF), *self.args[1:4], 0, W.REPLY, 0, 0, 0.0, 0.0,

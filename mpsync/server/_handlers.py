@@ -125,7 +125,8 @@ class MessageHandlers:
         if problem:
             return self._reject(src, W.PULL, problem)
         self._send_reply(src, seq, count=count, version=self.weights.version)
-        self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
+        if count:   # (none: a sharded PS, the worker reads the shard servers next)
+            self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1
         self.events.add(MPI.Wtime() - self.t0, w, "pull", int(self.table.pushes[w]))
         # Staleness actually granted: how far this worker is ahead of the slowest active one.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpsync import sched
+from mpsync.policies import PolicyError
 from mpsync.server import rules
 from mpsync.server.wire import SYNC
 
@@ -227,12 +228,10 @@ class DSSP(Policy):
 
 def make_policy(config, n_workers: int) -> Policy:
     """The server policy of the configuration's resolved policy (its registry entry)."""
-    from mpsync import policies
-
     spec = config.resolved().spec  # a bad policy or topology: ConfigError, naming it
     cls = spec.server_class()
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise policies.PolicyError(f"policy {config.policy!r}: {spec.server} is not a "
+        raise PolicyError(f"policy {config.policy!r}: {spec.server} is not a "
                                    f"mpsync.server Policy subclass")
     return cls(WorkerTable(n_workers), config)
 

@@ -193,9 +193,9 @@ class ESync(Policy):
     of the last round, where Alg. 2 line 5 names only the slowest (on the ring the two agree,
     see ``rules.esync_step``).  Departure [esync-held-capability-test]: the capability test's
     reply is held until every capability is known (Alg. 1 does not say how the first queries
-    meet: without it the first reporter would find no slower device).  Departure
-    [esync-ps-float64]: on the PS the weights the deltas are applied to are float64 on the
-    server (``mpsync.server.weights``), whatever the model's dtype.
+    meet: without it the first reporter would find no slower device).
+    On the sharded PS every shard applies the round's deltas before any pull is granted
+    (``mpsync.server.shards``), in the parameters' dtype.
     """
 
 

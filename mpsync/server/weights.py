@@ -1,9 +1,13 @@
-"""The parameter server's copy of the model (PS topology): one flat float64 vector, the updates
-applied to it, and its version.
+"""A parameter-server copy of the model (or of one shard of it): one flat vector in the
+parameters' dtype, the updates applied to it, and its version.
 
-No MPI here: the serve loop receives a payload, asks this store to take it, and sends what it
-returns.  A refused payload leaves the weights as they were, and the reason comes back as text
-for the loop's rejection log.
+No MPI here: a serve loop (the state server's, or a shard server's) receives a payload, asks
+this store to take it, and sends what it returns.  A refused payload leaves the weights as
+they were, and the reason comes back as text for the loop's rejection log.
+
+Under the sharded parameter server (``mpsync.server.shards``) the state server holds no
+weights: its store is *remote* (``init`` with an empty payload), and only counts the updates
+the shard servers have applied (``version``), so the staleness rules read a whole-model count.
 """
 
 from __future__ import annotations
@@ -14,25 +18,29 @@ __all__ = ["WeightStore"]
 
 
 class WeightStore:
-    """The central weights of the PS topology.
+    """The weights of the PS topology (the whole model, one shard, or none: ``remote``).
 
-    ``scale`` is the factor every pushed update is applied with, from the policy's registry
-    entry (``ps_average``, ``global_step``): 1 applies each worker's update as it is (ASP,
-    SSP, DSSP, ElasticBSP, Downpour style); 1/n averages a round's deltas (BSP) and ε/n is
+    ``scale`` is the factor every pushed update is applied with
+    (``PolicySpec.ps_update_scale``): 1 applies each worker's update as it is (ASP, SSP,
+    DSSP, ElasticBSP, Downpour style); 1/n averages a round's deltas (BSP) and ε/n is
     ESync's Eq. 7-8, where the policy's rules make every delta of a round arrive before
     anyone reads the result and every pull of it happen before the next round's deltas.
     ``version`` counts the updates applied, so a worker can tell how fresh its pull is.
+    The dtype is the first payload's (the parameters' own: float32 for most models); an
+    update of another floating dtype (float16 on the wire) is applied in the store's dtype.
     """
 
     def __init__(self, scale: float = 1.0):
         self.weights: np.ndarray | None = None
         self.version = 0
         self.scale = float(scale)
+        self.remote = False
+        self._scratch: np.ndarray | None = None
 
     @property
     def ready(self) -> bool:
         """Initialised by the first worker's ``ps_init``; pulls wait until then."""
-        return self.weights is not None
+        return self.weights is not None or self.remote
 
     @property
     def size(self) -> int:
@@ -40,12 +48,22 @@ class WeightStore:
 
     def init(self, data: np.ndarray) -> None:
         """The initial weights; the first ``ps_init`` wins (workers start from one broadcast
-        model, so later ones carry the same values)."""
-        if self.weights is None:
-            self.weights = np.array(data, dtype=np.float64)
+        model, so later ones carry the same values).  An empty payload: the model lives on the
+        shard servers and this store only counts updates."""
+        if self.ready:
+            return
+        if data.size == 0:
+            self.remote = True
+        else:
+            self.weights = np.array(data, copy=True)
 
     def apply(self, update: np.ndarray) -> str | None:
         """Add ``scale * update``; returns None, or why the update was refused."""
+        if self.remote:
+            if update.size:
+                return "push with a payload, but the model is on the shard servers"
+            self.version += 1
+            return None
         if self.weights is None or update.shape != self.weights.shape:
             return "push before ps_init or of the wrong length"
         if not np.all(np.isfinite(update)):
@@ -53,12 +71,18 @@ class WeightStore:
         if self.scale == 1.0:
             self.weights += update
         else:
-            self.weights += self.scale * update
+            if self._scratch is None:
+                self._scratch = np.empty_like(self.weights)
+            np.multiply(update, self.scale, out=self._scratch)
+            self.weights += self._scratch
         self.version += 1
         return None
 
     def pull_problem(self, count: int) -> str | None:
         """None if a pull of ``count`` values matches the model, else why not."""
+        if self.remote:
+            return None if count == 0 else (f"pull of {count} values, but the model is on "
+                                            f"the shard servers")
         if count != self.size:
             return f"pull of {count} values, the model has {self.size}"
         return None

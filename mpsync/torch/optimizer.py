@@ -33,8 +33,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Horovod's keywords:
 
     * ``compression``: ``Compression.none`` / ``Compression.fp16`` on the ring's aggregations
-      (gradients, model deltas, OSP's syncs); refused on the parameter server (its wire is
-      float64 point-to-point, nothing to compress).
+      (gradients, model deltas, OSP's syncs) and on the parameter server's pushes and pulls
+      (float16 on the wire, the shards keep the model's dtype).
     * ``op``: ``Average`` (default) or ``Sum`` of the gradients (bsp, osp); the model-delta
       policies (esync, ebsp) and the parameter server average by definition and refuse Sum;
       Adasum is refused.
@@ -250,7 +250,7 @@ def _check_passes(passes) -> None:
 def _check_horovod_keywords(config, compression, backward_passes_per_step, op,
                             predivide) -> int:
     """Horovod's argument checks, plus the ones a policy adds; returns the reduce op."""
-    from mpsync.torch.compression import NoneCompressor, as_compressor
+    from mpsync.torch.compression import as_compressor
     from mpsync.torch.mpi_ops import Average, Sum, reduce_op
 
     _check_passes(backward_passes_per_step)
@@ -264,11 +264,8 @@ def _check_horovod_keywords(config, compression, backward_passes_per_step, op,
     if not predivide > 0:
         raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide!r}")
     if config.topology == "ps":
-        if as_compressor(compression) is not NoneCompressor and \
-                getattr(compression, "__name__", "") != "NoneCompressor":
-            raise ValueError(f"compression has no meaning under {where}: workers push and pull "
-                             f"float64 weights point-to-point, no allreduce to compress; use "
-                             f"compression=Compression.none")
+        # Compression on the PS: the dtype pushes and pulls travel in (ParameterServer).
+        as_compressor(compression)
         if predivide != 1.0:
             raise ValueError(f"gradient_predivide_factor has no meaning under {where}: the "
                              f"server applies each worker's update, no gradient sum to split")

@@ -15,6 +15,14 @@ from mpsync.torch.strategies import LocalStepsThenAggregate, spec_of
 __all__ = ["ParameterServer", "ElasticSuperstep"]
 
 
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype the parameter server stores it in (numpy has no bfloat16)."""
+    return t if t.dtype in _NUMPY_FLOATS else t.to(torch.float32)
+
+
 class ParameterServer(LocalStepsThenAggregate):
     """PS topology: the global weights live on the server (rank 0).
 
@@ -23,10 +31,18 @@ class ParameterServer(LocalStepsThenAggregate):
     pulls the current weights, blocking as long as the policy's staleness rule says (SSP, DSSP
     Alg. 1).  Each worker's updates therefore reach the global model exactly once.
 
+    The weights live on the shard servers (``mpsync.server.shards``), in the parameters'
+    dtype; push and pull go to every shard at once, and the state server decides when a pull
+    may read (its staleness rule over whole-model push counts).  On the wire: that dtype, or
+    float16 under ``Compression.fp16`` (any compressor whose output is a float16/32/64 tensor
+    sets the wire dtype; the shards cannot run a compressor's own decompress).  A model in a
+    dtype numpy lacks (bfloat16) is stored as float32.
+
     Memory (at most one extra copy of the parameters): ``_base`` is the only one besides the
-    fusion buffer.  Δ is computed into ``_base`` itself and pushed from there: the
-    push is a blocking send, and the pull that follows overwrites ``_base`` with the current
-    weights, so the base is not needed between the two.
+    fusion buffer (and a float16 wire buffer under compression).  Δ is computed into
+    ``_base`` itself and pushed from there: the push returns once every shard has applied
+    it, and the pull that follows overwrites ``_base`` with the current weights, so the base
+    is not needed between the two.
     """
 
     def __init__(self, *args, worker_rank: int = 0, **kw):
@@ -36,7 +52,7 @@ class ParameterServer(LocalStepsThenAggregate):
                              f"{[str(b.dtype) for b in self.buffers]}")
         self.buf = self.buffers[0]
         self.worker_rank = worker_rank
-        self._base: np.ndarray | None = None  # float64: the wire format of push and pull
+        self._base: np.ndarray | None = None  # the store's dtype (_stored)
         self.version = 0
 
     @classmethod
@@ -46,7 +62,11 @@ class ParameterServer(LocalStepsThenAggregate):
     def _start(self) -> None:
         if self._base is not None:
             return
-        self._base = self.buf.pack_params().to(torch.float64).numpy().copy()
+        self._base = _stored(self.buf.pack_params()).numpy().copy()
+        shards = getattr(self.client, "shards", None)
+        if shards is not None:
+            shards.layout(self._base.size)   # every worker: too many shards fails here
+            shards.wire = self._wire_dtype()
         if self.worker_rank == 0:
             self.client.ps_init(self._base)
         self._pull()
@@ -77,13 +97,24 @@ class ParameterServer(LocalStepsThenAggregate):
         self._pull(final=True)
         return self.version
 
+    def _wire_dtype(self):
+        """The dtype pushes and pulls travel in: what the optimizer's compressor makes of
+        the store's dtype (None: that dtype itself)."""
+        compression = self.wire.compression if self.wire is not None else None
+        if compression is None:
+            return None
+        probe, _ = compression.compress(torch.zeros(1, dtype=_stored(self.buf.flat).dtype))
+        if probe.dtype == _stored(self.buf.flat).dtype:
+            return None
+        if probe.dtype not in _NUMPY_FLOATS:
+            raise ValueError(f"compression {compression!r} sends {probe.dtype} on "
+                             f"topology='ps'; the shard servers take float16, float32 or "
+                             f"float64 (use Compression.fp16 or Compression.none)")
+        return probe.numpy().dtype
+
     def _delta_into_base(self) -> np.ndarray:
-        """Δ = w_local - base, written over ``_base`` (numpy casts a float32 model up to
-        float64 element by element, without a temporary copy)."""
-        local = self.buf.pack_params()
-        if local.dtype not in (torch.float64, torch.float32, torch.float16):
-            local = local.to(torch.float64)  # numpy has no bfloat16: a transient copy
-        np.subtract(local.numpy(), self._base, out=self._base)
+        """Δ = w_local - base, written over ``_base``, in the store's dtype."""
+        np.subtract(_stored(self.buf.pack_params()).numpy(), self._base, out=self._base)
         return self._base
 
     def _push_pull(self) -> None:

@@ -1,0 +1,136 @@
+"""Rank programs for tests/test_ps_shards.py: the sharded parameter server on real ranks.
+
+Run through the harness (``run_mpi("ps_programs:NAME", ...)``) or as a script for the fault
+programs (``run_mpi(str(PROGRAMS), args=["NAME", ...])``), so mpsync's own abort machinery
+ends the job.  Each program prints ``RESULT {...}`` per worker and raises on a wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+import mpsync.torch as mps  # noqa: E402
+
+BASE = 1000   # worker j's pushes are counted in the j-th base-1000 digit of every coordinate
+
+
+def _args() -> dict:
+    return dict(a.partition("=")[::2] for a in sys.argv[1:] if "=" in a)
+
+
+def _result(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def _busy(seconds: float) -> None:
+    """Compute in pure Python: holds the interpreter lock, so a shard thread on this rank
+    gets it only at the interpreter's switch interval and its shard falls behind."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _decode(flat: np.ndarray, workers: int) -> np.ndarray:
+    """Per coordinate, how many pushes of each worker the model holds: shape (numel, n)."""
+    values = np.rint(flat).astype(np.int64)
+    if not np.array_equal(values, flat):
+        raise AssertionError("the model holds a value that is no sum of whole pushes")
+    counts = np.empty((flat.size, workers), dtype=np.int64)
+    for j in range(workers):
+        values, counts[:, j] = np.divmod(values, BASE)
+    if np.any(values):
+        raise AssertionError("the model holds more pushes than the workers made")
+    return counts
+
+
+def staleness_over_shards() -> None:
+    """SSP or DSSP on ``ps_shards`` shards, float64 model starting at 0: every push of
+    worker j adds BASE**j to every coordinate, so each pull tells, per coordinate (per
+    shard), how many pushes of each worker it holds.  Worker 0 is slow and computes in pure
+    Python, so the shard on its rank lags behind the others.  After the k-th push, a pull
+    must hold on *every* coordinate all k of this worker's pushes and at least k - bound of
+    everyone's (the bound: s for SSP, s_U for DSSP), the whole-model rule; a shard whose
+    updates the state server counted before they were applied would fail it."""
+    a = _args()
+    policy, steps = a.get("policy", "ssp"), int(a.get("steps", 30))
+    mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
+             ps_shards=int(a.get("ps_shards", 3)), staleness=2, staleness_low=1,
+             staleness_high=3)
+    bound = 2 if policy == "ssp" else 3
+    me, n = mps.rank(), mps.size()
+    model = torch.nn.Linear(10, 6).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    worst_gap, shards_differ = 0, 0
+    for k in range(1, steps + 1):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, -float(BASE ** me))   # lr 1: each push adds BASE**me
+        if me == 0:
+            _busy(0.03)
+        opt.step()   # SSP/DSSP: every step pushes and pulls
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        counts = _decode(flat, n)
+        if np.any(counts[:, me] != k):
+            raise AssertionError(f"pull {k}: this worker's own pushes {counts[:, me]}")
+        gap = int(k - counts.min())
+        if gap > bound:
+            bad = np.argwhere(k - counts > bound)[0]
+            raise AssertionError(f"pull {k}: coordinate {bad[0]} holds {counts[bad[0]]} "
+                                 f"pushes, worker {bad[1]} more than {bound} behind")
+        worst_gap = max(worst_gap, gap)
+        shards_differ += int(len({tuple(c) for c in counts}) > 1)
+    mps.shutdown()
+    _result(rank=me, worst_gap=worst_gap, bound=bound, torn_pulls=shards_differ)
+
+
+def shard_fault() -> None:
+    """ASP on the sharded PS; at step 5 the rank hosting shard ``victim`` is killed
+    (``kind=sigkill``) or stopped (``kind=sigstop``).  Prints ``FAULT <wall time>`` first."""
+    a = _args()
+    kind, victim = a.get("kind", "sigkill"), int(a.get("victim", 1))
+    mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated",
+             ps_shards=int(a.get("ps_shards", 3)))
+    from mpsync.torch import _runtime
+
+    host = _runtime.context().shard_layout.hosts[victim]
+    model = torch.nn.Linear(8, 4)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    for step in range(100_000):
+        if step == 5 and mps.rank() == host:
+            print(f"FAULT {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        time.sleep(0.01)
+    raise AssertionError("training went on after the fault")
+
+
+def bad_shards() -> None:
+    """``ps_shards`` larger than the model: a clear error before any shard is used."""
+    mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated",
+             ps_shards=int(_args().get("ps_shards", 3)))
+    model = torch.nn.Linear(1, 1, bias=False)   # one parameter element
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()   # raises on every worker, before anything is sent
+    raise AssertionError("a model smaller than the shard count was accepted")
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
