@@ -200,6 +200,8 @@ def table_rows(runs: dict[str, dict]) -> list[dict]:
         rows.append({"policy": policy, "time_to_target_s": ttt, "final_acc": m["final_acc"],
                      "samples_per_s": m["samples_per_s"], "wait_fraction": m["wait_fraction"],
                      "bytes_per_sample": m["bytes_per_sample"],
+                     **{k: m.get(k) for k in ("data_bytes_per_sample", "min_data_bytes_per_sample",
+                                              "control_bytes_per_sample")},
                      "speedup_vs_baseline": (base / ttt if base is not None and ttt else None),
                      # The baseline missed the target within its run: the speedup is at least this.
                      "speedup_at_least": (base_wall / ttt if base is None and base_wall and ttt

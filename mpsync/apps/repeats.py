@@ -74,6 +74,9 @@ def summarize_repeats(runs: dict[str, list[dict]], target: float | None = None) 
             "samples_per_s": statistics.median(m["samples_per_s"] for m in ms),
             "wait_fraction": statistics.median(m["wait_fraction"] for m in ms),
             "bytes_per_sample": statistics.median(m["bytes_per_sample"] or 0 for m in ms),
+            **{k: _median_or_none([m.get(k) for m in ms])
+               for k in ("data_bytes_per_sample", "min_data_bytes_per_sample",
+                         "control_bytes_per_sample")},
             "seeds": [m["config"]["seed"] for m in ms],
             "topology": ms[0]["config"]["topology"],
         })
@@ -196,3 +199,8 @@ def main(args, policies: list[str], seeds: list[int]) -> int:
         print(table)
         print(f"written: {out / 'compare.png'}, {out / 'table.md'}, {out / 'compare.json'}")
     return 1 if failures else 0
+
+
+def _median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None

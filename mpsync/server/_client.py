@@ -35,6 +35,7 @@ _SPIN_S = 2e-3           # poll without sleeping this long (module doc)
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
 _new_tuple = tuple.__new__
+_MSG_BYTES = W.MSG_LEN * 8
 
 
 class ServerError(RuntimeError):
@@ -94,6 +95,7 @@ class PendingDecision:
         """Has READY arrived?  Records the query's round trip the first time it is seen."""
         if self.decision is None and self.request.Test():
             seen = time.perf_counter()
+            self.client.control_received += _MSG_BYTES
             self.decision = self.client._decision()
             sent = self.sent.get(int(self.client._rep[W.R_SEQ]))
             if sent is not None:
@@ -128,6 +130,9 @@ class SyncClient:
         self._seq = 0
         self._pending: PendingDecision | None = None
         self.iteration = 0
+        # Control-plane bytes on this worker's link (headers, replies, their payloads).
+        self.control_sent = 0
+        self.control_received = 0
         self.wait_s = 0.0        # total time spent waiting for the server
         self.last_rtt = 0.0      # duration of the last blocking call (any kind)
         # ESync §4.2 delayed ACK: the round trip of a state query, as the worker experiences
@@ -209,9 +214,13 @@ class SyncClient:
             rdata = self.comm.Irecv([reply_data, MPI.DOUBLE], source=self.server,
                                     tag=W.REPLY_DATA)
         self.comm.Send(header, dest=self.server, tag=tag)
+        self.control_sent += _MSG_BYTES
         if data is not None:
             self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+            self.control_sent += data.nbytes
         self._wait(rep, what)
+        self.control_received += _MSG_BYTES + (reply_data.nbytes if reply_data is not None
+                                               else 0)
         if int(self._rep[W.R_SEQ]) != seq:
             raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
                               f"{seq} (two users of one SyncClient?)")
@@ -239,6 +248,8 @@ class SyncClient:
             self._call(W.STEP, f"step {iteration}", header=self._header(it, compute_time))
             return self._decision()
         # The compiled round trip: header, receive posted, send, 50 µs of busy polling.
+        self.control_sent += _MSG_BYTES
+        self.control_received += _MSG_BYTES
         seq = self._seq = self._seq + 1
         elapsed = self._query(*self._query_args, seq, it, compute_time, self.wait_s, _BUSY_S)
         if elapsed < 0.0:
@@ -280,6 +291,7 @@ class SyncClient:
         header = self._header(iteration, compute_time, agg=self.query_rtt, flag=1)
         self._pending._note_sent(self._seq, time.perf_counter())
         self.comm.Send(header, dest=self.server, tag=W.STEP)
+        self.control_sent += _MSG_BYTES
         return self._pending
 
     def ready_arrived(self) -> bool:
@@ -293,6 +305,7 @@ class SyncClient:
         """The aggregation that ends round ``round_ - 1`` finished (no reply is awaited)."""
         header = self._header(self.iteration, 0.0, round_, aggregation_time)
         self.comm.Send(header, dest=self.server, tag=W.RESET)
+        self.control_sent += _MSG_BYTES
 
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,
                           epoch: int = 0, u_max: float | None = None) -> np.ndarray:
@@ -362,6 +375,7 @@ class SyncClient:
         buf = np.empty(size, dtype=np.uint8)
         req = self.comm.Irecv([buf, MPI.BYTE], source=self.server, tag=W.REPLY_STATS)
         self._wait(req, "stats (payload)")
+        self.control_received += size
         return json.loads(buf.tobytes().decode())
 
     def shutdown(self) -> None:
