@@ -26,7 +26,8 @@ from mpi4py import MPI
 
 from mpsync.server import _fastpath, wire as W
 
-__all__ = ["SyncClient", "Decision", "ServerError", "DeadlineExceeded", "LOCAL", "SYNC"]
+__all__ = ["SyncClient", "Decision", "PendingImportance", "ServerError", "DeadlineExceeded",
+           "LOCAL", "SYNC"]
 
 LOCAL = W.LOCAL
 SYNC = W.SYNC
@@ -106,6 +107,31 @@ class PendingDecision:
         if self._check() and self.client._pending is self:
             self.client._pending = None
         return self.decision
+
+
+class PendingImportance:
+    """An OSP importance report in flight (``SyncClient.start_report_importance``): its
+    reply's receives are posted at once, into buffers of its own, so another call's reply
+    cannot land in them."""
+
+    def __init__(self, client: "SyncClient", iteration: int, seq: int, n_layers: int):
+        self.client, self.iteration, self.seq = client, iteration, seq
+        self._rep = np.empty(W.MSG_LEN, dtype=np.float64)
+        self._out = np.empty(n_layers, dtype=np.float64)
+        self._requests = (client.comm.Irecv([self._rep, MPI.DOUBLE], source=client.server,
+                                            tag=W.REPLY),
+                          client.comm.Irecv([self._out, MPI.DOUBLE], source=client.server,
+                                            tag=W.REPLY_DATA))
+
+    def wait(self) -> np.ndarray:
+        """The bitmap (True = In-Computation Sync); waits with the client's deadline."""
+        what = f"importance for iteration {self.iteration}"
+        for request in self._requests:
+            self.client._wait(request, what)  # noqa: SLF001 - the client's own wait
+        if int(self._rep[W.R_SEQ]) != self.seq:
+            raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
+                              f"{self.seq}")
+        return self._out.astype(bool)
 
 
 class SyncClient:
@@ -313,18 +339,38 @@ class SyncClient:
         sizes), this iteration's loss and 1-based epoch, and the ICS bound ``u_max`` (model
         elements) this worker measured; returns this iteration's bitmap, True = In-Computation
         Sync (the same for every worker)."""
+        header, data = self._importance_message(self.iteration, importance, layer_sizes, loss,
+                                                epoch, u_max)
+        out = np.empty(data.size // 2, dtype=np.float64)
+        self._call(W.IMPORTANCE, "importance", header=header, data=data, reply_data=out)
+        return out.astype(bool)
+
+    def start_report_importance(self, iteration: int, importance, layer_sizes=None,
+                                loss: float | None = None, epoch: int = 0,
+                                u_max: float | None = None) -> "PendingImportance":
+        """``report_importance`` for the bitmap of ``iteration`` without waiting: the reply
+        lands in buffers of its own while the worker computes, and ``wait()`` returns the
+        bitmap.  Calls made meanwhile are answered after it (the server answers one rank's
+        requests in order, and a rank's messages on one tag are received in that order)."""
+        header, data = self._importance_message(iteration, importance, layer_sizes, loss,
+                                                epoch, u_max)
+        pending = PendingImportance(self, int(iteration), self._seq, data.size // 2)
+        self.comm.Send(header, dest=self.server, tag=W.IMPORTANCE)
+        self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+        return pending
+
+    def _importance_message(self, iteration, importance, layer_sizes, loss, epoch, u_max):
+        if self._pending is not None:
+            raise ServerError("importance report while a delayed-ACK query is pending")
         imp = np.ascontiguousarray(importance, dtype=np.float64)
         sizes = (np.ones_like(imp) if layer_sizes is None
                  else np.ascontiguousarray(layer_sizes, dtype=np.float64))
         if sizes.shape != imp.shape:
             raise ValueError(f"layer_sizes has shape {sizes.shape}, importance {imp.shape}")
-        out = np.empty(imp.size, dtype=np.float64)
         flag = int(epoch) if loss is not None else 0
-        header = self._header(self.iteration, 0.0 if not u_max else float(u_max), 0,
+        header = self._header(iteration, 0.0 if not u_max else float(u_max), 0,
                               0.0 if loss is None else float(loss), count=imp.size, flag=flag)
-        self._call(W.IMPORTANCE, "importance", header=header,
-                   data=np.concatenate([imp, sizes]), reply_data=out)
-        return out.astype(bool)
+        return header, np.concatenate([imp, sizes])
 
     def ps_init(self, flat: np.ndarray) -> None:
         """The initial weights (sharded: to every shard first, then the state server learns
