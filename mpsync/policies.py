@@ -411,14 +411,16 @@ register(
     strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
     options=("osp_ics_size", "osp_ics_max_fraction"), simulation={"ring": "overlap"},
     fidelity={
-        "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) of the global gradients "
-                 "with a one-iteration lag (§3.2), U_max = b·T_c/N from measured rates (Eq. 5) "
-                 "capped at 0.8 (Alg. 1 line 2), S(G^u) = 0 in epoch 1 then (1 - loss_i/L)·U_max "
+        "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) with a one-iteration lag, "
+                 "reported during the computation (§3.2, §4.5), U_max = b·T_c/N from measured "
+                 "rates (Eq. 5) capped at 0.8 (Alg. 1 line 2), S(G^u) = 0 in epoch 1 then (1 - loss_i/L)·U_max "
                  "(Alg. 1), LGP correction (Eq. 6-7)",
                  f"ring allreduce instead of a PS [osp-ring]; lr of Eq. 5 not measured (0) "
                  f"[osp-no-loss-rate]; loss_i is the running mean of epoch i "
-                 f"[osp-running-mean-loss]; GIB computed in the step's round trip "
-                 f"[osp-gib-in-round-trip] ({_POL}OSP); S(G^u) clipped to [0, U_max] "
-                 f"[osp-clip-ics-size] (mpsync.sched.osp:osp_ics_size); Eq. 7 is exact for "
-                 f"plain SGD only [osp-lgp-plain-sgd] (mpsync.torch.two_stage:TwoStageSync)"),
+                 f"[osp-running-mean-loss], reported one iteration ahead [osp-loss-one-ahead] "
+                 f"({_POL}OSP); S(G^u) clipped to [0, U_max] "
+                 f"[osp-clip-ics-size] (mpsync.sched.osp:osp_ics_size); the importance of ICS "
+                 f"layers is of the local gradient, LGP's estimate [osp-ics-local-importance]; "
+                 f"Eq. 7 is exact for plain SGD only [osp-lgp-plain-sgd] "
+                 f"(mpsync.torch.two_stage:TwoStageSync)"),
     })

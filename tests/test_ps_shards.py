@@ -129,3 +129,34 @@ def test_a_stopped_shard_is_named_by_the_workers_at_the_deadline():
     text = "".join(o.get("stderr", "") for o in run.ranks.values())
     assert re.search(r"no answer from PS shard 2 \(world rank \d+ on \S+\) to (push|pull)",
                      text), run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fp16", ["0", "1"])
+def test_bytes_per_worker_are_counted_message_by_message(fp16):
+    run = run_mpi("ps_programs:bytes_accounted", np=4, timeout=180, args=[f"fp16={fp16}"])
+    res = _results(run)
+    assert len(res) == 3, run.report()
+    for r in res.values():
+        # A push, a pull and a reset a step at least, each at least one 64-byte message.
+        assert r["control_sent"] >= 6 * 3 * 64 and r["control_received"] >= 6 * 2 * 64, r
+    # Two shards on three workers: two ranks served their shard's bytes, one did not.
+    assert sorted(r["shard_sent"] > 0 for r in res.values()) == [False, True, True], res
+
+
+def test_bytes_per_sample_in_the_report_are_data_and_control_apart():
+    from mpsync.apps import report
+
+    workers = {"0": {"samples": 10, "compute_s": 1.0, "wait_s": 0.0, "aggregation_s": 0.0,
+                     "bytes_sent": 100, "data_sent": 400, "data_received": 600, "data_min": 800,
+                     "control_sent": 50, "control_received": 30, "shard_sent": 200,
+                     "shard_received": 300}}
+    m = report.summarize({"workers": workers, "wall_s": 1.0, "evals": []}, None)
+    # Each byte once, at its sender: the worker's sends and its shard's.
+    assert m["data_bytes_per_sample"] == 60 and m["min_data_bytes_per_sample"] == 80
+    assert m["control_bytes_per_sample"] == 8
+    row = {"policy": "ssp", "time_to_target_s": None, "final_acc": 0.5, "samples_per_s": 1.0,
+           "wait_fraction": 0.1, **{k: m[k] for k in ("data_bytes_per_sample",
+                                                     "min_data_bytes_per_sample",
+                                                     "control_bytes_per_sample")}}
+    assert "| 60 (80) | 8 |" in report.format_table([row])

@@ -21,7 +21,7 @@ from pathlib import Path
 from mpsync import cluster
 from mpsync import policies as registry
 from mpsync.apps import repeats, train
-from mpsync.apps.report import comparison_figure, format_table
+from mpsync.apps.report import comparison_figure, format_table, plot_run
 from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
 from mpsync.bench.nodes import cluster_at_rate
 from mpsync.cluster.layout import ClusterError, parse_rate
@@ -166,6 +166,10 @@ def _compare(args) -> int:
             m = runs[policy]
             print(f"[{policy}] done in {res.elapsed:.0f}s (training {m['wall_s']:.1f}s): "
                   f"final acc {m['final_acc']:.3f}", flush=True)
+    if not args.from_runs:   # every run's own plots, now that the last one has finished
+        for policy in runs:
+            if (out / policy / "trace.json").is_file():
+                plot_run(out / policy)
     rows = table_rows(runs)
     result = {"rows": rows, "target_acc": args.target_acc, "failed": failures,
               "setup": setup_line(args, runs)}
@@ -196,6 +200,8 @@ def table_rows(runs: dict[str, dict]) -> list[dict]:
         rows.append({"policy": policy, "time_to_target_s": ttt, "final_acc": m["final_acc"],
                      "samples_per_s": m["samples_per_s"], "wait_fraction": m["wait_fraction"],
                      "bytes_per_sample": m["bytes_per_sample"],
+                     **{k: m.get(k) for k in ("data_bytes_per_sample", "min_data_bytes_per_sample",
+                                              "control_bytes_per_sample")},
                      "speedup_vs_baseline": (base / ttt if base is not None and ttt else None),
                      # The baseline missed the target within its run: the speedup is at least this.
                      "speedup_at_least": (base_wall / ttt if base is None and base_wall and ttt

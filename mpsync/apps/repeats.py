@@ -25,7 +25,8 @@ from mpsync.apps.runs import launch_argv, setup_line
 from mpsync.config import ConfigError
 from mpsync.launch.mpirun import run_with_deadline
 from mpsync import policies as registry
-from mpsync.apps.report import comparison_figure, format_repeats_table, time_to_target
+from mpsync.apps.report import comparison_figure, format_repeats_table, plot_run, \
+    time_to_target
 
 __all__ = ["main", "seeds_of", "summarize_repeats", "common_level"]
 
@@ -73,6 +74,9 @@ def summarize_repeats(runs: dict[str, list[dict]], target: float | None = None) 
             "samples_per_s": statistics.median(m["samples_per_s"] for m in ms),
             "wait_fraction": statistics.median(m["wait_fraction"] for m in ms),
             "bytes_per_sample": statistics.median(m["bytes_per_sample"] or 0 for m in ms),
+            **{k: _median_or_none([m.get(k) for m in ms])
+               for k in ("data_bytes_per_sample", "min_data_bytes_per_sample",
+                         "control_bytes_per_sample")},
             "seeds": [m["config"]["seed"] for m in ms],
             "topology": ms[0]["config"]["topology"],
         })
@@ -170,6 +174,11 @@ def main(args, policies: list[str], seeds: list[int]) -> int:
                 print(f"[{policy} repeat {r + 1}/{len(seeds)}, seed {seed}] final acc "
                       f"{m['final_acc']:.3f}, time to target "
                       f"{'not reached' if ttt is None else f'{ttt:.1f}s'}", flush=True)
+    if not args.from_runs:   # every run's own plots, now that the last one has finished
+        for r in range(len(seeds)):
+            for policy in policies:
+                if (out / policy / f"repeat{r}" / "trace.json").is_file():
+                    plot_run(out / policy / f"repeat{r}")
     runs = {p: ms for p, ms in runs.items() if ms}
     rows = summarize_repeats(runs, args.target_acc)
     setup = f"{setup_line(args, {p: ms[0] for p, ms in runs.items()})}, {len(seeds)} " \
@@ -190,3 +199,8 @@ def main(args, policies: list[str], seeds: list[int]) -> int:
         print(table)
         print(f"written: {out / 'compare.png'}, {out / 'table.md'}, {out / 'compare.json'}")
     return 1 if failures else 0
+
+
+def _median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None

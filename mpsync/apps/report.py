@@ -6,7 +6,8 @@
      "workers": {"<rank>": {"iterations","samples","rounds","compute_s","wait_s",
                             "aggregation_s","bytes_sent","slept_s","host"}},
      "total_samples", "wall_s", "final_acc", "final_loss", "time_to_target_s" (null if not
-     reached), "samples_per_s", "wait_fraction", "bytes_per_sample", "server": {...}}
+     reached), "samples_per_s", "wait_fraction", "bytes_per_sample", "data_bytes_per_sample",
+     "min_data_bytes_per_sample", "control_bytes_per_sample", "server": {...}}
 
 ``wait_fraction`` is the share of worker time not spent computing: server waits plus
 aggregation (which includes waiting for slower peers in a collective), over compute + those.
@@ -23,7 +24,7 @@ from mpsync import policies as registry
 
 __all__ = ["summarize", "write_metrics", "plot_accuracy", "plot_timeline", "write_trace",
            "time_to_target", "format_table", "format_repeats_table", "comparison_figure",
-           "pyplot"]
+           "plot_run", "pyplot"]
 
 EVENT_COLORS = {"compute": "#4c72b0", "wait_server": "#dd8452", "aggregate": "#c44e52",
                 "ics_wait": "#8172b3"}
@@ -53,8 +54,27 @@ def summarize(metrics: dict, target: float | None) -> dict:
         samples_per_s=total / wall if wall > 0 else None,
         wait_fraction=idle / (busy + idle) if busy + idle > 0 else 0.0,
         bytes_per_sample=sum(w["bytes_sent"] for w in workers) / total if total else None,
+        **_bytes_per_sample(workers, total),
     )
     return metrics
+
+
+def _bytes_per_sample(workers, total: int) -> dict:
+    """Bytes moved per sample, each byte once (at its sender): the data plane (a worker's
+    sends, and the shard server it hosts: the pulls it answers) and the control plane (a
+    worker's messages to the state server and the replies), and the analytic minimum of the
+    data plane for the synchronizations done (ring 2(n-1)/n·B per worker and round, sharded
+    PS 2·B per worker and push+pull).  A worker's push to the shard on its own rank counts
+    though it crosses no link.  None for runs that did not count them."""
+    workers = list(workers)
+    if not total or not all("data_sent" in w for w in workers):
+        return {"data_bytes_per_sample": None, "min_data_bytes_per_sample": None,
+                "control_bytes_per_sample": None}
+    data = sum(w["data_sent"] + w.get("shard_sent", 0) for w in workers)
+    return {"data_bytes_per_sample": data / total,
+            "min_data_bytes_per_sample": sum(w["data_min"] for w in workers) / total,
+            "control_bytes_per_sample": sum(w["control_sent"] + w["control_received"]
+                                            for w in workers) / total}
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -98,6 +118,26 @@ def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def plot_run(out: Path) -> None:
+    """``accuracy.png`` and ``timeline.png`` of the run in ``out``, from its
+    ``metrics.json`` and ``trace.json`` (``mpsync train`` calls it at its end, or, with
+    ``--no-plots``, the caller does once every run is over: ``mpsync compare`` plots all its
+    runs in one process instead of importing matplotlib once per run)."""
+    out = Path(out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    events: dict[int, list] = {}
+    for e in trace:
+        if e.get("ph") == "X":
+            a = e["ts"] * 1e-6
+            events.setdefault(int(e["tid"]), []).append((e["name"], a, a + e["dur"] * 1e-6))
+    c = metrics["config"]
+    title = f"{c['policy']} on {c['topology']}, {c['heterogeneity']}"
+    plot_accuracy({c["policy"]: metrics["evals"]}, out / "accuracy.png",
+                  target=c.get("target_acc"), title=title)
+    plot_timeline(events, out / "timeline.png", t0=0.0, title=title)
 
 
 def plot_timeline(events: dict[int, list], path: Path, *, t0: float, title: str = "") -> Path:
@@ -162,18 +202,39 @@ def _baseline() -> str:
 def format_table(rows: list[dict]) -> str:
     """The compare table (Markdown, so it pastes into a README)."""
     head = ["policy", "time to target (s)", "final acc", "samples/s", "wait fraction",
-            "bytes/sample", f"speedup vs {_baseline()}"]
+            BYTES_HEAD, "control bytes/sample", f"speedup vs {_baseline()}"]
     return _markdown(head, [
         [r["policy"], _fmt(r["time_to_target_s"], ".1f", "not reached"),
          _fmt(r["final_acc"], ".3f"), _fmt(r["samples_per_s"], ".0f"),
-         _fmt(r["wait_fraction"], ".2f"), _fmt(r.get("bytes_per_sample"), ".0f"), _speedup(r)]
+         _fmt(r["wait_fraction"], ".2f"), _data_bytes(r),
+         _si(r.get("control_bytes_per_sample")), _speedup(r)]
         for r in rows])
+
+
+# Data bytes moved per sample (each byte once), measured, and the analytic minimum for the
+# topology in parentheses (``_bytes_per_sample``).
+BYTES_HEAD = "data bytes/sample (min)"
+
+
+def _si(v) -> str:
+    if v is None:
+        return "-"
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if abs(v) >= size:
+            return f"{v / size:.{0 if abs(v) >= 100 * size else 1}f}{unit}"
+    return f"{v:.0f}"
+
+
+def _data_bytes(r: dict) -> str:
+    if r.get("data_bytes_per_sample") is None:
+        return "-"
+    return f"{_si(r['data_bytes_per_sample'])} ({_si(r.get('min_data_bytes_per_sample'))})"
 
 
 def format_repeats_table(rows: list[dict]) -> str:
     """The table of ``mpsync compare --repeats``: medians with their min–max."""
     head = ["policy", "reached", "time to target (s): median (min–max)",
-            "final acc: median (min–max)", "samples/s", "wait fraction",
+            "final acc: median (min–max)", "samples/s", "wait fraction", BYTES_HEAD,
             f"speedup vs {_baseline()} "
             f"({rows[0].get('speedup_basis', 'medians') if rows else 'medians'})"]
     out = []
@@ -184,7 +245,8 @@ def format_repeats_table(rows: list[dict]) -> str:
         acc = (f"{_fmt(r['final_acc'], '.3f')} ({_fmt(r['final_acc_min'], '.3f')}–"
                f"{_fmt(r['final_acc_max'], '.3f')})")
         out.append([r["policy"], f"{r['reached']}/{r['repeats']}", ttt, acc,
-                    f"{r['samples_per_s']:.0f}", f"{r['wait_fraction']:.2f}", _speedup(r)])
+                    f"{r['samples_per_s']:.0f}", f"{r['wait_fraction']:.2f}", _data_bytes(r),
+                    _speedup(r)])
     return _markdown(head, out)
 
 

@@ -18,7 +18,7 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
             "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
             "--comm-delay", str(args.comm_delay), "--server", args.server,
-            "--out", str(out), "--no-progress"]
+            "--out", str(out), "--no-progress", "--no-plots"]
     if args.topology is not None:  # else train picks the policy's own topology
         argv += ["--topology", args.topology]
     if getattr(args, "ps_shards", None) is not None:

@@ -126,6 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each worker, which is then also when the workers agree to stop)")
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-plots", action="store_true",
+                   help="write metrics and trace only; plot later (mpsync.apps.report.plot_run)")
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
     # Fault injection for the resume test: SIGKILL worker 0 right after this step.
     g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)

@@ -16,7 +16,9 @@ from mpsync.config import SyncConfig
 
 __all__ = ["worker_state", "write_checkpoint", "ps_checkpoint", "warn_if_slow"]
 
-COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent")
+COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent",
+            "data_sent", "data_received", "control_sent", "control_received", "data_min",
+            "shard_sent", "shard_received")
 
 
 def worker_state(mps, inner, epoch, index, samples, before: dict, slept_s: float) -> dict:

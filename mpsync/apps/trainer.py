@@ -63,6 +63,18 @@ def train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
     return finish(w)
 
 
+def _serve_and_exit(init_kw: dict, outputs: dict) -> None:
+    """The dedicated server rank: what ``mps.init`` does there (the same collectives, then
+    serve), without importing torch, which this rank never uses."""
+    from mpi4py import MPI
+
+    from mpsync.server import job
+
+    config = job.config_of(**init_kw)
+    job.serve_dedicated(job.join(MPI.COMM_WORLD, config), config, **outputs)
+    sys.exit(0)
+
+
 class Worker:
     """One worker's run: model, optimizer, data shard, clock and evaluations."""
 
@@ -83,16 +95,21 @@ class Worker:
     @classmethod
     def start(cls, args, config: SyncConfig, workers: int, resume: dict | None) -> "Worker":
         """Build data and model, then ``mps.init`` (a dedicated server rank never returns)."""
+        w = cls(args, config, resume)
+        rank = world_rank()
+        if w.out is not None and rank == 0:
+            w.out.mkdir(parents=True, exist_ok=True)
+        init_kw = {k: v for k, v in config.to_dict().items() if k != "extra"}
+        outputs = dict(stats_path=str(w.out / "server_stats.json") if w.out else None,
+                       trace_path=str(w.out / "server_trace.json") if w.out else None)
+        if config.server == "dedicated" and rank == 0:
+            _serve_and_exit(init_kw, outputs)
         import torch
 
         import mpsync.torch as mps
         from mpsync.apps.models import build_model
 
         torch.set_num_threads(1)
-        w = cls(args, config, resume)
-        rank = world_rank()
-        if w.out is not None and rank == 0:
-            w.out.mkdir(parents=True, exist_ok=True)
         # Data and model are built before init: the state server counts a registered worker
         # that stays quiet for longer than silent_timeout as gone, and a loaded machine is
         # slow here.
@@ -109,9 +126,7 @@ class Worker:
                                                 args.slowdown_schedule, args.iter_time,
                                                 args.comm_delay)
             w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed, args.model)
-        init_kw = {k: v for k, v in config.to_dict().items() if k != "extra"}
-        mps.init(**init_kw, stats_path=str(w.out / "server_stats.json") if w.out else None,
-                 trace_path=str(w.out / "server_trace.json") if w.out else None)
+        mps.init(**init_kw, **outputs)
         # Only workers get here (a dedicated server serves inside init and exits).
         w.mps, w.n = mps, mps.size()
         if w.n != workers or mps.rank() != w.me:
@@ -390,6 +405,9 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         "evals": [{k: v for k, v in ev.items() if k != "wall_clock"} for ev in w.evals],
         "workers": {str(i): g for i, g in enumerate(gathered)},
         "wall_s": final_wall,
+        # When training began (worker 0's first evaluation), seconds since the epoch: what a
+        # launcher subtracts its own start from to time the start-up.
+        "train_start_clock": w.evals[0].get("wall_clock") if w.evals else None,
         "final_param_sha256": _param_sha256(w.model),
         "server": server,
     }
@@ -402,11 +420,9 @@ def _write_results(w: Worker, metrics: dict, events: dict) -> None:
     report.write_metrics(metrics, out)
     torch.save(w.model.state_dict(), out / "model.pt")
     t0 = min((a for evs in events.values() for _, a, _ in evs), default=time.time())
-    title = f"{config.policy} on {config.topology}, {w.hetero.describe()}"
-    report.plot_accuracy({config.policy: metrics["evals"]}, out / "accuracy.png",
-                         target=w.args.target_acc, title=title)
-    report.plot_timeline(events, out / "timeline.png", t0=t0, title=title)
     report.write_trace(events, w.evals, out / "trace.json", t0=t0)
+    if not getattr(w.args, "no_plots", False):   # else the caller plots (report.plot_run)
+        report.plot_run(out)
 
 
 def _param_sha256(model) -> str:

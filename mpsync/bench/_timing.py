@@ -1,11 +1,25 @@
-"""What the aggregation benchmarks share: the ``--sizes`` parser and the interleaved timing of
-several collectives on every rank."""
+"""What the aggregation benchmarks share: the ``--sizes`` parser, the interleaved timing of
+several collectives on every rank, and how a result is written out."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
-__all__ = ["byte_sizes", "timed"]
+__all__ = ["byte_sizes", "timed", "report_json"]
+
+
+def report_json(result: dict, out: str | None, filename: str, as_json: bool) -> bool:
+    """Write ``result`` to ``out/filename`` (when ``out`` is given) and print it with
+    ``as_json``; returns ``as_json`` (the caller prints its table otherwise)."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, filename), "w") as f:
+            json.dump(result, f, indent=1)
+    if as_json:
+        print(json.dumps(result, indent=1))
+    return as_json
 
 
 def byte_sizes(text: str | None, default: tuple[int, ...]) -> list[int]:

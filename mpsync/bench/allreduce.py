@@ -28,8 +28,12 @@ fp16 on the mpi backend: alltoall + allgather of the halves, next to ``mpi_ms``)
 MLP, raw and over an emulated 2 Gbit/s link (OSP's target: faster when communication shows).
 
 A second job (skip it with ``--no-ps``) with one extra rank as a dedicated state server times
-the PS topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights, policy
-asp) at the same sizes (``ps_ms``), next to the ring's ``mpsync_ms`` (ring vs PS).
+the PS topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights over
+the shard servers, policy asp, float32) at the same sizes (``ps_ms``), next to the ring's
+``mpsync_ms`` (ring vs PS), with the data bytes one worker's exchange moved, counted message
+by message (``ps_wire_bytes``: its push out, its pull in), beside the analytic minima per
+worker of a push and a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce
+(``ring_min_bytes`` = 2(n-1)/n·B sent, as much received).
 
 ``--json`` prints only the list of rows, one per size, with the keys above (``ps_ms`` and
 ``ps_vs_ring`` when the PS job ran; ``np`` and the ratios ``mpsync_vs_horovod``,
@@ -160,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(table: list[dict]) -> None:
     cols = ["bytes", "mpsync_ms", "horovod_ms", "mpsync_vs_horovod", "mpsync_copy_ms",
             "mpsync_mpi_ms", "mpi_ms",
-            "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring", "horovod_fp16_ms", "mpsync_fp16_ms",
+            "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring", "ps_shards", "ps_wire_bytes",
+            "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
             "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
             "fp16_vs_fp32_bytes", "user_ms", "user_unchecked_ms", "check_overhead"]
     cols = [c for c in cols if any(c in r for r in table)]
@@ -260,11 +265,15 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
 
 
 def _ps_child(sizes, max_repeats, budget) -> None:
+    """The sharded PS's push + pull of a float32 model of each size (``auto`` shards), and
+    the data bytes each worker's exchange moved, counted message by message, beside the
+    analytic minima: 2·B for a push and a pull, 2(n-1)/n·B for a ring allreduce."""
     import numpy as np
     from mpi4py import MPI
 
     from mpsync.config import SyncConfig
     from mpsync.server import StateServer, SyncClient
+    from mpsync.server.shards import start_shards
 
     world = MPI.COMM_WORLD
     control = world.Dup()
@@ -276,12 +285,14 @@ def _ps_child(sizes, max_repeats, budget) -> None:
             StateServer(control, config, server_rank=0).serve()
             world.Barrier()  # no worker may reach the next size's server before it exists
             continue
-        client = SyncClient(control, config, server_rank=0)
-        n = max(1, nbytes // 8)  # the PS exchanges float64
-        weights = np.zeros(n)
+        shards, thread, layout = start_shards(workers, config,
+                                              list(range(1, world.Get_size())), log=_quiet)
+        client = SyncClient(control, config, server_rank=0, shards=shards)
+        n = max(layout.count, nbytes // 4)
+        weights = np.zeros(n, dtype=np.float32)
         if workers.Get_rank() == 0:
             client.ps_init(weights)
-        delta = np.full(n, 1e-6)
+        delta = np.full(n, 1e-6, dtype=np.float32)
         it = [0]
 
         def exchange():
@@ -290,11 +301,24 @@ def _ps_child(sizes, max_repeats, budget) -> None:
             client.pull(weights, it[0])
 
         client.pull(weights, 0)
+        moved = shards.bytes_sent + shards.bytes_received
         ms = timed(workers, {"ps_ms": exchange}, max_repeats, budget)["ps_ms"]
+        per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / it[0]
+        shards.close()
+        if thread is not None:
+            thread.join()
         client.shutdown()
         if workers.Get_rank() == 0:
-            print("ROW " + json.dumps({"bytes": nbytes, "ps_ms": ms}), flush=True)
+            size = workers.Get_size()
+            print("ROW " + json.dumps({
+                "bytes": nbytes, "ps_ms": ms, "ps_shards": layout.count,
+                "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
+                "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size}), flush=True)
         world.Barrier()
+
+
+def _quiet(_text: str) -> None:
+    """The shard layout line: the benchmark prints its rows only."""
 
 
 def _ps_policy() -> str:

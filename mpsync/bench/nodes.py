@@ -37,7 +37,7 @@ import threading
 import time
 
 from mpsync import cluster
-from mpsync.bench._timing import byte_sizes, timed
+from mpsync.bench._timing import byte_sizes, report_json, timed
 from mpsync.cluster.layout import parse_rate
 from mpsync.launch import forwarded_env, launch_argv, python_argv, run_with_deadline
 
@@ -230,13 +230,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                "elapsed_s": time.time() - started, "runs": results,
                "targets": check_targets(results)}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "cluster.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
+    if not report_json(summary, args.out, "cluster.json", args.json):
         for run in results:
             print(f"\n{run['nodes']} nodes, links at {run['rate']}")
             print(format_table(run["rows"], variants, job_variants))

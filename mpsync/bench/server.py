@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paced phase: each client's emulated iteration time (default 5)")
     parser.add_argument("--paced-iters", type=int, default=200,
                         help="paced phase: iterations per client (default 200)")
+    parser.add_argument("--baseline-samples", type=int, default=3000,
+                        help="raw and Python-floor round trips per block (default 3000; fewer "
+                             "for hundreds of clients, where each one waits its turn on the "
+                             "cores)")
     parser.add_argument("--no-wake-ahead", action="store_true",
                         help="the server does not wake up for reports that are due")
     parser.add_argument("--no-fast-path", action="store_true",
@@ -72,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
     if args.np < 2:
         print("mpsync bench server: --np must be >= 2 (a server and a client)", file=sys.stderr)
         return 2
-    if args.pace_ms < 0 or args.paced_iters < 1:
-        print("mpsync bench server: --pace-ms must be >= 0 and --paced-iters >= 1",
+    if args.pace_ms < 0 or args.paced_iters < 1 or args.baseline_samples < 10:
+        print("mpsync bench server: --pace-ms must be >= 0, --paced-iters >= 1 and "
+              "--baseline-samples >= 10",
               file=sys.stderr)
         return 2
     command = python_argv("mpsync.bench.server", "--rank-program", str(args.queries),
                           str(args.pace_ms), str(args.paced_iters),
-                          str(int(not args.no_wake_ahead)), str(int(not args.no_fast_path)))
+                          str(int(not args.no_wake_ahead)), str(int(not args.no_fast_path)),
+                          str(args.baseline_samples))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     where = {}
     with contextlib.ExitStack() as stack:
@@ -122,6 +128,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  paced {result['pace_ms']:g} ms     p50 {result['paced_p50_us']:.1f} µs  "
               f"p99 {result['paced_p99_us']:.1f} µs  server CPU "
               f"{result['server_cpu_paced_pct']:.1f}%  (wake-ahead {wake})")
+        if "paced_floor_p50_us" in result:
+            print(f"  paced floor       p50 {result['paced_floor_p50_us']:.1f} µs  p99 "
+                  f"{result['paced_floor_p99_us']:.1f} µs  (raw receiver paced the same way)  "
+                  f"ratio {result['paced_ratio_to_floor']:.2f}x")
+        if result.get("server_decisions_per_s"):
+            print(f"  one server thread {result['server_decisions_per_s']:.0f} decisions/s "
+                  f"(queued steps drained in-process)")
     return 0
 
 
@@ -174,8 +187,69 @@ def _floor_block(world, rank: int, n: int, warm: int) -> list:
     return floor
 
 
+def _paced_floor_block(world, rank: int, pace_ms: float, n: int) -> list:
+    """The paced floor: a raw mpi4py receiver paced the same way as the clients.  Both
+    ranks sleep ``pace_ms``, then rank 1 sends and waits for the answer, rank 0 receives and
+    answers: what a round trip costs when either side has just woken from a sleep (the OS's
+    wake-up), with nothing of the server in it."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buf = np.zeros(8)
+    rtts = []
+    if rank in (0, 1):
+        for i in range(n):
+            time.sleep(pace_ms * 1e-3)
+            t0 = time.perf_counter()
+            if rank == 1:
+                world.Send([buf, MPI.DOUBLE], dest=0, tag=6)
+                world.Recv([buf, MPI.DOUBLE], source=0, tag=7)
+                if i >= 10:
+                    rtts.append(time.perf_counter() - t0)
+            else:
+                world.Recv([buf, MPI.DOUBLE], source=1, tag=6)
+                world.Send([buf, MPI.DOUBLE], dest=1, tag=7)
+    world.Barrier()
+    return rtts
+
+
+def _decisions_per_s(cfg, batch: int = 2000, batches: int = 5) -> float | None:
+    """What the server's one thread decides per second when it never waits for a message:
+    ``batch`` steps queued on ``COMM_SELF``, then drained by the compiled loop (probe,
+    receive, rules, reply to itself); the best of ``batches``.  None without the compiled
+    path."""
+    import dataclasses
+
+    from mpi4py import MPI
+
+    from mpsync.server import StateServer, wire as W
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        server = StateServer(comm, dataclasses.replace(cfg, server="colocated"), workers=[0])
+        if server.fast is None:
+            return None
+        best = 0.0
+        reply = W.new_msg()
+        for b in range(batches):
+            msgs = [W.new_msg() for _ in range(batch)]
+            for i, m in enumerate(msgs):
+                m[W.SEQ], m[W.ITER] = b * batch + i + 1, b * batch + i + 1
+            sends = [comm.Isend([m, MPI.DOUBLE], dest=0, tag=W.STEP) for m in msgs]
+            t0 = time.perf_counter()
+            done = server.fast.serve(MPI.Wtime(), 1e-3, MPI.Wtime() + 60.0, batch)
+            elapsed = time.perf_counter() - t0
+            MPI.Request.Waitall(sends)
+            for _ in range(batch):
+                comm.Recv([reply, MPI.DOUBLE], source=0, tag=W.REPLY)
+            best = max(best, done.handled / elapsed)
+        return best
+    finally:
+        comm.Free()
+
+
 def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool,
-                  fast_path: bool) -> None:
+                  fast_path: bool, baseline_samples: int = 3000) -> None:
     from mpi4py import MPI
 
     from mpsync.config import SyncConfig
@@ -198,7 +272,11 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-    blocks = _blocks(world, clients, control, cfg, wake_ahead, max(1, queries // _BLOCKS))
+    blocks = _blocks(world, clients, control, cfg, wake_ahead, max(1, queries // _BLOCKS),
+                     baseline_samples)
+    blocks["decisions_per_s"] = _decisions_per_s(cfg) if rank == 0 else None
+    world.Barrier()
+    blocks["paced_floor"] = _paced_floor_block(world, rank, pace_ms, min(paced_iters, 200))
     # 4. Idle, then paced like training: an emulated iteration (a sleep: accelerator time,
     # the CPU is free), a query.
     if rank == 0:
@@ -208,8 +286,8 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         window = world.bcast(None, root=1)
         # Loaded: over the block servers' whole lives (a block is too short for the sampler).
         busy = blocks["busy"]
-        world.send(dict(_cpu_pct(samples, window), load=100.0 * busy[0] / busy[1]),
-                   dest=1, tag=3)
+        world.send(dict(_cpu_pct(samples, window), load=100.0 * busy[0] / busy[1],
+                        decisions_per_s=blocks["decisions_per_s"]), dest=1, tag=3)
         return
     client = SyncClient(control, cfg)
     paced = _paced(client, clients, pace_ms, paced_iters)
@@ -224,7 +302,8 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         world.bcast(None, root=1)
 
 
-def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> dict:
+def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int,
+            samples: int = 3000) -> dict:
     """1.-3. Baseline, Python floor and saturated queries in interleaved blocks: the speed of
     this VM drifts from one minute to the next, so each is measured in every block and pooled,
     not once at the start."""
@@ -236,8 +315,9 @@ def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> d
     out = {"rtts": [], "floor": [], "lat": [], "spans": [], "per_block": per_block,
            "busy": [0.0, 0.0]}   # rank 0: CPU and wall seconds of the block servers
     for block in range(_BLOCKS):
-        out["rtts"] += _raw_block(world, rank, 3000, 300 if block else 2000)
-        out["floor"] += _floor_block(world, rank, 3000, 300 if block else 2000)
+        warm = samples // 10 if block else min(2000, samples)
+        out["rtts"] += _raw_block(world, rank, samples, warm)
+        out["floor"] += _floor_block(world, rank, samples, warm)
         if rank == 0:
             wall, cpu = time.time(), time.process_time()
             StateServer(control, cfg, wake_ahead=wake_ahead).serve()
@@ -245,7 +325,7 @@ def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> d
             out["busy"][1] += time.time() - wall
         else:
             client = SyncClient(control, cfg)
-            for k in range(200):  # warm-up
+            for k in range(min(200, per_block)):  # warm-up
                 client.step(k, 0.0)
             clients.Barrier()
             block_lat = np.empty(per_block)
@@ -318,8 +398,14 @@ def _report(world, blocks: dict, paced: dict, gathered: dict, pace_ms: float,
         "paced_p50_us": float(np.percentile(paced_all, 50)),
         "paced_p99_us": float(np.percentile(paced_all, 99)),
         "server_cpu_paced_pct": cpu["paced"],
+        "server_decisions_per_s": cpu["decisions_per_s"],
     }
     result["p50_ratio"] = result["p50_us"] / result["raw_p50_us"]
+    floor = np.array(blocks["paced_floor"]) * 1e6
+    if floor.size:
+        result["paced_floor_p50_us"] = float(np.percentile(floor, 50))
+        result["paced_floor_p99_us"] = float(np.percentile(floor, 99))
+        result["paced_ratio_to_floor"] = result["paced_p50_us"] / result["paced_floor_p50_us"]
     print(json.dumps(result), flush=True)
 
 
@@ -340,9 +426,9 @@ def _cpu_pct(samples, windows) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--rank-program":
+    if len(sys.argv) == 8 and sys.argv[1] == "--rank-program":
         _rank_program(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
-                      sys.argv[5] == "1", sys.argv[6] == "1")
+                      sys.argv[5] == "1", sys.argv[6] == "1", int(sys.argv[7]))
     else:
         parser = argparse.ArgumentParser(prog="python -m mpsync.bench.server")
         add_arguments(parser)

@@ -14,14 +14,12 @@ over rounds with its min-max; ``tuned_vs_defaults`` is the ratio of the two medi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
 from mpsync import transport
-from mpsync.bench._timing import byte_sizes
+from mpsync.bench._timing import byte_sizes, report_json
 from mpsync.bench.nodes import (add_cluster_arguments, cluster_argv, cluster_at_rate,
                                 link_fraction, parse_list, run_job, set_rate)
 from mpsync.cluster.layout import parse_rate
@@ -80,13 +78,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"settings": options, "rounds": args.rounds, "sizes": sizes,
               "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
               "elapsed_s": round(time.time() - started, 1), "runs": runs}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "transport.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
+    if not report_json(result, args.out, "transport.json", args.json):
         for r in runs:
             print(f"\n{r['nodes']} nodes, links at {r['rate']}, {args.rounds} rounds")
             print(format_table(r["rows"]))

@@ -26,7 +26,8 @@ from mpi4py import MPI
 
 from mpsync.server import _fastpath, wire as W
 
-__all__ = ["SyncClient", "Decision", "ServerError", "DeadlineExceeded", "LOCAL", "SYNC"]
+__all__ = ["SyncClient", "Decision", "PendingImportance", "ServerError", "DeadlineExceeded",
+           "LOCAL", "SYNC"]
 
 LOCAL = W.LOCAL
 SYNC = W.SYNC
@@ -35,6 +36,7 @@ _SPIN_S = 2e-3           # poll without sleeping this long (module doc)
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
 _new_tuple = tuple.__new__
+_MSG_BYTES = W.MSG_LEN * 8
 
 
 class ServerError(RuntimeError):
@@ -94,6 +96,7 @@ class PendingDecision:
         """Has READY arrived?  Records the query's round trip the first time it is seen."""
         if self.decision is None and self.request.Test():
             seen = time.perf_counter()
+            self.client.control_received += _MSG_BYTES
             self.decision = self.client._decision()
             sent = self.sent.get(int(self.client._rep[W.R_SEQ]))
             if sent is not None:
@@ -104,6 +107,31 @@ class PendingDecision:
         if self._check() and self.client._pending is self:
             self.client._pending = None
         return self.decision
+
+
+class PendingImportance:
+    """An OSP importance report in flight (``SyncClient.start_report_importance``): its
+    reply's receives are posted at once, into buffers of its own, so another call's reply
+    cannot land in them."""
+
+    def __init__(self, client: "SyncClient", iteration: int, seq: int, n_layers: int):
+        self.client, self.iteration, self.seq = client, iteration, seq
+        self._rep = np.empty(W.MSG_LEN, dtype=np.float64)
+        self._out = np.empty(n_layers, dtype=np.float64)
+        self._requests = (client.comm.Irecv([self._rep, MPI.DOUBLE], source=client.server,
+                                            tag=W.REPLY),
+                          client.comm.Irecv([self._out, MPI.DOUBLE], source=client.server,
+                                            tag=W.REPLY_DATA))
+
+    def wait(self) -> np.ndarray:
+        """The bitmap (True = In-Computation Sync); waits with the client's deadline."""
+        what = f"importance for iteration {self.iteration}"
+        for request in self._requests:
+            self.client._wait(request, what)  # noqa: SLF001 - the client's own wait
+        if int(self._rep[W.R_SEQ]) != self.seq:
+            raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
+                              f"{self.seq}")
+        return self._out.astype(bool)
 
 
 class SyncClient:
@@ -128,6 +156,9 @@ class SyncClient:
         self._seq = 0
         self._pending: PendingDecision | None = None
         self.iteration = 0
+        # Control-plane bytes on this worker's link (headers, replies, their payloads).
+        self.control_sent = 0
+        self.control_received = 0
         self.wait_s = 0.0        # total time spent waiting for the server
         self.last_rtt = 0.0      # duration of the last blocking call (any kind)
         # ESync §4.2 delayed ACK: the round trip of a state query, as the worker experiences
@@ -209,9 +240,13 @@ class SyncClient:
             rdata = self.comm.Irecv([reply_data, MPI.DOUBLE], source=self.server,
                                     tag=W.REPLY_DATA)
         self.comm.Send(header, dest=self.server, tag=tag)
+        self.control_sent += _MSG_BYTES
         if data is not None:
             self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+            self.control_sent += data.nbytes
         self._wait(rep, what)
+        self.control_received += _MSG_BYTES + (reply_data.nbytes if reply_data is not None
+                                               else 0)
         if int(self._rep[W.R_SEQ]) != seq:
             raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
                               f"{seq} (two users of one SyncClient?)")
@@ -239,6 +274,8 @@ class SyncClient:
             self._call(W.STEP, f"step {iteration}", header=self._header(it, compute_time))
             return self._decision()
         # The compiled round trip: header, receive posted, send, 50 µs of busy polling.
+        self.control_sent += _MSG_BYTES
+        self.control_received += _MSG_BYTES
         seq = self._seq = self._seq + 1
         elapsed = self._query(*self._query_args, seq, it, compute_time, self.wait_s, _BUSY_S)
         if elapsed < 0.0:
@@ -280,6 +317,7 @@ class SyncClient:
         header = self._header(iteration, compute_time, agg=self.query_rtt, flag=1)
         self._pending._note_sent(self._seq, time.perf_counter())
         self.comm.Send(header, dest=self.server, tag=W.STEP)
+        self.control_sent += _MSG_BYTES
         return self._pending
 
     def ready_arrived(self) -> bool:
@@ -293,6 +331,7 @@ class SyncClient:
         """The aggregation that ends round ``round_ - 1`` finished (no reply is awaited)."""
         header = self._header(self.iteration, 0.0, round_, aggregation_time)
         self.comm.Send(header, dest=self.server, tag=W.RESET)
+        self.control_sent += _MSG_BYTES
 
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,
                           epoch: int = 0, u_max: float | None = None) -> np.ndarray:
@@ -300,18 +339,38 @@ class SyncClient:
         sizes), this iteration's loss and 1-based epoch, and the ICS bound ``u_max`` (model
         elements) this worker measured; returns this iteration's bitmap, True = In-Computation
         Sync (the same for every worker)."""
+        header, data = self._importance_message(self.iteration, importance, layer_sizes, loss,
+                                                epoch, u_max)
+        out = np.empty(data.size // 2, dtype=np.float64)
+        self._call(W.IMPORTANCE, "importance", header=header, data=data, reply_data=out)
+        return out.astype(bool)
+
+    def start_report_importance(self, iteration: int, importance, layer_sizes=None,
+                                loss: float | None = None, epoch: int = 0,
+                                u_max: float | None = None) -> "PendingImportance":
+        """``report_importance`` for the bitmap of ``iteration`` without waiting: the reply
+        lands in buffers of its own while the worker computes, and ``wait()`` returns the
+        bitmap.  Calls made meanwhile are answered after it (the server answers one rank's
+        requests in order, and a rank's messages on one tag are received in that order)."""
+        header, data = self._importance_message(iteration, importance, layer_sizes, loss,
+                                                epoch, u_max)
+        pending = PendingImportance(self, int(iteration), self._seq, data.size // 2)
+        self.comm.Send(header, dest=self.server, tag=W.IMPORTANCE)
+        self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+        return pending
+
+    def _importance_message(self, iteration, importance, layer_sizes, loss, epoch, u_max):
+        if self._pending is not None:
+            raise ServerError("importance report while a delayed-ACK query is pending")
         imp = np.ascontiguousarray(importance, dtype=np.float64)
         sizes = (np.ones_like(imp) if layer_sizes is None
                  else np.ascontiguousarray(layer_sizes, dtype=np.float64))
         if sizes.shape != imp.shape:
             raise ValueError(f"layer_sizes has shape {sizes.shape}, importance {imp.shape}")
-        out = np.empty(imp.size, dtype=np.float64)
         flag = int(epoch) if loss is not None else 0
-        header = self._header(self.iteration, 0.0 if not u_max else float(u_max), 0,
+        header = self._header(iteration, 0.0 if not u_max else float(u_max), 0,
                               0.0 if loss is None else float(loss), count=imp.size, flag=flag)
-        self._call(W.IMPORTANCE, "importance", header=header,
-                   data=np.concatenate([imp, sizes]), reply_data=out)
-        return out.astype(bool)
+        return header, np.concatenate([imp, sizes])
 
     def ps_init(self, flat: np.ndarray) -> None:
         """The initial weights (sharded: to every shard first, then the state server learns
@@ -362,6 +421,7 @@ class SyncClient:
         buf = np.empty(size, dtype=np.uint8)
         req = self.comm.Irecv([buf, MPI.BYTE], source=self.server, tag=W.REPLY_STATS)
         self._wait(req, "stats (payload)")
+        self.control_received += size
         return json.loads(buf.tobytes().decode())
 
     def shutdown(self) -> None:

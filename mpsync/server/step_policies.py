@@ -275,15 +275,18 @@ class OSP(Policy):
     worker, from the importance reports.
 
     * GIB with the paper's one-iteration lag (§3.2): the bitmap of iteration k is computed at
-      the first report of iteration k, from the importance of the *global* gradients of
-      iteration k-1 that the report carries (Eq. 4 on the averaged gradients, which every
-      worker holds once iteration k-1's ICS has landed), and given to every worker of k.
+      the first report for iteration k, from the importance of the gradients of iteration k-1
+      that the report carries (Eq. 4; global on the Routine Sync layers, the local estimate
+      on the In-Computation Sync layers, see ``mpsync.torch.two_stage``), and given to every
+      worker of k.  Workers send that report at the end of step k-1 without waiting, so the
+      GIB is computed while they compute iteration k, as the paper's asynchronous GIB module
+      does (§3.2, §4.5).
     * U_max (Eq. 5, Alg. 1 lines 1-2): each report carries the bound its worker measured,
       b·T_c/N in model elements, b the aggregation rate the worker measured (N times its
       bytes per second: the rate at which a parameter server would take N workers' pushes;
-      timed after a barrier, so waiting for a straggler is not in it), T_c its compute time; the server uses the smallest (every worker's ICS must land
-      within its own next computation), capped at ``osp_ics_max_fraction`` (0.8) of the
-      model.  ``osp_ics_size="fixed"``: U_max is that fraction of the model instead.
+      timed after a barrier, so waiting for a straggler is not in it), T_c its compute time;
+      the server uses the smallest (every worker's ICS must land within its own next
+      computation), capped at ``osp_ics_max_fraction`` (0.8) of the model.  ``osp_ics_size="fixed"``: U_max is that fraction of the model instead.
     * S(G^u) (Alg. 1 lines 3-12): 0 in epoch 1, whose mean reported loss becomes L; in epoch
       i > 1, (1 - loss_i / L)·U_max with loss_i the mean loss reported in epoch i so far.
 
@@ -292,9 +295,9 @@ class OSP(Policy):
     [osp-no-loss-rate]: the loss rate lr of Eq. 5 is not measured (the measured rate already
     includes retransmissions), so lr = 0.  Departure [osp-running-mean-loss]: loss_i is the
     running mean of epoch i (the epoch's loss is known only at its end), so S(G^u) moves
-    within an epoch.  Departure [osp-gib-in-round-trip]: the GIB is computed when the first
-    report of an iteration arrives, inside that step's round trip, not overlapped with the
-    computation as on the paper's PS (a ring has no PS to compute it meanwhile).
+    within an epoch.  Departure [osp-loss-one-ahead]: a report carries the loss and epoch of
+    the iteration before the one its GIB is for (it leaves before that iteration is
+    computed), so an epoch's first GIB is sized with the previous epoch's S(G^u).
     """
 
     takes_importance = True

@@ -188,4 +188,20 @@ def stats(server: bool = True) -> dict:
     server = ctx.server_stats
     if want_server and server is None and ctx.client is not None and not ctx.closed:
         server = ctx.client.stats()
-    return {"server": server, "local": ctx.counters.as_dict()}
+    return {"server": server, "local": _local_counters(ctx)}
+
+
+def _local_counters(ctx) -> dict:
+    """This worker's counters, with the bytes its control-plane and shard clients counted
+    and the traffic of the shard server it hosts (``shard_sent``/``shard_received``)."""
+    local = ctx.counters.as_dict()
+    if ctx.client is not None:
+        local["control_sent"] += ctx.client.control_sent
+        local["control_received"] += ctx.client.control_received
+    if ctx.shards is not None:
+        local["data_sent"] += ctx.shards.bytes_sent
+        local["data_received"] += ctx.shards.bytes_received
+    server = getattr(getattr(ctx, "shard_thread", None), "server", None)
+    local["shard_sent"] = server.bytes_sent if server is not None else 0
+    local["shard_received"] = server.bytes_received if server is not None else 0
+    return local

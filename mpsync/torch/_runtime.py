@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
-import socket
 import sys
-import threading
-import traceback
 from dataclasses import dataclass, field
 
 from mpsync.config import ConfigError, SyncConfig
+from mpsync.server import job
+from mpsync.server.job import install_abort_hooks
 from mpsync.torch._counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
@@ -98,25 +97,6 @@ def worker_context(what: str) -> Context:
     return ctx
 
 
-def install_abort_hooks(comm, label: str) -> None:
-    """An unhandled exception on this rank (any thread) prints its traceback tagged with the
-    rank and aborts the whole job: the other ranks would otherwise wait for
-    this one until their deadlines pass, or forever inside a blocking collective."""
-    host = socket.gethostname()
-
-    def abort(exc_type, exc, tb) -> None:
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        try:
-            sys.stderr.write(f"MPSYNC-RANK-FAILED {label} on {host}: unhandled "
-                             f"{exc_type.__name__}, aborting the job\n{text}")
-            sys.stderr.flush()
-        finally:
-            comm.Abort(1)
-
-    sys.excepthook = abort
-    threading.excepthook = lambda a: abort(a.exc_type, a.exc_value, a.exc_traceback)
-
-
 def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
          server: str | None = None, comm=None, *, stats_path: str | None = None,
          trace_path: str | None = None, server_rank: int = 0, process_sets=None,
@@ -131,10 +111,8 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
         if not _CONTEXT.is_server:
             _add_process_sets(process_sets)
         return _CONTEXT
-    given = {k: v for k, v in (("policy", policy), ("topology", topology),
-                               ("backend", backend), ("server", server)) if v is not None}
     # Validation needs no communicator: a bad setting fails identically on every rank.
-    config = SyncConfig.from_options(**given, **policy_options)
+    config = job.config_of(policy, topology, backend, server, **policy_options)
     # Horovod is imported for backend='horovod' on every topology (on the PS it runs the
     # workers' barriers and broadcasts), so its absence is checked whatever the topology.
     if config.backend == "horovod" and importlib.util.find_spec("horovod") is None:
@@ -143,27 +121,10 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD if comm is None else comm
-    size = world.Get_size()
-    rank = world.Get_rank()
-    dedicated = config.server == "dedicated"
-    if dedicated and size < 2:
-        raise ConfigError(f"server='dedicated' needs at least 2 ranks (1 server + workers), "
-                          f"launched with {size}; use server='colocated' or more ranks")
-    if not 0 <= server_rank < size:
-        raise ConfigError(f"server_rank={server_rank} is outside 0..{size - 1}")
-    if config.server == "colocated" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ConfigError("server='colocated' runs the state server as a thread and needs "
-                          "MPI_THREAD_MULTIPLE; this MPI provides level "
-                          f"{MPI.Query_thread()}; use server='dedicated'")
-    world_ranks = [r for r in range(size) if not (dedicated and r == server_rank)]
-    label = (f"rank {rank} (state server)" if dedicated and rank == server_rank
-             else f"rank {rank} (worker {world_ranks.index(rank)})")
-    install_abort_hooks(world, label)
-
-    _check_same_config(world, config, server_rank)
-    control = world.Dup()
-    is_worker = rank in world_ranks
-    workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=rank)
+    joined = job.join(world, config, server_rank)
+    control, workers, world_ranks = joined.control, joined.workers, joined.world_ranks
+    dedicated, rank = joined.dedicated, world.Get_rank()
+    is_worker = workers is not None
     ctx = Context(config=config, world=world, control=control,
                   workers=workers if is_worker else None, server_rank=server_rank,
                   dedicated=dedicated,
@@ -199,41 +160,13 @@ def _add_process_sets(process_sets) -> None:
             add_process_set(ps)
 
 
-def _check_same_config(world, config: SyncConfig, server_rank: int) -> None:
-    """Every rank must run the same settings (a per-rank environment variable or argument
-    would otherwise surface as a deadlock or a silently wrong policy)."""
-    import json
-
-    mine = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    every = world.allgather(mine)
-    if any(c != every[server_rank] for c in every):
-        differ = [r for r, c in enumerate(every) if c != every[server_rank]]
-        raise ConfigError(f"ranks {differ} were given other mpsync settings than rank "
-                          f"{server_rank}: {mine if world.Get_rank() in differ else every[server_rank]}")
-
-
 def _serve_and_exit(ctx: Context) -> None:
-    from mpsync.server import StateServer
-
-    srv = StateServer(ctx.control, ctx.config, server_rank=ctx.server_rank,
-                      workers=ctx.world_ranks)
-    stats = srv.serve()
-    _write_server_stats(ctx, stats)
-    ctx.server_stats = stats
+    joined = job.Joined(ctx.control, None, ctx.world_ranks, ctx.dedicated)
+    ctx.server_stats = job.serve_dedicated(joined, ctx.config, ctx.server_rank,
+                                           stats_path=ctx.stats_path, trace_path=ctx.trace_path)
     ctx.closed = True
     # The script body after init() is for workers only: the dedicated server rank ends here.
     sys.exit(0)
-
-
-def _write_server_stats(ctx: Context, stats: dict) -> None:
-    if not (ctx.stats_path or ctx.trace_path):
-        return
-    from mpsync.server import write_chrome_trace, write_stats_json
-
-    if ctx.stats_path:
-        write_stats_json(stats, ctx.stats_path)
-    if ctx.trace_path:
-        write_chrome_trace(stats, ctx.trace_path)
 
 
 def _start_backend(ctx: Context) -> None:
@@ -292,7 +225,7 @@ def shutdown() -> None:
     if ctx.colocated is not None:
         final = ctx.colocated.join()
         ctx.server_stats = final
-        _write_server_stats(ctx, final)
+        job.write_outputs(final, ctx.stats_path, ctx.trace_path)
     ctx.closed = True
 
 

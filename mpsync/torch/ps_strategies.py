@@ -83,6 +83,11 @@ class ParameterServer(LocalStepsThenAggregate):
     def header_length(self) -> int:
         return 0   # the join ends on a barrier of the workers, not on a header
 
+    def _count_wire(self, nbytes: int) -> None:
+        # The bytes themselves are counted by the shard client, message by message; the
+        # least a push and a pull of the model can move is the model each way.
+        self.counters.data_min += int(2 * nbytes * self._wire_ratio())
+
     def _idle_ready(self) -> bool:
         return self._base is not None
 
@@ -214,5 +219,6 @@ class ElasticSuperstep(ParameterServer):
             t1 = time.perf_counter()
             self.counters.aggregation_s += t1 - t0
             self.counters.bytes_sent += self._base.nbytes
+            self._count_wire(self._base.nbytes)
             self.counters.event("aggregate", t0, t1)
         return loss

@@ -46,16 +46,28 @@ class TwoStageSync(Strategy):
        Local-Gradient-based Parameter correction, Eq. 7: P -= lr·(G^g - G^l) on its layers
        (the local gradient used in step 3 of i-1 is replaced by the global one).  The worker
        now holds G^g of iteration i-1 on every layer.
-    2. Importance I_l = Σ|G^g·P| per layer (Eq. 4) of those global gradients goes to the
-       server with this iteration's loss and epoch (``note_progress``) and the U_max this
-       worker measured (Eq. 5, :func:`osp_u_max`: ``link_rate`` times ``compute_time``); the
-       server returns the Gradient Importance Bitmap of iteration i (global gradients, one
-       iteration of lag, §3.2; sized by Alg. 1).
+    2. The Gradient Importance Bitmap (GIB) of iteration i is the server's answer to the
+       importance report this worker sent at the end of step i-1 (below), which travelled
+       and was answered while the worker computed iteration i: it is waited for here only if
+       it has not arrived yet (§3.2, §4.5: the GIB is calculated asynchronously, "in advance
+       with the worker's computation"; Eq. 5 counts T_Calc.GIB and T_PushGIB inside T_c).
     3. Routine Sync: the layers the bitmap for i marks important are averaged (blocking); the
        others start a non-blocking allreduce (ICS) that runs during the next forward/backward;
        the optimizer steps with global gradients on RS layers and local ones on ICS layers
        (LGP, Eq. 6).
+    4. After the optimizer step, the importance I_l = Σ|G·P| per layer (Eq. 4) of this
+       iteration's gradients and the parameters just updated goes to the server without
+       waiting, with this iteration's loss and epoch (``note_progress``) and the U_max this
+       worker measured (Eq. 5, :func:`osp_u_max`: ``link_rate`` times ``compute_time``); the
+       server answers with the GIB of iteration i+1 (one iteration of lag, §3.2; sized by
+       Alg. 1; the first report of an iteration decides it for every worker).
 
+    Departure [osp-ics-local-importance]: on the layers in In-Computation Sync the importance
+    in step 4 is of the local gradient, the estimate of the global one that LGP (Eq. 6) also
+    steps with, because their global gradient lands during the next computation; the paper's
+    PS computes the GIB from what it holds when it computes it.  The first iteration, and rounds after a join or a
+    ``synchronize()``, have no report in flight: they report the global gradients of the
+    previous iteration and wait for the answer.
     Eq. 5's b is the rate of the network, not of the slowest worker: a Routine Sync is a
     blocking allreduce, so on a worker that finished its computation early it also lasts until
     the slowest worker arrives, and its duration would give a fast worker a bound as small as
@@ -104,6 +116,10 @@ class TwoStageSync(Strategy):
         self._t_compute = 0.0  # seconds of computation per iteration (moving average)
         self._hooks = [p.register_hook(self._progress) for p in self.buf.params
                        if p.requires_grad]
+        self._next_gib = None  # the importance report in flight for the next iteration's GIB
+        # The layer of each parameter: Eq. 4 sums over a layer's parameters.
+        self._slot_layer = [int(np.searchsorted(self.buf.layer_bounds[:, 1], s.offset,
+                                                side="right")) for s in self.buf.slots]
 
     def note_progress(self, epoch: int, loss: float) -> None:
         self._epoch, self._loss = int(epoch), float(loss)
@@ -172,7 +188,29 @@ class TwoStageSync(Strategy):
         self.optimizer.step()
         self.iteration += 1
         self.counters.iterations += 1
+        self._report_for_next(grads)
         return loss
+
+    def _report_for_next(self, grads: torch.Tensor) -> None:
+        """Step 4 (class doc): the importance report for the next iteration's GIB, in flight
+        while the worker computes it."""
+        if self.client is None:
+            return
+        t0 = time.perf_counter()
+        self._next_gib = self.client.start_report_importance(
+            self.iteration + 1, self._importance(grads), self.buf.layer_sizes, loss=self._loss,
+            epoch=self._epoch, u_max=self.u_max)
+        self.counters.wait_s += time.perf_counter() - t0
+
+    def _importance(self, grads: torch.Tensor) -> np.ndarray:
+        """Eq. 4 per layer, I_l = Σ|g·P| = Σ|g|·|P| over its parameters, of ``grads`` (the
+        fusion layout) and the parameters as they are now; one dot product per parameter."""
+        out = np.zeros(self.n_layers)
+        with torch.no_grad():
+            for slot, layer in zip(self.buf.slots, self._slot_layer):
+                g = grads[slot.offset:slot.offset + slot.numel]
+                out[layer] += float(torch.dot(g.abs(), slot.param.reshape(-1).abs()))
+        return out
 
     def _bitmap_of_iteration(self, compute_time: float) -> np.ndarray:
         """Ask the server (every iteration synchronizes) and get the GIB of this iteration."""
@@ -183,16 +221,23 @@ class TwoStageSync(Strategy):
         if self.client is None:
             return self.bitmap
         t0 = time.perf_counter()
-        if self._prev_global is None:   # iteration 1: no global gradients yet
-            importance = np.zeros(self.n_layers)
+        k = self.iteration + 1
+        in_flight, self._next_gib = self._next_gib, None
+        if in_flight is not None and in_flight.iteration == k:
+            bitmap_now = in_flight.wait()
         else:
-            p_flat = torch.cat([s.param.detach().reshape(-1) for s in self.buf.slots])
-            importance = _layer_importance(self._prev_global, p_flat, self.buf.layer_sizes)
-        # A joined worker reports no loss: the epoch's mean loss (Alg. 1) is the trainers'.
-        bitmap_now = np.asarray(self.client.report_importance(
-            importance, self.buf.layer_sizes, loss=None if self.joined else self._loss,
-            epoch=self._epoch, u_max=self.u_max), dtype=bool)
-        self.counters.wait_s += time.perf_counter() - t0
+            if in_flight is not None:
+                in_flight.wait()   # answered for a round this worker does not run
+            importance = (np.zeros(self.n_layers) if self._prev_global is None
+                          else self._importance(self._prev_global))
+            # A joined worker reports no loss: the epoch's mean loss (Alg. 1) is the trainers'.
+            bitmap_now = self.client.report_importance(
+                importance, self.buf.layer_sizes, loss=None if self.joined else self._loss,
+                epoch=self._epoch, u_max=self.u_max)
+        bitmap_now = np.asarray(bitmap_now, dtype=bool)
+        t1 = time.perf_counter()
+        self.counters.wait_s += t1 - t0
+        self.counters.event("wait_server", t0, t1)
         if bitmap_now.shape != (self.n_layers,):
             raise RuntimeError(f"OSP bitmap from the server has shape {bitmap_now.shape}, "
                                f"the model has {self.n_layers} layers")
@@ -266,14 +311,10 @@ class TwoStageSync(Strategy):
 
     def close(self) -> None:
         self._finish_ics()
+        if self._next_gib is not None:   # no reply may be left to a freed communicator
+            self._next_gib.wait()
+            self._next_gib = None
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
-
-def _layer_importance(grads: torch.Tensor, params: torch.Tensor, layer_sizes) -> np.ndarray:
-    from mpsync.sched import osp_layer_importance
-
-    return osp_layer_importance(grads.detach().to(torch.float64).numpy(),
-                                params.detach().to(torch.float64).numpy(),
-                                np.asarray(layer_sizes, dtype=np.int64))

@@ -1,0 +1,163 @@
+"""``mpsync bench startup [--np N] [--rounds K] [--json]``: seconds from ``mpirun`` to the first
+iteration, against the floor, in the same run.
+
+Each round launches, one after the other and interleaved (the machine's load drifts), with
+the same ``mpirun`` options and ``--np`` ranks (workers plus the dedicated server rank):
+
+* ``floor``: a script that only imports torch, numba and mpi4py, then meets the other ranks
+  in a barrier: what any such job pays before its first line of work;
+* ``torch_step``: the floor plus what a PyTorch script does before its first step without
+  mpsync (the same model built, one SGD step: torch imports its compiler stack, ``_dynamo``,
+  the first time an optimizer is made);
+* ``horovod_script``: a Horovod-style script on ``mpsync.torch`` (``init``,
+  ``DistributedOptimizer``, ``broadcast_parameters``), until its first step is done;
+* ``mpsync_train``: ``mpsync train`` (the demo's job, 1 s of training), until training
+  begins (``train_start_clock`` in its metrics), and to its end (``total_s``).
+
+Each time is taken by the launcher: from just before ``mpirun`` starts to the moment the
+program reports (a ``time.time()`` printed by rank 1, or the metrics).  Reported per
+program: min/median/max over the rounds, and each median over the floor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+_FLOOR = """
+import time, torch, numba
+from mpi4py import MPI
+MPI.COMM_WORLD.Barrier()
+if MPI.COMM_WORLD.Get_rank() == 1:
+    print("FIRST", time.time(), flush=True)
+"""
+
+# Without mpsync: the demo's model and one optimizer step on every rank.
+_TORCH_STEP = """
+import time, torch, numba
+from mpi4py import MPI
+from mpsync.apps.models import build_model
+torch.set_num_threads(1)
+model = build_model((1, 8, 8), 10, 0, "auto")
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+loss = torch.nn.functional.cross_entropy(model(torch.zeros(32, 1, 8, 8)),
+                                         torch.zeros(32, dtype=torch.long))
+loss.backward()
+opt.step()
+MPI.COMM_WORLD.Barrier()
+if MPI.COMM_WORLD.Get_rank() == 1:
+    print("FIRST", time.time(), flush=True)
+"""
+
+# A Horovod script with its import line changed (the floor's imports, then mpsync.torch).
+_HOROVOD = """
+import time, torch, numba
+from mpi4py import MPI
+import mpsync.torch as hvd
+from mpsync.apps.models import build_model
+hvd.init(policy="bsp", server="dedicated")
+torch.set_num_threads(1)
+model = build_model((1, 8, 8), 10, 0, "auto")
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+loss = torch.nn.functional.cross_entropy(model(torch.zeros(32, 1, 8, 8)),
+                                         torch.zeros(32, dtype=torch.long))
+loss.backward()
+opt.step()
+if hvd.rank() == 0:
+    print("FIRST", time.time(), flush=True)
+hvd.shutdown()
+"""
+
+PROGRAMS = ("floor", "torch_step", "horovod_script", "mpsync_train")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--np", type=int, default=5,
+                        help="ranks: the demo's 4 workers + 1 server rank (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+
+
+def _launch(program: str, np_: int, work: Path, timeout: float) -> tuple[float, float]:
+    """(seconds to the first iteration, seconds to the end) of one launch."""
+    from mpsync.launch.mpirun import mpirun_argv, python_argv, run_with_deadline
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if program == "mpsync_train":
+        out = work / "train"
+        command = python_argv("mpsync.apps.train", "--policy", "bsp", "--time-budget", "1",
+                              "--out", str(out), "--no-progress", "--slowdown", "",
+                              "--iter-time", "0.05")
+    else:
+        script = work / f"{program}.py"
+        script.write_text({"floor": _FLOOR, "torch_step": _TORCH_STEP,
+                           "horovod_script": _HOROVOD}[program])
+        command = [sys.executable, str(script)]
+    argv = mpirun_argv(np_, command, forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
+    start = time.time()
+    res = run_with_deadline(argv, timeout, env=env)
+    end = time.time()
+    if res.returncode != 0:
+        raise RuntimeError(f"{program}: mpirun failed ({'timed out' if res.timed_out else res.returncode}):"
+                           f"\n{res.stderr[-2000:]}")
+    if program == "mpsync_train":
+        first = json.loads((work / "train" / "metrics.json").read_text())["train_start_clock"]
+    else:
+        first = float(next(ln.split()[1] for ln in res.stdout.splitlines()
+                           if ln.startswith("FIRST")))
+    return first - start, end - start
+
+
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "runs": values}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.np < 2 or args.rounds < 1:
+        print("mpsync bench startup: --np must be >= 2 and --rounds >= 1", file=sys.stderr)
+        return 2
+    first: dict[str, list] = {p: [] for p in PROGRAMS}
+    total: dict[str, list] = {p: [] for p in PROGRAMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for program in PROGRAMS:
+                f, t = _launch(program, args.np, Path(tmp), args.timeout)
+                first[program].append(f)
+                total[program].append(t)
+    floor = statistics.median(first["floor"])
+    result = {"np": args.np, "rounds": args.rounds,
+              "first_iteration_s": {p: _spread(v) for p, v in first.items()},
+              "total_s": {p: _spread(v) for p, v in total.items()},
+              "over_floor": {p: statistics.median(v) / floor for p, v in first.items()},
+              "load_average": os.getloadavg()[0]}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"start-up, mpirun -np {args.np}, {args.rounds} interleaved rounds (load average "
+          f"{result['load_average']:.1f}): seconds from mpirun to the first iteration")
+    for p in PROGRAMS:
+        s, t = result["first_iteration_s"][p], result["total_s"][p]
+        print(f"  {p:15s} median {s['median']:6.2f}  (min {s['min']:.2f}, max {s['max']:.2f})  "
+              f"{result['over_floor'][p]:.2f}x the floor   whole run {t['median']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m mpsync.bench.startup")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
