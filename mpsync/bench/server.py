@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paced phase: each client's emulated iteration time (default 5)")
     parser.add_argument("--paced-iters", type=int, default=200,
                         help="paced phase: iterations per client (default 200)")
+    parser.add_argument("--baseline-samples", type=int, default=3000,
+                        help="raw and Python-floor round trips per block (default 3000; fewer "
+                             "for hundreds of clients, where each one waits its turn on the "
+                             "cores)")
     parser.add_argument("--no-wake-ahead", action="store_true",
                         help="the server does not wake up for reports that are due")
     parser.add_argument("--no-fast-path", action="store_true",
@@ -72,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
     if args.np < 2:
         print("mpsync bench server: --np must be >= 2 (a server and a client)", file=sys.stderr)
         return 2
-    if args.pace_ms < 0 or args.paced_iters < 1:
-        print("mpsync bench server: --pace-ms must be >= 0 and --paced-iters >= 1",
+    if args.pace_ms < 0 or args.paced_iters < 1 or args.baseline_samples < 10:
+        print("mpsync bench server: --pace-ms must be >= 0, --paced-iters >= 1 and "
+              "--baseline-samples >= 10",
               file=sys.stderr)
         return 2
     command = python_argv("mpsync.bench.server", "--rank-program", str(args.queries),
                           str(args.pace_ms), str(args.paced_iters),
-                          str(int(not args.no_wake_ahead)), str(int(not args.no_fast_path)))
+                          str(int(not args.no_wake_ahead)), str(int(not args.no_fast_path)),
+                          str(args.baseline_samples))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     where = {}
     with contextlib.ExitStack() as stack:
@@ -243,7 +249,7 @@ def _decisions_per_s(cfg, batch: int = 2000, batches: int = 5) -> float | None:
 
 
 def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bool,
-                  fast_path: bool) -> None:
+                  fast_path: bool, baseline_samples: int = 3000) -> None:
     from mpi4py import MPI
 
     from mpsync.config import SyncConfig
@@ -266,7 +272,8 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-    blocks = _blocks(world, clients, control, cfg, wake_ahead, max(1, queries // _BLOCKS))
+    blocks = _blocks(world, clients, control, cfg, wake_ahead, max(1, queries // _BLOCKS),
+                     baseline_samples)
     blocks["decisions_per_s"] = _decisions_per_s(cfg) if rank == 0 else None
     world.Barrier()
     blocks["paced_floor"] = _paced_floor_block(world, rank, pace_ms, min(paced_iters, 200))
@@ -295,7 +302,8 @@ def _rank_program(queries: int, pace_ms: float, paced_iters: int, wake_ahead: bo
         world.bcast(None, root=1)
 
 
-def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> dict:
+def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int,
+            samples: int = 3000) -> dict:
     """1.-3. Baseline, Python floor and saturated queries in interleaved blocks: the speed of
     this VM drifts from one minute to the next, so each is measured in every block and pooled,
     not once at the start."""
@@ -307,8 +315,9 @@ def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> d
     out = {"rtts": [], "floor": [], "lat": [], "spans": [], "per_block": per_block,
            "busy": [0.0, 0.0]}   # rank 0: CPU and wall seconds of the block servers
     for block in range(_BLOCKS):
-        out["rtts"] += _raw_block(world, rank, 3000, 300 if block else 2000)
-        out["floor"] += _floor_block(world, rank, 3000, 300 if block else 2000)
+        warm = samples // 10 if block else min(2000, samples)
+        out["rtts"] += _raw_block(world, rank, samples, warm)
+        out["floor"] += _floor_block(world, rank, samples, warm)
         if rank == 0:
             wall, cpu = time.time(), time.process_time()
             StateServer(control, cfg, wake_ahead=wake_ahead).serve()
@@ -316,7 +325,7 @@ def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int) -> d
             out["busy"][1] += time.time() - wall
         else:
             client = SyncClient(control, cfg)
-            for k in range(200):  # warm-up
+            for k in range(min(200, per_block)):  # warm-up
                 client.step(k, 0.0)
             clients.Barrier()
             block_lat = np.empty(per_block)
@@ -417,9 +426,9 @@ def _cpu_pct(samples, windows) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--rank-program":
+    if len(sys.argv) == 8 and sys.argv[1] == "--rank-program":
         _rank_program(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
-                      sys.argv[5] == "1", sys.argv[6] == "1")
+                      sys.argv[5] == "1", sys.argv[6] == "1", int(sys.argv[7]))
     else:
         parser = argparse.ArgumentParser(prog="python -m mpsync.bench.server")
         add_arguments(parser)
