@@ -123,11 +123,13 @@ MUTATIONS = [
                "return min(measured, cap) if np.isfinite(measured) else 0.0", "return cap"),),
              (RULES,)),
     Mutation("osp-alg1-epoch1-removed", "OSP: Alg. 1's S(G^u) = 0 in epoch 1",
-             (("mpsync/sched/osp.py", "    if epoch == 1:\n        return 0.0\n", ""),),
+             (("mpsync/sched/osp.py", "    if epoch == 1:\n        return 0.0\n    if not first",
+               "    if not first"),),
              (RULES,)),
     Mutation("osp-alg1-loss-removed", "OSP: Alg. 1's (1 - loss_i/L) scaling of U_max",
-             (("mpsync/sched/osp.py", "    s = (1.0 - loss / first_loss) * u_max\n",
-               "    s = u_max\n"),), (RULES,)),
+             (("mpsync/sched/osp.py",
+               "NaN or inf\")\n    s = (1.0 - loss / first_loss) * u_max\n",
+               "NaN or inf\")\n    s = u_max\n"),), (RULES,)),
     # -- the fidelity table and the code ------------------------------------------------------
     Mutation("table-drops-a-departure", "fidelity table: a departure the code states is "
              "missing from the DSSP row",
@@ -164,7 +166,11 @@ def apply(root: Path, patches) -> dict[Path, str]:
 
 
 def run_tests(root: Path, tests, timeout: float) -> tuple[int, list[str], str]:
-    env = dict(os.environ, PYTHONPATH=str(root), NUMBA_CACHE_DIR=str(root / ".numba-cache"),
+    # A fresh Numba cache for every run: a cached kernel is keyed by its own file only, so a
+    # caller compiled before the patch would keep the unpatched callee it inlined.
+    cache = root / ".numba-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = dict(os.environ, PYTHONPATH=str(root), NUMBA_CACHE_DIR=str(cache),
                PYTHONDONTWRITEBYTECODE="1")
     argv = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests]
     try:

@@ -93,7 +93,10 @@ def test_horovod_script_under_every_policy(tmp_path, horovod_accuracy, policy, t
     accuracy = float(finals[0]["accuracy"])
     assert accuracy >= horovod_accuracy - 0.05, (accuracy, horovod_accuracy)
     if "join" in flags:
-        assert "JOINED last=" in res["text"]
+        # join() returns the worker that joined last: not worker 0, whose 5 and 10 steps
+        # fewer than workers 1 and 2 have it in join() long before either.
+        last = re.findall(r"JOINED last=(\d+)", res["text"])
+        assert len(last) == 1 and int(last[0]) in (1, 2), last
 
 
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])

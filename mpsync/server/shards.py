@@ -92,7 +92,7 @@ class ShardServer:
         self.bytes_received = 0
         self.bytes_sent = 0
         self._recv: dict[int, np.ndarray] = {}   # receive buffer per wire dtype
-        self._send16: np.ndarray | None = None
+        self._send_buf: np.ndarray | None = None
         self._waiting_pulls: list[tuple[int, int]] = []   # pulls before the first INIT
         self._ack = np.zeros(2, dtype=np.int64)
         self._req = np.zeros(1, dtype=np.int64)
@@ -160,10 +160,10 @@ class ShardServer:
     def _serve_pull(self, src: int, code: int) -> None:
         weights = self.store.weights
         if WIRE_DTYPES[code] != weights.dtype:
-            if self._send16 is None or self._send16.dtype != WIRE_DTYPES[code]:
-                self._send16 = np.empty(weights.size, dtype=WIRE_DTYPES[code])
-            np.copyto(self._send16, weights, casting="unsafe")
-            weights = self._send16
+            if self._send_buf is None or self._send_buf.dtype != WIRE_DTYPES[code]:
+                self._send_buf = np.empty(weights.size, dtype=WIRE_DTYPES[code])
+            np.copyto(self._send_buf, weights, casting="unsafe")
+            weights = self._send_buf
         self.comm.Send([weights, MPI.BYTE], dest=src, tag=DATA)
         self.bytes_sent += weights.nbytes
 

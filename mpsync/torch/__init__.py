@@ -86,6 +86,8 @@ from mpsync.torch.mpi_ops import (
     synchronize,
 )
 from mpsync.torch.optimizer import DistributedOptimizer
+from mpsync.torch.sync_batch_norm import SyncBatchNorm
+from mpsync.torch.timeline import start_timeline, stop_timeline
 from mpsync.torch.process_sets import (
     ProcessSet,
     add_process_set,
@@ -114,6 +116,7 @@ __all__ = [
     # errors and process sets
     "HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "SyncBatchNorm", "start_timeline", "stop_timeline",
 ]
 
 
