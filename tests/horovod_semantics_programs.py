@@ -246,16 +246,117 @@ def optimizer_details(r, n):
     assert all(torch.equal(flat, o) for o in mps.allgather_object(flat))
 
 
+def sparse_and_early(r, n, early):
+    """SparseAdam's gradients stay sparse (Horovod's sparse allreduce); an optimizer built
+    before init() works at its first step; a second optimizer in the process."""
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    mps.broadcast_parameters(emb.state_dict(), root_rank=0)
+    opt = mps.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters())
+    opt.zero_grad()
+    emb(torch.tensor([r, 4])).sum().backward()
+    assert emb.weight.grad.is_sparse
+    opt.step()
+    assert emb.weight.grad.is_sparse
+    want = torch.zeros(5, 3)
+    for k in range(n):
+        want[k] += 1.0 / n
+        want[4] += 1.0 / n
+    _close(emb.weight.grad.to_dense().double(), want.double(), "sparse grad")
+    model, dopt = early
+    mps.broadcast_parameters(model.state_dict(), root_rank=0)
+    for _ in range(2):
+        dopt.zero_grad()
+        model(_x(r, 4, 3).float()).sum().backward()
+        dopt.step()
+    dopt.synchronize()
+    for m in (emb, model):
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        assert all(torch.equal(flat, o) for o in mps.allgather_object(flat))
+
+
+def two_optimizers(r, n):
+    """Two models, two DistributedOptimizers stepped in turn, uneven step counts ending in
+    join(): the second follows the first's rounds, so the workers never mix their
+    aggregations, and both models end equal everywhere."""
+    torch.manual_seed(5)
+    models = [torch.nn.Linear(3, 2), torch.nn.Linear(4, 1)]
+    opts = []
+    for m in models:
+        mps.broadcast_parameters(m.state_dict(), root_rank=0)
+        opts.append(mps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                             named_parameters=m.named_parameters()))
+    for i in range(6 + 3 * r):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            m(_x(10 * r + i, 2, m.in_features).float()).pow(2).sum().backward()
+            opt.step()
+        if i % 3 == 2:
+            mps.allreduce(torch.ones(1), name=f"metric{i}")  # a script's own collective
+    mps.join()
+    for m in models:
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        assert all(torch.equal(flat, o) for o in mps.allgather_object(flat)), m
+
+
+def sync_batch_norm(r, n):
+    bn = mps.SyncBatchNorm(3, momentum=0.5).double()
+    ref = torch.nn.BatchNorm1d(3, momentum=0.5).double()
+    x = _x(r, 4 + r, 3).requires_grad_()
+    y = bn(x)
+    (y * _w(r, 4 + r, 3)).sum().backward()
+    xs = [_x(k, 4 + k, 3).requires_grad_() for k in range(n)]
+    ys = ref(torch.cat(xs))
+    (ys * torch.cat([_w(k, 4 + k, 3) for k in range(n)])).sum().backward()
+    start = sum(4 + k for k in range(r))
+    _close(y.detach(), ys.detach()[start:start + 4 + r], "SyncBatchNorm")
+    _close(x.grad, xs[r].grad, "SyncBatchNorm grad")
+    _close(bn.running_var, ref.running_var, "SyncBatchNorm running_var")
+    # Each worker's weight gradient is its own loss's; their sum is the single-process one.
+    _close(mps.allreduce(bn.weight.grad, op=mps.Sum), ref.weight.grad, "SyncBatchNorm dw")
+
+
 def main():
     policy = _arg("policy", "bsp")
+    early_model = torch.nn.Linear(3, 2)
+    early = (early_model, mps.DistributedOptimizer(
+        torch.optim.SGD(early_model.parameters(), lr=0.1)))  # before init, as Horovod allows
     mps.init(policy=policy, topology="ring", backend="mpi", server="colocated", deadline=30)
     mps.init()  # idempotent, as Horovod's
     r, n = mps.rank(), mps.size()
-    checks = [integers, mismatches, gradients, variants, process_sets, joined]
+    checks = [integers, mismatches, gradients, variants, process_sets, joined, sync_batch_norm,
+              two_optimizers]
     if _arg("optimizer", "yes") == "yes":
-        checks.append(optimizer_details)
+        checks += [optimizer_details, lambda r, n: sparse_and_early(r, n, early)]
+    trace = _arg("timeline", "")
     for check in checks:
+        if check is optimizer_details and trace:
+            mps.start_timeline(trace)  # Horovod's names on mpsync's own timeline
         check(r, n)
-        print(f"CHECK-OK {check.__name__} rank={r}", flush=True)
+        if check is optimizer_details and trace:
+            mps.stop_timeline()
+        print(f"CHECK-OK {getattr(check, '__name__', check)} rank={r}", flush=True)
     mps.shutdown()
     print(f"SEMANTICS-OK rank={r}", flush=True)
+
+
+def deadline():
+    """A collective's set-up is bounded: worker 0's first barrier gives up at the deadline
+    naming worker 1, which arrives late; worker 0's next barrier then completes both."""
+    import time
+
+    mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=3)
+    r, n = mps.rank(), mps.size()
+    if r == 0:
+        t0 = time.monotonic()
+        e = _raises(mps.CollectiveTimeout, mps.barrier, "no word from worker 1")
+        assert isinstance(e, mps.HorovodInternalError) and "barrier" in str(e), e
+        assert 3.0 <= time.monotonic() - t0 < 10.0
+        mps.barrier()
+    else:
+        time.sleep(4.5)
+        mps.barrier()
+        mps.barrier()
+    _usable(n)
+    mps.shutdown()
+    print(f"DEADLINE-OK rank={r}", flush=True)

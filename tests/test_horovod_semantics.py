@@ -8,6 +8,8 @@ local-step policies (which never consult the state server for them).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mpi_harness import run_mpi
@@ -18,9 +20,18 @@ CASES = [(2, "bsp"), (3, "bsp"), (2, "esync"), (3, "ebsp")]
 
 
 @pytest.mark.parametrize("np, policy", CASES, ids=[f"{p}-np{n}" for n, p in CASES])
-def test_horovod_semantics(np, policy):
+def test_horovod_semantics(tmp_path, np, policy):
+    trace = tmp_path / "timeline.json"
     run = run_mpi("horovod_semantics_programs:main", np=np,
-                  args=[f"policy={policy}", f"optimizer={'yes' if policy == 'bsp' else 'no'}"],
-                  timeout=240)
+                  args=[f"policy={policy}", f"optimizer={'yes' if policy == 'bsp' else 'no'}",
+                        f"timeline={trace}"], timeout=240)
     for r in range(np):
         assert f"SEMANTICS-OK rank={r}" in run.rank_out(r), run.report()
+    if policy == "bsp":
+        names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+        assert {"compute", "aggregate"} <= names, names
+
+
+def test_a_collectives_set_up_has_a_deadline_naming_the_late_worker():
+    run = run_mpi("horovod_semantics_programs:deadline", np=2, timeout=120)
+    assert all(f"DEADLINE-OK rank={r}" in run.rank_out(r) for r in range(2)), run.report()

@@ -11,11 +11,15 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
 * ``mpsync_copy_ms``: ``mpsync_ms`` when the gradients are not inside the fusion buffer (a
   script that sets them to None each step): pack and unpack copies included;
 * ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
-* ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer.
+* ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer;
+* ``user_ms``: a script's ``mps.allreduce`` of one float32 tensor of that size (the record
+  exchange that checks shapes, dtypes and ops across the workers, then ``Iallreduce`` of a
+  copy); ``user_unchecked_ms``: the same without the record exchange; ``check_overhead``:
+  their ratio (what Horovod-style error checking costs).
 
 ``--fp16`` adds ``Compression.fp16`` columns: ``horovod_fp16_ms`` (Horovod's own
 ``hvd.allreduce(t, compression=hvd.Compression.fp16)``), ``mpsync_fp16_ms`` (``mps.allreduce``
-with ``Compression.fp16``, horovod backend), ``mpsync_opt_fp16_ms`` (DistributedOptimizer's
+with ``Compression.fp16``: the script's collectives run on mpi4py whatever the backend), ``mpsync_opt_fp16_ms`` (DistributedOptimizer's
 gradient path with ``compression=Compression.fp16``), ``mpsync_mpi_fp16_ms`` (``mps.allreduce``
 fp16 on the mpi backend: alltoall + allgather of the halves, next to ``mpi_ms``), and
 ``fp16_wire_bytes`` / ``fp32_wire_bytes`` (bytes of the tensor handed to the collective).
@@ -126,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             row["mpsync_vs_horovod"] = row["mpsync_ms"] / row["horovod_ms"]
         if row.get("mpi_ms"):
             row["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
+        if row.get("user_unchecked_ms"):
+            row["check_overhead"] = row["user_ms"] / row["user_unchecked_ms"]
         if row.get("ps_ms"):
             row["ps_vs_ring"] = row["ps_ms"] / row["mpsync_ms"]
         if row.get("horovod_fp16_ms"):
@@ -161,7 +167,7 @@ def _print_table(table: list[dict]) -> None:
             "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring", "ps_shards", "ps_wire_bytes",
             "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
             "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
-            "fp16_vs_fp32_bytes"]
+            "fp16_vs_fp32_bytes", "user_ms", "user_unchecked_ms", "check_overhead"]
     cols = [c for c in cols if any(c in r for r in table)]
     print("  ".join(f"{c:>17}" for c in cols))
     for r in table:
@@ -203,13 +209,19 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     mpi_agg = MPIAggregator(world.Dup(), deadline=600.0)
+    checked = UserOps(world.Dup(), 600.0)
+    unchecked = UserOps(world.Dup(), 600.0, checked=False)
     rows = {s: {"bytes": s} for s in sizes}
     for nbytes in sizes:
         buf = _fake_model(nbytes, bind=True)
         arr = torch.ones(max(1, nbytes // 4), dtype=torch.float32).numpy()
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         rows[nbytes].update(timed(world, {
             "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
+            "user_ms": lambda: checked.start_allreduce(t, Average, 1.0, 1.0, None, None).wait(),
+            "user_unchecked_ms": lambda: unchecked.start_allreduce(
+                t, Average, 1.0, 1.0, None, None).wait(),
         }, max_repeats, budget))
         if fp16:
             ops = UserOps(world.Dup(), 600.0)

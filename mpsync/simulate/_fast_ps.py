@@ -1,9 +1,11 @@
 """The parameter-server policies (asp, ssp, dssp, bsp on PS) at scale: one compiled event loop.
 
 Same worker cycle as the event engine (compute; step query, one round trip, always SYNC for
-these policies; push through the server's FIFO link; pull, held by the staleness rule; the
-next iteration starts when the weights are back), on a heap of events in Numba, so one event
-costs well under a microsecond.
+these policies; a push queued at the shard servers, which receive and apply it; a pull, held by
+the staleness rule, queued at them too; the next iteration starts when the weights are back),
+on a heap of events in Numba, so one event costs well under a microsecond.  Every shard sees
+the same requests in the same order (a push or pull goes to all of them at once), so one queue
+of a shard's service times stands for all of them (``CostModel``).
 
 Decisions: the staleness rule of SSP / BSP-on-PS (``ssp_may_continue``: pushes[w] - min <= s)
 is evaluated with the minimum kept incrementally (a histogram of push counts), which is the
@@ -16,6 +18,8 @@ engines on the same seeded cases and require identical iteration counts.
 
 ``_loop`` is the dispatch over the four event kinds; each step it takes is a small helper
 compiled into it (``jit(inline=True)``), so naming the steps adds no function call per event.
+What it is told and what it fills are named tuples (:class:`PSRun`, :class:`Speed`,
+:class:`PSOut`), which Numba passes as they are.
 """
 
 from __future__ import annotations

@@ -92,6 +92,8 @@ from mpsync.torch.process_sets import (
     global_process_set,
     remove_process_set,
 )
+from mpsync.torch.sync_batch_norm import SyncBatchNorm
+from mpsync.torch.timeline import start_timeline, stop_timeline
 
 __all__ = [
     # set-up and topology
@@ -114,6 +116,7 @@ __all__ = [
     # errors and process sets
     "HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "SyncBatchNorm", "start_timeline", "stop_timeline",
 ]
 
 

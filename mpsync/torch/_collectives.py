@@ -73,27 +73,38 @@ def reduce_op(average=None, op=None) -> int:
 _IDLE_AFTER_S = 0.2
 
 
-def wait_while_stepping(test, *, deadline: float, what: str, idle=None) -> None:
+def wait_while_stepping(test, *, deadline: float, what: str, idle=None, watch=None,
+                        seq: int = 0) -> None:
     """``test()`` until True, within ``deadline``; after ``_IDLE_AFTER_S`` each poll also runs
-    ``idle()`` (the strategies' idle iterations: ask the server, aggregate on SYNC)."""
+    ``idle()`` (the strategies' idle iterations: ask the server, aggregate on SYNC).
+    ``watch`` (a :class:`~mpsync.torch._wait.PeerWatch`) names the workers that never
+    reached collective ``seq`` when the deadline passes."""
     if idle is None:
-        poll_until_done(test, deadline=deadline, what=what, watch=None, seq=0, sleep=1e-4,
+        poll_until_done(test, deadline=deadline, what=what, watch=watch, seq=seq, sleep=1e-4,
                         spin_for=2e-3)
         return
     try:
-        poll_until_done(test, deadline=_IDLE_AFTER_S, what=what, watch=None, seq=0,
+        poll_until_done(test, deadline=_IDLE_AFTER_S, what=what, watch=None, seq=seq,
                         sleep=1e-4, spin_for=2e-3)
         return
     except TimeoutError:
         pass
     start = time.monotonic()
+    announced = False
     while not test():
         if not idle():
             time.sleep(1e-3)
-        if time.monotonic() - start > deadline:
+        waited = time.monotonic() - start
+        if watch is not None and not announced and waited > min(1.0, deadline / 4):
+            watch.announce(seq)
+            announced = True
+        if waited > deadline:
+            if watch is not None:
+                raise watch.timeout(what, seq, deadline)
             from mpsync.torch._wait import CollectiveTimeout
 
-            raise CollectiveTimeout(what, deadline, [])
+            raise CollectiveTimeout(what, deadline, [], why="which worker is missing is not "
+                                    "known (this wait exchanges no notices)")
 
 
 class _Op:
@@ -110,6 +121,7 @@ class _Op:
         self._test = self._finish = None
         self.done = False
         self.result = None
+        self.seq = 0  # the record exchange's number, the same on every member
 
     def begin_data(self, records: np.ndarray) -> None:
         self.records = records
@@ -144,7 +156,7 @@ class _Op:
     def wait(self):
         if not self.done:
             wait_while_stepping(self.test, deadline=self.ops.deadline, what=self.what,
-                                idle=self.ops.idle)
+                                idle=self.ops.idle, watch=self.ops.watch, seq=self.seq)
         if self.error is not None:
             raise self.error
         return self.result
@@ -191,9 +203,13 @@ class UserOps:
     members in ``comm``'s order (a process set); ``idle``: called while a collective waits
     (see :func:`wait_while_stepping`), True if it did something."""
 
-    def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None):
+    def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None,
+                 checked: bool = True, world_ranks=None):
+        from mpsync.torch._wait import PeerWatch
+
         self.comm = comm
         self.meta = comm.Dup()
+        self.watch = PeerWatch(comm.Dup(), world_ranks)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.ranks = list(range(self.size)) if ranks is None else list(ranks)
@@ -205,6 +221,14 @@ class UserOps:
         self._queue: collections.deque[tuple[_Op, object, np.ndarray]] = collections.deque()
         self._names: set[str] = set()
         self.exchanges = 0  # record exchanges started: the same count on every member
+        # False: no record exchange, the data step starts at once (``mpsync bench allreduce``
+        # measures what the check costs; reductions only, nothing else may be queued).
+        self.checked = checked
+
+    def free(self) -> None:
+        """Release the communicators (a removed process set)."""
+        for c in (self.meta, self.watch.comm, self.comm):
+            c.Free()
 
     def keep(self, op) -> int:
         handle = next(self._ids)
@@ -222,6 +246,12 @@ class UserOps:
                                  f"use a different name")
             self._names.add(name)
         op = _Op(self, what, name, start, local_error)
+        if not self.checked:
+            if local_error is not None or self._queue:
+                raise RuntimeError(f"{what}: unchecked collectives take valid reductions only")
+            op.records = rec[None, :]
+            op._test, op._finish = start(op.records)
+            return op
         if local_error is not None:
             rec[meta.Field.INVALID] = 1
         self._post(op, rec)
@@ -237,6 +267,8 @@ class UserOps:
         out = np.empty((self.size, rec.size), dtype=np.int64)
         req = self.meta.Iallgather([rec, MPI.INT64_T], [out, MPI.INT64_T])
         self.exchanges += 1
+        op.seq = self.exchanges
+        self.watch.drain()
         self._queue.append((op, req, out))
 
     def advance(self) -> None:
@@ -256,7 +288,8 @@ class UserOps:
         while self._queue:
             op = self._queue[0][0]
             wait_while_stepping(lambda: (self.advance(), op.records is not None)[1],
-                                deadline=self.deadline, what=op.what, idle=self.idle)
+                                deadline=self.deadline, what=op.what, idle=self.idle,
+                                watch=self.watch, seq=op.seq)
 
     def start_allreduce(self, tensor, op, prescale, postscale, compression, what, out=None):
         """``mps.allreduce``'s path, for callers holding a UserOps (the bench)."""
@@ -271,7 +304,8 @@ class UserOps:
         return sum_half_(self, x, what)
 
     def _wait(self, req, what: str) -> None:
-        wait_while_stepping(req.Test, deadline=self.deadline, what=what, idle=self.idle)
+        wait_while_stepping(req.Test, deadline=self.deadline, what=what, idle=self.idle,
+                            watch=self.watch, seq=self.exchanges)
 
     def exchange(self, rec: np.ndarray) -> _Op:
         """Post a record with no data step of its own (a joined worker's round): the
@@ -305,7 +339,8 @@ def make_user_ops(ctx) -> UserOps:
             stepped = opt.strategy.idle_step() or stepped
         return stepped
 
-    return UserOps(ctx.workers.Dup(), ctx.config.deadline, None, idle)
+    return UserOps(ctx.workers.Dup(), ctx.config.deadline, None, idle,
+                   world_ranks=ctx.world_ranks)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -44,6 +44,7 @@ class Context:
     peers: object | None = None     # a UserOps of DistributedOptimizer's own (fp16 sums, barriers)
     process_sets: dict = field(default_factory=dict)  # id -> (ProcessSet, UserOps | None)
     next_process_set_id: int = 0
+    timeline: tuple | None = None   # (path, first event) from start_timeline
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
     # EmulatedLink when ``comm_delay`` or ``comm_bandwidth`` > 0 (metrics and broadcasts are

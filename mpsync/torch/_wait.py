@@ -35,7 +35,7 @@ class CollectiveTimeout(DeadlineExceeded, HorovodInternalError):
     """
 
     def __init__(self, what: str, deadline: float, silent_ranks: list[int],
-                 world_ranks: list[int] | None = None):
+                 world_ranks: list[int] | None = None, why: str | None = None):
         self.what = what
         self.deadline = deadline
         self.silent_ranks = list(silent_ranks)
@@ -44,13 +44,14 @@ class CollectiveTimeout(DeadlineExceeded, HorovodInternalError):
             who = ", ".join(
                 f"worker {w} (world rank {g})" for w, g in zip(self.silent_ranks, world))
             why = f"no word from {who}"
-        else:
+        elif why is None:
             why = "every peer announced it was waiting (a lost message or a broken transport)"
         super().__init__(f"{what} not complete after {deadline:g}s deadline: {why}",
                          world, what)
 
 
 _NOTICE_TAG = 7301
+_UNKNOWN = "which worker is missing is not known (this wait exchanges no notices)"
 
 
 class PeerWatch:
@@ -131,7 +132,7 @@ def poll_until_done(test, *, deadline: float, what: str, watch: PeerWatch | None
                 announced = True
             if waited > deadline:
                 if watch is None:
-                    raise CollectiveTimeout(what, deadline, [])
+                    raise CollectiveTimeout(what, deadline, [], why=_UNKNOWN)
                 # Let late notices arrive before naming anyone.
                 grace_end = time.monotonic() + min(notice_after, 1.0)
                 while time.monotonic() < grace_end:
@@ -160,7 +161,7 @@ def wait_on_event(event, *, deadline: float, what: str, watch: PeerWatch | None,
     if event.wait(max(0.0, deadline - notice_after)):
         return
     if watch is None:
-        raise CollectiveTimeout(what, deadline, [])
+        raise CollectiveTimeout(what, deadline, [], why=_UNKNOWN)
     if event.wait(min(notice_after, 1.0)):  # let late notices arrive before naming anyone
         return
     raise watch.timeout(what, seq, deadline)

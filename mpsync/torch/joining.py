@@ -56,8 +56,8 @@ class JoinService:
             else:
                 time.sleep(2e-4)
             if time.monotonic() - quiet_since > deadline:
-                raise CollectiveTimeout("join (no collective from the workers that have not "
-                                        "joined)", deadline, [])
+                raise CollectiveTimeout("join", deadline, [], why="the workers that have not "
+                                        "joined neither called a collective nor joined")
         return self.last
 
 

@@ -113,18 +113,16 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                    postscale_factor, None, name_of(name), True).wait()
 
 
-def sparse_allreduce_async(tensor, name, op, process_set=None):
-    """Horovod's sparse path: the indices and values of a sparse COO ``tensor`` are
-    allgathered (so the result stays sparse, duplicates summed when coalesced); ``op=Average``
-    divides the values by the number of workers.  Returns a handle for ``synchronize``."""
-    ops = user_ops("sparse_allreduce_async", process_set)
-    op = reduce_op(None, op)
+def start_sparse_allreduce(ops, tensor, op: int, name):
+    """The indices and values of sparse COO ``tensor`` allgathered; the result is sparse."""
     if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce_async supports op=Average or op=Sum, got {op!r}")
+        raise ValueError(f"sparse allreduce supports op=Average or op=Sum, got {op!r}")
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    base = name_of(name) or "sparse"
-    idx = _moves.start_allgather(ops, t.indices().t().contiguous(), f"{base}.indices")
-    val = _moves.start_allgather(ops, t.values().contiguous(), f"{base}.values")
+    base = name_of(name)
+    idx = _moves.start_allgather(ops, t.indices().t().contiguous(),
+                                 None if base is None else f"{base}.indices")
+    val = _moves.start_allgather(ops, t.values().contiguous(),
+                                 None if base is None else f"{base}.values")
 
     def combine(parts):
         indices, values = parts
@@ -132,7 +130,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=None):
             values = values / ops.size
         return torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce()
 
-    return _keep(ops, _Group([idx, val], combine))
+    return _Group([idx, val], combine)
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=None):
+    """Horovod's sparse path: the indices and values of a sparse COO ``tensor`` are
+    allgathered (so the result stays sparse, duplicates summed when coalesced); ``op=Average``
+    divides the values by the number of workers.  Returns a handle for ``synchronize``."""
+    ops = user_ops("sparse_allreduce_async", process_set)
+    return _keep(ops, start_sparse_allreduce(ops, tensor, reduce_op(None, op),
+                                             name_of(name) or "sparse"))
 
 
 # -- data movement ------------------------------------------------------------------------------

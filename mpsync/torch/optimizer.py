@@ -61,21 +61,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  num_groups: int = 0, groups=None, process_set=None, _context=None):
         # Deliberately not calling Optimizer.__init__: the wrapped optimizer owns the groups.
         from mpsync.torch import _runtime
-        from mpsync.torch.mpi_ops import Average, Sum
-        from mpsync.torch.process_sets import is_whole_world
 
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        ctx = _context if _context is not None else _runtime.worker_context("DistributedOptimizer")
-        if not is_whole_world(process_set):
-            raise ValueError(f"DistributedOptimizer(process_set={process_set}): "
-                             f"policy={ctx.config.policy!r} decides its rounds at the state "
-                             f"server for every worker, so aggregating over a subset would "
-                             f"leave the others' rounds unmatched; use the global process set "
-                             f"(process sets work for the script's own collectives)")
-        op = _check_horovod_keywords(ctx.config, compression, backward_passes_per_step, op,
-                                     gradient_predivide_factor)
+        _check_passes(backward_passes_per_step)
         self.optimizer = optimizer
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -83,25 +73,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Horovod's attribute: some scripts and tools read the names from it.
         self._parameter_names = {p: n for n, p in named}
         self._synchronized = False
-        self._buffers = group_by_dtype(named)
-        self._counters = ctx.counters
-        backend = ctx.data_backend or ctx.backend
-        self._strategy: Strategy = make_strategy(
-            ctx.config, optimizer, self._buffers, backend, ctx.client, ctx.counters,
-            worker_rank=ctx.worker_rank)
-        if op != Average and not self._strategy.aggregates_gradients:
-            raise ValueError(f"op=Sum has no meaning under policy={ctx.config.policy!r} on "
-                             f"topology={ctx.config.topology!r}: it aggregates model updates, "
-                             f"which are averaged by definition; use op=Average")
-        peers = ctx.peers if _context is None else None
-        self._strategy.peers = peers
-        self._strategy.op_sum = op == Sum
-        if backend is not None:
-            self._strategy.wire = WireSum(
-                backend, compression, prescale=1.0 / gradient_predivide_factor,
-                postscale=gradient_predivide_factor,
-                half_sum=peers.sum_half_ if peers is not None and ctx.config.backend == "mpi"
-                else None)
         self.backward_passes_per_step = backward_passes_per_step
         self.sparse_as_dense = bool(sparse_as_dense)
         self._passes = 0               # backward passes since the last step()
@@ -110,7 +81,88 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
                        for _, p in named if p.requires_grad]
         self._last_step_end = time.perf_counter()
+        self._strategy: Strategy | None = None
+        self._leader = None  # the DistributedOptimizer whose rounds this one follows
+        self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
+        # Horovod lets a script build its optimizer before init(): the policy's strategy is
+        # then made at the first use (every worker gets there in the same order).
+        self._pending = dict(named=named, compression=compression, op=op,
+                             predivide=gradient_predivide_factor, process_set=process_set,
+                             internal=_context is not None)
+        if _context is not None or _runtime.is_initialized():
+            self._attach(_context if _context is not None
+                         else _runtime.worker_context("DistributedOptimizer"))
+
+    def _attach(self, ctx) -> None:
+        from mpsync.torch.mpi_ops import Average, Sum
+        from mpsync.torch.process_sets import is_whole_world
+
+        args, self._pending = self._pending, None
+        if not is_whole_world(args["process_set"]):
+            raise ValueError(f"DistributedOptimizer(process_set={args['process_set']}): "
+                             f"policy={ctx.config.policy!r} decides its rounds at the state "
+                             f"server for every worker, so aggregating over a subset would "
+                             f"leave the others' rounds unmatched; use the global process set "
+                             f"(process sets work for the script's own collectives)")
+        op = _check_horovod_keywords(ctx.config, args["compression"],
+                                     self.backward_passes_per_step, args["op"],
+                                     args["predivide"])
+        self._buffers = group_by_dtype(args["named"])
+        self._counters = ctx.counters
+        backend = ctx.data_backend or ctx.backend
+        self._strategy = make_strategy(
+            ctx.config, self.optimizer, self._buffers, backend, ctx.client, ctx.counters,
+            worker_rank=ctx.worker_rank)
+        if op != Average and not self._strategy.aggregates_gradients:
+            raise ValueError(f"op=Sum has no meaning under policy={ctx.config.policy!r} on "
+                             f"topology={ctx.config.topology!r}: it aggregates model updates, "
+                             f"which are averaged by definition; use op=Average")
+        self._follow_leader(ctx)
+        peers = None if args["internal"] else ctx.peers
+        self._strategy.peers = peers
+        self._strategy.op_sum = op == Sum
+        self._sparse_ops = peers if peers is not None else ctx.user_ops
+        if self._sparse_only and self._strategy.aggregates_gradients:
+            # Backward adds a sparse gradient to an existing dense one densely: keep the
+            # gradients out of the fusion buffer so SparseAdam's stay sparse.
+            for buf in self._buffers:
+                buf.grads_bound = False
+            for _, p in args["named"]:
+                p.grad = None
+        if backend is not None:
+            f = args["predivide"]
+            self._strategy.wire = WireSum(
+                backend, args["compression"], prescale=1.0 / f, postscale=f,
+                half_sum=peers.sum_half_ if peers is not None and ctx.config.backend == "mpi"
+                else None)
         ctx.optimizers.append(self)
+
+    def _follow_leader(self, ctx) -> None:
+        """A second optimizer in the process follows the first one's rounds (``followers``)."""
+        from mpsync.torch.strategies import DeltaAveraging, GradientAveraging
+
+        if self._sparse_only and self._strategy.aggregates_gradients:
+            return  # steps through the sparse allreduce, never through the strategy
+        leaders = [o for o in ctx.optimizers
+                   if o._strategy is not None and o._strategy.leader is None and
+                   not (o._sparse_only and o._strategy.aggregates_gradients)]
+        if not leaders:
+            return
+        kinds = (GradientAveraging, DeltaAveraging)
+        if not (isinstance(leaders[0]._strategy, kinds) and isinstance(self._strategy, kinds)):
+            raise ValueError(f"a second DistributedOptimizer under policy="
+                             f"{ctx.config.policy!r} on topology={ctx.config.topology!r}: its "
+                             f"server keeps one model per worker; wrap every parameter in one "
+                             f"optimizer (param groups) instead")
+        self._strategy.follow(leaders[0]._strategy)
+        self._leader = leaders[0]
+
+    def _ready(self) -> Strategy:
+        if self._strategy is None:
+            from mpsync.torch import _runtime
+
+            self._attach(_runtime.worker_context("DistributedOptimizer"))
+        return self._strategy
 
     # The wrapped optimizer's own objects, read through (its load_state_dict replaces them).
     @property
@@ -139,7 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def strategy(self) -> Strategy:
-        return self._strategy
+        return self._ready()
 
     def _count_pass(self, param) -> None:
         # A parameter seen again means a new backward pass has started.
@@ -160,7 +212,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                f"than backward_passes_per_step={self.backward_passes_per_step}; "
                                f"increase backward_passes_per_step to accumulate gradients "
                                f"locally")
-        if self._synchronized and not self._strategy.skip_aggregation:
+        strategy = self._ready()
+        if self._synchronized and not strategy.skip_aggregation:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                           "context after optimizer.synchronize(). This can cause training "
                           "slowdown. You may want to consider using "
@@ -172,26 +225,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compute_time = now - self._last_step_end
         self._counters.compute_s += compute_time
         self._counters.event("compute", self._last_step_end, now)
-        result = self._strategy.step(compute_time, closure)
+        result = self._step_sparse(compute_time, closure) if self._all_sparse() \
+            else strategy.step(compute_time, closure)
         self._passes, self._counted = 0, set()
         self._model_in_sync = False
+        if self._leader is not None:
+            # The final join runs through the leader: it has something to finish now.
+            self._leader._model_in_sync = False
+            self._leader.strategy.settled = False
         self._last_step_end = time.perf_counter()
         return result
 
     def _densify(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.grad.is_sparse:
-                    if not self.sparse_as_dense:
-                        raise ValueError("a sparse gradient (e.g. nn.Embedding(sparse=True)): "
-                                         "pass sparse_as_dense=True to DistributedOptimizer")
-                    p.grad = p.grad.to_dense()
+        """``sparse_as_dense``: sparse gradients become dense before the aggregation.  Without
+        it they stay sparse: local-step policies step on them as they are; gradient
+        averaging (:meth:`_step_sparse`) takes an optimizer whose gradients are all sparse
+        (``nn.Embedding(sparse=True)`` with ``SparseAdam``, as in Horovod's examples)."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not any(g.is_sparse for g in grads):
+            return
+        if self.sparse_as_dense:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p.grad.is_sparse:
+                        p.grad = p.grad.to_dense()
+        elif self.strategy.aggregates_gradients and not all(g.is_sparse for g in grads):
+            raise ValueError("an optimizer with both sparse and dense gradients under gradient "
+                             "averaging: pass sparse_as_dense=True, or wrap the sparse "
+                             "parameters (nn.Embedding(sparse=True)) in an optimizer of their "
+                             "own (SparseAdam)")
+
+    def _all_sparse(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return bool(grads) and self.strategy.aggregates_gradients and \
+            all(g.is_sparse for g in grads)
+
+    def _step_sparse(self, compute_time: float, closure):
+        """Horovod's sparse allreduce: each sparse gradient's indices and values are
+        allgathered (averaged for op=Average) and stay sparse; then the wrapped optimizer
+        steps.  Every worker's step takes part (the policy aggregates every step)."""
+        from mpsync.torch.mpi_ops import Average, Sum, start_sparse_allreduce
+
+        loss = closure() if closure is not None else None
+        strategy = self.strategy
+        op = Sum if strategy.op_sum else Average
+        if not strategy.skip_aggregation:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad = start_sparse_allreduce(self._sparse_ops, p.grad, op,
+                                                        None).wait()
+        self.optimizer.step()
+        strategy.iteration += 1
+        self._counters.iterations += 1
+        return loss
 
     def synchronize(self) -> None:
         """See the class doc: gradients before ``step()``, the model after it."""
         if self._passes > 0:
             self._densify()
-            self._strategy.synchronize_gradients()
+            self._ready().synchronize_gradients()
             self._synchronized = True
         else:
             self.synchronize_model()
@@ -200,8 +293,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize_model(self) -> None:
         """Join the others and end with every worker holding the same model (all workers call
         it: ``synchronize()`` after ``step()``, ``mps.join()``, ``mps.shutdown()``)."""
-        if not self._model_in_sync:
-            self._strategy.finish()
+        if not self._model_in_sync and not (self._sparse_only and
+                                            self.strategy.aggregates_gradients):
+            # (A sparse optimizer under gradient averaging steps on identical averaged
+            # gradients every time: its replicas never drift apart.)
+            self._ready().finish()
             self._model_in_sync = True
         self._last_step_end = time.perf_counter()
 
@@ -210,7 +306,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Horovod's ``synchronize(); clip; with skip_synchronize(): step()``: the step uses
         the gradients ``synchronize()`` made final, without a second aggregation.  Under BSP
         a step here without ``synchronize()`` uses the local gradients, as in Horovod."""
-        self._strategy.skip_aggregation = True
+        self._ready().skip_aggregation = True
         try:
             yield
         finally:
@@ -219,7 +315,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """BSP keeps the gradients inside the fusion buffer and zeroes them there (they are
         zero tensors afterwards, not None); other policies defer to the wrapped optimizer."""
-        if not self._strategy.zero_grad():
+        if self._sparse_only or not self._ready().zero_grad():
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
@@ -233,7 +329,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "before wrapping it (the fusion buffer is laid out once)")
 
     def close(self) -> None:
-        self._strategy.close()
+        if self._strategy is not None:
+            self._strategy.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []

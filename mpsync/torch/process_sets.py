@@ -115,7 +115,8 @@ def add_process_set(process_set) -> ProcessSet:
     ps.process_set_id = ctx.next_process_set_id
     ops = None
     if member:
-        ops = UserOps(sub, ctx.config.deadline, None, ctx.user_ops.idle, ranks=ps.ranks)
+        ops = UserOps(sub, ctx.config.deadline, None, ctx.user_ops.idle, ranks=ps.ranks,
+                      world_ranks=[ctx.world_ranks[w] for w in ps.ranks])
     registry[ps.process_set_id] = (ps, ops)
     return ps
 
@@ -132,8 +133,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     ops = entry[1]
     if ops is not None:
-        ops.meta.Free()
-        ops.comm.Free()
+        ops.free()
     return True
 
 

@@ -1,7 +1,6 @@
 """What a worker aggregates, per policy, and when.
 
-Which strategy a policy uses on each topology is its entry in the registry
-(:mod:`mpsync.policies`); the table below is mpsync's own policies.
+A policy's strategy per topology is its registry entry (:mod:`mpsync.policies`):
 
 ==================  ==========  ============================================================
 strategy            policies    per ``optimizer.step()``
@@ -17,15 +16,11 @@ ParameterServer     asp, ssp,   local step; ask; on SYNC push the delta since th
 ElasticSuperstep    ebsp (ps)   local step; ask; push and pull every iteration (ASP within
                                 the superstep); at the ZipLine barrier (SYNC) the pull waits
                                 for every worker's barrier push (BSP)
-TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), In-
-(``two_stage``)                 Computation Sync of the rest overlapped with the next
-                                iteration, LGP correction (Eq. 6-7) when it lands
+TwoStageSync        osp         OSP §3-4: Routine Sync of the important layers (blocking), ICS
+(``two_stage``)                 of the rest overlapping the next iteration, LGP (Eq. 6-7) after
 ==================  ==========  ============================================================
 
-Every strategy works on :class:`~mpsync.torch.fusion.FusionBuffer` s and an
-:class:`~mpsync.torch.backends.Aggregator`; ``client`` is the control plane's ``SyncClient``
-(``None``: no state server, every step synchronizes, which only makes sense for BSP).
-``synchronize()`` is the final aggregation after which every worker holds the same model.
+``synchronize()``: the final aggregation, after which every worker holds the same model.
 
 Uneven step counts (Horovod's ``join()`` is the model).  ``synchronize()`` first runs
 ``join()``: a worker with no more steps keeps taking part in the others' aggregations until
@@ -33,13 +28,13 @@ every worker has joined, contributing nothing (zeros, weight 0).  On the ring ev
 aggregation carries a header in the same collective (``FusionBuffer.wire``): ``[contributors,
 active_0 .. active_{N-1}]`` summed over the workers; averages divide by the number of workers
 as Horovod's do (a joined worker's zeros count), and the round whose active set is empty is
-the last, on every worker at once.  A joined worker asks the server as before, pacing its idle
-iterations by its mean compute time (1-50 ms), so the policy sees a fast worker and never
-waits for it.  On the parameter server it pushes what is left as its last update (staleness
-rules and ElasticBSP's plans stop counting it) and waits for a non-blocking barrier of all
-workers, sending resets at that pace; under ESync's QUERY-STATE it reports idle iterations
-instead and takes part in the rounds with an empty update.  The model is then broadcast from
-a worker that took part in the last aggregation.
+the last, on every worker at once.  A joined worker keeps asking the server at its mean
+iteration pace (1-50 ms), so the policy sees a fast worker and never waits for it.  On the
+parameter server it pushes what is left as its last update (staleness rules and ElasticBSP's
+plans stop counting it) and waits for a non-blocking barrier of all workers, sending resets
+at that pace; under ESync's QUERY-STATE it reports idle iterations instead and takes part in
+the rounds with an empty update.  Then the model is broadcast from a worker of the last
+aggregation.  More than one optimizer per process: ``followers``.
 """
 
 from __future__ import annotations
@@ -52,6 +47,7 @@ from mpsync.server import LOCAL, Decision
 from mpsync.torch._counters import LocalCounters
 from mpsync.torch.backends import Aggregator
 from mpsync.torch.compression import WireSum
+from mpsync.torch.followers import Following  # more than one optimizer per process
 from mpsync.torch.fusion import FusionBuffer
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "LocalStepsThenAggregate",
@@ -61,7 +57,7 @@ __all__ = ["Strategy", "average_gradients", "GradientAveraging", "LocalStepsThen
 _NOT_READY = Decision(LOCAL, 0, 0)
 
 
-class Strategy:
+class Strategy(Following):
     """Common plumbing: the server query, counters, the final identical-model broadcast."""
 
     # True: every step aggregates (no local steps between rounds).
@@ -160,6 +156,8 @@ class Strategy:
     def ask(self, compute_time: float, iteration: int):
         """Report that local iteration ``iteration`` (1-based) finished and get the decision
         (SyncClient.step, one round trip); None without a control plane."""
+        if self.leader is not None:
+            return self.follow_decision()
         if self.client is None:
             return None
         t0 = time.perf_counter()
@@ -233,8 +231,8 @@ class Strategy:
 
     def synchronize(self) -> None:
         """Horovod's ``synchronize()`` after ``step()``: join, then make every worker's model
-        bitwise equal (all workers call it)."""
-        self.join()
+        bitwise equal (all workers call it).  A follower's rounds ran in its leader's join."""
+        self.join_as_leader()
         self._broadcast_model(min(self.last_active))
         self.last_active = list(range(self.n_workers))
         self.settled = True
@@ -329,6 +327,7 @@ class GradientAveraging(Strategy):
                 contributors, active = self._average(0.0)
                 if contributors:
                     self.optimizer.step()
+                self.followers_round()
                 if not active:
                     return
         finally:
@@ -410,13 +409,14 @@ class LocalStepsThenAggregate(Strategy):
         raise NotImplementedError
 
     def idle_step(self) -> bool:
-        if self.joined or self.settled or not self._idle_ready():
+        if self.joined or self.settled or self.leader is not None or not self._idle_ready():
             return False
         pace = self._pace()
         self.iteration += 1
         if self.is_sync(self.ask(pace, self.iteration)):
             self._aggregate()
             self.local_steps = 0
+            self.followers_round(joined=False)  # the others run theirs at their next step
         time.sleep(pace)
         return True
 
@@ -496,8 +496,8 @@ class DeltaAveraging(LocalStepsThenAggregate):
                 self.iteration += 1
                 if self.is_sync(self.ask(pace, self.iteration)):
                     _, active = self._aggregate(contributing=pending)
-                    pending = False
-                    self.local_steps = 0
+                    pending, self.local_steps = False, 0
+                    self.followers_round()
                     if not active:
                         return
                 else:
