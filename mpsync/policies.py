@@ -421,6 +421,7 @@ register(
                  f"({_POL}OSP); S(G^u) clipped to [0, U_max] "
                  f"[osp-clip-ics-size] (mpsync.sched.osp:osp_ics_size); the importance of ICS "
                  f"layers is of the local gradient, LGP's estimate [osp-ics-local-importance]; "
-                 f"Eq. 7 is exact for plain SGD only [osp-lgp-plain-sgd] "
+                 f"Eq. 7 is exact for SGD (its momentum buffer corrected too), not for other "
+                 f"optimizers [osp-lgp-plain-sgd] "
                  f"(mpsync.torch.two_stage:TwoStageSync)"),
     })

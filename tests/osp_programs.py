@@ -50,3 +50,41 @@ def measured_bound() -> None:
            "compute_time": s.compute_time, "ics_layers": s.ics_layers_total}
     mps.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def momentum_conservation() -> None:
+    """OSP with SGD momentum and most of the model in In-Computation Sync: once every ICS is
+    corrected (Eq. 7, momentum buffer included), the model is the one momentum SGD makes from
+    the workers' mean gradients, w_T = w_0 - lr Σ_i (1 - μ^(T-i+1)) / (1 - μ) · mean_i, with
+    i = 1..T; a momentum buffer left holding a local gradient breaks it."""
+    from torch_programs import _data, _flat, _model
+
+    a = _args()
+    steps, batch, lr, mu = int(a.get("steps", 24)), 4, 0.1, 0.9
+    mps.init(policy="osp", backend=a.get("backend", "mpi"), server="dedicated", deadline=30,
+             osp_ics_size="fixed", osp_ics_max_fraction=0.8)
+    me, n = mps.rank(), mps.size()
+    model = _model()
+    w0 = _flat(model).clone()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=mu),
+                                   named_parameters=model.named_parameters())
+    grads = []
+    for step in range(steps):
+        x, y = _data(n * batch, seed=100 + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[me * batch:(me + 1) * batch]),
+                                          y[me * batch:(me + 1) * batch]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        epoch = 1 + 3 * step // steps
+        opt.strategy.note_progress(epoch, 1.0 / epoch)
+        opt.step()
+    ics_layers = opt.strategy.ics_layers_total
+    opt.synchronize()
+    mean = mps.allreduce(torch.stack(grads))
+    weights = torch.tensor([(1 - mu ** (steps - i)) / (1 - mu) for i in range(steps)],
+                           dtype=mean.dtype)
+    expected = w0 - lr * (weights[:, None] * mean).sum(0)
+    got = _flat(model)
+    err = float((got - expected).abs().max() / (w0 - expected).abs().max())
+    mps.shutdown()
+    print("RESULT " + json.dumps({"rank": me, "ics_layers": ics_layers, "err": err}), flush=True)

@@ -61,3 +61,8 @@ def test_bench_memory_rows_per_policy():
     assert esync["extra_beyond_fusion_bytes"] >= param_bytes, esync
     assert rows["asp-ps"]["extra_beyond_fusion_bytes"] >= 2 * param_bytes, rows["asp-ps"]
     assert time.monotonic() - start < 40
+
+
+def test_bench_startup_refuses_a_job_without_workers_before_launching():
+    r = _bench(["startup", "--np", "1"], timeout=60)
+    assert r.returncode == 2 and "--np must be >= 2" in r.stderr, r.stderr

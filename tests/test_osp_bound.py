@@ -57,3 +57,20 @@ def test_halving_the_link_rate_shrinks_every_workers_u_max():
     for rank in full:
         assert half[rank]["link_rate"] < 0.75 * full[rank]["link_rate"], (full[rank], half[rank])
         assert half[rank]["u_max"] < 0.75 * full[rank]["u_max"], (full[rank], half[rank])
+
+
+def test_osp_with_sgd_momentum_corrects_the_momentum_buffer_too():
+    """Eq. 7 under momentum SGD: the model after the last correction is momentum SGD on the
+    mean gradients (a local gradient left in a momentum buffer would be applied again at every
+    later step)."""
+    run = run_mpi("osp_programs:momentum_conservation", np=4, timeout=180)
+    res = {}
+    for rank in run.ranks:
+        for line in run.rank_out(rank).splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[len("RESULT "):])
+                res[r["rank"]] = r
+    assert sorted(res) == [0, 1, 2], run.report()
+    for r in res.values():
+        assert r["ics_layers"] > 0, r
+        assert r["err"] <= 1e-9, r

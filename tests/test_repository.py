@@ -33,6 +33,15 @@ def test_no_file_points_outside_the_repository():
     assert references_outside([REPO / p for p in tracked if (REPO / p).is_file()]) == []
 
 
+def test_every_test_file_is_under_500_lines():
+    """One concern a file: a test file is split by concern before it grows past 500 lines."""
+    tracked = subprocess.run(["git", "ls-files", "tests/*.py"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    long = {p: n for p in tracked if (REPO / p).is_file()
+            and (n := len((REPO / p).read_text().splitlines())) > 500}
+    assert long == {}, f"files over 500 lines: {long}"
+
+
 def test_the_check_finds_a_reference(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("ok\n# see " + "FACTS" + ".md for the numbers\n# ../" + _SHARED + "/x\n")

@@ -20,7 +20,8 @@ TESTS = Path(__file__).resolve().parent
 
 # The sched test modules whose kernel comparisons are repeated un-jitted. This module is not one
 # of them: it would start itself again.
-SCHED_TEST_FILES = ("test_sched_zipline.py", "test_sched_policies.py", "test_sched_references.py")
+SCHED_TEST_FILES = ("test_sched_zipline.py", "test_sched_policies.py", "test_sched_references.py",
+                    "test_sched_policy_references.py")
 # Interpreted, the large-input agreement tests take minutes (n*R up to 60,000 with O(Rn^2)
 # variants); the same comparisons run un-jitted on the small seeded and hypothesis inputs.
 UNJITTED_DESELECT = "not agree_on"

@@ -340,7 +340,7 @@ def test_a_stalled_worker_on_the_ps_is_taken_out_and_the_others_keep_training(tm
 
 def test_a_push_header_waiting_for_its_payload_does_not_stop_the_server(tmp_path):
     out = tmp_path / "late.json"
-    run_mpi("server_programs:late_payload", np=3, timeout=120,
+    run_mpi("server_fault_programs:late_payload", np=3, timeout=120,
             args=["hold=1.5", "deadline=2.0", f"out={out}"])
     stats = json.loads(out.read_text())
     worker = json.loads((tmp_path / "late.json.worker").read_text())
@@ -366,7 +366,7 @@ def test_colocated_server_thread_on_a_training_rank(tmp_path):
 def test_a_rank_that_is_not_a_worker_is_dropped_and_logged_once_and_the_writers_round_trip(
         tmp_path):
     out = tmp_path / "outsider.json"
-    run = run_mpi("server_programs:outsider", np=4, timeout=90,
+    run = run_mpi("server_fault_programs:outsider", np=4, timeout=90,
                   args=["n=50", "iters=20", f"out={out}"])
     res = json.loads(out.read_text())
     assert "outsider: sent 50, reply received: False" in run.rank_out(3)
@@ -423,7 +423,7 @@ def test_bench_server_smoke():
 
 def test_fuzz_10000_hypothesis_messages_the_server_keeps_answering_correctly(tmp_path):
     out = tmp_path / "fuzz.json"
-    run = run_mpi("server_programs:fuzz", np=5, timeout=300,
+    run = run_mpi("server_fault_programs:fuzz", np=5, timeout=300,
                   args=["n=5000", "iters=300", f"out={out}"])
     res = json.loads(out.read_text())
     # Ranks 1-2 honest, 3 a fuzzing worker, 4 a fuzzing rank the server does not know.

@@ -86,14 +86,14 @@ from mpsync.torch.mpi_ops import (
     synchronize,
 )
 from mpsync.torch.optimizer import DistributedOptimizer
-from mpsync.torch.sync_batch_norm import SyncBatchNorm
-from mpsync.torch.timeline import start_timeline, stop_timeline
 from mpsync.torch.process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
+from mpsync.torch.sync_batch_norm import SyncBatchNorm
+from mpsync.torch.timeline import start_timeline, stop_timeline
 
 __all__ = [
     # set-up and topology

@@ -86,9 +86,10 @@ class TwoStageSync(Strategy):
     server and runs the same collectives with zero gradients.
 
     No gradient is dropped: every ICS allreduce is finished and corrected at the next step or
-    in ``synchronize()``.  Departure [osp-lgp-plain-sgd]: Eq. 7 is exact for plain SGD; with
-    momentum or Adam the correction is the same SGD-shaped term (the optimizer state keeps the
-    local gradient).
+    in ``synchronize()``.  Departure [osp-lgp-plain-sgd]: Eq. 7 is exact for SGD, with or
+    without momentum (the momentum buffer is corrected too, ``_correct``); with other
+    optimizers (Adam) the correction is the same SGD-shaped term and the optimizer's state
+    keeps the local gradient.
     With the ``mpi`` backend Open MPI progresses a non-blocking collective only inside MPI
     calls, so gradient hooks call ``test()`` during backward; Horovod progresses on its own
     thread.
@@ -146,10 +147,26 @@ class TwoStageSync(Strategy):
         return osp_u_max(self._rate, self._t_compute, self.buf.flat.element_size(),
                          self.backend.size if self.backend is not None else 1)
 
-    def _lr_of_params(self) -> dict[int, float]:
-        """Each parameter's current learning rate (read every time: schedulers change it)."""
-        return {id(p): group["lr"] for group in self.optimizer.param_groups
-                for p in group["params"]}
+    def _group_of_params(self) -> dict[int, dict]:
+        """Each parameter's group, read every time: schedulers change the learning rate."""
+        return {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+
+    def _correct(self, param: torch.Tensor, diff: torch.Tensor, group: dict) -> None:
+        """Eq. 7 on one parameter: replace the local gradient its last step used by the global
+        one (``diff`` = G^g - G^l).  With SGD's momentum the local gradient also went into
+        the momentum buffer, which every later step applies again: it is corrected too, so the
+        step is the one the global gradient would have made and the replicas stay equal."""
+        lr = group["lr"]
+        momentum = group.get("momentum", 0.0) if isinstance(self.optimizer, torch.optim.SGD) \
+            else 0.0
+        buf = self.optimizer.state.get(param, {}).get("momentum_buffer") if momentum else None
+        if buf is None:
+            param.add_(diff, alpha=-lr)
+            return
+        damped = 1.0 - group.get("dampening", 0.0)
+        buf.add_(diff, alpha=damped)
+        scale = 1.0 + momentum * damped if group.get("nesterov") else damped
+        param.add_(diff, alpha=-lr * scale)
 
     def _progress(self, grad):
         if self._pending is not None:
@@ -164,11 +181,11 @@ class TwoStageSync(Strategy):
         self._pending.wait()
         self.buf.scatter(self._ics_global, self._prev_global, self._ics_ranges)
         correction = self._ics_global.sub_(self._ics_local)  # G^g - G^l, in place
-        lr_of = self._lr_of_params()
+        group_of = self._group_of_params()
         with torch.no_grad():
             for slot, pos in self.buf.slots_in(self._ics_ranges):
                 piece = correction[pos:pos + slot.numel].view(slot.param.shape)
-                slot.param.add_(piece, alpha=-lr_of[id(slot.param)])
+                self._correct(slot.param, piece, group_of[id(slot.param)])
         self._pending = None
         self._ics_local = self._ics_global = self._ics_ranges = None
         t1 = time.perf_counter()
