@@ -203,6 +203,7 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
 
     from mpsync.torch.backends import HorovodAggregator, MPIAggregator
     from mpsync.torch.compression import Compression, WireSum
+    from mpsync.torch._moves import start_allreduce
     from mpsync.torch.mpi_ops import Average, UserOps
     from mpsync.torch.strategies import average_gradients
 
@@ -219,15 +220,15 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
         rows[nbytes].update(timed(world, {
             "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
-            "user_ms": lambda: checked.start_allreduce(t, Average, 1.0, 1.0, None, None).wait(),
-            "user_unchecked_ms": lambda: unchecked.start_allreduce(
-                t, Average, 1.0, 1.0, None, None).wait(),
+            "user_ms": lambda: start_allreduce(checked, t, Average, 1.0, 1.0, None, None).wait(),
+            "user_unchecked_ms": lambda: start_allreduce(
+                unchecked, t, Average, 1.0, 1.0, None, None).wait(),
         }, max_repeats, budget))
         if fp16:
             ops = UserOps(world.Dup(), 600.0)
             t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-            rows[nbytes].update(timed(world, {"mpsync_mpi_fp16_ms": lambda: ops.start_allreduce(
-                t, Average, 1.0, 1.0, Compression.fp16, "fp16").wait()}, max_repeats, budget))
+            rows[nbytes].update(timed(world, {"mpsync_mpi_fp16_ms": lambda: start_allreduce(
+                ops, t, Average, 1.0, 1.0, Compression.fp16, "fp16").wait()}, max_repeats, budget))
         del buf, arr
 
     import horovod.torch as hvd
@@ -251,8 +252,8 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
             rows[nbytes].update(timed(world, {
                 "horovod_fp16_ms": lambda: hvd.allreduce(
                     raw, op=hvd.Average, compression=hvd.Compression.fp16, name="raw16"),
-                "mpsync_fp16_ms": lambda: ops.start_allreduce(
-                    raw, Average, 1.0, 1.0, Compression.fp16, "fp16").wait(),
+                "mpsync_fp16_ms": lambda: start_allreduce(
+                    ops, raw, Average, 1.0, 1.0, Compression.fp16, "fp16").wait(),
                 "mpsync_opt_fp16_ms": lambda: (
                     buf.pack_grads(),
                     wire.sum_(buf.wire, "gradients", divisor=lambda _h: float(wire.size)),

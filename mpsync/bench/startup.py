@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mpsync import policies
+
 __all__ = ["add_arguments", "run"]
 
 _FLOOR = """
@@ -63,7 +65,7 @@ import time, torch, numba
 from mpi4py import MPI
 import mpsync.torch as hvd
 from mpsync.apps.models import build_model
-hvd.init(policy="bsp", server="dedicated")
+hvd.init(server="dedicated")   # the defaults: the baseline policy
 torch.set_num_threads(1)
 model = build_model((1, 8, 8), 10, 0, "auto")
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -97,7 +99,8 @@ def _launch(program: str, np_: int, work: Path, timeout: float) -> tuple[float, 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if program == "mpsync_train":
         out = work / "train"
-        command = python_argv("mpsync.apps.train", "--policy", "bsp", "--time-budget", "1",
+        command = python_argv("mpsync.apps.train", "--policy", policies.baseline().name,
+                              "--time-budget", "1",
                               "--out", str(out), "--no-progress", "--slowdown", "",
                               "--iter-time", "0.05")
     else:

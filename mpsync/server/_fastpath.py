@@ -224,7 +224,7 @@ class ServeState(structref.StructRefProxy):
     MPI_Status keeps its source and tag (``src_at``, ``tag_at``); its buffers (``status``
     cells, ``scratch`` for Iprobe's flag and Get_count's count, the ``request`` received into,
     the ``reply``) and ``worker_of`` (rank -> worker, -1: none); the rules' tables
-    (``tables``, ``counters``, ``events``, ``esync``, ``ebsp``); the server's clock origin
+    (``tables``, ``counters``, ``events``, ``esync_tables``, ``ebsp_tables``); the server's clock origin
     ``t0``, ESync's ``eps`` and the rule family ``kind``.
 
     One object on purpose: Numba passes it as one pointer, where the 36 arrays inside it,
@@ -234,20 +234,20 @@ class ServeState(structref.StructRefProxy):
 
 _STATE_FIELDS = ("comm", "h_double", "h_byte", "any_source", "any_tag", "src_at", "tag_at",
                  "status", "scratch", "request", "reply", "worker_of", "tables", "counters",
-                 "events", "esync", "ebsp", "t0", "eps", "kind")
+                 "events", "esync_tables", "ebsp_tables", "t0", "eps", "kind")
 structref.define_constructor(ServeState, _ServeStateType, _STATE_FIELDS)
 structref.define_boxing(_ServeStateType, ServeState)
 
 
 @_jit
 def _new_state(comm, h_double, h_byte, any_source, any_tag, src_at, tag_at, status, scratch,
-               request, reply, worker_of, tables, counters, events, esync, ebsp, t0, eps,
-               kind):
+               request, reply, worker_of, tables, counters, events, esync_tables, ebsp_tables,
+               t0, eps, kind):
     """A :class:`ServeState` (compiled once into Numba's cache, unlike a proxy's own
     constructor, which is compiled in every process)."""
     return ServeState(comm, h_double, h_byte, any_source, any_tag, src_at, tag_at, status,
-                      scratch, request, reply, worker_of, tables, counters, events, esync,
-                      ebsp, t0, eps, kind)
+                      scratch, request, reply, worker_of, tables, counters, events,
+                      esync_tables, ebsp_tables, t0, eps, kind)
 
 
 @_jit
@@ -263,7 +263,7 @@ def _serve(st, members, last_msg, hot_s, until, max_messages, epoch):
     :class:`ServeState`; returns the fields of a :class:`ServeResult`.
     One function because it is one polling loop whose every exit hands a message back to
     Python at a different point; what a message does is in the ``rules`` it calls."""
-    tables, counters, events, es, eb = st.tables, st.counters, st.events, st.esync, st.ebsp
+    tables, counters, events, es, eb = st.tables, st.counters, st.events, st.esync_tables, st.ebsp_tables
     msg, reply, status, scratch, worker_of = st.request, st.reply, st.status, st.scratch, \
         st.worker_of
     comm, h_double, h_byte, kind = st.comm, st.h_double, st.h_byte, st.kind

@@ -137,8 +137,13 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     ``process_sets``: :class:`ProcessSet` s to register (Horovod's ``init(process_sets=)``).
     Calling ``init`` again while initialised does nothing more (Horovod's idempotent init).
     """
-    _runtime.init(policy, topology, backend, server, comm, process_sets=process_sets,
-                  **policy_options)
+    was_running = _runtime.is_initialized()
+    ctx = _runtime.init(policy, topology, backend, server, comm, **policy_options)
+    if was_running and ctx.is_server:
+        return
+    for ps in process_sets or ():
+        if ps.process_set_id is None:
+            add_process_set(ps)
 
 
 def shutdown() -> None:

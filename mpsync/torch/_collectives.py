@@ -291,18 +291,6 @@ class UserOps:
                                 deadline=self.deadline, what=op.what, idle=self.idle,
                                 watch=self.watch, seq=op.seq)
 
-    def start_allreduce(self, tensor, op, prescale, postscale, compression, what, out=None):
-        """``mps.allreduce``'s path, for callers holding a UserOps (the bench)."""
-        from mpsync.torch._moves import start_allreduce
-
-        return start_allreduce(self, tensor, op, prescale, postscale, compression, what, out)
-
-    def sum_half_(self, x, what: str = "half sum"):
-        """In place, the sum of a float16/bfloat16 tensor (``_moves.sum_half_``)."""
-        from mpsync.torch._moves import sum_half_
-
-        return sum_half_(self, x, what)
-
     def _wait(self, req, what: str) -> None:
         wait_while_stepping(req.Test, deadline=self.deadline, what=what, idle=self.idle,
                             watch=self.watch, seq=self.exchanges)
@@ -316,18 +304,6 @@ class UserOps:
 
     def check(self, records: np.ndarray) -> str | None:
         return meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
-
-
-def user_ops(what: str, process_set=None) -> UserOps:
-    """The :class:`UserOps` of ``process_set`` (default: all workers), made at ``init``."""
-    from mpsync.torch import _runtime
-
-    ctx = _runtime.worker_context(what)
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return ctx.user_ops
-    from mpsync.torch.process_sets import ops_of
-
-    return ops_of(process_set, what)
 
 
 def make_user_ops(ctx) -> UserOps:

@@ -99,17 +99,15 @@ def worker_context(what: str) -> Context:
 
 def init(policy: str | None = None, topology: str | None = None, backend: str | None = None,
          server: str | None = None, comm=None, *, stats_path: str | None = None,
-         trace_path: str | None = None, server_rank: int = 0, process_sets=None,
+         trace_path: str | None = None, server_rank: int = 0,
          **policy_options) -> Context:
     """Every setting left as ``None`` comes from ``MPSYNC_*`` or else the default of
     :class:`SyncConfig` (explicit > environment > default), so ``init()`` alone runs the policy
     of the environment.  A second call while initialised returns the running context (Horovod's
-    ``init()`` is idempotent: libraries and notebooks call it again) and only registers
-    ``process_sets`` not registered yet."""
+    ``init()`` is idempotent: libraries and notebooks call it again); ``mpsync.torch.init``
+    registers the process sets, above this module."""
     global _CONTEXT
     if _CONTEXT is not None and not _CONTEXT.closed:
-        if not _CONTEXT.is_server:
-            _add_process_sets(process_sets)
         return _CONTEXT
     # Validation needs no communicator: a bad setting fails identically on every rank.
     config = job.config_of(policy, topology, backend, server, **policy_options)
@@ -148,16 +146,7 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
             workers, config, world_ranks)
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
-    _add_process_sets(process_sets)
     return ctx
-
-
-def _add_process_sets(process_sets) -> None:
-    from mpsync.torch.process_sets import add_process_set
-
-    for ps in process_sets or ():
-        if getattr(ps, "process_set_id", None) is None:
-            add_process_set(ps)
 
 
 def _serve_and_exit(ctx: Context) -> None:

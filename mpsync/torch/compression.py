@@ -120,7 +120,7 @@ class WireSum:
 
     The aggregators average; the sum is that average times the number of workers.  A float16
     wire on the ``mpi`` backend (MPI has no float16 reduction) goes through ``half_sum``
-    (:meth:`mpsync.torch.mpi_ops.UserOps.sum_half_`: the halves themselves travel, the
+    (:func:`mpsync.torch._moves.sum_half_`: the halves themselves travel, the
     additions are done in float32).
     """
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from mpsync.torch import _moves
-from mpsync.torch._collectives import Average, Sum, name_of, reduce_op, user_ops
+from mpsync.torch._collectives import Average, Sum, name_of, reduce_op
+from mpsync.torch.process_sets import user_ops
 from mpsync.torch.compression import Compression
 from mpsync.torch.mpi_ops import (start_broadcast, start_grouped_allgather,
                                   start_grouped_allreduce, start_grouped_reducescatter,

@@ -23,8 +23,8 @@ import torch
 
 from mpsync.torch import _moves, _runtime
 from mpsync.torch._collectives import (  # noqa: F401  (Average ... Product are public here)
-    Adasum, Average, Max, Min, Product, Sum, UserOps, _Done, _Group, name_of, reduce_op,
-    user_ops)
+    Adasum, Average, Max, Min, Product, Sum, UserOps, _Done, _Group, name_of, reduce_op)
+from mpsync.torch.process_sets import user_ops
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",

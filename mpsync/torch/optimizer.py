@@ -12,11 +12,13 @@ Per-iteration compute time, reported to the state server, is the time since the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 
 import torch
 
+from mpsync.torch._moves import sum_half_
 from mpsync.torch.compression import WireSum
 from mpsync.torch.fusion import group_by_dtype
 from mpsync.torch.strategies import Strategy, make_strategy
@@ -131,10 +133,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = None
         if backend is not None:
             f = args["predivide"]
+            mpi_peers = peers is not None and ctx.config.backend == "mpi"
             self._strategy.wire = WireSum(
                 backend, args["compression"], prescale=1.0 / f, postscale=f,
-                half_sum=peers.sum_half_ if peers is not None and ctx.config.backend == "mpi"
-                else None)
+                half_sum=functools.partial(sum_half_, peers) if mpi_peers else None)
         ctx.optimizers.append(self)
 
     def _follow_leader(self, ctx) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from mpsync.torch import _runtime
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "ops_of", "every_ops", "is_whole_world"]
+           "ops_of", "user_ops", "every_ops", "is_whole_world"]
 
 
 class ProcessSet:
@@ -150,6 +150,15 @@ def ops_of(process_set, what: str):
         raise ValueError(f"{what}: worker {_runtime.context().worker_rank} is not a member of "
                          f"the process set of workers {process_set.ranks}")
     return entry[1]
+
+
+def user_ops(what: str, process_set=None):
+    """The :class:`~mpsync.torch._collectives.UserOps` of ``process_set`` (default: all
+    workers), made at ``init``."""
+    ctx = _runtime.worker_context(what)
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return ctx.user_ops
+    return ops_of(process_set, what)
 
 
 def every_ops(ctx) -> list:
