@@ -1,5 +1,5 @@
 """Smoke tests of ``mpsync bench allreduce`` and ``mpsync bench memory``: real mpirun jobs on
-tiny sizes, each under a hard subprocess timeout (20 + 40 s at most), checking the JSON shapes the benchmarks promise
+tiny sizes, each under a hard subprocess timeout (60 + 40 s at most), checking the JSON shapes the benchmarks promise
 and the memory accounting's basic facts."""
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ def test_bench_allreduce_json_is_a_list_of_rows():
     start = time.monotonic()
     sizes = [4096, 65536]
     r = _bench(["allreduce", "--np", "2", "--sizes", ",".join(map(str, sizes)), "--json",
-                "--max-repeats", "5", "--seconds-per-point", "0.2", "--timeout", "18"],
-               timeout=20)
+                "--max-repeats", "5", "--seconds-per-point", "0.2", "--timeout", "55"],
+               timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout)  # the whole of stdout is the JSON list
     assert isinstance(rows, list) and [row["bytes"] for row in rows] == sizes
     for row in rows:
         for key in ROW_KEYS[1:]:
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60
 
 
 def test_bench_memory_rows_per_policy():
