@@ -21,6 +21,7 @@ whole process group, so no multi-rank test can hang the suite.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import sys
@@ -59,6 +60,15 @@ class MPIRun:
 
     def rank_out(self, rank: int) -> str:
         return self.ranks.get(rank, {}).get("stdout", "")
+
+    def results(self) -> dict[int, dict]:
+        """The ``RESULT {...}`` line of every rank that printed one, by world rank."""
+        out = {}
+        for rank in self.ranks:
+            for line in self.rank_out(rank).splitlines():
+                if line.startswith("RESULT "):
+                    out[rank] = json.loads(line[len("RESULT "):])
+        return out
 
     def rank_err(self, rank: int) -> str:
         return self.ranks.get(rank, {}).get("stderr", "")

@@ -96,15 +96,6 @@ def hosts_of(run) -> dict[int, str]:
     return out
 
 
-def results_of(run) -> dict[int, dict]:
-    res = {}
-    for r in run.ranks:
-        for line in run.rank_out(r).splitlines():
-            if line.startswith("RESULT "):
-                res[r] = json.loads(line[7:])
-    return res
-
-
 @pytest.fixture(scope="module")
 def four_nodes():
     if not AVAILABLE:
@@ -124,7 +115,7 @@ def test_a_horovod_style_script_trains_across_four_nodes(four_nodes, policy, top
     assert sorted(hosts) == [0, 1, 2, 3, 4], run.report()
     assert len(set(hosts.values())) >= 2, hosts
     assert set(hosts.values()) <= {"node1", "node2", "node3", "node4"}, hosts
-    res = results_of(run)
+    res = run.results()
     assert sorted(res) == [1, 2, 3, 4], run.report()
     if topology == "ring":
         assert all(r["rounds"] == 10 for r in res.values()), res
@@ -251,7 +242,7 @@ def test_a_link_slowed_mid_run_hangs_nothing_and_the_server_sees_longer_aggregat
                                             "rounds=16", "slow_at=8"],
                       timeout=180, mpirun_extra=mpirun_extra)
     assert hosts_of(run).get(2) == "node3", run.report()
-    res = results_of(run)
+    res = run.results()
     assert sorted(res) == [1, 2, 3, 4] and all(r["rounds"] == 16 for r in res.values()), res
     assert len({r["digest"] for r in res.values()}) == 1, res
     slowed = [int(m) for r in run.ranks

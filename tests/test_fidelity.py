@@ -5,8 +5,6 @@ single-process worked scenarios of every policy are in test_fidelity_rules.py.""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -15,21 +13,12 @@ from mpi_harness import run_mpi
 pytestmark = pytest.mark.mpi
 
 
-def _results(run) -> dict[int, dict]:
-    out = {}
-    for rank in run.ranks:
-        for line in run.rank_out(rank).splitlines():
-            if line.startswith("RESULT "):
-                out[rank] = json.loads(line[len("RESULT "):])
-    return out
-
-
 @pytest.mark.parametrize("topology", ["ring", "ps"])
 def test_esync_with_a_straggler_averages_every_applied_update_and_lets_fast_workers_run(
         topology):
     run = run_mpi("fidelity_programs:esync_straggler_rounds", np=4, timeout=180,
                   args=[f"topology={topology}", "rounds=5"])
-    res = _results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         # Every update any worker applied is in the model, averaged (Eq. 6-8), none twice.
@@ -43,7 +32,7 @@ def test_esync_with_a_straggler_averages_every_applied_update_and_lets_fast_work
 def _bsp_models(topology: str, *extra: str) -> np.ndarray:
     run = run_mpi("fidelity_programs:bsp_rounds", np=4, timeout=180,
                   args=[f"topology={topology}", "steps=8", *extra])
-    res = _results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         assert r["iterations"] == 8, r
@@ -66,7 +55,7 @@ def test_bsp_on_the_ps_averages_and_gives_the_ring_s_model_from_the_same_seeds()
 def test_esync_delayed_ack_discards_the_iteration_a_ready_interrupts():
     run = run_mpi("fidelity_programs:esync_delayed_ack_abort", np=2, timeout=180,
                   args=["rounds=4"])
-    res = _results(run)
+    res = run.results()
     assert len(res) == 1, run.report()
     r = res[1]
     # Each round: the report of a local iteration is answered READY; the READY lands during
@@ -82,7 +71,7 @@ def test_esync_delayed_ack_discards_the_iteration_a_ready_interrupts():
 def test_ebsp_on_the_ps_keeps_placing_barriers_among_the_workers_left_after_a_join():
     run = run_mpi("fidelity_programs:ebsp_ps_join", np=4, timeout=180,
                   args=["steps=40", "short=6"])
-    res = _results(run)
+    res = run.results()
     assert sorted(res) == [1, 2, 3], run.report()
     plans, targets = res[1]["plans"], res[1]["targets"]
     # Each plan covers the workers still running: worker 2 leaves after its 6 steps, and at
@@ -102,7 +91,7 @@ def test_ebsp_on_the_ps_keeps_placing_barriers_among_the_workers_left_after_a_jo
 def test_ebsp_on_the_ring_every_worker_holds_the_same_weights_at_every_barrier():
     run = run_mpi("fidelity_programs:ebsp_ring_barrier_weights", np=4, timeout=180,
                   args=["rounds=6"])
-    res = _results(run)
+    res = run.results()
     assert sorted(res) == [1, 2, 3], run.report()
     barriers = [r["at_barrier"] for r in res.values()]
     assert all(len(b) == 6 for b in barriers), barriers

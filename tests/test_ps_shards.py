@@ -4,7 +4,6 @@ the ring is in test_fidelity.py."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -19,15 +18,6 @@ from mpsync.server.shard_plan import (SINGLE_HOST_SHARDS, place_shards, plan_lay
                                       resolve_shard_count, shard_bounds)
 
 PROGRAMS = str(Path(__file__).resolve().parent / "ps_programs.py")
-
-
-def _results(run) -> dict[int, dict]:
-    out = {}
-    for rank in run.ranks:
-        for line in run.rank_out(rank).splitlines():
-            if line.startswith("RESULT "):
-                out[rank] = json.loads(line[len("RESULT "):])
-    return out
 
 
 # -- the layout (pure) -------------------------------------------------------------------------
@@ -81,7 +71,7 @@ def test_cli_refuses_ps_shards_0_before_launching():
 def test_staleness_bound_holds_on_every_shard_with_a_lagging_shard(policy):
     run = run_mpi("ps_programs:staleness_over_shards", np=4, timeout=240,
                   args=[f"policy={policy}", "ps_shards=3", "steps=30"])
-    res = _results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     # The bound is checked at every pull inside the program (it raises on a violation);
     # here: it was reached, so the check was not vacuous.
@@ -135,7 +125,7 @@ def test_a_stopped_shard_is_named_by_the_workers_at_the_deadline():
 @pytest.mark.parametrize("fp16", ["0", "1"])
 def test_bytes_per_worker_are_counted_message_by_message(fp16):
     run = run_mpi("ps_programs:bytes_accounted", np=4, timeout=180, args=[f"fp16={fp16}"])
-    res = _results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         # A push, a pull and a reset a step at least, each at least one 64-byte message.

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from mpi_harness import run_mpi
 
 pytestmark = pytest.mark.mpi
-
-
-def results(run) -> dict[int, dict]:
-    """The ``RESULT {...}`` line of every rank that printed one, by world rank."""
-    out = {}
-    for rank in run.ranks:
-        for line in run.rank_out(rank).splitlines():
-            if line.startswith("RESULT "):
-                out[rank] = json.loads(line[len("RESULT "):])
-    return out
 
 
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])
@@ -27,7 +15,7 @@ def test_bsp_equals_single_process_sgd_on_the_concatenated_batch(backend):
     # weights (broadcast_parameters must fix that).
     run = run_mpi("torch_programs:bsp_equals_single_process", np=4, args=[f"backend={backend}"],
                   timeout=120)
-    res = results(run)
+    res = run.results()
     workers = sorted(r for r in res)
     assert len(workers) == 3, run.report()
     for r in workers:
@@ -41,7 +29,7 @@ def test_bsp_equals_single_process_sgd_on_the_concatenated_batch(backend):
 
 def test_horovod_and_mpi_backends_agree():
     run = run_mpi("torch_programs:bsp_backends_agree", np=4, timeout=120)
-    res = results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         assert r["horovod_vs_mpi"] <= 1e-6 and r["horovod_vs_ref"] <= 1e-6
@@ -50,7 +38,7 @@ def test_horovod_and_mpi_backends_agree():
 
 def test_esync_with_equal_speeds_equals_bsp_step_for_step():
     run = run_mpi("torch_programs:esync_equal_speeds_equals_bsp", np=4, timeout=120)
-    res = results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         # Equal speeds: the server says SYNC after every local step (one step per round)...
@@ -64,7 +52,7 @@ def test_esync_with_equal_speeds_equals_bsp_step_for_step():
 def test_a_4x_straggler_lets_fast_workers_take_more_local_steps(policy, topology):
     run = run_mpi("torch_programs:esync_straggler", np=4, timeout=180,
                   args=[f"policy={policy}", f"topology={topology}", "rounds=6"])
-    res = results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     slow = [r for r in res.values() if r["slow"] > 1]
     fast = [r for r in res.values() if r["slow"] == 1]
@@ -79,7 +67,7 @@ def test_a_4x_straggler_lets_fast_workers_take_more_local_steps(policy, topology
 def test_ps_applies_every_pushed_update_exactly_once(policy):
     run = run_mpi("torch_programs:ps_updates_applied_once", np=4, timeout=120,
                   args=[f"policy={policy}", "steps=25"])
-    res = results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         assert r["rel_err"] <= 1e-9, r
@@ -89,7 +77,7 @@ def test_ps_applies_every_pushed_update_exactly_once(policy):
 @pytest.mark.parametrize("backend", ["mpi"])
 def test_osp_with_an_empty_ics_set_equals_bsp(backend):
     run = run_mpi("torch_programs:osp_run", np=4, timeout=120, args=["ics=0", f"backend={backend}"])
-    res = results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         assert r["ics_layers"] == 0 and r["vs_bsp"] <= 1e-6, r
@@ -99,7 +87,7 @@ def test_osp_with_an_empty_ics_set_equals_bsp(backend):
 def test_osp_with_ics_applies_every_workers_gradients(backend):
     run = run_mpi("torch_programs:osp_run", np=4, timeout=120,
                   args=["ics=0.8", "steps=30", f"backend={backend}"])
-    res = results(run)
+    res = run.results()
     assert len(res) == 3, run.report()
     for r in res.values():
         assert r["ics_layers"] > 0, r  # the server did put layers into In-Computation Sync
@@ -112,7 +100,7 @@ def test_osp_with_ics_applies_every_workers_gradients(backend):
 def test_allreduce_sum_is_exact_and_gather_object_collects_every_worker(backend):
     run = run_mpi("torch_programs:sum_and_gather", np=4, args=[f"backend={backend}"],
                   timeout=120)
-    res = results(run)
+    res = run.results()
     assert sorted(res) == [1, 2, 3], run.report()  # world rank 0 is the dedicated server
     assert all(r["size"] == 3 and r["backend"] == backend for r in res.values())
     big = 2 ** 62 // 4
