@@ -165,27 +165,6 @@ def test_omega_falls_back_to_merge_past_the_move_budget():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_locate_matches_lower_bound(seed):
-    rng = np.random.default_rng(seed)
-    N = int(rng.integers(1, 40))
-    # Sorted (timestamp, key) pairs with many equal timestamps and unique keys, as in OptBS's Z.
-    t = np.sort(rng.integers(0, 5, N).astype(np.float64))
-    key = np.empty(N, dtype=np.int64)
-    start = 0
-    for value in np.unique(t):
-        run = int((t == value).sum())
-        key[start : start + run] = np.sort(rng.choice(100, run, replace=False))
-        start += run
-    head = int(rng.integers(0, N))
-    tail = int(rng.integers(head + 1, N + 1))
-    for j in range(head, tail):  # every element of the slice: the case OptBS relies on
-        assert _s.locate(t, key, head, tail, t[j], key[j]) == j
-    for _ in range(5):  # absent keys: the kernel is still a lower bound on the slice
-        qt, qk = float(rng.integers(-1, 6)), int(rng.integers(-1, 101))
-        assert _s.locate(t, key, head, tail, qt, qk) == ref.locate_reference(t, key, head, tail, qt, qk)
-
-
-@pytest.mark.parametrize("seed", SEEDS)
 def test_check_matches_reference(seed):
     rng = np.random.default_rng(seed)
     M = tie_heavy_matrix(rng, int(rng.integers(1, 8)), int(rng.integers(1, 6)))
@@ -226,9 +205,9 @@ def test_opt_and_optbs_match_references_and_alg2_candidates(seed):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_optbs_through_buffer_compactions(seed):
-    # R > 16 fills ZipLineOptBS's 16n + 1 buffer, so Z is compacted and the fingers of the
-    # entries it moves go stale: those elements are located by the binary search of §5.3.2.
+def test_optbs_long_rows(seed):
+    # Long rows against few workers: Z's front stops at a worker whose predictions ran out and
+    # then skips long stretches of dead elements; with ties, many equal timestamps in Z.
     rng = np.random.default_rng(seed)
     n, R = int(rng.integers(1, 7)), int(rng.integers(17, 60))
     if seed % 3 == 2:
