@@ -486,6 +486,7 @@ def test_the_compiled_loop_serves_the_ring_protocol_and_hands_over_what_it_leave
     assert messages["compiled"] > 0.5 * (messages["compiled"] + messages["python"]), messages
     if "bad=1" in options or policy == "ebsp":
         assert messages["handed_over"] > 0, messages
+    assert messages["awaited"] > 0, messages   # due reports met by the compiled loop's wait
     decisions = [w["decisions"] for w in stats["workers"].values()]
     assert sum(d["SYNC"] for d in decisions) > 0
     if policy != "bsp":
