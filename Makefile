@@ -19,7 +19,7 @@ doctor: setup
 	$(VENV)/bin/mpsync doctor
 
 demo: setup
-	$(PY) -m mpsync.apps.compare --out bench/compare --repeats 2 --time-budget 20
+	$(PY) -m mpsync.apps.compare --out bench/compare --repeats 2 --time-budget 20 --stop-at-target
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -37,7 +37,7 @@ def fresh_env(**extra: str) -> dict[str, str]:
 def test_sched_tests_pass_without_jit(tmp_path):
     """NUMBA_DISABLE_JIT=1 turns every kernel into the Python function it is written as (the
     debugging mode the package promises); the results must not change. Among others this runs
-    the uint64 index arithmetic of merge_pushes and locate on numpy scalars instead of machine ints."""
+    the uint64 index arithmetic of merge_pushes and scan_optbs on numpy scalars instead of machine ints."""
     report = tmp_path / "unjitted.xml"
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

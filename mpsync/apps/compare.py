@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated device time of one iteration at slowdown 1 (s)")
     p.add_argument("--comm-delay", type=float, default=0.0)
     p.add_argument("--target-acc", type=float, default=0.9)
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="end each run at its first evaluation at or above --target-acc (the "
+                        "budget still caps a run that never reaches it); the final accuracy "
+                        "is then the accuracy at the stop")
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="per policy (default 25 s when --epochs is not given)")

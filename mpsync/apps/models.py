@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["build_model", "SmallCNN", "MLP", "WideMLP", "MODELS"]
+from mpsync.apps.model_names import MODELS
 
-MODELS = ("auto", "cnn", "mlp", "wide-mlp")
+__all__ = ["build_model", "SmallCNN", "MLP", "WideMLP", "MODELS"]
 
 
 class SmallCNN(nn.Module):

@@ -19,6 +19,8 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
             "--comm-delay", str(args.comm_delay), "--server", args.server,
             "--out", str(out), "--no-progress", "--no-plots"]
+    if getattr(args, "stop_at_target", False):
+        argv += ["--stop-at-target"]
     if args.topology is not None:  # else train picks the policy's own topology
         argv += ["--topology", args.topology]
     if getattr(args, "ps_shards", None) is not None:
@@ -58,6 +60,9 @@ def setup_line(args, runs) -> str:
            f"slowdown {args.slowdown or 'none'}")
     stop = f"{args.epochs} epochs" if args.epochs is not None else \
         f"{args.time_budget or 25.0:g} s per policy"
+    if getattr(args, "stop_at_target", False):
+        stop = (f"each run stopped at its first evaluation at or above the target (final acc: "
+                f"the model at that stop), else at {stop}")
     server = ("+ 1 server rank" if args.server == "dedicated" else
               "(server thread on rank 0)")
     where = ""

@@ -45,6 +45,7 @@ from mpsync import cluster as vc
 from mpsync import policies
 from mpsync.apps.datasets import check_dataset_spec
 from mpsync.apps.heterogeneity import Heterogeneity
+from mpsync.apps.model_names import MODELS
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     ConfigError, SyncConfig, plugins_from_env, setting_from_env
@@ -108,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=32, help="per worker")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--target-acc", type=float, default=None)
+    g.add_argument("--stop-at-target", action="store_true",
+                   help="end the run at the first evaluation at or above --target-acc (the "
+                        "budget or epochs still cap a run that never reaches it)")
     g.add_argument("--eval-every", type=float, default=None, metavar="S",
                    help="evaluate every S seconds of wall time (default: budget/30 or 1 s)")
     g = p.add_argument_group("heterogeneity (emulated)")
@@ -178,6 +182,8 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if args.target_acc is not None and not 0 < args.target_acc <= 1:
         raise ConfigError(f"--target-acc must be in (0, 1], got {args.target_acc}")
+    if args.stop_at_target and args.target_acc is None:
+        raise ConfigError("--stop-at-target needs --target-acc")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     if not args.lr > 0:
@@ -192,7 +198,6 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError("--checkpoint-every/--resume need --out DIR (checkpoints and the "
                           "resumed run's results go there)")
     check_dataset_spec(args.dataset)
-    from mpsync.apps.models import MODELS  # torch: only when the arguments get this far
     if args.model not in MODELS:
         raise ConfigError(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
     if workers is not None:

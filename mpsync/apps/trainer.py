@@ -1,9 +1,8 @@
 """The worker side of ``mpsync train``: one training run through the public ``mpsync.torch`` API.
 
 :func:`train` is the loop; :class:`Worker` holds what one worker trains and where it is
-(data position, clock, evaluations); the stop rules (:class:`RingStop`,
-:class:`PsCheckpointStop`, :class:`PsStop`) decide, per topology, when the workers end (the
-``mpsync.apps.train`` module doc says why each decides where it does);
+(data position, clock, evaluations); the stop rules of :mod:`mpsync.apps.train_stops` decide,
+per topology, when the workers end;
 :mod:`mpsync.apps.train_checkpoints` writes the consistent cuts; :func:`finish` gathers the
 metrics and worker 0 writes the results.
 """
@@ -26,11 +25,11 @@ import numpy as np
 from mpsync.apps import report
 from mpsync.apps.datasets import load_dataset, partition
 from mpsync.apps.heterogeneity import Heterogeneity
-from mpsync.apps.train_checkpoints import COUNTERS, ps_checkpoint, warn_if_slow, worker_state, \
-    write_checkpoint
+from mpsync.apps.train_checkpoints import COUNTERS, warn_if_slow, worker_state
+from mpsync.apps.train_stops import make_stop
 from mpsync.config import SyncConfig
 
-__all__ = ["train", "finish", "world_rank", "world_size", "Worker", "RingStop", "PsCheckpointStop", "PsStop"]
+__all__ = ["train", "finish", "world_rank", "world_size", "Worker"]
 
 
 def world_rank() -> int:
@@ -45,8 +44,7 @@ def world_size() -> int:
 def train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
     """Run the training loop on this rank (a dedicated server rank serves inside init)."""
     w = Worker.start(args, config, workers, resume)
-    stop = (RingStop(w) if config.topology == "ring" else
-            PsCheckpointStop(w) if args.checkpoint_every else PsStop(w))
+    stop = make_stop(w)
     if w.me == 0 and resume is None:
         w.record_eval(0)
     w.last_eval = w.wall()
@@ -60,6 +58,8 @@ def train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
     # deadlock).  Ring: the final aggregation before the metrics are gathered, so each
     # worker's parameter checksum is of the model it ends with.
     w.opt.strategy.finish()
+    stop.close()
+    w.stop_reason = stop.reason
     return finish(w)
 
 
@@ -91,6 +91,9 @@ class Worker:
         self.evals: list[dict] = []
         self.bar = None
         self.last_eval = 0.0
+        # Worker 0 (the one that evaluates), with --stop-at-target: an evaluation reached it.
+        self.reached_target = False
+        self.stop_reason: str | None = None
 
     @classmethod
     def start(cls, args, config: SyncConfig, workers: int, resume: dict | None) -> "Worker":
@@ -255,6 +258,8 @@ class Worker:
              "wall_clock": time.time()}
         self.evals.append(e)
         self.eval_s += time.perf_counter() - t0
+        if self.args.stop_at_target and acc >= self.args.target_acc:
+            self.reached_target = True
         return e
 
     def maybe_evaluate(self, round_before: int, at_round_boundary_only: bool) -> None:
@@ -272,80 +277,6 @@ class Worker:
         warn_if_slow(time.perf_counter() - t_eval, "an evaluation", self.config)
         if self.bar is not None:
             _progress(self, e)
-
-
-class RingStop:
-    """Ring: the workers agree at round boundaries (every worker is there), with one small
-    allreduce of (samples, time-is-up); checkpoints every K rounds."""
-
-    def __init__(self, w: Worker):
-        self.w = w
-        # A strategy that aggregates every step checks every 5 rounds, not every step.
-        self.check_every = 5 if w.opt.strategy.aggregates_every_step else 1
-        self.last_checked = w.opt.strategy.round
-
-    def after_step(self, round_before: int) -> bool:
-        import torch
-
-        w, rnd = self.w, self.w.opt.strategy.round
-        done = False
-        if rnd != self.last_checked and w.round % self.check_every == 0:
-            self.last_checked = rnd
-            agreed = w.mps.allreduce(torch.tensor([w.samples, int(w.time_up())],
-                                                  dtype=torch.int64),
-                                     average=False, name="stop check")
-            w.global_samples = int(agreed[0])
-            done = bool(agreed[1] > 0) or (w.target_samples is not None
-                                           and w.global_samples >= w.target_samples)
-        else:
-            w.global_samples = max(w.global_samples, w.samples * w.n)
-        # Every K rounds, whether or not this round also checks for the stop: every worker
-        # completes the same rounds, so all of them get here.
-        k = w.args.checkpoint_every
-        if k and rnd != round_before and w.round % k == 0 and not done:
-            gathered = w.mps.gather_object(w.state(), root_rank=0, name="checkpoint state")
-            if w.me == 0:
-                write_checkpoint(w.out, w.model, gathered, w.n, w.wall(), w.evals, w.round,
-                                 w.steps, w.config)
-        return done
-
-
-class PsCheckpointStop:
-    """PS with checkpoints: the stop is decided only at checkpoint rounds, where every worker
-    takes part in the checkpoint's collectives."""
-
-    def __init__(self, w: Worker):
-        self.w = w
-
-    def after_step(self, round_before: int) -> bool:
-        w = self.w
-        if w.opt.strategy.round == round_before or w.round % w.args.checkpoint_every != 0:
-            w.global_samples = max(w.global_samples, w.samples * w.n)
-            return False
-        done, w.global_samples = ps_checkpoint(w.mps, w.opt, w.out, w.model, w.me, w.n,
-                                               w.state(), w.time_up(), w.target_samples,
-                                               w.wall, w.evals, w.round, w.steps, w.config)
-        return done
-
-
-class PsStop:
-    """PS without checkpoints: no common rounds; each worker stops on its own clock, or when
-    the server's count of samples reaches the epochs asked for."""
-
-    def __init__(self, w: Worker):
-        self.w = w
-
-    def after_step(self, round_before: int) -> bool:
-        w = self.w
-        if w.time_up():
-            return True
-        if w.target_samples is not None and w.step_count % 10 == 0:
-            server = w.mps.stats()["server"] or {}
-            counted = sum(s.get("iterations", 0) for s in server.get("workers", {}).values())
-            w.global_samples = max(w.samples * w.n, counted * w.args.batch_size)
-            return w.global_samples >= w.target_samples
-        w.global_samples = max(w.global_samples, w.samples * w.n)
-        return False
 
 
 def _progress(w: Worker, e: dict) -> None:
@@ -398,6 +329,7 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
                    "partition": args.partition, "batch_size": args.batch_size, "lr": args.lr,
                    "momentum": args.momentum, "seed": args.seed, "epochs": args.epochs,
                    "time_budget": args.time_budget, "target_acc": args.target_acc,
+                   "stop_at_target": args.stop_at_target,
                    "slowdown": hetero.factors, "slowdown_schedule": args.slowdown_schedule,
                    "iter_time": args.iter_time, "comm_delay": args.comm_delay,
                    "heterogeneity": hetero.describe(), "train_samples": len(ds.y_train),
@@ -405,6 +337,8 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         "evals": [{k: v for k, v in ev.items() if k != "wall_clock"} for ev in w.evals],
         "workers": {str(i): g for i, g in enumerate(gathered)},
         "wall_s": final_wall,
+        # What ended training: "target" (--stop-at-target), "budget" or "epochs".
+        "stop_reason": w.stop_reason,
         # When training began (worker 0's first evaluation), seconds since the epoch: what a
         # launcher subtracts its own start from to time the start-up.
         "train_start_clock": w.evals[0].get("wall_clock") if w.evals else None,

@@ -9,7 +9,7 @@ Variants (``ZIPLINE_VARIANTS``):
 
 ``"basic"``         ZipLine, Alg. 2 (§5.2), O(Rn^2).
 ``"opt"``           ZipLineOpt (§5.3.1), Thm. 3 pruning, α·O(Rn) + (1-α)·O(Rn^2).
-``"optbs"``         ZipLineOptBS (§5.3.2), auxiliary matrix + binary search.
+``"optbs"``         ZipLineOptBS (§5.3.2), ZipLineOpt locating the old element in O(1).
 ``"gridscan"``      GridScan, Alg. 1 (§5.1): a heuristic, R candidates, O(R^2 n).
 ``"fullgridscan"``  FullGridScan (§5.1): Rn candidates, O(R^2 n^2), exact.
 ``"window"``        k-way merge of the sorted rows + two-pointer window, O(Rn log n); not in the
@@ -26,15 +26,16 @@ the README's fidelity table uses):
 
 * [zipline-omega-sort] Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by
   construction, for small matrices (O(Rn log n)); from 256 elements up, by numpy's sort of one
-  unique uint64 key per element (timestamp bits, then worker-major index), which is faster on
-  CPUs where numpy's sort is vectorized although it is O(Rn log Rn). Same order either way
+  integer key per element (a uint32 of quantised time and worker id where the quanta are
+  sparse, else a unique uint64 of timestamp bits and worker-major index), which is faster on
+  CPUs where numpy's sort is vectorized although it is O(Rn log Rn). Same order every way
   (``omega``).
-* [zipline-optbs-finger] ZipLineOptBS checks the slot its old element was written to before
-  binary searching (``scan_optbs``).
+* [zipline-optbs-finger] ZipLineOptBS remembers each worker's slot in Z instead of binary
+  searching Z for the old element (``scan_optbs``).
 * [zipline-canonical-z] ``z`` is canonical (each worker's last push not after t_sync), see
   ``zipline_omega``.
-* [zipline-optbs-dead-marks] ZipLineOptBS marks removed elements dead instead of shifting the
-  array, and [zipline-optbs-compaction] compacts its buffer of Z when full (``scan_optbs``).
+* [zipline-optbs-dead-marks] ZipLineOptBS keeps Z in Ω itself, where a removed element is
+  left in place, dead, instead of shifting the array (``scan_optbs``).
 * [zipline-gridscan-close-to] GridScan's "close to" (Alg. 1 line 10; the algorithm box is not
   in the text) is read as "earliest element not before the designated one", which makes
   FullGridScan exact as Table 3 reports.

@@ -21,7 +21,6 @@ __all__ = [
     "zipline_optbs",
     "window_reference",
     "gridscan_reference",
-    "locate_reference",
     "check_reference",
     "omega",
 ]
@@ -129,13 +128,6 @@ def zipline_optbs(M):
         return j
 
     return _opt_scan(M, binary)
-
-
-def locate_reference(zt, zk, head: int, tail: int, t: float, key: int) -> int:
-    """Lower bound of (t, key) in the slice [head, tail) of the sorted pairs (zt, zk): where
-    ZipLineOptBS's binary search (§5.3.2) finds the element it replaces."""
-    pairs = [(float(zt[j]), int(zk[j])) for j in range(head, tail)]
-    return head + bisect.bisect_left(pairs, (float(t), int(key)))
 
 
 def check_reference(M) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
-__all__ = ["z_at", "locate", "scan_basic", "scan_opt", "scan_optbs", "scan_window",
+__all__ = ["z_at", "scan_basic", "scan_opt", "scan_optbs", "scan_window",
            "scan_grid", "scan_fullgrid"]
 
 @jit
@@ -153,138 +153,48 @@ def scan_opt(M, ts, ws, want_candidates):
 
 
 @jit
-def locate(zt, zk, head, tail, t, key):
-    """Position of (t, key) in the sorted slice [head, tail) of (zt, zk), which holds it.
+def _scan_latest(M, ts, ws, want_candidates, prune):
+    """The scan shared by ZipLineOptBS and the window: Z as the elements of Ω that are their
+    worker's latest so far, its front min(Z) found by skipping the others.
 
-    Branch-free lower bound: the trip count depends only on the length, and the comparison
-    feeds a select, so a search costs ~log2(tail - head) loads and no mispredicted branches.
-    """
-    base = np.uint64(head)
-    length = np.uint64(tail - head)
-    one = np.uint64(1)
-    while length > one:
-        half = length >> one
-        m = base + half
-        x = zt[m - one]
-        lt = (x < t) | ((x == t) & (zk[m - one] < key))
-        base = m if lt else base
-        length -= half
-    x = zt[base]
-    lt = (x < t) | ((x == t) & (zk[base] < key))
-    return np.int64(base) + np.int64(lt)
-
-
-# One kernel of this length on purpose: every step of the scan reads and updates the same
-# state (Z, its front, the finger, the best candidate); split up, that state would pass through
-# every call.  The docstring walks through the steps.
-@jit
-def scan_optbs(M, ts, ws, want_candidates):
-    """ZipLineOptBS (§5.3.2): ZipLineOpt that locates the old element by binary search.
-
-    The incoming element e_i^p tells, through the auxiliary matrix 𝓜, the timestamp of the
-    element it replaces, e_{i-1}^p = M[p, i-1]; Z is sorted, so a binary search on (timestamp,
-    worker, index) finds it in O(log n) even among equal timestamps (the "rare case" of §5.3.2).
-
-    Three departures from §5.3.2, none of which changes candidates, pruning or result:
-
-    * Departure [zipline-optbs-dead-marks]: the located element is marked dead instead of being
-      removed by shifting its successors. Shifting costs O(n) per case (ii), which the paper's
-      (1-α)·O(Rn log n) bound leaves out; with the §6.1 data α is small (the incoming worker is
-      rarely the oldest in Z), so shifting would make the variant O(Rn^2) in practice. Dead
-      entries keep their keys, so the array stays sorted for the binary search, and the front
-      pointer skips them (amortised O(1)).
-    * Departure [zipline-optbs-finger]: the search starts from a finger. Entries never move
-      except at compaction (below), so the slot where e_{i-1}^p was written is still its slot
-      unless a compaction has run since; that slot is checked first (one compare) and the binary
-      search runs only when the check fails. In §5.3.2 the search is needed on every case (ii)
-      because ZipLineOpt's removals shift the array. At n = 1000, R = 150 (§6.1 data) 8,700 of
-      the 150,000 elements still need the binary search, and the scan (Ω given) takes about
-      1.7 ms instead of 5.8 ms; the 137,000 searches of ~11 dependent loads each were two thirds of
-      it.
-    * Departure [zipline-optbs-compaction]: Z lives in a buffer of 16n + 1 slots. When the
-      buffer is full, the live entries (at most n - 1 at that point) are moved, in order, to its
-      start: O(n) every 15n or more elements, amortised O(1) each. This bounds the searched
-      slice by 16n + 1 and Z's memory by O(n) instead of O(Rn). Without it the slice grows with
-      every dead entry between the front and the end; once the fastest workers have used up
-      their R predictions their last elements stay the oldest in Z, the front stops moving, and
-      the slice reached 29,000 entries at n = 1000, R = 150 (§6.1 data). Each compaction makes
-      the fingers of the entries it moves stale, so the buffer size sets how often the binary
-      search runs: 46,000 searches at 4n + 1, 8,700 at 16n + 1, 3,900 at 32n + 1 (scan 3.0, 1.7
-      and 1.6 ms, measured with signed indices; the unsigned ones below took 1.7 to 1.4 ms);
-      16n + 1 keeps Z's arrays within 17 bytes x 16n (272 KB at n = 1000).
+    ``slot[p]`` is the Ω position of worker p's element in Z. The incoming element of worker p
+    replaces it; if that was the front (case (i) of §5.3.1), the front moves on to the next
+    element that is still its worker's latest (amortised O(1) each). With ``prune`` only the
+    first complete Z and the Z' of case (i) are evaluated (Thm. 3; ZipLineOptBS), else every Z
+    (the window; the skipped ones cannot be strict improvements either). ``candidates`` is the
+    Alg. 2 sequence either way.
     """
     n, R = M.shape
     N = n * R
     cand = np.empty(N if want_candidates else 0, dtype=np.float64)
     nc = 0
-    # Worker ids and slots are uint32: numba adds negative-index wraparound code to every array
-    # access through a signed index, and this loop makes about ten per element (unsigned: the
-    # scan about 25 % faster at n = 1000, R = 150). uint32 rather than uint64 because uint32
-    # with int64 gives int64 in numba, where uint64 with int64 gives float64.
-    one = np.uint32(1)
-    cap = 16 * n + 1
-    zt = np.empty(cap, dtype=np.float64)
-    zk = np.empty(cap, dtype=np.int64)  # p * R + i: orders equal timestamps as Ω does
-    alive = np.zeros(cap, dtype=np.bool_)
-    seen = np.zeros(n, dtype=np.int64)  # elements of each row already scanned
-    # M[p, i-1] for each worker's element in Z: the value §5.3.2 reads from 𝓜, kept in an
-    # n-element array that stays in L1 cache (the n x R matrix does not).
-    prev_t = np.empty(n, dtype=np.float64)
-    finger = np.zeros(n, dtype=np.uint32)  # slot each worker's element in Z was written to
-    head = np.uint32(0)
-    tail = np.uint32(0)
+    # Unsigned positions: numba adds negative-index wraparound code to every array access
+    # through a signed index (unsigned: about 25 % faster on these scans).
+    one = np.uint64(1)
+    absent = np.uint64(N)  # no element of this worker scanned yet
+    slot = np.full(n, absent, dtype=np.uint64)
+    head = np.uint64(0)  # Ω position of min(Z)
     size = 0
     best_d = np.inf
     best_t = np.inf
     for pos in range(N):
-        t = ts[pos]
-        w = np.uint32(ws[pos])
-        i = seen[w]
-        seen[w] = i + 1
-        key = np.int64(w) * R + i
-        evaluate = False
-        if i == 0:
+        upos = np.uint64(pos)
+        w = np.uint64(ws[upos])
+        j = slot[w]
+        slot[w] = upos
+        evaluate = not prune
+        if j == absent:
             size += 1
-            evaluate = size == n
-        else:
-            old = key - 1
-            j = finger[w]
-            # Slots below tail hold distinct entries, so a matching key is the element itself.
-            if not (j < tail and zk[j] == old):
-                j = np.uint32(locate(zt, zk, head, tail, prev_t[w], old))
-            evaluate = size == n and j == head  # case (i): the oldest element is replaced
-            alive[j] = False
-            if j == head:
+            evaluate = True  # the first complete Z, once size == n
+        elif j == head:
+            evaluate = True  # case (i): the oldest element is replaced
+            head += one
+            while slot[np.uint64(ws[head])] != head:  # stops at upos at the latest
                 head += one
-                while head < tail and not alive[head]:
-                    head += one
-        if tail == cap:
-            # Buffer full: keep the live entries, in order, at its start. The element just
-            # replaced is already dead, so at most n - 1 entries survive.
-            live = np.uint32(0)
-            src = head
-            while src < tail:
-                if alive[src]:
-                    zt[live] = zt[src]
-                    zk[live] = zk[src]
-                    alive[live] = True
-                    live += one
-                src += one
-            src = live
-            while src < tail:
-                alive[src] = False
-                src += one
-            head = np.uint32(0)
-            tail = live
-        prev_t[w] = t
-        finger[w] = tail
-        zt[tail] = t
-        zk[tail] = key
-        alive[tail] = True
-        tail += one
         if size == n:
             if evaluate:
-                d = t - zt[head]
+                t = ts[upos]
+                d = t - ts[head]
                 if d < best_d:
                     best_d = d
                     best_t = t
@@ -292,9 +202,37 @@ def scan_optbs(M, ts, ws, want_candidates):
                     cand[nc] = d
                     nc += 1
             elif want_candidates:
-                cand[nc] = t - zt[head]
+                cand[nc] = ts[upos] - ts[head]
                 nc += 1
     return z_at(M, best_t), best_d, best_t, cand[:nc]
+
+
+@jit
+def scan_optbs(M, ts, ws, want_candidates):
+    """ZipLineOptBS (§5.3.2): ZipLineOpt whose case (ii) finds the old element without a
+    linear traversal.
+
+    Z is kept in arrival order, i.e. in Ω order, as in ZipLineOpt (§5.3.1): case (i), the
+    oldest element of Z is the incoming worker's, drops it and evaluates d_Z' = e' - (new
+    oldest); case (ii) removes the worker's old element e_{i-1}^p and, by Thm. 3, does not
+    evaluate Z' (:func:`_scan_latest` with pruning). What differs from §5.3.2 is how e_{i-1}^p
+    is found and removed; neither changes which candidates are evaluated or the result:
+
+    * Departure [zipline-optbs-dead-marks]: Z is not a separate array but Ω itself: an element
+      of Ω is in Z while it is its worker's latest element so far, so removing e_{i-1}^p is
+      only a matter of that worker's newer element arriving, and nothing is shifted. Shifting
+      costs O(n) per case (ii), which the paper's (1-α)·O(Rn log n) bound leaves out; with the
+      §6.1 data α is small (the incoming worker is rarely the oldest in Z), so it would make
+      the variant O(Rn^2) in practice. The front of Z, min(Z), moves past the dead elements
+      (amortised O(1) each).
+    * Departure [zipline-optbs-finger]: where §5.3.2 reads e_{i-1}^p's timestamp from 𝓜 and
+      binary searches Z for it (O(log n)), each worker's slot in Z (its element's position in
+      Ω) is remembered, so locating it takes one load. Elements never move, so the slot is
+      always right. The binary searches, chains of ~log2 n dependent loads per element of Ω,
+      were most of this scan's time, also when only the elements that a compaction of a
+      bounded Z had moved were searched.
+    """
+    return _scan_latest(M, ts, ws, want_candidates, True)
 
 
 @jit
@@ -303,43 +241,13 @@ def scan_window(M, ts, ws, want_candidates):
     :func:`omega`: a k-way merge of the sorted rows, O(Rn log n), or, for large matrices, a
     vectorized sort of integer keys, O(Rn log Rn) but faster where numpy's sort is vectorized.
 
-    The right pointer walks Ω; ``count[p]`` is how many elements of worker p lie in the window.
-    Once all n workers are covered, the left pointer moves past every element whose worker is
-    covered again further right. The window then holds, for every worker, its latest element,
-    and its left end is min(Z) of Alg. 2 at the same step, so the candidates are those of Alg. 2
-    in the same order, at O(1) amortised each instead of O(n) (Alg. 2) or O(log n) (OptBS).
+    The right end walks Ω; the left end is the earliest element that is still its worker's
+    latest (:func:`_scan_latest` without pruning). Once all n workers are covered, the window
+    holds every worker's latest element and its left end is min(Z) of Alg. 2 at the same step,
+    so every Z of Alg. 2 is evaluated, in the same order, at O(1) amortised each instead of
+    O(n) (Alg. 2).
     """
-    n, R = M.shape
-    N = n * R
-    cand = np.empty(N if want_candidates else 0, dtype=np.float64)
-    nc = 0
-    count = np.zeros(n, dtype=np.int32)
-    covered = 0
-    # Unsigned indices: no negative-index wraparound code on the accesses (see scan_optbs).
-    one = np.uint32(1)
-    left = np.uint32(0)
-    best_d = np.inf
-    best_t = np.inf
-    for right in range(N):
-        w = np.uint32(ws[right])
-        if count[w] == 0:
-            covered += 1
-        count[w] += 1
-        if covered == n:
-            lw = np.uint32(ws[left])
-            while count[lw] > 1:
-                count[lw] -= 1
-                left += one
-                lw = np.uint32(ws[left])
-            t = ts[right]
-            d = t - ts[left]
-            if want_candidates:
-                cand[nc] = d
-                nc += 1
-            if d < best_d:
-                best_d = d
-                best_t = t
-    return z_at(M, best_t), best_d, best_t, cand[:nc]
+    return _scan_latest(M, ts, ws, want_candidates, False)
 
 
 @jit

@@ -1,0 +1,198 @@
+"""When the workers of ``mpsync train`` stop: the budget (``--time-budget``), the epochs asked
+for (``--epochs``) or, with ``--stop-at-target``, the first evaluation at or above
+``--target-acc``, whichever comes first; every worker stops on the same decision.
+
+Time-to-accuracy benchmarks end a run once it reaches its quality target (MLPerf Training's
+rule: "time to train" is measured to the first evaluation that meets the target), since the
+time after it says nothing about the question asked and only makes the comparison longer.
+Only worker 0 evaluates, so it alone knows when the target is reached; how the others hear it
+depends on the topology (the ``mpsync.apps.train`` module doc says why each decides where it
+does):
+
+* :class:`RingStop`: at round boundaries, where every worker is present, one small allreduce
+  of (samples, time-is-up, worker 0 reached the target); with ``--stop-at-target`` at every
+  round, so the run ends at the first round after the evaluation that reached it.
+* :class:`PsCheckpointStop`: at checkpoint rounds (every K pushes of each worker), worker 0
+  decides for all, the target being one more reason.
+* :class:`PsStop`: no common rounds; each worker stops on its own clock, or when the server's
+  count of samples reaches the epochs asked for, or, with ``--stop-at-target``, when worker 0
+  says so: a non-blocking broadcast from worker 0 (:class:`StopSignal`) that the others test
+  after every step.
+
+Each rule's ``reason`` is, once it returned True, why the run stopped: ``"target"``,
+``"budget"`` or ``"epochs"`` (written to the metrics by worker 0).
+"""
+
+from __future__ import annotations
+
+from mpsync.apps.train_checkpoints import ps_checkpoint, write_checkpoint
+
+__all__ = ["make_stop", "RingStop", "PsCheckpointStop", "PsStop", "StopSignal", "REASONS"]
+
+REASONS = ("target", "budget", "epochs")
+
+
+def make_stop(w):
+    """The stop rule of worker ``w``'s run (a collective over the workers with
+    ``--stop-at-target`` on the PS without checkpoints: call it on every worker)."""
+    if w.config.topology == "ring":
+        return RingStop(w)
+    return PsCheckpointStop(w) if w.args.checkpoint_every else PsStop(w)
+
+
+def _time_or_epochs(w) -> str:
+    return "budget" if w.time_up() else "epochs"
+
+
+class RingStop:
+    """Ring: the workers agree at round boundaries (every worker is there), with one small
+    allreduce of (samples, time-is-up, target reached); checkpoints every K rounds."""
+
+    def __init__(self, w):
+        self.w = w
+        self.reason: str | None = None
+        # A strategy that aggregates every step checks every 5 rounds, not every step; with
+        # --stop-at-target every round, so that the run ends right after its target.
+        self.check_every = (5 if w.opt.strategy.aggregates_every_step
+                            and not w.args.stop_at_target else 1)
+        self.last_checked = w.opt.strategy.round
+
+    def after_step(self, round_before: int) -> bool:
+        import torch
+
+        w, rnd = self.w, self.w.opt.strategy.round
+        done = False
+        if rnd != self.last_checked and w.round % self.check_every == 0:
+            self.last_checked = rnd
+            agreed = w.mps.allreduce(torch.tensor([w.samples, int(w.time_up()),
+                                                   int(w.reached_target)], dtype=torch.int64),
+                                     average=False, name="stop check")
+            w.global_samples = int(agreed[0])
+            epochs = w.target_samples is not None and w.global_samples >= w.target_samples
+            done = bool(agreed[1] > 0 or agreed[2] > 0) or epochs
+            if done:
+                self.reason = ("target" if agreed[2] > 0 else
+                               "budget" if agreed[1] > 0 else "epochs")
+        else:
+            w.global_samples = max(w.global_samples, w.samples * w.n)
+        # Every K rounds, whether or not this round also checks for the stop: every worker
+        # completes the same rounds, so all of them get here.
+        k = w.args.checkpoint_every
+        if k and rnd != round_before and w.round % k == 0 and not done:
+            gathered = w.mps.gather_object(w.state(), root_rank=0, name="checkpoint state")
+            if w.me == 0:
+                write_checkpoint(w.out, w.model, gathered, w.n, w.wall(), w.evals, w.round,
+                                 w.steps, w.config)
+        return done
+
+    def close(self) -> None:
+        """Nothing outstanding: every decision was a completed collective."""
+
+
+class PsCheckpointStop:
+    """PS with checkpoints: the stop is decided only at checkpoint rounds, where every worker
+    takes part in the checkpoint's collectives; worker 0 decides (its target is one more
+    reason to stop)."""
+
+    def __init__(self, w):
+        self.w = w
+        self.reason: str | None = None
+
+    def after_step(self, round_before: int) -> bool:
+        w = self.w
+        if w.opt.strategy.round == round_before or w.round % w.args.checkpoint_every != 0:
+            w.global_samples = max(w.global_samples, w.samples * w.n)
+            return False
+        reached = w.reached_target
+        done, w.global_samples = ps_checkpoint(w.mps, w.opt, w.out, w.model, w.me, w.n,
+                                               w.state(), w.time_up() or reached,
+                                               w.target_samples, w.wall, w.evals, w.round,
+                                               w.steps, w.config)
+        if done:
+            self.reason = "target" if reached else _time_or_epochs(w)
+        return done
+
+    def close(self) -> None:
+        """Nothing outstanding: every decision was a completed collective."""
+
+
+class PsStop:
+    """PS without checkpoints: no common rounds; each worker stops on its own clock, or when
+    the server's count of samples reaches the epochs asked for, or (``--stop-at-target``)
+    when worker 0's :class:`StopSignal` says it stopped."""
+
+    def __init__(self, w):
+        self.w = w
+        self.reason: str | None = None
+        self.signal = StopSignal(w.mps.worker_comm()) if w.args.stop_at_target else None
+
+    def after_step(self, round_before: int) -> bool:
+        w = self.w
+        if self.signal is not None and w.me != 0 and self.signal.heard():
+            self.reason = self.signal.reason
+            return True
+        self.reason = self._own_reason()
+        if self.reason is not None and self.signal is not None and w.me == 0:
+            # Before the last push: the others stop now, not at their budget.
+            self.signal.send(self.reason)
+        return self.reason is not None
+
+    def _own_reason(self) -> str | None:
+        w = self.w
+        if self.signal is not None and w.reached_target:
+            return "target"
+        if w.time_up():
+            return "budget"
+        if w.target_samples is not None and w.step_count % 10 == 0:
+            server = w.mps.stats()["server"] or {}
+            counted = sum(s.get("iterations", 0) for s in server.get("workers", {}).values())
+            w.global_samples = max(w.samples * w.n, counted * w.args.batch_size)
+            return "epochs" if w.global_samples >= w.target_samples else None
+        w.global_samples = max(w.global_samples, w.samples * w.n)
+        return None
+
+    def close(self) -> None:
+        """After the last push (``strategy.finish``): every worker waits for worker 0's
+        broadcast (posted when it stopped, whatever the reason), so none is left pending."""
+        if self.signal is not None:
+            self.signal.close()
+
+
+class StopSignal:
+    """Worker 0 tells the other workers, once, that it has stopped: a non-blocking broadcast
+    on a communicator of its own (a ``Dup`` of the workers'), which the others post at the
+    start and test after each step, and worker 0 posts when it stops.
+
+    MPI lets the ranks of a non-blocking collective start it at different times; the
+    broadcast completes on a receiver once worker 0 has posted it, so a receiver's test costs
+    one ``MPI_Test`` and never waits."""
+
+    def __init__(self, workers):
+        import numpy as np
+
+        self.comm = workers.Dup()   # collective: every worker makes its stop rule together
+        self.root = self.comm.Get_rank() == 0
+        self.flag = np.zeros(1, dtype=np.int64)
+        self.request = None if self.root else self.comm.Ibcast(self.flag, root=0)
+
+    def heard(self) -> bool:
+        """(not worker 0) Has worker 0 stopped?"""
+        return bool(self.request.Test())
+
+    @property
+    def reason(self) -> str:
+        """Why worker 0 stopped (once heard): one of :data:`REASONS`."""
+        return REASONS[int(self.flag[0]) - 1]
+
+    def send(self, reason: str) -> None:
+        """(worker 0) I have stopped, for ``reason``."""
+        if self.request is None:
+            self.flag[0] = REASONS.index(reason) + 1
+            self.request = self.comm.Ibcast(self.flag, root=0)
+
+    def close(self) -> None:
+        """Complete the broadcast on every worker (worker 0 sends it here if it has not)."""
+        if self.root:
+            self.send("budget")
+        self.request.Wait()
+        self.comm.Free()
