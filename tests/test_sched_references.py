@@ -98,12 +98,42 @@ def test_omega_sort_path_matches_merge_and_reference(seed):
     # The two ways of building Ω (§5.2 Step 1) give the same arrays bit for bit, -0.0 included.
     M = signed_matrix(seed)
     ts_m, ws_m = _k.merge_pushes(M)
-    ts, ws = _k.omega(M, sort_min=0)
-    assert same_bits(ts, ts_m)
-    np.testing.assert_array_equal(ws, ws_m)
     expected = ref.omega(M)
-    assert same_bits(ts, [e[0] for e in expected])
-    np.testing.assert_array_equal(ws, [e[1] for e in expected])
+    for quanta in (0, 2**40):  # the 32-bit keys always, never
+        ts, ws = _k.omega(M, sort_min=0, quanta=quanta)
+        assert same_bits(ts, ts_m)
+        np.testing.assert_array_equal(ws, ws_m)
+        assert same_bits(ts, [e[0] for e in expected])
+        np.testing.assert_array_equal(ws, [e[1] for e in expected])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_omega_keys32_order_time_then_worker_and_unpack_to_reference(seed):
+    # 32-bit keys order by time quantum, then worker id; a worker's keys follow its row. The
+    # unpack must restore Ω's order within a quantum, here with many elements per quantum.
+    rng = np.random.default_rng(seed)
+    M = signed_matrix(seed) if seed % 2 else tie_heavy_matrix(rng, int(rng.integers(1, 9)), 6)
+    M[-1, -1] = M.max() + float(rng.choice([1.0, 1e9, 1e300]))  # coarse quanta: more ties
+    n, R = M.shape
+    keys = np.empty(M.size, dtype=np.uint32)
+    wbits = _k.omega_keys32(M, keys)
+    assert wbits == (n - 1).bit_length()
+    worker = keys & np.uint32((1 << wbits) - 1)
+    np.testing.assert_array_equal(worker, np.repeat(np.arange(n), R))
+    t = M.ravel() + 0.0
+    quantum = (keys >> np.uint32(wbits)).astype(np.int64)
+    earlier = t[:, None] < t[None, :]
+    assert (quantum[:, None] <= quantum[None, :])[earlier].all()  # time order, up to a quantum
+    assert (quantum[:, None] == quantum[None, :])[t[:, None] == t[None, :]].all()
+    # The unpack moves one element per pair out of time order, and gives up past 4·Rn moves.
+    moves = int(((keys[:, None] < keys[None, :]) & (t[:, None] > t[None, :])).sum())
+    keys.sort()
+    ts, ws = np.empty(M.size), np.empty(M.size, dtype=np.int32)
+    assert _k.omega_unpack32(M, keys, wbits, ts, ws) == (moves <= 4 * M.size)
+    if moves <= 4 * M.size:
+        expected = ref.omega(M)
+        assert same_bits(ts, [e[0] for e in expected])
+        np.testing.assert_array_equal(ws, [e[1] for e in expected])
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -26,8 +26,9 @@ the README's fidelity table uses):
 
 * [zipline-omega-sort] Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by
   construction, for small matrices (O(Rn log n)); from 256 elements up, by numpy's sort of one
-  unique uint64 key per element (timestamp bits, then worker-major index), which is faster on
-  CPUs where numpy's sort is vectorized although it is O(Rn log Rn). Same order either way
+  integer key per element (a uint32 of quantised time and worker id where the quanta are
+  sparse, else a unique uint64 of timestamp bits and worker-major index), which is faster on
+  CPUs where numpy's sort is vectorized although it is O(Rn log Rn). Same order every way
   (``omega``).
 * [zipline-optbs-finger] ZipLineOptBS remembers each worker's slot in Z instead of binary
   searching Z for the old element (``scan_optbs``).

@@ -9,9 +9,10 @@ Conventions shared by every kernel:
 * Ω, the merged timeline of §5.2 Step 1, is ordered by (timestamp, worker id, iteration index):
   §5.2 sorts equal timestamps by worker id, and within a row equal timestamps keep their index
   order. :func:`omega` builds it, by merging the rows (:func:`merge_pushes`, small matrices) or,
-  Departure [zipline-omega-sort], from 256 elements up by sorting one unique integer key per
-  element (:func:`omega_keys`, :func:`omega_unpack`), O(Rn log Rn) where the paper merges;
-  both give the same arrays bit for bit. The variants that scan Ω take it as ``ts, ws``.
+  Departure [zipline-omega-sort], from 256 elements up by sorting one integer key per element
+  (:func:`omega_keys32` and :func:`omega_keys`, then their unpacks), O(Rn log Rn) where the
+  paper merges; every path gives the same arrays bit for bit. The variants that scan Ω take
+  it as ``ts, ws``.
 * Every kernel returns ``(z, d, t_sync, candidates)``. ``d`` is always computed as
   ``max(Z) - min(Z)`` of actual timestamps, so two variants that find the same pair of end
   points agree bit for bit and the tie rule below is decided on identical floats.
@@ -33,8 +34,9 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
-__all__ = ["OK", "NOT_FINITE", "NOT_SORTED", "OMEGA_SORT_MIN", "check_prediction",
-           "merge_pushes", "omega_keys", "omega_unpack", "omega"]
+__all__ = ["OK", "NOT_FINITE", "NOT_SORTED", "OMEGA_SORT_MIN", "OMEGA_KEYS32_QUANTA",
+           "check_prediction", "merge_pushes", "omega_keys", "omega_unpack", "omega_keys32",
+           "omega_unpack32", "omega"]
 
 # Status codes of _check; zipline() turns them into ValueError messages.
 OK = 0
@@ -166,6 +168,14 @@ def merge_pushes(M):
 # Measured on §6.1 data: 60 elements 1.9 µs merged, 2.9 µs sorted; 300 elements 4.5 vs 4.1 µs.
 OMEGA_SORT_MIN = 256
 
+# Ω is sorted as 32-bit keys (:func:`omega_keys32`), which numpy's vector sort handles in
+# about half the time of 64-bit keys, when their time quanta outnumber the elements by this
+# factor or more: then few quanta hold two elements, whose order the unpack has to restore.
+# Measured on §6.1 data: n = 1000, R = 150 (28 quanta per element) sorted 32-bit keys in 260 µs
+# instead of 525 and unpacked them in 180 µs instead of 115; n = 4096, R = 150 (1.7 quanta per
+# element) saved 1.1 ms in the sort and spent it restoring 165,000 ties of a quantum.
+OMEGA_KEYS32_QUANTA = 16
+
 _workspace = threading.local()
 
 
@@ -254,8 +264,14 @@ def omega_unpack(M, keys, ibits, ts, ws):
         last = x
         ts[j] = x
         ws[j] = np.int32((idx + 0.5) * inv)
-    if not unsorted:
-        return True
+    return True if not unsorted else _restore_time_order(ts, ws)
+
+
+@jit
+def _restore_time_order(ts, ws):
+    """Stable insertion sort of (ts, ws) on ts; False once it has moved more than 4·len(ts)
+    elements (the arrays are then unspecified)."""
+    N = ts.shape[0]
     budget = 4 * N
     for j in range(1, N):
         x = ts[j]
@@ -274,6 +290,65 @@ def omega_unpack(M, keys, ibits, ts, ws):
     return True
 
 
+@jit
+def omega_keys32(M, keys):
+    """Fill ``keys`` (uint32) with a sort key per element of M, ordered like its timestamp up
+    to ties; return ``wbits``.
+
+    The worker id fills the low ``wbits`` bits; the timestamp's place in [min(M), max(M)],
+    quantised to the ``32 - wbits`` bits above, the rest. The quantisation is non-decreasing in
+    t (rounding is), so sorted keys are in time order except within a quantum, where they come
+    by worker id: :func:`omega_unpack32` restores time order there. Keys of one worker are in
+    its row's order, so its k-th key is column k. Needs ``wbits`` < 32.
+    """
+    n, R = M.shape
+    wbits = 0
+    while ((n - 1) >> wbits) != 0:
+        wbits += 1
+    top = float((1 << (32 - wbits)) - 1)
+    tmin = M[0, 0]
+    tmax = M[0, R - 1]
+    for p in range(1, n):
+        tmin = min(tmin, M[p, 0])
+        tmax = max(tmax, M[p, R - 1])
+    scale = top / (tmax - tmin) if tmax > tmin else 0.0
+    if not scale < np.inf:
+        # The range's width or its reciprocal overflows: one quantum, every key equal but for
+        # the worker id (t * 0.0 is 0 for every finite t, where t - tmin might be inf).
+        tmin = 0.0
+        scale = 0.0
+    for p in range(n):
+        for i in range(R):
+            q = np.uint32(min((M[p, i] - tmin) * scale, top))
+            keys[p * R + i] = (q << np.uint32(wbits)) | np.uint32(p)
+    return wbits
+
+
+@jit
+def omega_unpack32(M, keys, wbits, ts, ws):
+    """Ω from the sorted keys of :func:`omega_keys32`, like :func:`omega_unpack` (same return
+    value and budget). A worker's k-th key is its column k; within a quantum the keys come by
+    worker id, and the stable insertion sort on the timestamp then gives Ω's order, since equal
+    timestamps share a quantum. With §6.1 data at n = 1000 (22 bits of quantum, 0.05 ms wide)
+    few quanta hold more than one element; at n = 4096 (20 bits) more, but in short groups."""
+    n, R = M.shape
+    N = n * R
+    mask = np.uint32((1 << wbits) - 1)
+    column = np.zeros(n, dtype=np.uint32)
+    unsorted = False
+    last = -np.inf
+    for j in range(N):
+        w = keys[j] & mask
+        i = column[w]
+        column[w] = i + np.uint32(1)
+        x = M[w, i]
+        unsorted |= x < last
+        last = x
+        ts[j] = x
+        ws[j] = np.int32(w)
+    return True if not unsorted else _restore_time_order(ts, ws)
+
+
 def _buffers(N):
     """This thread's sort keys and Ω arrays, at least N long, reused from call to call: fresh
     arrays of this size (3 MB at n = 1000, R = 150) are returned to the OS on free and cost a
@@ -286,21 +361,31 @@ def _buffers(N):
     return buf[0][:N], buf[1][:N], buf[2][:N]
 
 
-def omega(M, sort_min=None):
+def omega(M, sort_min=None, quanta=None):
     """Ω of §5.2 Step 1 as ``(ts, ws)``: timestamps and worker ids by (timestamp, worker,
     column). Plain Python around the kernels, because the sort is numpy's.
 
     Small matrices (fewer than ``sort_min`` elements, default :data:`OMEGA_SORT_MIN`) are
-    merged (:func:`merge_pushes`). Larger ones are sorted as unique integer keys
-    (:func:`omega_keys`) with ``ndarray.sort``, which uses the CPU's vector sort where numpy
-    has one (AVX-512 here), then unpacked (:func:`omega_unpack`). Both give the same arrays bit
-    for bit. The sort path returns views of this thread's workspace, valid until its next call.
+    merged (:func:`merge_pushes`). Larger ones are sorted as integer keys with
+    ``ndarray.sort``, which uses the CPU's vector sort where numpy has one (AVX-512 here), then
+    unpacked: 32-bit keys (:func:`omega_keys32`, :func:`omega_unpack32`) where their time
+    quanta are at least ``quanta`` times (default :data:`OMEGA_KEYS32_QUANTA`) as many as the
+    elements, else, or if the unpack gives up, unique 64-bit keys (:func:`omega_keys`,
+    :func:`omega_unpack`). Every path gives the same arrays bit for bit. The sort paths return
+    views of this thread's workspace, valid until its next call.
     """
     n, R = M.shape
     N = n * R
     if N < (OMEGA_SORT_MIN if sort_min is None else sort_min):
         return merge_pushes(M)
     keys, ts, ws = _buffers(N)
+    per_element = OMEGA_KEYS32_QUANTA if quanta is None else quanta
+    if N * per_element <= 1 << (32 - (n - 1).bit_length()):
+        keys32 = keys.view(np.uint32)[:N]
+        wbits = omega_keys32(M, keys32)
+        keys32.sort()
+        if omega_unpack32(M, keys32, wbits, ts, ws):
+            return ts, ws
     ibits, _ = omega_keys(M, keys)
     keys.sort()
     if omega_unpack(M, keys, ibits, ts, ws):

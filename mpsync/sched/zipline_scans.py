@@ -153,29 +153,16 @@ def scan_opt(M, ts, ws, want_candidates):
 
 
 @jit
-def scan_optbs(M, ts, ws, want_candidates):
-    """ZipLineOptBS (§5.3.2): ZipLineOpt whose case (ii) finds the old element without a
-    linear traversal.
+def _scan_latest(M, ts, ws, want_candidates, prune):
+    """The scan shared by ZipLineOptBS and the window: Z as the elements of Ω that are their
+    worker's latest so far, its front min(Z) found by skipping the others.
 
-    Z is kept in arrival order, i.e. in Ω order, as in ZipLineOpt (§5.3.1): case (i), the
-    oldest element of Z is the incoming worker's, drops it and evaluates d_Z' = e' - (new
-    oldest); case (ii) removes the worker's old element e_{i-1}^p and, by Thm. 3, does not
-    evaluate Z'. What differs from §5.3.2 is how e_{i-1}^p is found and removed; neither
-    changes which candidates are evaluated or the result:
-
-    * Departure [zipline-optbs-dead-marks]: Z is not a separate array but Ω itself: an element
-      of Ω is in Z while it is its worker's latest element so far, so removing e_{i-1}^p is
-      only a matter of that worker's newer element arriving, and nothing is shifted. Shifting
-      costs O(n) per case (ii), which the paper's (1-α)·O(Rn log n) bound leaves out; with the
-      §6.1 data α is small (the incoming worker is rarely the oldest in Z), so it would make
-      the variant O(Rn^2) in practice. The front of Z, min(Z), moves past the dead elements
-      (amortised O(1) each).
-    * Departure [zipline-optbs-finger]: where §5.3.2 reads e_{i-1}^p's timestamp from 𝓜 and
-      binary searches Z for it (O(log n)), each worker's slot in Z (its element's position in
-      Ω) is remembered, so locating it takes one load. Elements never move, so the slot is
-      always right. The binary searches, chains of ~log2 n dependent loads per element of Ω,
-      were most of this scan's time, also when only the elements that a compaction of a
-      bounded Z had moved were searched.
+    ``slot[p]`` is the Ω position of worker p's element in Z. The incoming element of worker p
+    replaces it; if that was the front (case (i) of §5.3.1), the front moves on to the next
+    element that is still its worker's latest (amortised O(1) each). With ``prune`` only the
+    first complete Z and the Z' of case (i) are evaluated (Thm. 3; ZipLineOptBS), else every Z
+    (the window; the skipped ones cannot be strict improvements either). ``candidates`` is the
+    Alg. 2 sequence either way.
     """
     n, R = M.shape
     N = n * R
@@ -185,7 +172,7 @@ def scan_optbs(M, ts, ws, want_candidates):
     # through a signed index (unsigned: about 25 % faster on these scans).
     one = np.uint64(1)
     absent = np.uint64(N)  # no element of this worker scanned yet
-    slot = np.full(n, absent, dtype=np.uint64)  # Ω position of each worker's element in Z
+    slot = np.full(n, absent, dtype=np.uint64)
     head = np.uint64(0)  # Ω position of min(Z)
     size = 0
     best_d = np.inf
@@ -195,12 +182,12 @@ def scan_optbs(M, ts, ws, want_candidates):
         w = np.uint64(ws[upos])
         j = slot[w]
         slot[w] = upos
-        evaluate = False
+        evaluate = not prune
         if j == absent:
             size += 1
-            evaluate = size == n  # the first complete Z
+            evaluate = True  # the first complete Z, once size == n
         elif j == head:
-            evaluate = size == n  # case (i): the oldest element is replaced
+            evaluate = True  # case (i): the oldest element is replaced
             head += one
             while slot[np.uint64(ws[head])] != head:  # stops at upos at the latest
                 head += one
@@ -221,48 +208,46 @@ def scan_optbs(M, ts, ws, want_candidates):
 
 
 @jit
+def scan_optbs(M, ts, ws, want_candidates):
+    """ZipLineOptBS (§5.3.2): ZipLineOpt whose case (ii) finds the old element without a
+    linear traversal.
+
+    Z is kept in arrival order, i.e. in Ω order, as in ZipLineOpt (§5.3.1): case (i), the
+    oldest element of Z is the incoming worker's, drops it and evaluates d_Z' = e' - (new
+    oldest); case (ii) removes the worker's old element e_{i-1}^p and, by Thm. 3, does not
+    evaluate Z' (:func:`_scan_latest` with pruning). What differs from §5.3.2 is how e_{i-1}^p
+    is found and removed; neither changes which candidates are evaluated or the result:
+
+    * Departure [zipline-optbs-dead-marks]: Z is not a separate array but Ω itself: an element
+      of Ω is in Z while it is its worker's latest element so far, so removing e_{i-1}^p is
+      only a matter of that worker's newer element arriving, and nothing is shifted. Shifting
+      costs O(n) per case (ii), which the paper's (1-α)·O(Rn log n) bound leaves out; with the
+      §6.1 data α is small (the incoming worker is rarely the oldest in Z), so it would make
+      the variant O(Rn^2) in practice. The front of Z, min(Z), moves past the dead elements
+      (amortised O(1) each).
+    * Departure [zipline-optbs-finger]: where §5.3.2 reads e_{i-1}^p's timestamp from 𝓜 and
+      binary searches Z for it (O(log n)), each worker's slot in Z (its element's position in
+      Ω) is remembered, so locating it takes one load. Elements never move, so the slot is
+      always right. The binary searches, chains of ~log2 n dependent loads per element of Ω,
+      were most of this scan's time, also when only the elements that a compaction of a
+      bounded Z had moved were searched.
+    """
+    return _scan_latest(M, ts, ws, want_candidates, True)
+
+
+@jit
 def scan_window(M, ts, ws, want_candidates):
     """Two-pointer window over Ω: O(Rn) scan (mpsync's own variant). Ω comes from
     :func:`omega`: a k-way merge of the sorted rows, O(Rn log n), or, for large matrices, a
     vectorized sort of integer keys, O(Rn log Rn) but faster where numpy's sort is vectorized.
 
-    The right pointer walks Ω; ``count[p]`` is how many elements of worker p lie in the window.
-    Once all n workers are covered, the left pointer moves past every element whose worker is
-    covered again further right. The window then holds, for every worker, its latest element,
-    and its left end is min(Z) of Alg. 2 at the same step, so the candidates are those of Alg. 2
-    in the same order, at O(1) amortised each instead of O(n) (Alg. 2) or O(log n) (OptBS).
+    The right end walks Ω; the left end is the earliest element that is still its worker's
+    latest (:func:`_scan_latest` without pruning). Once all n workers are covered, the window
+    holds every worker's latest element and its left end is min(Z) of Alg. 2 at the same step,
+    so every Z of Alg. 2 is evaluated, in the same order, at O(1) amortised each instead of
+    O(n) (Alg. 2).
     """
-    n, R = M.shape
-    N = n * R
-    cand = np.empty(N if want_candidates else 0, dtype=np.float64)
-    nc = 0
-    count = np.zeros(n, dtype=np.int32)
-    covered = 0
-    # Unsigned indices: no negative-index wraparound code on the accesses (see scan_optbs).
-    one = np.uint32(1)
-    left = np.uint32(0)
-    best_d = np.inf
-    best_t = np.inf
-    for right in range(N):
-        w = np.uint32(ws[right])
-        if count[w] == 0:
-            covered += 1
-        count[w] += 1
-        if covered == n:
-            lw = np.uint32(ws[left])
-            while count[lw] > 1:
-                count[lw] -= 1
-                left += one
-                lw = np.uint32(ws[left])
-            t = ts[right]
-            d = t - ts[left]
-            if want_candidates:
-                cand[nc] = d
-                nc += 1
-            if d < best_d:
-                best_d = d
-                best_t = t
-    return z_at(M, best_t), best_d, best_t, cand[:nc]
+    return _scan_latest(M, ts, ws, want_candidates, False)
 
 
 @jit
