@@ -409,8 +409,8 @@ def test_bench_server_smoke():
                        capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    for key in ("p50_us", "p99_us", "raw_p50_us", "python_floor_p50_us", "queries_per_s",
-                "paced_floor_p50_us", "server_decisions_per_s"):
+    for key in ("p50_us", "p99_us", "raw_p50_us", "python_floor_p50_us", "polling_floor_p50_us",
+                "queries_per_s", "paced_floor_p50_us", "server_decisions_per_s"):
         assert np.isfinite(res[key]) and res[key] > 0, (key, res)
     assert res["clients"] == 1 and res["queries_per_client"] == 2000 and res["blocks"] == 4
     assert res["fast_path"] is True   # the compiled path is what this machine runs
@@ -486,6 +486,7 @@ def test_the_compiled_loop_serves_the_ring_protocol_and_hands_over_what_it_leave
     assert messages["compiled"] > 0.5 * (messages["compiled"] + messages["python"]), messages
     if "bad=1" in options or policy == "ebsp":
         assert messages["handed_over"] > 0, messages
+    assert messages["awaited"] > 0, messages   # due reports met by the compiled loop's wait
     decisions = [w["decisions"] for w in stats["workers"].values()]
     assert sum(d["SYNC"] for d in decisions) > 0
     if policy != "bsp":

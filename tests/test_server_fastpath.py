@@ -112,3 +112,27 @@ def test_a_message_of_another_kind_is_left_in_the_queue():
 def test_every_compiled_family_of_the_registry_is_covered_here():
     assert set(_FAMILY.values()) - {None} <= {"tables", "query_state", "planned"}
     assert set(rules.FAST_KINDS) == {"tables", "query_state", "planned"}
+
+
+def test_waiting_for_a_due_report_keeps_the_loop_in_compiled_code_until_first_by():
+    """Wake-ahead's wait (``first_by``): with nothing queued the call returns only once
+    ``first_by`` has passed, however short the hot window; a report that comes is served there,
+    and after it the call ends as a hot window does."""
+    comm, server = _server(_ANSWERED_HERE[0])
+    try:
+        now = MPI.Wtime()
+        first_by = now + 0.02
+        done = server.fast.serve(now, 0.0, now + 30.0, first_by=first_by)
+        assert (done.code, done.handled) == (QUIET, 0), done
+        assert MPI.Wtime() >= first_by
+        requests, _ = _send_steps(comm, 1, 1)
+        now = MPI.Wtime()
+        done = server.fast.serve(now, 0.0, now + 30.0, first_by=now + 30.0)
+        MPI.Request.Waitall(requests)
+        assert done.handled == 1 and done.code in (QUIET, PROBED), done
+        assert MPI.Wtime() < now + 30.0   # the served report ended the wait
+        reply = W.new_msg()
+        comm.Recv([reply, MPI.DOUBLE], source=0, tag=W.REPLY)
+        assert reply[W.R_SEQ] == 1
+    finally:
+        comm.Free()

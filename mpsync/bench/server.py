@@ -9,7 +9,8 @@ block and pooled rather than once at the start):
 2. the Python floor: rank 0 answers rank 1 from the smallest polling loop a Python server can
    have (``Iprobe``, ``Recv``, ``Send``, nothing else), rank 1 asks the way the client does
    (``Irecv``, ``Send``, poll ``Test``): what any Python server costs before it decides
-   anything;
+   anything; and the polling floor: the same client against a blocking ``Recv``/``Send``
+   (what a client that must not hang, so polls its reply with a deadline, costs by itself);
 3. rank 0 serves (policy bsp), ranks 1..N-1 send ``--queries``/4 step queries each as fast
    as replies come back (round trip per query, p50/p99 µs; queries per second over all
    clients; the server's CPU while loaded).
@@ -23,8 +24,8 @@ Then, once:
    ``--no-fast-path`` runs server and clients without their compiled path (Python only).
 
 JSON keys: ``p50_us``, ``p99_us``, ``raw_p50_us``, ``queries_per_s`` (plus ``raw_p99_us``,
-``python_floor_p50_us``, ``p50_ratio``, ``server_cpu_idle_pct``, ``server_cpu_load_pct``,
-``paced_p50_us``, ``paced_p99_us``, ``server_cpu_paced_pct``, ``pace_ms``, ``wake_ahead``,
+``python_floor_p50_us``, ``polling_floor_p50_us``, ``p50_ratio``, ``server_cpu_idle_pct``,
+``server_cpu_load_pct``, ``paced_p50_us``, ``paced_p99_us``, ``server_cpu_paced_pct``, ``pace_ms``, ``wake_ahead``,
 ``fast_path``, ``clients``, ``queries_per_client``, ``blocks``).
 """
 
@@ -120,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
               f"ratio {result['p50_ratio']:.2f}x")
         print(f"  Python floor      p50 {result['python_floor_p50_us']:.1f} µs  (empty polling "
               f"server, same run)")
+        print(f"  polling floor     p50 {result['polling_floor_p50_us']:.1f} µs  (polling client, "
+              f"blocking receiver, same run)")
         print(f"  throughput        {result['queries_per_s']:.0f} queries/s")
         print(f"  server CPU        idle {result['server_cpu_idle_pct']:.1f}%  "
               f"loaded {result['server_cpu_load_pct']:.1f}% of a core")
@@ -185,6 +188,31 @@ def _floor_block(world, rank: int, n: int, warm: int) -> list:
                 world.Send([rep, MPI.DOUBLE], dest=status.Get_source(), tag=4)
     world.Barrier()
     return floor
+
+
+def _polling_floor_block(world, rank: int, n: int, warm: int) -> list:
+    """The polling floor: rank 1 asks as the client does (``Irecv``, ``Send``, poll
+    ``Test``), rank 0 answers with a blocking ``Recv`` from rank 1 and a ``Send``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buf, rep = np.zeros(8), np.zeros(8)
+    rtts = []
+    if rank in (0, 1):
+        for i in range(warm + n):
+            if rank == 1:
+                t0 = time.perf_counter()
+                req = world.Irecv([rep, MPI.DOUBLE], source=0, tag=9)
+                world.Send([buf, MPI.DOUBLE], dest=0, tag=8)
+                while not req.Test():
+                    pass
+                if i >= warm:
+                    rtts.append(time.perf_counter() - t0)
+            else:
+                world.Recv([buf, MPI.DOUBLE], source=1, tag=8)
+                world.Send([rep, MPI.DOUBLE], dest=1, tag=9)
+    world.Barrier()
+    return rtts
 
 
 def _paced_floor_block(world, rank: int, pace_ms: float, n: int) -> list:
@@ -312,12 +340,14 @@ def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int,
     from mpsync.server import StateServer, SyncClient
 
     rank = world.Get_rank()
-    out = {"rtts": [], "floor": [], "lat": [], "spans": [], "per_block": per_block,
+    out = {"rtts": [], "floor": [], "polling": [], "lat": [], "spans": [],
+           "per_block": per_block,
            "busy": [0.0, 0.0]}   # rank 0: CPU and wall seconds of the block servers
     for block in range(_BLOCKS):
         warm = samples // 10 if block else min(2000, samples)
         out["rtts"] += _raw_block(world, rank, samples, warm)
         out["floor"] += _floor_block(world, rank, samples, warm)
+        out["polling"] += _polling_floor_block(world, rank, samples, warm)
         if rank == 0:
             wall, cpu = time.time(), time.process_time()
             StateServer(control, cfg, wake_ahead=wake_ahead).serve()
@@ -392,6 +422,7 @@ def _report(world, blocks: dict, paced: dict, gathered: dict, pace_ms: float,
         "raw_p50_us": float(np.percentile(raw, 50)),
         "raw_p99_us": float(np.percentile(raw, 99)),
         "python_floor_p50_us": float(np.percentile(np.array(blocks["floor"]) * 1e6, 50)),
+        "polling_floor_p50_us": float(np.percentile(np.array(blocks["polling"]) * 1e6, 50)),
         "queries_per_s": float(lat_all.size / sum(b - a for a, b in spans)),
         "server_cpu_idle_pct": cpu["idle"], "server_cpu_load_pct": cpu["load"],
         "pace_ms": pace_ms, "wake_ahead": wake_ahead, "fast_path": paced["fast_path"],

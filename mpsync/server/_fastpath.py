@@ -52,12 +52,15 @@ from mpi4py import MPI
 from mpsync.server import rules, wire as W
 
 __all__ = ["FastPath", "ServeResult", "ServeState", "ClientPath", "QueryBinding", "query",
-           "unavailable_reason"]
+           "unavailable_reason", "REPLY_OUT_OF_ORDER"]
 
 # Return codes of ``_serve``.
 QUIET = 0      # no message for hot_s, or housekeeping is due
 PROBED = 1     # a message the Python loop must receive itself is waiting
 RECEIVED = 2   # a message was received here and is handed over (``FastPath.handover``)
+# ``_query``'s return when the reply that came is not to its request (between -1.0, pending,
+# and -2.0 - an MPI error code, which is at most -3.0).
+REPLY_OUT_OF_ORDER = -1.5
 DRAIN = 3      # ESync's READY log is full
 MPI_FAILED = 4  # an MPI call returned an error code (``FastPath.error``)
 
@@ -156,15 +159,18 @@ class FastPath:
         self._call = _serve   # until warm_up binds the compiled code
 
     def serve(self, last_msg: float, hot_s: float, until: float,
-              max_messages: int = 2 ** 62) -> ServeResult:
+              max_messages: int = 2 ** 62, first_by: float = 0.0) -> ServeResult:
         """Serve what it can until quiet for ``hot_s`` since ``last_msg``, or ``until``, or
-        ``max_messages`` were served; returns what it did."""
+        ``max_messages`` were served; returns what it did.  With ``first_by`` (an
+        ``MPI.Wtime``) it waits for a first message until then, yielding the core between
+        probes: a report that is due (``_loop`` module doc) then finds the server already in
+        compiled code, instead of its Python loop and this call's entry."""
         p = self.policy
         esync = self.kind == rules.FAST_ESYNC
         members = p.members() if esync else self._no_members
         epoch = p.epoch if self.kind == rules.FAST_EBSP else -1
         result = _new_result(self._call(self.state, members, last_msg, hot_s, until,
-                                        max_messages, epoch))
+                                        max_messages, epoch, first_by))
         if esync and self.esync.ready_count[0] == len(self.esync.ready_log):
             p.drain_ready_log()
         return result
@@ -174,7 +180,7 @@ class FastPath:
         call that probes an empty communicator of this process alone and returns.  Then
         binds the compiled function itself: Numba's dispatch, which types every argument on
         every call, costs about as much as the rest of an entry together (~1.7 µs)."""
-        args = (self.state, self._no_members, 0.0, 0.0, 0.0, 2 ** 62, -1)
+        args = (self.state, self._no_members, 0.0, 0.0, 0.0, 2 ** 62, -1, 0.0)
         _serve(self._bind(MPI.COMM_SELF), *args[1:])
         self._call = _compiled(_serve, args)
 
@@ -208,6 +214,7 @@ _recv = types.ExternalFunction("MPI_Recv", _i32(_ptr, _i32, _ptr, _i32, _i32, _p
 _send = types.ExternalFunction("MPI_Send", _i32(_ptr, _i32, _ptr, _i32, _i32, _ptr))
 _get_count = types.ExternalFunction("MPI_Get_count", _i32(_ptr, _ptr, _ptr))
 _wtime = types.ExternalFunction("MPI_Wtime", types.float64())
+_sched_yield = types.ExternalFunction("sched_yield", _i32())
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -258,9 +265,10 @@ def _result(code, handled, last_msg, src, tag, w, now, err):
 
 
 @_jit
-def _serve(st, members, last_msg, hot_s, until, max_messages, epoch):
+def _serve(st, members, last_msg, hot_s, until, max_messages, epoch, first_by):
     """The transport: probe, receive, hand to the rules, send (module doc).  ``st``: a
-    :class:`ServeState`; returns the fields of a :class:`ServeResult`.
+    :class:`ServeState`; returns the fields of a :class:`ServeResult`.  Until a first
+    message or ``first_by``, an empty probe yields the core (``FastPath.serve``).
     One function because it is one polling loop whose every exit hands a message back to
     Python at a different point; what a message does is in the ``rules`` it calls."""
     tables, counters, events, es, eb = st.tables, st.counters, st.events, st.esync_tables, st.ebsp_tables
@@ -281,6 +289,9 @@ def _serve(st, members, last_msg, hot_s, until, max_messages, epoch):
             return _result(MPI_FAILED, handled, last_msg, -1, -1, -1, 0.0, err)
         if scratch[0] == 0:
             now = _wtime()
+            if handled == 0 and now < first_by and now < until:
+                _sched_yield()   # the worker being waited for may need this core
+                continue
             if now - last_msg >= hot_s or now >= until:
                 return _result(QUIET, handled, last_msg, -1, -1, -1, 0.0, 0)
             continue
@@ -350,6 +361,10 @@ def _pointer_from(dtype):
 
 
 _f64_at = _pointer_from(types.float64)
+# ``_query``'s int64 cells (``ClientPath.handles``): 0 the request, 1 Test's flag, 2-5 the
+# decision, then an MPI_Status.
+_DECISION_CELL = 2
+_STATUS_CELL = 6
 _i64_at = _pointer_from(types.int64)
 
 
@@ -359,10 +374,12 @@ def _query(comm, h_double, msgs_at, handles_at, server, tag, seq, iteration, com
     """``SyncClient.step``'s round trip in one call: the header into the 8 float64 at
     ``msgs_at``, the reply's receive into the 8 after them posted first (``_client`` module
     doc), the send, then polling for ``busy_s``.  At ``handles_at`` (int64 cells): the
-    request (cell 0), Test's flag (cell 1), a status (from cell 2).  Every argument is a
-    number, no array: Numba's dispatch then costs ~0.3 µs less.  Returns the seconds it took
-    if the reply is in, -1.0 if it is still pending (its request handle in cell 0), or
-    -2.0 - an MPI error code."""
+    request (cell 0), Test's flag (cell 1), the decision (cells 2-5), a status (from cell 6).  Every argument is a
+    number, no array: Numba's dispatch then costs ~0.3 µs less.  A completed reply's
+    action, local iterations, round and extra go, as int64, into cells 2-5 (``ClientPath``).  Returns the seconds it took
+    if the reply to ``seq`` is in, -1.0 if it is still pending (its request handle in cell
+    0), ``REPLY_OUT_OF_ORDER`` if the reply in is to another request, or -2.0 - an MPI
+    error code."""
     start = _wtime()
     msgs = numba.carray(_f64_at(msgs_at), 2 * W.MSG_LEN)
     msgs[W.SEQ] = seq
@@ -374,7 +391,7 @@ def _query(comm, h_double, msgs_at, handles_at, server, tag, seq, iteration, com
     msgs[W.COUNT] = 0.0
     msgs[W.FLAG] = 0.0
     flag = numba.carray(_i64_at(handles_at + 8), 1)   # an int written into a zeroed cell
-    request_p, flag_p, status_p = handles_at, handles_at + 8, handles_at + 16
+    request_p, flag_p, status_p = handles_at, handles_at + 8, handles_at + 8 * _STATUS_CELL
     flag[0] = 0
     err = _irecv(msgs_at + 8 * W.MSG_LEN, W.MSG_LEN, h_double, server, W.REPLY, comm,
                  request_p)
@@ -388,6 +405,15 @@ def _query(comm, h_double, msgs_at, handles_at, server, tag, seq, iteration, com
         if err != 0:
             return -2.0 - err
         if flag[0] != 0:
+            reply = msgs[W.MSG_LEN:]
+            if reply[W.R_SEQ] != seq:
+                return REPLY_OUT_OF_ORDER
+            # The decision as integers, which Python reads without a float in between.
+            decision = numba.carray(_i64_at(handles_at + 8 * _DECISION_CELL), 4)
+            decision[0] = np.int64(reply[W.R_ACTION])
+            decision[1] = np.int64(reply[W.R_LOCAL])
+            decision[2] = np.int64(reply[W.R_ROUND])
+            decision[3] = np.int64(reply[W.R_EXTRA])
             return _wtime() - start
         if _wtime() - start > busy_s:
             return -1.0
@@ -398,7 +424,7 @@ class QueryBinding(NamedTuple):
     comm: int         # MPI handle of the control communicator
     h_double: int     # MPI handle of MPI_DOUBLE
     msgs_at: int      # address of the request (8 float64) followed by the reply (8)
-    handles_at: int   # address of the int64 cells: request handle, Test's flag, a status
+    handles_at: int   # address of the int64 cells: request, Test's flag, decision, status
     server: int       # the server's rank
     tag: int          # W.STEP
 
@@ -409,16 +435,22 @@ class ClientPath:
 
     def __init__(self, comm, server_rank: int, msgs: np.ndarray):
         status_cells = -(-_status_layout()[0] // 2)
-        self.handles = np.zeros(2 + status_cells, np.int64)
+        self.handles = np.zeros(_STATUS_CELL + status_cells, np.int64)
+        # The last compiled reply's (action, local_iters, round, extra), as Python ints.
+        self.decision = memoryview(self.handles)[_DECISION_CELL:_DECISION_CELL + 4]
         self.msgs = msgs
         self.args = QueryBinding(MPI._handleof(comm), MPI._handleof(MPI.DOUBLE),
                                  msgs.ctypes.data, self.handles.ctypes.data, int(server_rank),
                                  W.STEP)
         # Compile or load from the cache now, not in the first step: a self-send on
-        # COMM_SELF, answered by its own receive.
-        if _query(MPI._handleof(MPI.COMM_SELF), *self.args[1:4], 0, W.REPLY, 0, 0, 0.0, 0.0,
-                  1.0) < 0:
+        # COMM_SELF, answered by its own receive (a REPLY whose SEQ cell is the 0 sent).
+        self_test = (MPI._handleof(MPI.COMM_SELF), *self.args[1:4], 0, W.REPLY, 0, 0, 0.0,
+                     0.0, 1.0)
+        if _query(*self_test) < 0:
             raise RuntimeError("the compiled client path failed its self-test")
+        # The machine code itself: Numba's dispatcher types all 11 arguments at every call
+        # (0.1-0.2 µs of a 2 µs round trip).  The step passes exactly these types.
+        self.call = _compiled(_query, self_test)
 
     def pending(self) -> MPI.Request:
         """The reply's request when ``_query`` returned -1.0, as an mpi4py request."""

@@ -121,7 +121,9 @@ class StateServer(MessageHandlers):
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.rejected: dict[tuple, int] = {}
         # Well-formed requests served by each loop ("python" counts the handed-over ones too).
-        self.messages = {"compiled": 0, "python": 0, "handed_over": 0}
+        # Served in compiled code, in Python, received in compiled code and handed over, and
+        # the due reports that found the compiled loop already waiting for them (wake-ahead).
+        self.messages = {"compiled": 0, "python": 0, "handed_over": 0, "awaited": 0}
         self._msg = W.new_msg()
         self._reply = W.new_msg()
         self._reply_spec = [self._reply, MPI.DOUBLE]
@@ -175,14 +177,19 @@ class StateServer(MessageHandlers):
         due = None           # when the next report is expected (None: unknown or none)
         due_stale = True     # the tables changed since ``due`` was computed
         fast, messages = self.fast, self.messages
+        first_by = 0.0       # > 0: wait for a due report in compiled code until then
         while not self._stop:
-            if iprobe(any_source, any_tag, status):
+            if first_by or iprobe(any_source, any_tag, status):
                 probed = True
                 if fast is not None and not self.held:
                     # This message and the hot window after it in compiled code, which returns
-                    # what it leaves to this loop.  Entered only when a message is waiting: a
-                    # call costs about a microsecond, several times an idle poll.
-                    done = fast.serve(last_msg, hot_s, next_housekeeping)
+                    # what it leaves to this loop.  Entered only when a message is waiting (a
+                    # call costs about a microsecond, several times an idle poll), or to wait
+                    # there for a report that is due.
+                    done = fast.serve(last_msg, hot_s, next_housekeeping, first_by=first_by)
+                    if first_by:
+                        first_by = 0.0
+                        messages["awaited"] += done.handled > 0
                     code = done.code
                     if code == _fastpath.MPI_FAILED:
                         raise MPI.Exception(done.error)
@@ -229,7 +236,12 @@ class StateServer(MessageHandlers):
                     if -_DUE_SLACK_S < ahead < _WAKE_MARGIN_S:
                         # A report is due about now: poll for it, but let a runnable process
                         # have the core first; it may be the very worker being waited for.
-                        os.sched_yield()
+                        # In compiled code where it can be answered there: the report then
+                        # finds the loop already running, its code and data in the cache.
+                        if fast is not None and not self.held:
+                            first_by = due + _DUE_SLACK_S
+                        else:
+                            os.sched_yield()
                         continue
                     if ahead > 0:
                         nap = min(nap, ahead - _WAKE_MARGIN_S)
