@@ -155,6 +155,33 @@ def test_omega_keys_sort_like_lexsort(seed):
     np.testing.assert_array_equal(order, np.lexsort((np.arange(N), t)))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scan_keys_matches_alg2_or_refuses_keys_out_of_omega_order(seed):
+    # Straight from sorted 64-bit keys, optbs's and the window's search: the result of Alg. 2
+    # when the keys are in Ω's order, else ok False (truncated keys of near ties).
+    rng = np.random.default_rng(seed)
+    kind = seed % 4
+    if kind == 0:
+        M = random_matrix(seed)
+    elif kind == 1:
+        M = signed_matrix(seed)
+    elif kind == 2:
+        M = tie_heavy_matrix(rng, int(rng.integers(1, 9)), int(rng.integers(1, 9)))
+    else:
+        M = near_tie_matrix(seed, 3 + seed % 5, 4 + seed % 3)
+    n, R = M.shape
+    keys, ibits, wide = _k.sorted_keys(M, quanta=2**40)
+    assert wide
+    ok, z, d, t_sync = _s.scan_keys(M, keys, ibits)
+    index = (keys & np.uint64((1 << ibits) - 1)).astype(np.int64)
+    expected_order = [p * R + i for _, p, i in ref.omega(M)]
+    assert ok == (index.tolist() == expected_order)
+    if ok:
+        expected = ref.zipline_alg2(M)
+        assert (d, t_sync) == (expected[1], expected[2])
+        np.testing.assert_array_equal(z, expected[0])
+
+
 def near_tie_matrix(seed: int, n: int, R: int) -> np.ndarray:
     """Timestamps a few ulps apart next to ±1e300: the span leaves too few key bits for all
     timestamps, so neighbours share a key prefix and come out of the sort by index."""

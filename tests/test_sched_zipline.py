@@ -18,6 +18,7 @@ from mpsync.sched import (
     zipline,
 )
 from mpsync.sched import zipline_omega as _k
+from mpsync.sched import zipline_scans as _s
 from mpsync.sched import zipline_reference as ref
 
 
@@ -146,6 +147,24 @@ def test_omega_sort_and_merge_agree_on_large_input(M):
     ts_merge, ws_merge = _k.merge_pushes(M)
     np.testing.assert_array_equal(ts_sort.view(np.uint64), ts_merge.view(np.uint64))
     np.testing.assert_array_equal(ws_sort, ws_merge)
+
+@pytest.mark.parametrize(
+    "M", [paper_matrix(1200, 150, 2), tie_matrix(4100, 8, 3, values=3000)], ids=["paper", "ties"]
+)
+def test_search_from_keys_and_from_unpacked_omega_agree_on_large_input(M):
+    # Enough elements for 64-bit keys: without candidates, optbs and the window search from
+    # the sorted keys (scan_keys); with candidates, from the unpacked Ω. Same result.
+    keys, ibits, wide = _k.sorted_keys(M)
+    assert wide
+    ok, z, d, t_sync = _s.scan_keys(M, keys, ibits)
+    assert ok
+    for variant in ("optbs", "window"):
+        result = zipline(M, variant)
+        unpacked = zipline(M, variant, return_candidates=True)
+        assert (result.d, result.t_sync) == (d, t_sync) == (unpacked.d, unpacked.t_sync)
+        np.testing.assert_array_equal(result.z, z)
+        np.testing.assert_array_equal(unpacked.z, z)
+
 
 def test_exact_variants_agree_on_large_tie_heavy_input():
     M = tie_matrix(500, 30, 3, values=200)

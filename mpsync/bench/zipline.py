@@ -7,6 +7,9 @@ including the Python call), next to ``np.sort`` of the same n·R timestamps in t
 Writes ``zipline.csv`` and ``zipline.png`` (like the paper's Fig. 10) to ``--out``, plus the
 GridScan miss rate and the JIT compile vs cached-start times.
 
+The fast variants' samples are taken in turn with np.sort's, so a change in load reaches
+all of them alike.
+
 ``--n N --R R --json`` measures one size and prints one JSON object with keys ``n``, ``R``,
 ``median_us`` (variant -> µs, null if skipped), ``sort_us`` and ``ratio_to_sort`` (variant ->
 median / sort; the simulator plans ElasticBSP rounds at n = 4,096 with these kernels).
@@ -68,23 +71,30 @@ def paper_data(n: int, R: int, seed: int):
     return predict(start, interval, R)
 
 
-def _median_call_us(fn, samples: int) -> float:
-    """Median µs per call; each sample loops enough calls to last ~2 ms."""
-    fn()  # warm-up (and compile, if not cached)
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    loops = max(1, int(2e-3 / max(once, 1e-9)))
-    per_call = []
-    for _ in range(samples):
+def _median_call_us(fns: dict, samples: int) -> dict:
+    """Median µs per call of each ``fns[name]()``; each sample loops enough calls to last
+    ~2 ms. The functions' samples are taken in turn, one of each per round, so that a change in
+    the machine's load between rounds reaches all of them alike."""
+    loops = {}
+    for name, fn in fns.items():
+        fn()  # warm-up (and compile, if not cached)
         t0 = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        per_call.append((time.perf_counter() - t0) / loops)
-    return statistics.median(per_call) * 1e6
+        fn()
+        loops[name] = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-9)))
+    per_call = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(loops[name]):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / loops[name])
+    return {name: statistics.median(times) * 1e6 for name, times in per_call.items()}
 
 
 def measure(n: int, R: int, variants, seed: int, samples: int, max_call_s: float) -> dict:
+    """The variants' and np.sort's median µs per call on the §6.1 data for (n, R). The fast
+    variants are timed interleaved with np.sort of the same n·R timestamps; the slow ones
+    (more than 2e8 elementary steps) with 3 samples each, before."""
     import numpy as np
 
     from mpsync.sched import zipline
@@ -92,15 +102,20 @@ def measure(n: int, R: int, variants, seed: int, samples: int, max_call_s: float
     M = paper_data(n, R, seed)
     flat = M.ravel().copy()
     out = {"n": n, "R": R, "median_us": {}, "d": {}, "t_sync": {}}
+    fast = {}
     for v in variants:
         if _COST[v](n, R) * _NS_PER_STEP * 1e-9 > max_call_s:
             out["median_us"][v] = out["d"][v] = out["t_sync"][v] = None
             continue
-        reps = samples if _COST[v](n, R) < 2e8 else 3
-        out["median_us"][v] = _median_call_us(lambda: zipline(M, v), reps)
+        if _COST[v](n, R) < 2e8:
+            fast[v] = lambda v=v: zipline(M, v)
+        else:
+            out["median_us"][v] = _median_call_us({v: lambda v=v: zipline(M, v)}, 3)[v]
         r = zipline(M, v)
         out["d"][v], out["t_sync"][v] = r.d, r.t_sync
-    out["sort_us"] = _median_call_us(lambda: np.sort(flat), samples)
+    timed = _median_call_us(fast | {"np.sort": lambda: np.sort(flat)}, samples)
+    out["sort_us"] = timed.pop("np.sort")
+    out["median_us"] = {v: timed.get(v, out["median_us"].get(v)) for v in variants}
     return out
 
 

@@ -68,6 +68,9 @@ _OMEGA_KERNELS = {
     "optbs": _s.scan_optbs,
     "window": _s.scan_window,
 }
+# Variants whose search scan_keys runs from sorted 64-bit keys, without unpacking Ω, when no
+# candidate sequence is asked for.
+_FROM_KEYS = (_s.scan_optbs, _s.scan_window)
 _GRID_KERNELS = {
     "gridscan": _s.scan_grid,
     "fullgridscan": _s.scan_fullgrid,
@@ -153,6 +156,11 @@ def zipline(M, variant: str = FASTEST_EXACT_VARIANT,
     if grid is not None:
         z, d, t_sync, cand = grid(a, bool(return_candidates))
     else:
-        ts, ws = _k.omega(a)
+        keys = _k.sorted_keys(a) if a.size >= _k.OMEGA_SORT_MIN else None
+        if keys is not None and keys[2] and kernel in _FROM_KEYS and not return_candidates:
+            ok, z, d, t_sync = _s.scan_keys(a, keys[0], keys[1])
+            if ok:
+                return ZipLineResult(z, float(d), float(t_sync), None)
+        ts, ws = _k.omega(a, keys=keys)
         z, d, t_sync, cand = kernel(a, ts, ws, bool(return_candidates))
     return ZipLineResult(z, float(d), float(t_sync), cand if return_candidates else None)

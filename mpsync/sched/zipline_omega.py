@@ -36,7 +36,7 @@ from mpsync.sched._numba import jit
 
 __all__ = ["OK", "NOT_FINITE", "NOT_SORTED", "OMEGA_SORT_MIN", "OMEGA_KEYS32_QUANTA",
            "check_prediction", "merge_pushes", "omega_keys", "omega_unpack", "omega_keys32",
-           "omega_unpack32", "omega"]
+           "omega_unpack32", "sorted_keys", "omega"]
 
 # Status codes of _check; zipline() turns them into ValueError messages.
 OK = 0
@@ -361,33 +361,54 @@ def _buffers(N):
     return buf[0][:N], buf[1][:N], buf[2][:N]
 
 
-def omega(M, sort_min=None, quanta=None):
+def sorted_keys(M, quanta=None):
+    """``(keys, kbits, wide)``: M's sort keys, sorted by numpy's ``ndarray.sort`` (the CPU's
+    vector sort where numpy has one, AVX-512 here), and the number of low bits that name the
+    element. 32-bit keys of :func:`omega_keys32` (``wide`` False, the low bits the worker)
+    where their time quanta are at least ``quanta`` times (default
+    :data:`OMEGA_KEYS32_QUANTA`) as many as the elements, else the unique 64-bit keys of
+    :func:`omega_keys` (``wide`` True, the low bits the index p·R + i). ``keys`` is a view of
+    this thread's workspace, valid until its next call."""
+    n, R = M.shape
+    N = n * R
+    per_element = OMEGA_KEYS32_QUANTA if quanta is None else quanta
+    if N * per_element <= 1 << (32 - (n - 1).bit_length()):
+        keys = _buffers(N)[0].view(np.uint32)[:N]
+        kbits = omega_keys32(M, keys)
+        keys.sort()
+        return keys, kbits, False
+    return _sorted_keys64(M)
+
+
+def _sorted_keys64(M):
+    keys = _buffers(M.size)[0]
+    ibits, _ = omega_keys(M, keys)
+    keys.sort()
+    return keys, ibits, True
+
+
+def omega(M, sort_min=None, quanta=None, keys=None):
     """Ω of §5.2 Step 1 as ``(ts, ws)``: timestamps and worker ids by (timestamp, worker,
     column). Plain Python around the kernels, because the sort is numpy's.
 
     Small matrices (fewer than ``sort_min`` elements, default :data:`OMEGA_SORT_MIN`) are
-    merged (:func:`merge_pushes`). Larger ones are sorted as integer keys with
-    ``ndarray.sort``, which uses the CPU's vector sort where numpy has one (AVX-512 here), then
-    unpacked: 32-bit keys (:func:`omega_keys32`, :func:`omega_unpack32`) where their time
-    quanta are at least ``quanta`` times (default :data:`OMEGA_KEYS32_QUANTA`) as many as the
-    elements, else, or if the unpack gives up, unique 64-bit keys (:func:`omega_keys`,
-    :func:`omega_unpack`). Every path gives the same arrays bit for bit. The sort paths return
-    views of this thread's workspace, valid until its next call.
+    merged (:func:`merge_pushes`). Larger ones are sorted as integer keys
+    (:func:`sorted_keys`) and unpacked (:func:`omega_unpack32`, :func:`omega_unpack`); if the
+    unpack of 32-bit keys gives up, 64-bit keys are tried, and if theirs does, the merge.
+    Every path gives the same arrays bit for bit. The sort paths return views of this
+    thread's workspace, valid until its next call. ``keys``: what :func:`sorted_keys` returned
+    for M, if the caller has it already.
     """
     n, R = M.shape
     N = n * R
-    if N < (OMEGA_SORT_MIN if sort_min is None else sort_min):
+    if keys is None and N < (OMEGA_SORT_MIN if sort_min is None else sort_min):
         return merge_pushes(M)
-    keys, ts, ws = _buffers(N)
-    per_element = OMEGA_KEYS32_QUANTA if quanta is None else quanta
-    if N * per_element <= 1 << (32 - (n - 1).bit_length()):
-        keys32 = keys.view(np.uint32)[:N]
-        wbits = omega_keys32(M, keys32)
-        keys32.sort()
-        if omega_unpack32(M, keys32, wbits, ts, ws):
+    keys, kbits, wide = sorted_keys(M, quanta) if keys is None else keys
+    _, ts, ws = _buffers(N)
+    if not wide:
+        if omega_unpack32(M, keys, kbits, ts, ws):
             return ts, ws
-    ibits, _ = omega_keys(M, keys)
-    keys.sort()
-    if omega_unpack(M, keys, ibits, ts, ws):
+        keys, kbits, wide = _sorted_keys64(M)
+    if omega_unpack(M, keys, kbits, ts, ws):
         return ts, ws
     return merge_pushes(M)
