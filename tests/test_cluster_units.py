@@ -115,3 +115,25 @@ def test_cluster_bench_rows_get_ratios_and_link_fractions_per_method_and_variant
     targets = check_targets([{"rate": "1gbit", "nodes": 4, "rows": [out]}])["4nodes_1gbit"]
     assert targets["mpsync_vs_horovod_median_ge_1MB"] == pytest.approx(1.1)
     assert targets["link_fraction_64MB"]["horovod"] == out["horovod_link_fraction"]
+
+
+def test_the_compare_setup_line_names_the_rate_the_comparison_ran_at(tmp_path, monkeypatch):
+    """``compare --bandwidth`` sets every link for the comparison: the table's setup line
+    names that rate, not the one the cluster was made with."""
+    import argparse
+    import json
+
+    from mpsync import cluster
+    from mpsync.apps import compare, runs
+    from mpsync.cluster.layout import plan
+
+    monkeypatch.setattr(cluster, "RUN_ROOT", tmp_path)
+    cluster._save_state(plan("units", 3, "10.213.0.0/24", bandwidth="10gbit",
+                             state_dir=str(tmp_path / "units")))
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(["--cluster", "units", "--np", "2"])
+    assert "links 10gbit" in runs.setup_line(args, {})
+    args = parser.parse_args(["--cluster", "units", "--np", "2", "--bandwidth", "100mbit"])
+    assert "links 100mbit" in runs.setup_line(args, {})
+    assert json.loads((tmp_path / "units" / "state.json").read_text())["bandwidth"] == "10gbit"

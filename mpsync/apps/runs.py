@@ -69,7 +69,9 @@ def setup_line(args, runs) -> str:
     if getattr(args, "cluster", None) is not None:
         st = cluster.load_state(args.cluster or None)
         if st is not None:
-            where = (f"across {len(st.nodes)} nodes (links {st.bandwidth or 'unlimited'}, "
+            # --bandwidth sets every link for the comparison; else the rate it was made with.
+            rate = getattr(args, "bandwidth", None) or st.bandwidth or "unlimited"
+            where = (f"across {len(st.nodes)} nodes (links {rate}, "
                      f"{args.cluster_placement}), ")
     return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
             f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
