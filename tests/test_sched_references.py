@@ -172,11 +172,13 @@ def test_scan_keys_matches_alg2_or_refuses_keys_out_of_omega_order(seed):
     n, R = M.shape
     keys, ibits, wide = _k.sorted_keys(M, quanta=2**40)
     assert wide
-    ok, z, d, t_sync = _s.scan_keys(M, keys, ibits)
+    ws = np.empty(M.size, dtype=np.int32)
+    ok, z, d, t_sync = _s.scan_keys(M, keys, ibits, ws)
     index = (keys & np.uint64((1 << ibits) - 1)).astype(np.int64)
     expected_order = [p * R + i for _, p, i in ref.omega(M)]
     assert ok == (index.tolist() == expected_order)
     if ok:
+        np.testing.assert_array_equal(ws, [p for _, p, _ in ref.omega(M)])
         expected = ref.zipline_alg2(M)
         assert (d, t_sync) == (expected[1], expected[2])
         np.testing.assert_array_equal(z, expected[0])

@@ -156,7 +156,7 @@ def test_search_from_keys_and_from_unpacked_omega_agree_on_large_input(M):
     # the sorted keys (scan_keys); with candidates, from the unpacked Ω. Same result.
     keys, ibits, wide = _k.sorted_keys(M)
     assert wide
-    ok, z, d, t_sync = _s.scan_keys(M, keys, ibits)
+    ok, z, d, t_sync = _s.scan_keys(M, keys, ibits, np.empty(M.size, dtype=np.int32))
     assert ok
     for variant in ("optbs", "window"):
         result = zipline(M, variant)

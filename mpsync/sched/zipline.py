@@ -158,7 +158,7 @@ def zipline(M, variant: str = FASTEST_EXACT_VARIANT,
     else:
         keys = _k.sorted_keys(a) if a.size >= _k.OMEGA_SORT_MIN else None
         if keys is not None and keys[2] and kernel in _FROM_KEYS and not return_candidates:
-            ok, z, d, t_sync = _s.scan_keys(a, keys[0], keys[1])
+            ok, z, d, t_sync = _s.scan_keys(a, keys[0], keys[1], _k.workspace(a.size)[2])
             if ok:
                 return ZipLineResult(z, float(d), float(t_sync), None)
         ts, ws = _k.omega(a, keys=keys)

@@ -36,7 +36,7 @@ from mpsync.sched._numba import jit
 
 __all__ = ["OK", "NOT_FINITE", "NOT_SORTED", "OMEGA_SORT_MIN", "OMEGA_KEYS32_QUANTA",
            "check_prediction", "merge_pushes", "omega_keys", "omega_unpack", "omega_keys32",
-           "omega_unpack32", "sorted_keys", "omega"]
+           "omega_unpack32", "sorted_keys", "omega", "workspace"]
 
 # Status codes of _check; zipline() turns them into ValueError messages.
 OK = 0
@@ -349,7 +349,7 @@ def omega_unpack32(M, keys, wbits, ts, ws):
     return True if not unsorted else _restore_time_order(ts, ws)
 
 
-def _buffers(N):
+def workspace(N):
     """This thread's sort keys and Ω arrays, at least N long, reused from call to call: fresh
     arrays of this size (3 MB at n = 1000, R = 150) are returned to the OS on free and cost a
     page fault per 4 KiB on first touch, about 1 ms per search on the measured VM. They are
@@ -373,7 +373,7 @@ def sorted_keys(M, quanta=None):
     N = n * R
     per_element = OMEGA_KEYS32_QUANTA if quanta is None else quanta
     if N * per_element <= 1 << (32 - (n - 1).bit_length()):
-        keys = _buffers(N)[0].view(np.uint32)[:N]
+        keys = workspace(N)[0].view(np.uint32)[:N]
         kbits = omega_keys32(M, keys)
         keys.sort()
         return keys, kbits, False
@@ -381,7 +381,7 @@ def sorted_keys(M, quanta=None):
 
 
 def _sorted_keys64(M):
-    keys = _buffers(M.size)[0]
+    keys = workspace(M.size)[0]
     ibits, _ = omega_keys(M, keys)
     keys.sort()
     return keys, ibits, True
@@ -404,7 +404,7 @@ def omega(M, sort_min=None, quanta=None, keys=None):
     if keys is None and N < (OMEGA_SORT_MIN if sort_min is None else sort_min):
         return merge_pushes(M)
     keys, kbits, wide = sorted_keys(M, quanta) if keys is None else keys
-    _, ts, ws = _buffers(N)
+    _, ts, ws = workspace(N)
     if not wide:
         if omega_unpack32(M, keys, kbits, ts, ws):
             return ts, ws

@@ -251,42 +251,59 @@ def scan_window(M, ts, ws, want_candidates):
 
 
 @jit
-def _worker(keys, pos, mask, inv):
-    """Worker of the element whose 64-bit key is ``keys[pos]``, and its index p·R + i in M."""
-    idx = keys[pos] & mask
-    # idx // R by a multiplication, exact for n·R < 2^48 (see omega_unpack).
-    return np.uint64((idx + 0.5) * inv), idx
+def _keys_in_omega_order(M, keys, ibits, ws):
+    """Fill ``ws`` with the worker of each sorted 64-bit key (of ``omega_keys``); True if the
+    keys are in Ω's order.
 
-
-# One kernel of this length on purpose: the order check, the front of Z and the candidates
-# share the cursor and the per-worker slots; the docstring walks through the steps.
-@jit
-def scan_keys(M, keys, ibits):
-    """ZipLineOptBS's and the window's search (:func:`_scan_latest`) straight from the sorted
-    64-bit keys of :func:`mpsync.sched.zipline_omega.omega_keys`, without unpacking Ω into
-    arrays: returns ``(ok, z, d, t_sync)``, the same as those variants, or ``ok`` False if the
-    keys are not in Ω's order (the caller then unpacks them, which restores it).
-
-    A key's low ``ibits`` bits name its element; its timestamp is read from M only where it
-    is needed. On large matrices that saves writing and reading back Ω's two arrays, 12 bytes
-    per element that no longer fit the cache:
-
-    * the order: neighbours whose keys have the same time part (truncated timestamps, see
-      ``omega_keys``) come by index, which is Ω's order only if their timestamps are in order;
-      every other pair of neighbours is in time order by construction, so checking these pairs
-      checks all of Ω. On §6.1 data there are none.
-    * the candidates: only the first complete Z and those after min(Z) moved are evaluated.
-      Every other Z has d at least its predecessor's: for ZipLineOptBS that is Thm. 3, for the
-      window its left end stayed and its right end moved later. Neither can be a strict
-      improvement, so the result, tie rule included, is the same. On §6.1 data min(Z) moves
-      at 5-8 % of the elements.
+    Neighbours whose keys have different time parts are in time order by construction; those
+    with the same time part (truncated timestamps) come by index, which is Ω's order only if
+    their timestamps are in order too, so only they are read from M. On §6.1 data there are
+    none; the first loop, without a branch, vectorizes.
     """
+    n, R = M.shape
+    N = n * R
+    mask = (np.uint64(1) << np.uint64(ibits)) - np.uint64(1)
+    uibits = np.uint64(ibits)
+    # idx // R by a multiplication, exact for n·R < 2^48 (see omega_unpack).
+    inv = 1.0 / R
+    ws[0] = np.int32(((keys[0] & mask) + 0.5) * inv)
+    ties = 0
+    for pos in range(1, N):
+        key = keys[pos]
+        ws[pos] = np.int32(((key & mask) + 0.5) * inv)
+        ties += ((key ^ keys[pos - 1]) >> uibits) == 0
+    if ties:
+        flat = M.reshape(N)
+        for pos in range(1, N):
+            a = keys[pos - 1]
+            b = keys[pos]
+            if ((a ^ b) >> uibits) == 0 and flat[a & mask] > flat[b & mask]:
+                return False
+    return True
+
+
+@jit
+def scan_keys(M, keys, ibits, ws):
+    """ZipLineOptBS's and the window's search (:func:`_scan_latest`) from the sorted 64-bit
+    keys of :func:`mpsync.sched.zipline_omega.omega_keys`, without unpacking Ω's timestamps:
+    returns ``(ok, z, d, t_sync)``, the same as those variants, or ``ok`` False if the keys
+    are not in Ω's order (the caller then unpacks them, which restores it). ``ws`` (int32, one
+    per element) receives the workers in Ω's order.
+
+    A key's low ``ibits`` bits name its element; its timestamp is read from M only where a
+    candidate is evaluated: the first complete Z and each Z after min(Z) moved. Every other Z
+    has d at least its predecessor's: for ZipLineOptBS that is Thm. 3, for the window its left
+    end stayed and its right end moved later. Neither can be a strict improvement, so the
+    result, tie rule included, is the same. On §6.1 data min(Z) moves at 5-8 % of the
+    elements, so most of the gather of Ω's timestamps from M, which no longer fits the cache
+    on large matrices, and the timestamps' array are saved.
+    """
+    if not _keys_in_omega_order(M, keys, ibits, ws):
+        return False, np.zeros(0, dtype=np.int64), np.inf, np.inf
     n, R = M.shape
     N = n * R
     flat = M.reshape(N)
     mask = (np.uint64(1) << np.uint64(ibits)) - np.uint64(1)
-    uibits = np.uint64(ibits)
-    inv = 1.0 / R
     one = np.uint64(1)
     absent = np.uint64(N)
     slot = np.full(n, absent, dtype=np.uint64)  # Ω position of each worker's element in Z
@@ -294,14 +311,9 @@ def scan_keys(M, keys, ibits):
     size = 0
     best_d = np.inf
     best_t = np.inf
-    last = ~keys[0]  # differs from keys[0] in the time part
     for pos in range(N):
         upos = np.uint64(pos)
-        key = keys[upos]
-        w, idx = _worker(keys, upos, mask, inv)
-        if ((key ^ last) >> uibits) == 0 and flat[last & mask] > flat[idx]:
-            return False, np.zeros(0, dtype=np.int64), np.inf, np.inf
-        last = key
+        w = np.uint64(ws[upos])
         j = slot[w]
         slot[w] = upos
         if j == absent:
@@ -310,12 +322,12 @@ def scan_keys(M, keys, ibits):
         elif j == head:
             moved = True
             head += one
-            while slot[_worker(keys, head, mask, inv)[0]] != head:  # stops at upos at the latest
+            while slot[np.uint64(ws[head])] != head:  # stops at upos at the latest
                 head += one
         else:
             moved = False
         if moved and size == n:
-            t = flat[idx]
+            t = flat[keys[upos] & mask]
             d = t - flat[keys[head] & mask]
             if d < best_d:
                 best_d = d
