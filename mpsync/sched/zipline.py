@@ -157,10 +157,22 @@ def zipline(M, variant: str = FASTEST_EXACT_VARIANT,
         z, d, t_sync, cand = grid(a, bool(return_candidates))
     else:
         keys = _k.sorted_keys(a) if a.size >= _k.OMEGA_SORT_MIN else None
-        if keys is not None and keys[2] and kernel in _FROM_KEYS and not return_candidates:
-            ok, z, d, t_sync = _s.scan_keys(a, keys[0], keys[1], _k.workspace(a.size)[2])
-            if ok:
-                return ZipLineResult(z, float(d), float(t_sync), None)
+        if keys is not None and kernel in _FROM_KEYS and not return_candidates:
+            found = _search_from_keys(a, keys)
+            if found is not None:
+                return found
         ts, ws = _k.omega(a, keys=keys)
         z, d, t_sync, cand = kernel(a, ts, ws, bool(return_candidates))
     return ZipLineResult(z, float(d), float(t_sync), cand if return_candidates else None)
+
+
+def _search_from_keys(a, keys) -> ZipLineResult | None:
+    """The search of ``optbs`` and ``window`` from 𝓜 ``a``'s :func:`sorted_keys
+    <mpsync.sched.zipline_omega.sorted_keys>` (:func:`scan_keys
+    <mpsync.sched.zipline_scans.scan_keys>`), or None where that cannot be done: 32-bit keys
+    (out of time order within a quantum), or 64-bit keys out of Ω's order."""
+    sorted_keys, kbits, wide = keys
+    if not wide:
+        return None
+    ok, z, d, t_sync = _s.scan_keys(a, sorted_keys, kbits, _k.workspace(a.size)[2])
+    return ZipLineResult(z, float(d), float(t_sync), None) if ok else None

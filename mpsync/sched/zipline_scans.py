@@ -1,7 +1,8 @@
 """Numba kernels of the ZipLine variants that scan Ω or the grid (ZipLine paper §5.1-5.3);
 Ω itself, the input checks and the conventions every kernel follows (ordering, tie rule,
 canonical ``z``) are in :mod:`mpsync.sched.zipline_omega`.  References in
-:mod:`mpsync.sched.zipline_reference`.
+:mod:`mpsync.sched.zipline_reference`. :func:`scan_keys` runs the search of ZipLineOptBS and
+the window from Ω's sorted keys, without unpacking them.
 """
 
 from __future__ import annotations
