@@ -37,7 +37,6 @@ made after the newest checkpoint are lost on a crash: the rollback is at most K 
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import subprocess
 import sys
@@ -274,32 +273,7 @@ def _warn_once(msg: str) -> None:
         print(f"mpsync train: {msg}", file=sys.stderr)
 
 
-def _end(code: int | None) -> None:
-    """End this rank without Python's teardown of its modules.
-
-    Tearing down torch's and Numba's modules costs every rank seconds of CPU after the run
-    is over: a script that only imports torch, numba and mpi4py and meets the other ranks in
-    a barrier (the floor of ``mpsync bench startup``), 5 ranks on this 2-core VM, took 4.6 s
-    from the barrier to mpirun's return on a loaded machine, 0.2 s when it ended like this.
-    Everything the run writes is closed by now; the atexit handlers (``mps.shutdown``,
-    Horovod's) still run, then MPI_Finalize (every rank's, as usual), then the process
-    ends."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    os._exit(code or 0)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="mpsync train")
     add_arguments(parser)
-    try:
-        status = main(parser.parse_args())
-    except SystemExit as e:   # the dedicated server rank ends in init; argparse's errors
-        if not isinstance(e.code, (int, type(None))):
-            raise
-        status = e.code
-    _end(status)
+    sys.exit(main(parser.parse_args()))
