@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import textwrap
 import os
 from pathlib import Path
 
@@ -273,7 +274,8 @@ def comparison_figure(path: Path, target: float, setup: str):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         bx.grid(alpha=0.3, axis="y")
-        fig.suptitle(setup, fontsize=8)
+        # The setup line names every setting: wrapped, or the figure cuts it at both ends.
+        fig.suptitle(textwrap.fill(setup, 180), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
     finally:
