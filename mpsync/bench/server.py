@@ -163,8 +163,11 @@ def _raw_block(world, rank: int, n: int, warm: int) -> list:
     return rtts
 
 
-def _floor_block(world, rank: int, n: int, warm: int) -> list:
-    """The Python floor: the least a polling Python server and client do per query."""
+def _floor_block(world, rank: int, n: int, warm: int, probing: bool = True) -> list:
+    """Rank 1 asks as the client does (``Irecv``, ``Send``, poll ``Test``).  ``probing``:
+    rank 0 answers from the smallest polling loop a Python server can have (``Iprobe``,
+    ``Recv``, ``Send``): the Python floor.  Else a blocking ``Recv`` from rank 1 and a
+    ``Send``: the polling floor, what the client's polling costs by itself."""
     import numpy as np
     from mpi4py import MPI
 
@@ -181,38 +184,14 @@ def _floor_block(world, rank: int, n: int, warm: int) -> list:
                     pass
                 if i >= warm:
                     floor.append(time.perf_counter() - t0)
-            else:
+                continue
+            if probing:
                 while not world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                     pass
-                world.Recv([buf, MPI.DOUBLE], source=status.Get_source(), tag=status.Get_tag())
-                world.Send([rep, MPI.DOUBLE], dest=status.Get_source(), tag=4)
+            world.Recv([buf, MPI.DOUBLE], source=1, tag=5)
+            world.Send([rep, MPI.DOUBLE], dest=1, tag=4)
     world.Barrier()
     return floor
-
-
-def _polling_floor_block(world, rank: int, n: int, warm: int) -> list:
-    """The polling floor: rank 1 asks as the client does (``Irecv``, ``Send``, poll
-    ``Test``), rank 0 answers with a blocking ``Recv`` from rank 1 and a ``Send``."""
-    import numpy as np
-    from mpi4py import MPI
-
-    buf, rep = np.zeros(8), np.zeros(8)
-    rtts = []
-    if rank in (0, 1):
-        for i in range(warm + n):
-            if rank == 1:
-                t0 = time.perf_counter()
-                req = world.Irecv([rep, MPI.DOUBLE], source=0, tag=9)
-                world.Send([buf, MPI.DOUBLE], dest=0, tag=8)
-                while not req.Test():
-                    pass
-                if i >= warm:
-                    rtts.append(time.perf_counter() - t0)
-            else:
-                world.Recv([buf, MPI.DOUBLE], source=1, tag=8)
-                world.Send([rep, MPI.DOUBLE], dest=1, tag=9)
-    world.Barrier()
-    return rtts
 
 
 def _paced_floor_block(world, rank: int, pace_ms: float, n: int) -> list:
@@ -347,7 +326,7 @@ def _blocks(world, clients, control, cfg, wake_ahead: bool, per_block: int,
         warm = samples // 10 if block else min(2000, samples)
         out["rtts"] += _raw_block(world, rank, samples, warm)
         out["floor"] += _floor_block(world, rank, samples, warm)
-        out["polling"] += _polling_floor_block(world, rank, samples, warm)
+        out["polling"] += _floor_block(world, rank, samples, warm, probing=False)
         if rank == 0:
             wall, cpu = time.time(), time.process_time()
             StateServer(control, cfg, wake_ahead=wake_ahead).serve()

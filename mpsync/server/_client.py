@@ -249,12 +249,16 @@ class SyncClient:
         self._wait(rep, what)
         self.control_received += _MSG_BYTES + (reply_data.nbytes if reply_data is not None
                                                else 0)
-        if int(self._rep[W.R_SEQ]) != seq:
-            raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
-                              f"{seq} (two users of one SyncClient?)")
+        self._check_reply_to(seq, what)
         if rdata is not None:
             self._wait(rdata, what + " (payload)")
         return self._rep
+
+    def _check_reply_to(self, seq: int, what: str) -> None:
+        """The reply in the buffer must answer request ``seq``."""
+        if int(self._rep[W.R_SEQ]) != seq:
+            raise ServerError(f"{what}: reply to request {int(self._rep[W.R_SEQ])}, expected "
+                              f"{seq} (two users of one SyncClient?)")
 
     def _decision(self) -> Decision:
         r = self._rep
@@ -309,17 +313,15 @@ class SyncClient:
     def _slow_step(self, code: float, seq: int, iteration: int) -> Decision:
         """The compiled step's reply did not come within its busy polling (wait for it here),
         or came wrong."""
+        what = f"step {iteration}"
         if code == _fastpath.REPLY_OUT_OF_ORDER:
-            raise ServerError(f"step {iteration}: reply to request {int(self._rep[W.R_SEQ])}, "
-                              f"expected {seq} (two users of one SyncClient?)")
+            self._check_reply_to(seq, what)
         if code < -1.0:
             raise MPI.Exception(int(-2.0 - code))
         clock = time.perf_counter
         start = clock() - _BUSY_S   # (it polled that long already)
-        self._poll(self._fast.pending(), start, start, f"step {iteration}")
-        if self._rep[W.R_SEQ] != seq:
-            raise ServerError(f"step {iteration}: reply to request {int(self._rep[W.R_SEQ])}, "
-                              f"expected {seq} (two users of one SyncClient?)")
+        self._poll(self._fast.pending(), start, start, what)
+        self._check_reply_to(seq, what)
         self.last_rtt = elapsed = clock() - start
         self.wait_s += elapsed
         return self._decision()
