@@ -3,41 +3,92 @@
 Subcommand modules are imported only when used, so ``mpsync doctor`` works even when torch or
 Horovod are broken, and ``mpsync --help`` is instant.  Each module exposes
 ``add_arguments(parser)`` and ``main(args) -> int``.
+
+Errors: a user's mistake (a bad flag, setting, path or combination) is one line, ``mpsync
+COMMAND: error: ...``, and exit status 2; anything else is a bug in mpsync and keeps its
+traceback, followed by a line that says so.  ``--debug`` (or ``MPSYNC_DEBUG=1``, which every
+rank inherits) shows the traceback of user errors too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
 from mpsync import __version__
+from mpsync.bench import BENCHMARKS
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "SUBCOMMANDS", "USER_ERRORS", "is_user_error", "OneLineParser"]
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("mpsync.apps.train", "train a model under one synchronization policy (run under mpirun)"),
-    "compare": ("mpsync.apps.compare", "run every policy under mpirun and compare time-to-accuracy"),
+    "train": ("mpsync.apps.train", "train a model under one synchronization policy "
+                                   "(--np N starts N workers here; or run under mpirun)"),
+    "run": ("mpsync.launch.command", "start your training script on N workers and the state "
+                                     "server: mpsync run --np 4 python train.py"),
+    "compare": ("mpsync.apps.compare", "run every policy and compare time-to-accuracy"),
     "simulate": ("mpsync.apps.simulate", "simulate the policies on a virtual cluster of N workers"),
-    "bench": ("mpsync.bench.__main__", "microbenchmarks: zipline, server, allreduce, memory"),
+    "bench": ("mpsync.bench.__main__", "benchmarks: " + ", ".join(BENCHMARKS)),
     "jobs": ("mpsync.launch.jobs", "render Slurm / PBS / horovodrun job scripts"),
     "cluster": ("mpsync.cluster.cli", "a virtual cluster of network-namespace nodes on this "
                                       "machine (root)"),
     "doctor": ("mpsync.doctor", "check the installation: versions, MPI, Numba, Horovod build"),
 }
 
+# The exceptions that mean "the user asked for something impossible" (module, class): each
+# names the setting in its message.  Looked up only in modules already imported, so that
+# this list costs no import.
+USER_ERRORS = (("mpsync.config", "ConfigError"), ("mpsync.policies", "PolicyError"),
+               ("mpsync.launch.target", "LaunchError"),
+               ("mpsync.launch.settings", "JobTemplateError"),
+               ("mpsync.transport", "TransportError"), ("mpsync.cluster.layout", "ClusterError"),
+               ("mpsync.apps.checkpoint", "CheckpointError"))
+
+
+def is_user_error(exc: BaseException) -> bool:
+    for module, name in USER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(exc, cls):
+            return True
+    return False
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line naming it and where the flags are listed (not the whole usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already or has none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.help is argparse.SUPPRESS or "default" in text.lower() or \
+                action.default in (None, False, "", argparse.SUPPRESS) or \
+                not action.option_strings:
+            return text
+        return f"{text} (default {action.default})".strip()
+
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="mpsync",
         description="Decide when data-parallel workers synchronize: BSP, ASP, SSP, DSSP, "
                     "ElasticBSP (ZipLine), ESync, OSP over MPI.")
     parser.add_argument("--version", action="version", version=f"mpsync {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of every error, on every rank (as "
+                             "MPSYNC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=DefaultsFormatter)
         if name == chosen:  # import only the module that will run
             importlib.import_module(module).add_arguments(p)
     return parser, chosen
@@ -50,8 +101,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.main(args) or 0)
+    if args.debug:
+        os.environ["MPSYNC_DEBUG"] = "1"   # inherited by the ranks mpsync starts
+    try:
+        module = importlib.import_module(SUBCOMMANDS[args.command][0])
+        return int(module.main(args) or 0)
+    except Exception as e:  # noqa: BLE001 - sorted into user error / bug just below
+        return report_error(f"mpsync {args.command}", e)
+
+
+def report_error(prog: str, exc: BaseException) -> int:
+    """Print ``exc`` as a user error (one line, 2) or as a bug (traceback and a line, 1)."""
+    from mpsync.config import debug_enabled
+
+    debug = debug_enabled()
+    if is_user_error(exc):
+        if debug:
+            traceback.print_exception(exc)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    traceback.print_exception(exc)
+    print(f"{prog}: internal error: {type(exc).__name__} is a bug in mpsync, not in your "
+          f"settings; please report it with the traceback above", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ defaults.  Environment variables are read here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
-    "plugins_from_env", "parse_ps_shards", "setting_from_env",
+    "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled",
+    "check_output_dir",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -167,15 +169,27 @@ class SyncConfig:
         names = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "extra"}
         values: dict = {}
         env = os.environ if env is None else env
+        from_env: dict[str, str] = {}
         for name, f in names.items():
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None:
                 values[name] = _coerce(name, f.type, raw)
+                from_env[name] = raw
         for key, value in options.items():
             if key not in names:
                 raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(names))}")
             values[key] = value
-        return cls(**values).validate()
+            from_env.pop(key, None)
+        try:
+            return cls(**values).validate()
+        except ConfigError as e:
+            # A bad value that came from the environment: say which variable set it.
+            culprits = [n for n in from_env if repr(values[n]) in str(e) or n in str(e)]
+            if not culprits:
+                raise
+            where = ", ".join(f"{ENV_PREFIX}{n.upper()}={from_env[n]!r}" for n in culprits)
+            raise ConfigError(f"{e} (set by {where} in the environment: fix or unset "
+                              f"it)") from None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "choice"}
@@ -247,15 +261,61 @@ def _int_at_least(name: str, value, low: int, what: str | None = None) -> None:
         raise ConfigError(f"{what or name} must be an integer >= {low}, got {value!r}")
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """``text`` as a boolean, strictly: one of 1/0, true/false, yes/no, on/off (any case);
+    anything else is a ConfigError naming ``name`` (a typo must not silently mean false)."""
+    value = str(text).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a boolean; set it to 1 or 0 (true/false, "
+                      f"yes/no, on/off), or unset it")
+
+
+def debug_enabled(environ=None) -> bool:
+    """``MPSYNC_DEBUG``: show every traceback.  Read leniently (any other text is off): it is
+    what decides how the error about a bad setting is shown."""
+    value = (os.environ if environ is None else environ).get(ENV_PREFIX + "DEBUG", "")
+    return value.strip().lower() in _TRUE
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """``path`` can be (or already is) a writable directory: the nearest existing ancestor is a
+    directory we may write in.  Checked before any rank starts, so a bad ``--out`` is one line
+    instead of a traceback at the end of a run."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    if not os.path.isdir(here):
+        raise ConfigError(f"{flag} {path}: {here} is a file, not a directory; give a directory "
+                          f"path (it is created if missing)")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {here} is not writable by this user; give a "
+                          f"directory you can write to")
+
+
 def _coerce(name: str, type_, raw: str):
     t = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
-    try:
-        if t == "bool":
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        if t == "int":
-            return int(raw)
-        if t == "float":
-            return float(raw)
+    var = f"{ENV_PREFIX}{name.upper()}"
+    if t == "bool":
+        return parse_bool(var, raw)
+    kind = {"int": int, "float": float}.get(t)
+    if kind is None:
         return raw
+    try:
+        value = kind(raw)
     except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{var}={raw!r} is not {what}; set it to {what} (default "
+                          f"{getattr(DEFAULTS, name)!r}) or unset it") from None
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{var}={raw!r} is not a finite number; set a number or unset it")
+    return value

@@ -48,8 +48,11 @@ from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    ConfigError, SyncConfig, plugins_from_env, setting_from_env
+    ConfigError, SyncConfig, check_output_dir, plugins_from_env, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
+from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
+from mpsync.launch.hosts import launched_rank
+from mpsync.launch.target import LaunchError
 from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv
 
@@ -135,10 +138,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
     # Fault injection for the resume test: SIGKILL worker 0 right after this step.
     g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
-    g = p.add_argument_group("across nodes (started from the login node, not under mpirun)")
+    g = p.add_argument_group("launching (when not started under mpirun or srun)")
+    add_launch_arguments(g, np_help="workers to start: mpsync starts mpirun with N workers "
+                                    "and, with --server dedicated, the state server's rank "
+                                    "(with --cluster: default one per node besides node1; "
+                                    "under mpirun: checked against the ranks started)")
     add_cluster_arguments(g)
-    g.add_argument("--np", type=int, default=None,
-                   help="with --cluster: workers (default one per node besides node1)")
 
 
 def build_config(args) -> SyncConfig:
@@ -200,6 +205,11 @@ def validate(args, workers: int | None) -> SyncConfig:
     check_dataset_spec(args.dataset)
     if args.model not in MODELS:
         raise ConfigError(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
+    if args.out:
+        check_output_dir("--out", args.out)
+    if args.resume and not os.path.isdir(args.resume):
+        raise ConfigError(f"--resume {args.resume}: no such directory; give the --out "
+                          f"directory of the run to continue")
     if workers is not None:
         if workers < 1:
             raise ConfigError(f"need at least 1 worker, got {workers}")
@@ -210,11 +220,16 @@ def validate(args, workers: int | None) -> SyncConfig:
 
 def main(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.cluster is not None and "OMPI_COMM_WORLD_SIZE" not in os.environ:
-        return _run_on_cluster(args)
+    if not launched_rank():
+        try:
+            if args.cluster is not None:
+                return _run_on_cluster(args)
+            return _launch_here(args)
+        except (ConfigError, LaunchError) as e:
+            print(f"mpsync train: error: {e}", file=sys.stderr)
+            return 2
     try:
-        size = world_size()
-        workers = args.workers or (size - 1 if args.server == "dedicated" else size)
+        workers = _workers_launched(args)
         config = validate(args, workers)
         resume = None
         if args.resume:
@@ -240,6 +255,40 @@ def main(args) -> int:
     return train(args, config, workers, resume)
 
 
+def _workers_launched(args) -> int:
+    """The workers among the ranks mpirun started, checked against ``--np``."""
+    size = world_size()
+    dedicated = args.server == "dedicated"
+    workers = args.workers or (size - 1 if dedicated else size)
+    if workers < 1:
+        raise ConfigError(f"mpirun started {size} rank{'s' * (size != 1)}: rank 0 is the state "
+                          f"server (--server dedicated), which leaves no worker; start one "
+                          f"rank more than the workers (mpirun -np 5 for 4), use --server "
+                          f"colocated, or let mpsync start them: mpsync train --np 4 ...")
+    if args.np is not None and args.np != workers and not args.workers:
+        raise ConfigError(f"--np {args.np}, but mpirun started {size} ranks = {workers} "
+                          f"workers{' + the state server' if dedicated else ''}; start "
+                          f"mpirun -np {args.np + dedicated}, or leave --np out under mpirun")
+    return workers
+
+
+def _launch_here(args) -> int:
+    """``mpsync train --np N`` outside mpirun: start mpirun with this same training on N
+    workers (and the server's rank) here, on ``-H``/``--hostfile`` hosts or in the scheduler's
+    allocation, and wait; every flag is checked before any rank starts."""
+    if args.np is None:
+        raise ConfigError("--np N is needed to start the workers (e.g. mpsync train --np 4 "
+                          "--time-budget 10), or start mpsync train under mpirun / srun")
+    validate(args, args.np)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "hosts",
+                                                   "hostfile", "mpirun_args"))
+    job = job_from_args(args, python_argv("mpsync.apps.train", *rest), args.np,
+                        args.server == "dedicated", "mpsync train")
+    return launch_and_wait(job)
+
+
 def _run_on_cluster(args) -> int:
     """``mpsync train --cluster``: start this same training under ``mpirun`` on the cluster's
     nodes (``--np`` workers, default one per node besides node1; plus the dedicated server's
@@ -260,7 +309,8 @@ def _run_on_cluster(args) -> int:
         return 2
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np"))
+    rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np", "hosts",
+                                                   "hostfile", "mpirun_args"))
     argv = launch_argv(ranks, python_argv("mpsync.apps.train", *rest), cluster=name or "",
                        placement=args.cluster_placement, forward_env=forwarded_env())
     print(f"mpsync train: {ranks} ranks on cluster {state.name}: {' '.join(argv)}",

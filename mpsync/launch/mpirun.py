@@ -22,7 +22,7 @@ from mpsync.launch.target import LaunchTarget, Variable
 
 __all__ = ["mpirun_argv", "mpirun_options", "python_argv", "run_with_deadline", "LaunchResult",
            "is_root", "forwarded_env", "clean_launch_env", "FORWARDED_ENV", "FORWARDED_PREFIXES",
-           "YIELD_WHEN_IDLE", "MPIRUN_LAUNCH", "script_variables", "TARGET"]
+           "YIELD_WHEN_IDLE", "MPIRUN_LAUNCH", "script_variables", "TARGET", "kill_group"]
 
 # Environment variables an mpsync rank needs to see on every node.  Open MPI forwards nothing by
 # default to remote nodes, so launchers pass these with ``-x``, which takes names, not patterns:
@@ -164,11 +164,11 @@ def run_with_deadline(argv: list[str], timeout: float, *, env: dict | None = Non
         out, err = proc.communicate(timeout=timeout)
         return LaunchResult(argv, proc.returncode, out, err, time.monotonic() - start)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         out, err = proc.communicate()
         return LaunchResult(argv, None, out, err, time.monotonic() - start, timed_out=True)
     except BaseException:
-        _kill_group(proc)
+        kill_group(proc)
         raise
 
 
@@ -191,8 +191,10 @@ def clean_launch_env(env) -> dict:
     return {k: v for k, v in env.items() if not k.startswith(_RUNTIME_PREFIXES)}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+def kill_group(proc: subprocess.Popen, term_grace: float = 2.0) -> None:
+    """SIGTERM to ``proc``'s process group (mpirun stops its ranks), SIGKILL after
+    ``term_grace`` seconds."""
+    for sig, grace in ((signal.SIGTERM, term_grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -1,0 +1,309 @@
+"""mpsync starting its own ``mpirun``, as horovodrun and torchrun do: ``mpsync train --np 4``,
+``mpsync compare --np 2``, ``mpsync run --np 4 python train.py``.
+
+Two parts: :func:`build_job` is pure (flags in, a :class:`Job` with its ``mpirun`` argv out) and
+:func:`run_job` runs one job and returns its :class:`JobOutcome`: the exit status and, when it
+failed, which rank, on which host, and why.  ``run_job`` has no other effect than the job's own
+output, so a supervisor that restarts a failed job calls it again (with a new ``Job`` when the
+hosts changed).
+
+While the job runs, its output passes through unchanged except Open MPI's own boxed notices
+about a failed process (``mpirun noticed that process rank 3 ... exited on signal 9``, the
+``MPI_ABORT was invoked`` box): ``run_job`` reads them to fill the outcome and prints, in their
+place, one mpsync block that names the rank (worker or state server), its host and what
+happened.  A rank that already said why it failed (mpsync's fault block, a user error's one
+line) is not repeated.  ``MPSYNC_DEBUG=1`` (``--debug``) passes every line through.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TextIO
+
+from mpsync.config import debug_enabled
+from mpsync.launch.hosts import Placement, placement_of
+from mpsync.launch.mpirun import clean_launch_env, forwarded_env, kill_group, mpirun_argv
+
+__all__ = ["Job", "JobOutcome", "build_job", "run_job", "mpsync_roles", "USER_ERROR",
+           "OutputFilter", "REPORTED_MARKERS"]
+
+# The exit status of a job whose ranks refused its settings (one line each said why).
+USER_ERROR = 2
+
+# Lines by which an mpsync rank says itself why it failed: the launcher then adds no block.
+REPORTED_MARKERS = ("MPSYNC-RANK-FAILED", "mpsync: fault")
+
+
+def mpsync_roles(dedicated_server: bool = True, server_rank: int = 0) -> Callable[[int], str]:
+    """rank -> what it is in an mpsync job: ``state server`` or ``worker k``."""
+    def role(rank: int) -> str:
+        if dedicated_server:
+            if rank == server_rank:
+                return "state server"
+            return f"worker {rank - (1 if rank > server_rank else 0)}"
+        return f"worker {rank}" + (" and state server" if rank == server_rank else "")
+    return role
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``mpirun`` to start: its argv, where its ranks go, what each rank is."""
+
+    argv: list[str]
+    placement: Placement
+    role: Callable[[int], str] = field(default=lambda rank: f"rank {rank}")
+    name: str = "mpsync"
+
+    def describe(self) -> str:
+        return f"{self.placement.ranks} ranks {self.placement.where}"
+
+
+def build_job(command: Sequence[str], workers: int, *, dedicated_server: bool = True,
+              hosts: str | None = None, hostfile: str | None = None,
+              mpirun_args: Sequence[str] = (), cores: int | None = None,
+              environ=None, allow_run_as_root: bool | None = None,
+              mpirun: str = "mpirun", name: str = "mpsync") -> Job:
+    """The job that runs ``command`` on ``workers`` worker ranks (plus the dedicated state
+    server's rank): placed by :func:`~mpsync.launch.hosts.placement_of`, root allowed when we
+    are root, ``MPSYNC_*`` (and the rest of ``FORWARDED_ENV``) passed to every node,
+    ``mpirun_args`` last so that they can override the rest."""
+    placement = placement_of(workers, 1 if dedicated_server else 0, hosts=hosts,
+                             hostfile=hostfile, cores=cores, environ=environ)
+    argv = mpirun_argv(placement.ranks, list(command), mpirun=mpirun,
+                       oversubscribe=placement.oversubscribe,
+                       allow_run_as_root=allow_run_as_root,
+                       forward_env=forwarded_env(environ),
+                       extra=[*placement.host_argv(), *mpirun_args])
+    return Job(argv, placement, mpsync_roles(dedicated_server), name)
+
+
+@dataclass
+class JobOutcome:
+    """How a job ended.  ``returncode``: mpirun's (None when mpsync stopped it: deadline or
+    interrupt); ``rank`` / ``host`` / ``reason``: the first failed rank, where known;
+    ``reported``: that rank (or another) printed mpsync's own account of the failure."""
+
+    returncode: int | None
+    elapsed: float
+    rank: int | None = None
+    role: str | None = None
+    host: str | None = None
+    reason: str | None = None
+    signal: int | None = None
+    reported: bool = False
+    timed_out: bool = False
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def exit_code(self) -> int:
+        """The status for the launcher to exit with: the job's; 124 at the deadline, 130 on
+        an interrupt (as ``timeout`` and shells use)."""
+        if self.timed_out:
+            return 124
+        if self.interrupted:
+            return 130
+        return self.returncode if self.returncode is not None else 1
+
+    def block(self, name: str = "mpsync") -> str:
+        """The lines that say what failed (empty when nothing did, or a rank said it)."""
+        if self.ok or self.reported or self.interrupted:
+            return ""
+        if self.returncode == USER_ERROR and self.signal is None and not self.timed_out:
+            return ""   # each rank refused a setting in one line already
+        if self.timed_out:
+            head = f"{name}: the job did not end within its time limit ({self.elapsed:.0f} s); " \
+                   f"it was stopped"
+            return head + "\n"
+        who = "a rank" if self.rank is None else f"rank {self.rank} ({self.role})"
+        where = f" on {self.host}" if self.host else ""
+        lines = [f"{name}: the job failed: {who}{where} {self.reason or 'failed'}, "
+                 f"{self.elapsed:.1f} s into the job"]
+        if self.signal == signal.SIGKILL:
+            lines.append("  it said nothing: it was killed from outside (out of memory, a "
+                         "scheduler's limit, kill -9); every other rank was stopped")
+        elif self.signal is not None:
+            lines.append("  every other rank was stopped")
+        elif self.rank is not None:
+            lines.append("  its own output above says why; every other rank was stopped")
+        lines.append(f"  exit status {self.exit_code}")
+        return "\n".join(lines) + "\n"
+
+
+_DASHES = re.compile(r"^-{20,}\s*$")
+_PIECES = re.compile(r"(?<=[\r\n])")
+# Open MPI's boxed notices about a failed process, and its help-aggregation lines.
+_NOTICES = ("mpirun noticed that process", "Primary job  terminated normally",
+            "MPI_ABORT was invoked", "mpirun detected that one or more processes exited",
+            "mpirun has exited due to process rank")
+_AGGREGATION = re.compile(r"^\[[^\]]*\] (\d+ more process(es)? ha(s|ve) sent help message|"
+                          r"Set MCA parameter \"orte_base_help_aggregate\")")
+_SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal "
+                        r"(\d+)(?: \(([^)]*)\))?")
+_ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with "
+                      r"errorcode (\d+)")
+_EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
+_EXITED_HOST = re.compile(r"mpirun has exited due to process rank (\d+) with PID \d+ on\s+node "
+                          r"(\S+) exiting improperly")
+
+
+class OutputFilter:
+    """Passes a job's stderr through to ``sink``, holding back Open MPI's boxed notices about
+    failed processes (kept, not printed, unless ``keep_all``) and noting mpsync's own reports.
+    Text without a newline yet (a progress bar) passes at once."""
+
+    def __init__(self, sink: TextIO, keep_all: bool = False):
+        self.sink, self.keep_all = sink, keep_all
+        self.notices: list[str] = []
+        self.reported = False
+        self._partial = ""
+        self._passed = ""   # the start of the current line, already passed on
+        self._box: list[str] | None = None
+
+    def feed(self, text: str) -> None:
+        # "\r" ends a piece too: a progress bar redraws its line without a newline.
+        pieces = _PIECES.split(self._partial + text)
+        self._partial = pieces.pop()
+        for piece in pieces:
+            self._line(piece)
+        # The start of a dashed box or of an Open MPI "[host:pid] ..." line waits for its end.
+        if self._partial and self._box is None and not self._partial.startswith(("-", "[")):
+            self.sink.write(self._partial)
+            self._passed += self._partial
+            self._partial = ""
+        self.sink.flush()
+
+    def close(self) -> None:
+        if self._partial:
+            self._line(self._partial)
+            self._partial = ""
+        if self._box is not None:
+            self._flush_box(closed=False)
+        self.sink.flush()
+
+    def _line(self, line: str) -> None:
+        if (self._passed + line).lstrip().startswith(REPORTED_MARKERS):
+            self.reported = True
+        if self._passed:    # the rest of a line whose start was passed on
+            self._passed = ""
+            self.sink.write(line)
+            return
+        if self._box is not None:
+            self._box.append(line)
+            if _DASHES.match(line):
+                self._flush_box(closed=True)
+            return
+        if _DASHES.match(line):
+            self._box = [line]
+            return
+        if _AGGREGATION.match(line) and not self.keep_all:
+            return
+        self.sink.write(line)
+
+    def _flush_box(self, closed: bool) -> None:
+        box, self._box = self._box or [], None
+        text = "".join(box)
+        if any(n in text for n in _NOTICES):
+            self.notices.append(text)
+            if not self.keep_all:
+                return
+        elif closed and len(box) == 2:  # two dashed lines in a row: the second opens a box
+            self.sink.write(box[0])
+            self._box = [box[1]]
+            return
+        self.sink.write(text)
+
+
+def _read_notices(outcome: JobOutcome, notices: Sequence[str], job: Job) -> None:
+    """Fill in the failed rank, host and reason from Open MPI's notices."""
+    text = " ".join(" ".join(n.split()) for n in notices)
+    m = _SIGNALLED.search(text)
+    if m:
+        outcome.rank, outcome.host = int(m.group(1)), m.group(2)
+        outcome.signal = int(m.group(3))
+        outcome.reason = f"was killed by signal {m.group(3)}" + \
+            (f" ({m.group(4)})" if m.group(4) else "")
+    elif (m := _ABORTED.search(text)):
+        outcome.rank = int(m.group(1))
+        outcome.reason = f"aborted the job (MPI_Abort, error code {m.group(2)})"
+    elif (m := _EXITED.search(text)):
+        outcome.rank = int(m.group(1))
+        outcome.reason = f"exited with status {m.group(2)}"
+    elif (m := _EXITED_HOST.search(text)):
+        outcome.rank, outcome.host = int(m.group(1)), m.group(2)
+        outcome.reason = "exited without finalizing MPI"
+    if outcome.rank is not None:
+        outcome.role = job.role(outcome.rank)
+        if outcome.host is None:
+            outcome.host = job.placement.host_of(outcome.rank) or socket.gethostname()
+
+
+def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None = None,
+            stderr: TextIO | None = None, debug: bool | None = None) -> JobOutcome:
+    """Run ``job`` to its end and say how it ended; stdout is the job's own, stderr passes
+    through :class:`OutputFilter` (to ``stderr``, default ours).  ``timeout``: stop the whole
+    process group after that many seconds.  Ctrl-C (or SIGTERM to us) stops the job's ranks
+    and returns an interrupted outcome.  The failure block is printed here, once."""
+    sink = sys.stderr if stderr is None else stderr
+    if debug is None:
+        debug = debug_enabled(os.environ if env is None else env)
+    filt = OutputFilter(sink, keep_all=debug)
+    start = time.monotonic()
+    proc = subprocess.Popen(job.argv, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=clean_launch_env(os.environ if env is None else env), cwd=cwd,
+                            start_new_session=True)
+    reader = threading.Thread(target=_pump, args=(proc.stderr, filt), daemon=True)
+    reader.start()
+    outcome = JobOutcome(None, 0.0)
+    restore = _stop_on_term(proc)
+    try:
+        outcome.returncode = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        outcome.timed_out = True
+        kill_group(proc, term_grace=5.0)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+        kill_group(proc, term_grace=5.0)
+    finally:
+        restore()
+    reader.join(timeout=10)
+    filt.close()
+    outcome.elapsed = time.monotonic() - start
+    outcome.reported = filt.reported
+    _read_notices(outcome, filt.notices, job)
+    if outcome.returncode is not None and outcome.returncode < 0:   # mpirun itself signalled
+        outcome.signal = outcome.signal or -outcome.returncode
+        outcome.returncode = 128 - outcome.returncode
+    sink.write(outcome.block(job.name))
+    sink.flush()
+    return outcome
+
+
+def _pump(pipe, filt: OutputFilter) -> None:
+    while True:
+        chunk = os.read(pipe.fileno(), 65536)
+        if not chunk:
+            return
+        filt.feed(chunk.decode("utf-8", errors="replace"))
+
+
+def _stop_on_term(proc: subprocess.Popen):
+    """SIGTERM to us stops the job like Ctrl-C does (a scheduler ending our step)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGTERM, on_term)
+    return lambda: signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,138 @@
+"""mpsync starting its own mpirun: where the ranks go (pure), the argv, and the outcome of a
+job read from Open MPI's own notices."""
+
+from __future__ import annotations
+
+import io
+import signal
+
+import pytest
+
+from mpsync.launch.hosts import launched_rank, parse_hosts, placement_of, read_hostfile
+from mpsync.launch.runner import JobOutcome, OutputFilter, build_job, mpsync_roles
+from mpsync.launch.target import LaunchError
+
+NO_SCHEDULER: dict = {}
+
+
+def test_one_host_with_fewer_cores_than_ranks_is_oversubscribed():
+    p = placement_of(4, 1, cores=2, environ=NO_SCHEDULER)
+    assert (p.ranks, p.oversubscribe, p.host_argv()) == (5, True, [])
+    assert not placement_of(3, 1, cores=8, environ=NO_SCHEDULER).oversubscribe
+
+
+def test_hosts_as_horovodrun_takes_them_and_the_server_gets_a_slot_of_its_own():
+    p = placement_of(4, 1, hosts="n1:2,n2:2", environ=NO_SCHEDULER)
+    assert p.host_argv() == ["--host", "n1:3,n2:2"] and not p.oversubscribe
+    assert [p.host_of(r) for r in range(5)] == ["n1", "n1", "n1", "n2", "n2"]
+    assert parse_hosts("a,b:3") == (("a", 1), ("b", 3))
+
+
+def test_hostfile_formats(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# two nodes\nnode1 slots=4\n\nnode2:2  # comment\nnode3\n")
+    assert read_hostfile(str(f)) == (("node1", 4), ("node2", 2), ("node3", 1))
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"hosts": "n1:2,n2:2", "workers": 5}, "more workers than the 4 slots"),
+    ({"hosts": "n1:0"}, "SLOTS >= 1"),
+    ({"hosts": "n1:x"}, "HOST:SLOTS"),
+    ({"hosts": "a", "hostfile": "f"}, "not both"),
+    ({"hostfile": "/no/such/hostfile"}, "cannot read it"),
+    ({"workers": 0}, "--np must be >= 1"),
+])
+def test_impossible_placements_are_named(kw, msg):
+    workers = kw.pop("workers", 2)
+    with pytest.raises(LaunchError, match=msg):
+        placement_of(workers, 1, environ=NO_SCHEDULER, **kw)
+
+
+def test_slurm_allocation_is_left_to_mpirun_oversubscribed_only_beyond_its_tasks():
+    env = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}
+    p = placement_of(4, 1, environ=env)
+    assert p.host_argv() == [] and p.oversubscribe and "slurm" in p.where
+    assert not placement_of(3, 1, environ=env).oversubscribe
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, False), ({"OMPI_COMM_WORLD_SIZE": "4"}, True), ({"PMIX_RANK": "0"}, True),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, False),          # an sbatch script
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "5"}, True),   # srun -n 5
+])
+def test_a_process_knows_whether_it_is_already_a_rank(env, expected):
+    assert launched_rank(env) is expected
+
+
+def test_the_job_argv_as_root_on_a_small_host():
+    job = build_job(["python", "t.py"], 4, cores=2, environ={"PATH": "/bin",
+                                                            "MPSYNC_POLICY": "ssp"},
+                    allow_run_as_root=True, mpirun_args=["--mca", "btl", "self,vader"])
+    assert job.argv == ["mpirun", "-np", "5", "--bind-to", "none", "--mca",
+                        "mpi_yield_when_idle", "1", "--allow-run-as-root", "--oversubscribe",
+                        "-x", "PATH", "-x", "MPSYNC_POLICY", "--mca", "btl", "self,vader",
+                        "python", "t.py"]
+    assert [job.role(r) for r in range(3)] == ["state server", "worker 0", "worker 1"]
+    assert mpsync_roles(False)(0) == "worker 0 and state server"
+
+
+# Open MPI 4.1's notices, as mpirun prints them.
+SIGKILL_NOTICE = """\
+--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+--------------------------------------------------------------------------
+mpirun noticed that process rank 3 with PID 0 on node node2 exited on signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+EXIT_NOTICE = """\
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[29044,1],1]
+  Exit code:    2
+--------------------------------------------------------------------------
+"""
+
+
+def _filtered(text: str, keep_all=False, chunk=7):
+    sink = io.StringIO()
+    f = OutputFilter(sink, keep_all=keep_all)
+    for i in range(0, len(text), chunk):   # as a pipe delivers it: in arbitrary pieces
+        f.feed(text[i:i + chunk])
+    f.close()
+    return sink.getvalue(), f
+
+
+def test_open_mpi_notices_are_read_and_held_back_but_user_output_passes():
+    user = "epoch 1 loss 0.3\n 40%|####      | 4/10\r 50%|#####     | 5/10\r"
+    out, f = _filtered(user + SIGKILL_NOTICE + "[host:123] 3 more processes have sent help "
+                       "message help-mpi-api.txt / mpi-abort\n")
+    assert out == user and len(f.notices) == 2 and not f.reported
+    job = build_job(["x"], 4, hosts="node1:2,node2:2", environ={})
+    outcome = JobOutcome(137, 3.0)
+    from mpsync.launch.runner import _read_notices  # noqa: PLC0415 - the parser alone
+    _read_notices(outcome, f.notices, job)
+    assert (outcome.rank, outcome.host, outcome.signal) == (3, "node2", signal.SIGKILL)
+    block = outcome.block("mpsync train")
+    assert block.startswith("mpsync train: the job failed: rank 3 (worker 2) on node2 was "
+                            "killed by signal 9 (Killed)")
+    assert "exit status 137" in block and block.count("\n") == 3
+
+
+def test_debug_keeps_every_line_and_a_ranks_own_report_is_not_repeated():
+    out, _ = _filtered(SIGKILL_NOTICE, keep_all=True)
+    assert out == SIGKILL_NOTICE
+    _, f = _filtered("MPSYNC-RANK-FAILED rank 2 (worker 1) on h: unhandled X\n" + EXIT_NOTICE)
+    assert f.reported
+    assert JobOutcome(1, 1.0, reported=True).block() == ""
+
+
+def test_a_job_whose_ranks_refused_their_settings_adds_nothing_to_their_line():
+    _, f = _filtered(EXIT_NOTICE)
+    outcome = JobOutcome(2, 1.0)
+    from mpsync.launch.runner import _read_notices  # noqa: PLC0415
+    _read_notices(outcome, f.notices, build_job(["x"], 2, cores=4, environ={}))
+    assert outcome.rank == 1 and outcome.block() == "" and outcome.exit_code == 2

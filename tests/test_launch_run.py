@@ -1,0 +1,67 @@
+"""``mpsync run`` / ``mpsync train --np N`` start their own mpirun (real Open MPI), under a hard
+timeout that kills the whole process group; a rank killed from outside ends the job with one
+mpsync block that names it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpsync.launch import run_with_deadline
+
+pytestmark = pytest.mark.mpi
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A user's script: mpi4py only, so the test measures the launcher, not torch's start-up.
+SCRIPT = """
+import os, signal, sys
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+print(f"RANK {world.Get_rank()} OF {world.Get_size()} SERVER={os.environ.get('MPSYNC_SERVER')}",
+      flush=True)
+world.Barrier()
+if len(sys.argv) > 1 and world.Get_rank() == int(sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGKILL)
+world.Barrier()
+"""
+
+
+def mpsync(*args, cwd, timeout=90):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("MPSYNC_DEBUG", None)
+    return run_with_deadline([sys.executable, "-m", "mpsync.cli", *args], timeout, env=env,
+                             cwd=str(cwd))
+
+
+def test_mpsync_run_starts_the_workers_and_the_server_rank(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    res = mpsync("run", "--np", "2", "python", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = sorted(re.findall(r"^RANK .*$", res.stdout, flags=re.M))
+    assert lines == [f"RANK {r} OF 3 SERVER=dedicated" for r in range(3)], res.stdout
+    assert "mpsync run: starting 3 ranks on this host" in res.stderr
+
+
+def test_a_worker_killed_with_sigkill_is_named_in_one_block(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    res = mpsync("run", "--np", "2", "--server", "colocated", "train.py", "1", cwd=tmp_path)
+    assert res.returncode == 137, res.stderr
+    blocks = re.findall(r"^mpsync run: the job failed: .*$", res.stderr, flags=re.M)
+    assert blocks == [f"mpsync run: the job failed: rank 1 (worker 1) on "
+                      f"{socket.gethostname()} was killed by signal 9 (Killed), "
+                      + blocks[0].rsplit(", ", 1)[1]], res.stderr
+    assert "mpirun noticed" not in res.stderr and "-----" not in res.stderr, res.stderr
+
+
+def test_mpsync_train_np_runs_from_any_directory_and_prints_its_summary(tmp_path):
+    res = mpsync("train", "--np", "2", "--time-budget", "3", "--no-progress",
+                 cwd=tmp_path, timeout=150)
+    assert res.returncode == 0, res.stderr
+    assert "final accuracy" in res.stdout + res.stderr
+    assert not any(tmp_path.iterdir())   # nothing written without --out
