@@ -23,7 +23,7 @@ __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
     "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled",
-    "check_output_dir",
+    "check_output_dir", "PS_OPTIMIZERS",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -31,6 +31,9 @@ TOPOLOGIES = policies.TOPOLOGIES
 BACKENDS = ("mpi", "horovod")
 SERVER_PLACEMENTS = ("dedicated", "colocated")
 OSP_ICS_SIZES = ("measured", "fixed")
+# Who runs the optimizer on the parameter server: each worker (pushing the delta of its
+# step) or the shards (workers push gradients; mpsync.server.shard_optimizer).
+PS_OPTIMIZERS = ("worker", "server")
 
 ENV_PREFIX = "MPSYNC_"
 
@@ -96,6 +99,12 @@ class SyncConfig:
     # per node of the job, 2 on a single host; or a count >= 1).  Shards are data plane only;
     # the state server decides (mpsync.server.shards).
     ps_shards: int | str = "auto"
+    # Parameter server: "worker" runs the training script's optimizer on every worker and
+    # pushes the delta of its step (any torch optimizer; local steps); "server" pushes
+    # gradients and the shards run SGD or Adam on one state for the job, per push or, under
+    # BSP, once per round on the merged pushes (the DSSP paper's Alg. 1, MXNet's kvstore).
+    # The default is measured in bench/psopt/README.md; the papers' way is a keyed departure.
+    ps_optimizer: str = "worker"
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0
@@ -150,6 +159,7 @@ class SyncConfig:
         if not self.deadline > 0:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
         self.ps_shards = parse_ps_shards(self.ps_shards)
+        _check_ps_optimizer(self.ps_optimizer, self.topology, self.choice.spec)
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
         if not self.comm_bandwidth >= 0:
@@ -249,6 +259,22 @@ def parse_number(name: str, text: str, kind: type = float, *, at_least: float | 
     if at_least is not None and not value >= at_least:
         raise ConfigError(f"{name} must be >= {at_least:g}, got {value:g}")
     return value
+
+
+def _check_ps_optimizer(value, topology: str, spec) -> None:
+    if value not in PS_OPTIMIZERS:
+        raise ConfigError(f"ps_optimizer (--ps-optimizer, MPSYNC_PS_OPTIMIZER) must be one of "
+                          f"{', '.join(PS_OPTIMIZERS)}, got {value!r}")
+    if value != "server":
+        return
+    if topology != "ps":
+        raise ConfigError(f"ps_optimizer='server' runs the optimizer on the parameter server's "
+                          f"shards and needs topology='ps' (got {topology!r}); use "
+                          f"ps_optimizer='worker'")
+    if not spec.ps_server_optimizer:
+        raise ConfigError(f"ps_optimizer='server': policy={spec.name!r} does not push a "
+                          f"gradient every iteration (its workers run local iterations with "
+                          f"their own optimizer between pushes); use ps_optimizer='worker'")
 
 
 def _one_of(name: str, value, allowed) -> None:

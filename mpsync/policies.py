@@ -74,6 +74,11 @@ class PolicySpec:
     it each delta is applied as it is (Downpour style: ASP, SSP, DSSP, ElasticBSP's pushes
     within a superstep).  Only exact with a server rule that completes each round before
     anyone pulls (BSP's and ESync's).
+    ``ps_server_optimizer``: on the PS the shards may run the optimizer on pushed gradients
+    (``ps_optimizer='server'``): per push, or, with ``ps_average``, once per round on the
+    round's merged pushes.  Only for a policy whose workers push every iteration (BSP, ASP,
+    SSP, DSSP, ElasticBSP on the PS); one whose workers take local iterations between pushes
+    (ESync) needs their own optimizer.
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
     the README's fidelity table (:func:`fidelity_table`).  Each departure carries its key in
     brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
@@ -91,6 +96,7 @@ class PolicySpec:
     fast_path: str | None = None
     options: tuple[str, ...] = ()
     ps_average: bool = False
+    ps_server_optimizer: bool = False
     fidelity: Mapping[str, tuple[str, str]] = None
     simulation: Mapping[str, str] | None = None
 
@@ -169,7 +175,8 @@ _REGISTRY: dict[str, PolicySpec] = {}
 
 def register(name: str, *, description: str, server: str, strategies: Mapping[str, str],
              paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
-             ps_average: bool = False, simulation: Mapping[str, str] | None = None,
+             ps_average: bool = False, ps_server_optimizer: bool = False,
+             simulation: Mapping[str, str] | None = None,
              fidelity: Mapping[str, tuple[str, str]] | None = None,
              replace: bool = False) -> PolicySpec:
     """Add a policy; returns its entry.
@@ -202,6 +209,7 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
     spec = PolicySpec(name=name, description=description, paper=paper,
                       topologies=tuple(strategies), server=server, strategies=strategies,
                       fast_path=fast_path, options=tuple(options), ps_average=ps_average,
+                      ps_server_optimizer=ps_server_optimizer,
                       simulation=dict(simulation) if simulation else None,
                       fidelity=dict(fidelity or {}))
     old = _REGISTRY.get(name)
@@ -313,32 +321,43 @@ def _check_ref(name: str, what: str, ref) -> None:
 _SERVER = "mpsync.server.policies:"
 _STEP_SERVER = "mpsync.server.step_policies:"
 _STRATEGY = "mpsync.torch.strategies:"
+# The papers' parameter server runs the optimizer on pushed gradients (ps_optimizer='server');
+# mpsync's default pushes the delta of each worker's own optimizer step.
+_PS_WORKER_OPTIMIZER = ("with ps_optimizer='worker' (the default) each worker runs its own "
+                        "optimizer and pushes the delta of its step, not the gradient for "
+                        "the server's optimizer (ps_optimizer='server', as written): the same "
+                        "model for SGD under BSP only [ps-worker-optimizer] "
+                        "(mpsync.torch.ps_strategies:ParameterServer)")
 
 register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
     server=_SERVER + "BSP",
     strategies={"ring": _STRATEGY + "GradientAveraging", "ps": "default"},
-    fast_path="tables", ps_average=True, simulation={"ring": "every_step", "ps": "in_step"},
+    fast_path="tables", ps_average=True, ps_server_optimizer=True,
+    simulation={"ring": "every_step", "ps": "in_step"},
     fidelity={"ring": ("gradients averaged every iteration (one fused allreduce)", "none"),
               "ps": ("every worker pushes every iteration; a pull waits until every worker "
                      "pushed as often, the next step until every worker pulled; the server "
-                     "averages the round's deltas", "none")})
+                     "averages the round's deltas, or (ps_optimizer='server') takes one "
+                     "optimizer step on the mean of the round's gradients",
+                     _PS_WORKER_OPTIMIZER)})
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
     server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",
-    simulation={"ps": "no_wait"},
+    ps_server_optimizer=True, simulation={"ps": "no_wait"},
     fidelity={"ps": ("push every iteration, applied on arrival; pull whatever is current",
-                     "none")})
+                     _PS_WORKER_OPTIMIZER)})
 register(
     "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
     paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},
-    fast_path="tables", options=("staleness",), simulation={"ps": "staleness"},
+    fast_path="tables", options=("staleness",), ps_server_optimizer=True,
+    simulation={"ps": "staleness"},
     fidelity={"ps": ("a pull waits while the worker is more than s pushes ahead of the "
-                     "slowest", "none")})
+                     "slowest", _PS_WORKER_OPTIMIZER)})
 register(
     "dssp", description="SSP whose bound moves within `[s_L, s_U]`, set per push by a controller",
     paper="DSSP Alg. 1-2", server=_SERVER + "DSSP", strategies={"ps": "default"},
-    fast_path="tables", options=("staleness_low", "staleness_high"),
+    fast_path="tables", options=("staleness_low", "staleness_high"), ps_server_optimizer=True,
     simulation={"ps": "dynamic_staleness"},
     fidelity={"ps": ("Alg. 1 server and Alg. 2 synchronization controller on every push",
                      "the controller is given the allowance left, not the full r_max, so the "
@@ -346,7 +365,8 @@ register(
                      "Alg. 2 is given Alg. 1's slowest worker (fewest pushes), not the one its "
                      "line 3 finds from the timestamps [dssp-slowest-by-pushes]; the OK sent "
                      "with a grant of r* is the first of the r* extra iterations (r_p = r* - 1) "
-                     "[dssp-first-extra-ok] (mpsync.sched.dssp:dssp_on_push)")})
+                     "[dssp-first-extra-ok] (mpsync.sched.dssp:dssp_on_push); "
+                     + _PS_WORKER_OPTIMIZER)})
 _POL = "mpsync.server.step_policies:"
 _STR = "mpsync.torch.strategies:"
 # ZipLine's search departs from the paper's text only in ways that keep its barrier.
@@ -373,7 +393,7 @@ register(
                         "iteration (ASP), the ring runs local SGD (an adaptation)",
     paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_STEP_SERVER + "ElasticBSP",
     strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "mpsync.torch.ps_strategies:ElasticSuperstep"},
-    fast_path="planned", options=("lookahead", "zipline_variant"),
+    fast_path="planned", options=("lookahead", "zipline_variant"), ps_server_optimizer=True,
     simulation={"ring": "planned", "ps": "superstep"},
     fidelity={
         "ps": ("superstep of Fig. 5 after every barrier: monitoring (2 reports per worker), "
@@ -381,7 +401,7 @@ register(
                "a push and an ungated pull every iteration within it (§6.2.5 ASP-like "
                "mode); at the barrier every pull waits for every barrier push (BSP); after a "
                "worker joins, the plans cover the workers still running",
-               f"{_EBSP_INTERVALS}; {_ZIPLINE_SEARCH}"),
+               f"{_EBSP_INTERVALS}; {_ZIPLINE_SEARCH}; {_PS_WORKER_OPTIMIZER}"),
         "ring": ("the same monitoring, prediction and ZipLine barriers as on the PS",
                  f"ElasticBSP barriers with local SGD between them: no server copy of the "
                  f"weights to push to, so iterations within a superstep stay local and the "

@@ -84,6 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ps-apply-rate", default=None,
                    help="bytes/s a shard server applies a pushed update at (default "
                         "CostModel's)")
+    g.add_argument("--ps-optimizer", default=None, choices=("worker", "server"),
+                   help="who runs the optimizer on the PS (default "
+                        f"{DEFAULTS.ps_optimizer!r}; 'server' costs each push an optimizer "
+                        "step, or BSP's round one step; policies that cannot run it keep "
+                        "'worker')")
+    g.add_argument("--ps-optimizer-rate", default=None,
+                   help="bytes/s a shard runs the server-side optimizer at (default: "
+                        "CostModel's)")
     g = p.add_argument_group("training (what workers report: OSP's epochs and losses)")
     g.add_argument("--epoch-iterations", type=int, default=None,
                    help="iterations per worker per epoch (default 100, or the trace's)")
@@ -113,6 +121,10 @@ def _config(args, policy: str) -> SyncConfig:
     for name in policy_options():
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
+    spec = registry.get(policy)
+    if getattr(args, "ps_optimizer", None) == "server" and spec.ps_server_optimizer and \
+            (args.topology or spec.default_topology) == "ps":
+        kw["ps_optimizer"] = "server"
     try:
         return SyncConfig(**kw).validate()
     except ValueError as e:
@@ -181,6 +193,8 @@ def _cost(args, trace: dict, shards: int):
 
     kw = {} if args.ps_apply_rate is None else \
         {"apply_rate": parse_rate(args.ps_apply_rate, "--ps-apply-rate")}
+    if getattr(args, "ps_optimizer_rate", None) is not None:
+        kw["optimizer_rate"] = parse_rate(args.ps_optimizer_rate, "--ps-optimizer-rate")
     return CostModel(model_bytes=parse_rate(args.model_bytes, "--model-bytes"),
                      bandwidth=parse_rate(args.bandwidth, "--bandwidth"),
                      latency=args.latency,

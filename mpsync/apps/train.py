@@ -48,7 +48,8 @@ from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    ConfigError, SyncConfig, check_output_dir, plugins_from_env, setting_from_env
+    PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, plugins_from_env, \
+    setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
 from mpsync.launch.hosts import launched_rank
@@ -91,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ps-shards", default=None, metavar="N|auto",
                    help=f"parameter-server shards (topology ps): N, or auto = one per node, "
                         f"2 on one host (default: $MPSYNC_PS_SHARDS or {d.ps_shards})")
+    g.add_argument("--ps-optimizer", default=None, choices=PS_OPTIMIZERS,
+                   help=f"topology ps: who runs the optimizer, each worker (pushing the delta "
+                        f"of its step) or the shards (workers push gradients; SGD or Adam) "
+                        f"(default: $MPSYNC_PS_OPTIMIZER or {d.ps_optimizer})")
     g.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
                    help="modules that register policies of their own, imported on every rank "
                         "(default: $MPSYNC_PLUGINS)")
@@ -153,7 +158,9 @@ def build_config(args) -> SyncConfig:
                   "backend": args.backend, "server": args.server,
                   "plugins": plugins_from_env() if args.plugins is None else args.plugins,
                   "ps_shards": (setting_from_env("ps_shards") if args.ps_shards is None
-                                else args.ps_shards)}
+                                else args.ps_shards),
+                  "ps_optimizer": (setting_from_env("ps_optimizer") if args.ps_optimizer is None
+                                   else args.ps_optimizer)}
     if args.staleness is not None:
         opts["staleness"] = args.staleness
     if args.staleness_range is not None:

@@ -14,7 +14,8 @@ stated model (``_model``)::
 
     ring:  T = 2(n-1)/n * B / bandwidth + 2(n-1) * latency        per round
     PS:    S shard servers, a link each; a push costs every shard (B/S)/bandwidth + latency
-           + (B/S)/apply_rate (receiving and applying the update), a pull (B/S)/bandwidth +
+           + its update (adding a delta, or with the server's optimizer a step per push or a
+           merge per push and a step per round), a pull (B/S)/bandwidth +
            latency; each shard serves one at a time, in arrival order (n pushes queue: about
            n * B / (S * bandwidth)), none takes less than the worker's own link, B / bandwidth
     query: one round trip ``query`` per report; the state server's decisions are instantaneous
@@ -106,6 +107,7 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
                          f"{' with pauses or a measured spread' if replay else ''}; "
                          f"use engine='exact'")
     use_fast = fast_ok and engine != "exact"
+    cost = cost.for_run(config, speeds.n)
     training = training or TrainingModel()
     t0, cpu0 = time.perf_counter(), time.process_time()
     if use_fast:
@@ -122,6 +124,11 @@ def simulate(config: SyncConfig, speeds: SpeedModel, cost: CostModel, *,
                          batch_size=batch_size, training=training)
     row = {"policy": config.policy, "topology": config.topology,
            "engine": "fast" if use_fast else "exact", **rec.row(),
+           # a shard's time serving pushes and pulls over the run's: near 1, the server is
+           # the bottleneck (a measured cost is no queue: not known)
+           "ps_optimizer": cost.ps_optimizer if config.topology == "ps" else None,
+           "shard_busy_fraction": rec.agg_cost_s / rec.sim_time
+           if config.topology == "ps" and cost.shared_link and rec.sim_time > 0 else None,
            "runtime_s": round(time.perf_counter() - t0, 3),
            # on a shared machine the wall time says more about the other jobs than about
            # the simulator: its own CPU time beside it

@@ -17,7 +17,19 @@ or sending a pulled piece, each take
 
 The apply term is the server's own work on an update, in proportion to its bytes: the ZipLine
 paper (§6.2.2) names the server's processing of the pushes that queue at it as what slows ASP,
-SSP and DSSP on a parameter server.  Every shard sees the same requests in the same order, so
+SSP and DSSP on a parameter server.  What that work is depends on who runs the optimizer
+(``ps_optimizer``, :mod:`mpsync.server.shard_optimizer`):
+
+    worker                   (B/S) / apply_rate         add the pushed delta
+    server, per push         (B/S) / optimizer_rate     an optimizer step on the gradient
+    server, per round of m   (B/S) / apply_rate + (B/S) / optimizer_rate / m
+                             merge each push; one step per round, its cost spread over the
+                             round's m pushes (BSP: m = n)
+
+An optimizer step reads and writes its state as well as the weights (Adam: about eight passes
+over the range where an add is two), so with the server's optimizer the shards saturate at
+fewer workers: ``shard_busy_fraction`` in a simulated row (time a shard spends serving / the
+run's time) near 1 says that the server is the bottleneck.  Every shard sees the same requests in the same order, so
 one queue of piece service times stands for all S of them.  The worker's own link bounds it
 from below: a push or pull is done no sooner than B / bandwidth + latency after it started.
 n workers pushing at once finish after about n * T_push_piece: with one shard the PS
@@ -48,6 +60,12 @@ __all__ = ["CostModel", "parse_rate"]
 # server's own ``WeightStore.apply`` of a 100 MB float64 update took 3.1 GB/s with a scale
 # (averaging policies) and 6.3 GB/s without, medians of 7 on this 2-core machine under load.
 APPLY_RATE = 3e9
+# A shard's optimizer step (bytes of its range per second; see CostModel): the server-side
+# Adam (``ShardOptimizer.step``) over 10 M float32 elements took 0.78 GB/s, SGD with momentum
+# 1.1 GB/s, beside 2.5-4.6 GB/s for ``WeightStore.apply``, medians of 7 on this 2-core
+# machine under load.
+OPTIMIZER_RATE = 0.8e9
+PS_OPTIMIZERS = ("worker", "server")
 
 _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9}
 
@@ -81,12 +99,23 @@ class CostModel:
     ps_shards: int = 1               # S: shard servers of the parameter server, a link each
     # bytes/s a shard server applies a pushed update at (its own work per push)
     apply_rate: float = APPLY_RATE
+    # bytes/s a shard runs the optimizer at, when it runs it (ps_optimizer "server")
+    optimizer_rate: float = OPTIMIZER_RATE
+    ps_optimizer: str = "worker"
+    # pushes merged before one optimizer step on the server (BSP's round: the n workers)
+    round_pushes: int = 1
 
     def __post_init__(self):
         if isinstance(self.ps_shards, bool) or not isinstance(self.ps_shards, int) or \
                 self.ps_shards < 1:
             raise ConfigError(f"ps_shards must be an integer >= 1, got {self.ps_shards!r}")
-        for name in ("model_bytes", "bandwidth", "apply_rate"):
+        if self.ps_optimizer not in PS_OPTIMIZERS:
+            raise ConfigError(f"ps_optimizer must be one of {', '.join(PS_OPTIMIZERS)}, got "
+                              f"{self.ps_optimizer!r}")
+        if isinstance(self.round_pushes, bool) or not isinstance(self.round_pushes, int) or \
+                self.round_pushes < 1:
+            raise ConfigError(f"round_pushes must be an integer >= 1, got {self.round_pushes!r}")
+        for name in ("model_bytes", "bandwidth", "apply_rate", "optimizer_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("latency", "query"):
@@ -115,11 +144,30 @@ class CostModel:
             return self.fixed_aggregation / 2
         return self.model_bytes / self.ps_shards / self.bandwidth + self.latency
 
+    def for_run(self, config, n_workers: int) -> "CostModel":
+        """This model for ``config``'s run: who runs the optimizer (``config.ps_optimizer``)
+        and, for a policy whose server completes rounds (``ps_average``: BSP), how many
+        pushes one optimizer step merges."""
+        from dataclasses import replace
+
+        rounds = config.resolved().spec.ps_average
+        return replace(self, ps_optimizer=config.ps_optimizer,
+                       round_pushes=max(1, int(n_workers)) if rounds else 1)
+
+    def server_update(self) -> float:
+        """A shard's own work on one pushed piece (module doc's table)."""
+        piece = self.model_bytes / self.ps_shards
+        if self.ps_optimizer == "worker":
+            return piece / self.apply_rate
+        if self.round_pushes == 1:
+            return piece / self.optimizer_rate
+        return piece / self.apply_rate + piece / self.optimizer_rate / self.round_pushes
+
     def push(self) -> float:
         """One push: a shard receives its piece and applies it (half a measured push+pull)."""
         if self.fixed_aggregation is not None:
             return self.fixed_aggregation / 2
-        return self.link() + self.model_bytes / self.ps_shards / self.apply_rate
+        return self.link() + self.server_update()
 
     def worker_link(self) -> float:
         """The least time a push or a pull takes: the whole model through the worker's link
@@ -132,4 +180,6 @@ class CostModel:
         return {"model_bytes": self.model_bytes, "bandwidth_bytes_per_s": self.bandwidth,
                 "latency_s": self.latency, "query_rtt_s": self.query,
                 "fixed_aggregation_s": self.fixed_aggregation, "ps_shards": self.ps_shards,
-                "apply_rate_bytes_per_s": self.apply_rate}
+                "apply_rate_bytes_per_s": self.apply_rate,
+                "optimizer_rate_bytes_per_s": self.optimizer_rate,
+                "ps_optimizer": self.ps_optimizer, "round_pushes": self.round_pushes}

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from mpsync.server.shard_optimizer import settings_of
 from mpsync.torch.strategies import LocalStepsThenAggregate, spec_of
 
 __all__ = ["ParameterServer", "ElasticSuperstep"]
@@ -43,6 +44,12 @@ class ParameterServer(LocalStepsThenAggregate):
     ``_base`` itself and pushed from there: the push returns once every shard has applied
     it, and the pull that follows overwrites ``_base`` with the current weights, so the base
     is not needed between the two.
+
+    Departure [ps-worker-optimizer]: the papers' server runs the optimizer on the pushed
+    gradients (DSSP Alg. 1; MXNet's kvstore), which ``ps_optimizer='server'`` does; this
+    strategy (the default, ``'worker'``) runs the script's optimizer on each worker and pushes
+    the delta of its step: the same model for SGD under BSP, not for Adam-like optimizers nor,
+    for any optimizer with state, under ASP, SSP and DSSP.
     """
 
     def __init__(self, *args, worker_rank: int = 0, **kw):
@@ -54,6 +61,10 @@ class ParameterServer(LocalStepsThenAggregate):
         self.worker_rank = worker_rank
         self._base: np.ndarray | None = None  # the store's dtype (_stored)
         self.version = 0
+        # ps_optimizer='server': push gradients; the shards run the optimizer (_server_update)
+        self.server_optimizer = getattr(self.config, "ps_optimizer", "worker") == "server"
+        self._fresh_gradient = False
+        self._sent_settings: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, config, *args, worker_rank: int = 0):
@@ -117,9 +128,38 @@ class ParameterServer(LocalStepsThenAggregate):
                              f"float64 (use Compression.fp16 or Compression.none)")
         return probe.numpy().dtype
 
+    def _local_update(self) -> None:
+        if self.server_optimizer:
+            self._fresh_gradient = True     # pushed as it is; the shards step on it
+        else:
+            self.optimizer.step()
+
     def _delta_into_base(self) -> np.ndarray:
-        """Δ = w_local - base, written over ``_base``, in the store's dtype."""
+        """Δ = w_local - base, written over ``_base``, in the store's dtype (with the server's
+        optimizer: the gradient, :meth:`_gradient_into_base`)."""
+        if self.server_optimizer:
+            return self._gradient_into_base()
         np.subtract(_stored(self.buf.pack_params()).numpy(), self._base, out=self._base)
+        return self._base
+
+    def _gradient_into_base(self) -> np.ndarray:
+        """ps_optimizer='server': this iteration's gradient, written over ``_base``, after the
+        optimizer's settings if they changed (the first push, a learning-rate schedule); empty
+        when no gradient is new since the last push (the last push of ``join``), which the
+        shards then have nothing of to apply."""
+        if not self._fresh_gradient:
+            return self._base[:0]
+        self._fresh_gradient = False
+        settings = settings_of(type(self.optimizer).__name__,
+                               self.optimizer.param_groups).to_array()
+        if self._sent_settings is None or not np.array_equal(settings, self._sent_settings):
+            self.client.shards.configure(settings)
+            self._sent_settings = settings
+        flat = self.buf.flat
+        if flat.dtype in _NUMPY_FLOATS:
+            self.buf.pack_grads(torch.from_numpy(self._base))
+        else:
+            np.copyto(self._base, _stored(self.buf.pack_grads(torch.empty_like(flat))).numpy())
         return self._base
 
     def _push_pull(self) -> None:
@@ -200,7 +240,7 @@ class ElasticSuperstep(ParameterServer):
         loss = closure() if closure is not None else None
         self._prepare()
         self.settled = False
-        self.optimizer.step()
+        self._local_update()
         self.iteration += 1
         self.local_steps += 1
         self.counters.iterations += 1

@@ -374,6 +374,10 @@ class LocalStepsThenAggregate(Strategy):
     def _aggregate(self) -> None:
         raise NotImplementedError
 
+    def _local_update(self) -> None:
+        """This iteration's step of the worker's own optimizer."""
+        self.optimizer.step()
+
     def _test_capability(self, compute_time: float) -> None:
         """ESync Alg. 1 lines 3-8, once: blocking even in delayed-ACK mode."""
         self.capability_test = False
@@ -396,7 +400,7 @@ class LocalStepsThenAggregate(Strategy):
             self._aggregate()
             self.local_steps = 0
             return loss
-        self.optimizer.step()  # ESync Eq. 5: the local update of the replica
+        self._local_update()  # ESync Eq. 5: the local update of the replica
         self.iteration += 1
         self.local_steps += 1
         self.counters.iterations += 1

@@ -1,0 +1,197 @@
+"""The shards' optimizer (mpsync.server.shard_optimizer) against torch.optim on the same numbers,
+in one process: SGD (momentum, dampening, Nesterov, weight decay), Adam (weight decay,
+amsgrad), AdamW; a round's merge-then-step against one step on the mean gradient; settings
+taken from torch param groups, their wire form, and what is refused."""
+
+import numpy as np
+import pytest
+import torch
+
+from mpsync.server.shard_optimizer import (OptimizerSettings, ShardOptimizer,
+                                           UnsupportedOptimizer, settings_from_group)
+
+CASES = [
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "dampening": 0.3}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 1e-2}),
+    (torch.optim.Adam, {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05}),
+    (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+]
+
+
+def _ids(case):
+    cls, kw = case
+    return cls.__name__ + "-" + "-".join(f"{k}={v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_steps_equal_torch_optim_over_20_steps_in_float64(case):
+    cls, kw = case
+    rng = np.random.default_rng(7)
+    w0 = rng.normal(size=257)
+    grads = rng.normal(size=(20, 257)) * np.geomspace(1, 1e-3, 20)[:, None]
+    p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = cls([p], **kw)
+    ours = ShardOptimizer(settings_from_group(cls.__name__, opt.param_groups[0]), w0.size)
+    w = w0.copy()
+    for g in grads:
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours.step(w, g)
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-12, atol=1e-15)
+    assert not np.allclose(w, w0)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam])
+def test_float32_state_stays_float32_and_tracks_torch(cls):
+    rng = np.random.default_rng(3)
+    w0 = rng.normal(size=64).astype(np.float32)
+    p = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = cls([p], lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+    ours = ShardOptimizer(settings_from_group(cls.__name__, opt.param_groups[0]), 64,
+                          np.float32)
+    w = w0.copy()
+    for _ in range(10):
+        g = rng.normal(size=64).astype(np.float16)   # a float16 wire gradient
+        p.grad = torch.from_numpy(g.astype(np.float32))
+        opt.step()
+        ours.step(w, g)
+    assert w.dtype == np.float32
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_round_merged_then_flushed_is_one_step_on_the_mean_gradient():
+    rng = np.random.default_rng(11)
+    settings = OptimizerSettings(kind="adam", lr=0.01)
+    w_round, w_mean = np.ones(33), np.ones(33)
+    merged, direct = ShardOptimizer(settings, 33), ShardOptimizer(settings, 33)
+    for _ in range(5):
+        pushes = rng.normal(size=(3, 33))
+        for g in pushes:
+            merged.merge(g)
+        assert merged.flush(w_round)
+        direct.step(w_mean, pushes.mean(axis=0))
+    np.testing.assert_allclose(w_round, w_mean, rtol=1e-14)
+    before = w_round.copy()
+    assert not merged.flush(w_round)             # nothing merged: no step
+    np.testing.assert_array_equal(w_round, before)
+    assert merged.steps == 5
+
+
+def test_a_new_learning_rate_keeps_the_state_as_torch_does():
+    rng = np.random.default_rng(5)
+    p = torch.nn.Parameter(torch.zeros(16, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    ours = ShardOptimizer(settings_from_group("SGD", opt.param_groups[0]), 16)
+    w = np.zeros(16)
+    for step in range(6):
+        if step == 3:
+            opt.param_groups[0]["lr"] = 0.01
+            ours.configure(settings_from_group("SGD", opt.param_groups[0]))
+        g = rng.normal(size=16)
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours.step(w, g)
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-13)
+    with pytest.raises(UnsupportedOptimizer, match="cannot change from sgd to adam"):
+        ours.configure(OptimizerSettings(kind="adam"))
+
+
+def test_settings_travel_as_a_float64_vector_and_back():
+    s = settings_from_group("AdamW", torch.optim.AdamW([torch.zeros(1)], lr=0.002,
+                                                        amsgrad=True).param_groups[0])
+    assert s.kind == "adamw" and s.weight_decay == 0.01 and s.amsgrad is True
+    wire = s.to_array()
+    assert wire.dtype == np.float64
+    assert OptimizerSettings.from_array(wire) == s
+    with pytest.raises(UnsupportedOptimizer, match="expected"):
+        OptimizerSettings.from_array(wire[:-1])
+    bad = wire.copy()
+    bad[0] = 7
+    with pytest.raises(UnsupportedOptimizer, match="unknown kind"):
+        OptimizerSettings.from_array(bad)
+
+
+def test_what_the_shards_cannot_run_is_refused_with_the_way_out():
+    with pytest.raises(UnsupportedOptimizer, match="not 'rmsprop'.*ps_optimizer='worker'"):
+        settings_from_group("RMSprop", {"lr": 0.1})
+    with pytest.raises(UnsupportedOptimizer, match="maximize"):
+        settings_from_group("SGD", torch.optim.SGD([torch.zeros(1)], lr=0.1,
+                                                   maximize=True).param_groups[0])
+    with pytest.raises(UnsupportedOptimizer, match="nesterov"):
+        OptimizerSettings(kind="sgd", nesterov=True)
+    with pytest.raises(UnsupportedOptimizer, match="beta2"):
+        OptimizerSettings(kind="adam", beta2=1.0)
+    opt = ShardOptimizer(OptimizerSettings(), 4)
+    with pytest.raises(ValueError, match="gradient of 3 elements for a range of 4"):
+        opt.step(np.zeros(4), np.zeros(3))
+
+
+def test_server_updates_step_per_push_or_once_per_round_and_refuse_what_they_cannot_use():
+    from mpsync.server.shard_optimizer import ServerUpdates
+
+    settings = OptimizerSettings(kind="sgd", lr=0.5, momentum=0.9)
+    w = np.ones(4)
+    per_push = ServerUpdates(per_round=False)
+    assert per_push.take(w, np.ones(4)) == "a gradient before the optimizer's settings"
+    assert per_push.configure(settings.to_array()[:3]) is not None   # malformed: refused
+    assert per_push.configure(settings.to_array()) is None
+    assert per_push.take(w, np.ones(3)) == "push before ps_init or of the wrong length"
+    assert per_push.take(w, np.array([1.0, np.nan, 0, 0])) == "push with NaN or inf"
+    np.testing.assert_array_equal(w, np.ones(4))         # nothing refused moved the weights
+    assert per_push.take(w, np.ones(4)) is None
+    np.testing.assert_allclose(w, 0.5)                    # stepped on arrival
+    assert not per_push.settle(w)
+
+    rounds = ServerUpdates(per_round=True)
+    rounds.configure(settings.to_array())
+    w = np.ones(4)
+    assert rounds.take(w, np.full(4, 1.0)) is None and rounds.take(w, np.full(4, 3.0)) is None
+    np.testing.assert_array_equal(w, np.ones(4))         # merged, not yet stepped
+    assert rounds.pending and rounds.settle(w)
+    np.testing.assert_allclose(w, 1 - 0.5 * 2.0)         # one step on the mean, 2
+    assert not rounds.pending and not rounds.settle(w)
+    assert rounds.configure(OptimizerSettings(kind="adam").to_array()) is not None
+
+
+def test_param_groups_must_agree_for_the_shards():
+    from mpsync.server.shard_optimizer import settings_of
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    same = torch.optim.Adam([{"params": [a]}, {"params": [b]}], lr=0.1)
+    assert settings_of("Adam", same.param_groups).lr == 0.1
+    differ = torch.optim.Adam([{"params": [a], "weight_decay": 0.1}, {"params": [b]}], lr=0.1)
+    with pytest.raises(UnsupportedOptimizer, match="param groups that differ"):
+        settings_of("Adam", differ.param_groups)
+
+
+def test_the_setting_comes_from_keywords_or_the_environment_and_names_what_does_not_fit():
+    from mpsync.config import ConfigError, SyncConfig
+
+    assert SyncConfig().ps_optimizer == "worker"
+    env = {"MPSYNC_PS_OPTIMIZER": "server"}
+    assert SyncConfig.from_options(env=env, policy="ssp").ps_optimizer == "server"
+    assert SyncConfig.from_options(env=env, policy="ssp",
+                                   ps_optimizer="worker").ps_optimizer == "worker"
+    with pytest.raises(ConfigError, match="MPSYNC_PS_OPTIMIZER.*got 'shard'"):
+        SyncConfig(policy="asp", ps_optimizer="shard").validate()
+    with pytest.raises(ConfigError, match="needs topology='ps'"):
+        SyncConfig(policy="bsp", ps_optimizer="server").validate()     # bsp's own: ring
+    with pytest.raises(ConfigError, match="policy='esync' does not push a gradient"):
+        SyncConfig(policy="esync", topology="ps", ps_optimizer="server").validate()
+
+
+def test_the_train_command_passes_the_flag_and_the_environment_on():
+    import argparse
+
+    from mpsync.apps.train import add_arguments, build_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--policy", "dssp", "--ps-optimizer", "server"])
+    assert build_config(args).ps_optimizer == "server"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--policy", "dssp", "--ps-optimizer", "gpu"])
