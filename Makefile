@@ -3,11 +3,12 @@
 #   make demo    the main job: compare every policy on the embedded default (digits, 4 workers)
 #   make test    the whole test suite (runs setup first if needed)
 #   make slurm   start a single-node Slurm here and submit the job templates to it
+#   make gpu-check  the CUDA paths on a machine with a GPU (DEVICE=cpu: the same steps on CPU)
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench doctor slurm clean
+.PHONY: setup demo test bench doctor slurm gpu-check clean
 
 setup:
 	bash .ci/setup.sh
@@ -28,6 +29,13 @@ test: setup
 slurm: setup
 	bash .ci/slurm.sh start
 	$(PY) -m pytest tests/test_slurm.py $(PYTEST_ARGS)
+
+# Needs no `make setup`: a GPU machine brings its own CUDA torch, numba, mpi4py and pytest, so
+# the venv's Python is used only where it exists.
+DEVICE    ?= cuda
+GPU_PY    ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) .ci/gpu_check.py --device $(DEVICE)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

@@ -174,11 +174,15 @@ def from_environment() -> None:
     mps.shutdown()
 
 
-def cuda_tensors() -> None:
-    """CUDA tensors through the staged (host) path: results come back on the GPU."""
-    mps.init(policy="bsp", backend=_arg("backend", "mpi"), deadline=30)
+def device_tensors() -> None:
+    """Tensors on a device (``device=cuda``: the GPU of the local rank, staged through host
+    memory; ``device=cpu`` runs the same steps on CPU tensors): results come back on it."""
+    mps.init(policy="bsp", backend=_arg("backend", "mpi"), deadline=60)
     r, n = mps.rank(), mps.size()
-    dev = torch.device("cuda", mps.local_rank() % torch.cuda.device_count())
+    if _arg("device", "cuda") == "cuda":
+        dev = torch.device("cuda", mps.local_rank() % torch.cuda.device_count())
+    else:
+        dev = torch.device("cpu")
     x = torch.full((8,), float(r), device=dev)
     out = mps.allreduce(x, op=mps.Sum)
     assert out.device == dev and float(out[0]) == n * (n - 1) / 2
@@ -186,7 +190,7 @@ def cuda_tensors() -> None:
     assert g.device == dev and g.shape == (2 * n,)
     mps.broadcast_(x, root_rank=0)
     assert float(x[0]) == 0.0
-    # BSP training on the GPU: gradients staged through the host buffer, models equal.
+    # BSP training on the device: gradients staged through the host buffer, models equal.
     model = torch.nn.Linear(4, 2).to(dev)
     mps.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -196,7 +200,8 @@ def cuda_tensors() -> None:
         model(torch.full((2, 4), float(r + 1), device=dev)).sum().backward()
         opt.step()
     opt.synchronize()
+    assert model.weight.device == dev
     w = model.weight.detach().cpu().reshape(-1)
     assert all(torch.equal(w, o) for o in mps.allgather_object(w))
     mps.shutdown()
-    print(f"CUDA-OK rank={r}", flush=True)
+    print(f"DEVICE-OK rank={r} device={dev.type}", flush=True)

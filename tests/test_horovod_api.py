@@ -138,11 +138,30 @@ def test_precedence_explicit_over_environment_over_the_config_defaults():
     assert (cfg.policy, cfg.backend) == (SyncConfig().policy, SyncConfig().backend)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
+# The device tests run on the GPU by default; ``make gpu-check DEVICE=cpu`` sets
+# MPSYNC_TEST_DEVICE=cpu to run the same steps on CPU tensors, so that only the device is
+# untested on a machine without one.
+TEST_DEVICE = os.environ.get("MPSYNC_TEST_DEVICE", "cuda")
+
+
+def _horovod_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("horovod") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(TEST_DEVICE == "cuda" and not torch.cuda.is_available(),
                     reason="no CUDA device on this machine: GPU tensors are staged through "
-                           "host memory, verified only where a GPU exists")
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_cuda_tensors(backend):
-    run = run_mpi("horovod_api_programs:cuda_tensors", np=3, args=[f"backend={backend}"],
-                  timeout=120)
-    assert "CUDA-OK" in run.rank_out(1), run.report()
+                           "host memory, verified only where a GPU exists (make gpu-check)")
+@pytest.mark.parametrize("backend", [
+    "mpi",
+    pytest.param("horovod", marks=pytest.mark.skipif(
+        not _horovod_installed(), reason="Horovod is not installed here: the mpi backend "
+                                         "carries the device check")),
+])
+def test_device_tensors(backend):
+    run = run_mpi("horovod_api_programs:device_tensors", np=3,
+                  args=[f"backend={backend}", f"device={TEST_DEVICE}"], timeout=120)
+    for rank in (1, 2):
+        assert f"DEVICE-OK rank={rank - 1} device={TEST_DEVICE}" in run.rank_out(rank), \
+            run.report()

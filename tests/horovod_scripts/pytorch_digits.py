@@ -6,6 +6,9 @@ compression flag and an op flag, a fixed number of epochs.
 It runs on Horovod as it is.  The tests run it on mpsync with only the import line changed
 (``import mpsync.torch as hvd``); the policy comes from MPSYNC_POLICY / MPSYNC_TOPOLOGY.
 
+``--device cuda`` trains on the GPU (``cuda:local_rank``), as Horovod's examples do by default;
+each rank prints its training throughput over the epochs (``THROUGHPUT``).
+
 After the epochs, ``--fixed-steps N`` runs N more steps on every worker (``--uneven-steps K``:
 worker r runs K*r more), then ``optimizer.synchronize()`` (``--end join``: ``hvd.join()``
 first), an evaluation and ``hvd.shutdown()``.
@@ -14,6 +17,7 @@ first), an evaluation and ``hvd.shutdown()``.
 import argparse
 import hashlib
 import itertools
+import time
 
 import numpy as np
 import torch
@@ -42,6 +46,8 @@ parser.add_argument("--backward-passes-per-step", type=int, default=1,
 parser.add_argument("--fixed-steps", type=int, default=0, help="steps after the epochs")
 parser.add_argument("--uneven-steps", type=int, default=0, help="worker r runs this x r more")
 parser.add_argument("--end", choices=("synchronize", "join"), default="synchronize")
+parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="train on the CPU or on the GPU of this rank's local rank")
 
 
 class Net(nn.Module):
@@ -85,7 +91,12 @@ def main():
     test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size,
                                               sampler=test_sampler)
 
-    model = Net()
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    model = Net().to(device)
     lr_scaler = hvd.size() if args.op == "average" else 1
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler,
                                 momentum=args.momentum)
@@ -99,6 +110,7 @@ def main():
         backward_passes_per_step=args.backward_passes_per_step)
 
     def train_batch(data, target):
+        data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         loss = 0.0
         for part_x, part_y in zip(data.chunk(args.backward_passes_per_step),
@@ -125,6 +137,7 @@ def main():
         test_loss, test_accuracy = 0.0, 0.0
         with torch.no_grad():
             for data, target in test_loader:
+                data, target = data.to(device), target.to(device)
                 output = model(data)
                 test_loss += F.nll_loss(output, target, reduction="sum").item()
                 pred = output.max(1, keepdim=True)[1]
@@ -137,8 +150,14 @@ def main():
             print(f"TEST loss {test_loss:.4f} accuracy {100.0 * test_accuracy:.2f}%", flush=True)
         return test_accuracy
 
+    start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         train(epoch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    print(f"THROUGHPUT rank={hvd.rank()} samples={args.epochs * len(train_sampler)} "
+          f"seconds={seconds:.6f}", flush=True)
 
     steps = args.fixed_steps + args.uneven_steps * hvd.rank()
     batches = itertools.cycle(list(train_loader))
@@ -151,7 +170,7 @@ def main():
     optimizer.synchronize()
     accuracy = test()
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
     print(f"FINAL rank={hvd.rank()} size={hvd.size()} steps={steps} digest={digest} "
           f"accuracy={accuracy:.6f}", flush=True)
