@@ -56,7 +56,10 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, tensors in by_dtype.items():
         wire = torch.uint8 if dtype == torch.bool else dtype
-        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors]) if tensors else None
+        # Staged in host memory: the backends send CPU buffers, whatever device the model is on
+        # (the copies back below move each slice to its tensor's device).
+        flat = (torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=wire) for t in tensors])
+                if tensors else None)
         if flat is None or flat.numel() == 0:
             continue
         send(flat)
