@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RULES = "tests/test_fidelity_rules.py"
 MPI = "tests/test_fidelity.py"
-TABLE = "tests/test_policies.py::test_readme_fidelity_table_and_the_code_state_the_same_departures"
+TABLE = "tests/test_policies.py::test_docs_fidelity_table_and_the_code_state_the_same_departures"
 
 
 @dataclass(frozen=True)

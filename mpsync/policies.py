@@ -80,8 +80,8 @@ class PolicySpec:
     SSP, DSSP, ElasticBSP on the PS); one whose workers take local iterations between pushes
     (ESync) needs their own optimizer.
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
-    the README's fidelity table (:func:`fidelity_table`).  Each departure carries its key in
-    brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
+    the fidelity table of docs/fidelity.md (:func:`fidelity_table`).  Each departure carries
+    its key in brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
     ``module:Class`` (or function) whose source states it as ``Departure [<key>]`` where the code
     makes it; "none" if there is none.  ``tests/test_policies.py`` checks that the table and
     the code state the same departures.
@@ -292,7 +292,7 @@ def load_plugins(modules: str | None) -> None:
 
 
 def policy_table() -> str:
-    """The README's policy table (Markdown), generated from the registry."""
+    """The policy table of docs/policies.md (Markdown), generated from the registry."""
     rows = ["| policy | topology | when workers synchronize | paper |", "|---|---|---|---|"]
     for s in specs():
         rows.append(f"| `{s.name}` | {', '.join(s.topologies)} | {s.description} | {s.paper} |")
@@ -300,8 +300,8 @@ def policy_table() -> str:
 
 
 def fidelity_table() -> str:
-    """The README's fidelity table (Markdown): per policy and topology, the paper's section,
-    what is implemented as written, and each departure with where the code states it."""
+    """The fidelity table of docs/fidelity.md (Markdown): per policy and topology, the paper's
+    section, what is implemented as written, and each departure with where the code states it."""
     rows = ["| policy | topology | paper | implemented as written | departures (where stated) |",
             "|---|---|---|---|---|"]
     for s in specs():

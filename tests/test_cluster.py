@@ -260,7 +260,7 @@ def test_a_link_slowed_mid_run_hangs_nothing_and_the_server_sees_longer_aggregat
 @needs_namespaces
 @pytest.mark.mpi
 def test_horovodrun_runs_across_the_nodes_with_the_ssh_stand_in(four_nodes):
-    # The README's lines: eval "$(mpsync cluster env)"; horovodrun --mpi -np 4
+    # docs/cluster.md's lines: eval "$(mpsync cluster env)"; horovodrun --mpi -np 4
     #   -H "$(mpsync cluster hosts)" --network-interfaces eth0 python x.py
     from mpsync.launch import run_with_deadline
 

@@ -56,10 +56,10 @@ def test_importing_the_registry_and_config_loads_no_numba_torch_or_mpi():
     assert out.stdout.strip() == "[]"
 
 
-def test_readme_policy_table_is_the_registry():
-    readme = (REPO / "README.md").read_text()
+def test_docs_policy_table_is_the_registry():
+    page = (REPO / "docs" / "policies.md").read_text()
     table = policies.policy_table()
-    assert table in readme, "README's policy table differs from policies.policy_table():\n" + table
+    assert table in page, "docs/policies.md's table differs from policies.policy_table():\n" + table
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -219,7 +219,7 @@ def test_the_name_check_catches_a_comparison(tmp_path):
 
 # -- the fidelity table and the departures the code states ------------------------------------
 # In the code a departure from a paper is stated where it is made as ``Departure [key]``; in
-# the registry (and so the README) each departure carries the same ``[key]`` and is followed
+# the registry (and so docs/fidelity.md) each departure carries the same ``[key]`` and is followed
 # by the ``(module:Class)`` refs whose source states it.
 _STATED = re.compile(r"Departure\s+\[([a-z0-9-]+)\]")
 _UNKEYED = re.compile(r"\bDepartures?\b(?!\s+\[)")
@@ -260,14 +260,14 @@ def test_every_departure_stated_in_the_code_carries_its_key():
                          f"policy's fidelity entry (mpsync/policies.py): {unkeyed}")
 
 
-def test_readme_fidelity_table_and_the_code_state_the_same_departures():
+def test_docs_fidelity_table_and_the_code_state_the_same_departures():
     """Every departure the registry lists is stated in the source of a class it names, every
-    departure stated anywhere in mpsync is in some policy's row, and the README holds the
+    departure stated anywhere in mpsync is in some policy's row, and docs/fidelity.md holds the
     table: a departure added to the code without the table, or to the table without the
     code, or dropped from either, fails here."""
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "fidelity.md").read_text()
     table = policies.fidelity_table()
-    assert table in readme, "README's fidelity table differs from policies.fidelity_table():\n" + table
+    assert table in page, "docs/fidelity.md's table differs from policies.fidelity_table():\n" + table
     stated = _stated_in_code()
     listed: set[str] = set()
     for spec, topology, as_written, departures in _builtin_rows():

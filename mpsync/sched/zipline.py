@@ -22,7 +22,7 @@ the brute-force search over all R^n solutions (§5.1 "naive search"), in
 :mod:`mpsync.sched.zipline_reference`.
 
 Where the implementation departs from the paper (each stated where it is made, under the key
-the README's fidelity table uses):
+the fidelity table of docs/fidelity.md uses):
 
 * [zipline-omega-sort] Ω (§5.2 Step 1) is built by merging the n rows, which are sorted by
   construction, for small matrices (O(Rn log n)); from 256 elements up, by numpy's sort of one

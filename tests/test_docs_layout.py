@@ -1,8 +1,8 @@
-"""The README's Layout table is written from the package itself: one row per part of mpsync,
-in the layer order that tests/test_layers.py enforces, each with its docstring's first
+"""The Layout table of docs/layout.md is written from the package itself: one row per part of
+mpsync, in the layer order that tests/test_layers.py enforces, each with its docstring's first
 paragraph and the names of its modules.
 
-    python tests/test_readme_layout.py      # prints the table to paste into README.md
+    python tests/test_docs_layout.py      # prints the table to paste into docs/layout.md
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def layout_table() -> str:
     return "\n".join(rows)
 
 
-def test_readme_layout_is_the_package():
-    readme = (REPO / "README.md").read_text()
+def test_docs_layout_is_the_package():
+    page = (REPO / "docs" / "layout.md").read_text()
     table = layout_table()
-    assert table in readme, ("README's Layout table differs from the package; paste the "
-                             "output of `python tests/test_readme_layout.py`:\n" + table)
+    assert table in page, ("docs/layout.md's table differs from the package; paste the "
+                           "output of `python tests/test_docs_layout.py`:\n" + table)
 
 
 def test_every_part_and_module_is_in_the_table():
