@@ -23,7 +23,8 @@ PACKAGE = REPO / "mpsync"
 # modules of its own part; never a part of its own layer or of a higher one.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("mpsync", "zipline_variants", "policies"),   # the version; names; the policy registry
-    ("config", "transport"),                       # SyncConfig, MPSYNC_*; Open MPI settings
+    ("config", "transport", "commits"),            # SyncConfig, MPSYNC_*; Open MPI settings;
+                                                   # durable commits
     ("slowdown", "sched"),                         # slowdown parsing; the decision kernels
     ("server",),                                   # the state server and its rules
     ("torch", "simulate", "cluster"),              # workers; the simulator; the virtual cluster

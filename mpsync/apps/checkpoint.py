@@ -1,6 +1,6 @@
 """Checkpoints that survive crashes: atomic writes, checksums, the previous good one kept.
 
-File layout (``ckpt-<round>.mpsck``)::
+File layout (``ckpt-<round>.mpsck``): a sealed file of :mod:`mpsync.commits`::
 
     b"MPSYNC-CKPT 1\n"                          magic and format version
     {"sha256": ..., "length": N, "round": R}\n  one JSON header line
@@ -11,27 +11,28 @@ final name (rename is atomic on POSIX), so a crash mid-write leaves the previous
 untouched.  Only the newest ``keep`` checkpoints are kept.  Loading checks magic, length and
 checksum; a corrupt or truncated file is refused with a message naming it and what is wrong,
 and ``latest_good`` falls back to the previous good one.
+
+:class:`CheckpointWriter` writes them in the background from a copy, so training goes on
+while the file is written; a newer checkpoint that arrives while an older one still waits
+replaces it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
+import copy
 import os
 import sys
 from pathlib import Path
 
-import torch
+from mpsync.commits import BackgroundWriter, SealedFileError, read_sealed, write_sealed
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_good", "list_checkpoints"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_good",
+           "list_checkpoints", "CheckpointWriter"]
 
-MAGIC = b"MPSYNC-CKPT 1\n"
 SUFFIX = ".mpsck"
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the reason."""
+# A checkpoint that cannot be used; the message names the file and the reason.
+CheckpointError = SealedFileError
 
 
 def _name(round_: int) -> str:
@@ -42,37 +43,34 @@ def save_checkpoint(directory: str | os.PathLike, round_: int, state: dict, *, k
     """Write ``state`` atomically as the checkpoint of ``round_``; prune older ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getvalue()
-    header = json.dumps({"sha256": hashlib.sha256(payload).hexdigest(), "length": len(payload),
-                         "round": int(round_)}).encode() + b"\n"
     final = directory / _name(round_)
-    tmp = directory / f".{final.name}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        f.write(header)
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(directory)
+    write_sealed(final, state, round=int(round_))
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return final
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+class CheckpointWriter:
+    """Checkpoints written in the background: :meth:`save` takes a deep copy of ``state``
+    (the caller goes on training and changing it) and returns; :meth:`flush` waits for the
+    newest one to be on disk.  A write error is raised by the next call."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        self.directory, self.keep = Path(directory), keep
+        self._writer = BackgroundWriter("mpsync-checkpoint-writer")
+
+    def save(self, round_: int, state: dict) -> None:
+        snapshot = copy.deepcopy(state)
+        self._writer.submit(lambda: save_checkpoint(self.directory, round_, snapshot,
+                                                    keep=self.keep))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writer.wait(timeout)
+
+    @property
+    def superseded(self) -> int:
+        """Checkpoints replaced by a newer one before their write began."""
+        return self._writer.superseded
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -86,28 +84,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """The state stored in ``path``; CheckpointError if it is corrupt or truncated."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read ({e.strerror})") from None
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"checkpoint {path}: not an mpsync checkpoint (bad magic)")
-    end = data.find(b"\n", len(MAGIC))
-    if end < 0:
-        raise CheckpointError(f"checkpoint {path}: truncated header")
-    try:
-        header = json.loads(data[len(MAGIC):end])
-        digest, length = str(header["sha256"]), int(header["length"])
-    except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint {path}: corrupt header") from None
-    payload = data[end + 1:]
-    if len(payload) != length:
-        raise CheckpointError(f"checkpoint {path}: truncated ({len(payload)} of {length} "
-                              f"payload bytes)")
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise CheckpointError(f"checkpoint {path}: corrupt (sha256 mismatch)")
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    return read_sealed(path, what="checkpoint")
 
 
 def latest_good(location: str | os.PathLike, *, warn=None) -> tuple[Path, dict]:

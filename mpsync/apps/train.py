@@ -46,6 +46,7 @@ from mpsync import policies
 from mpsync.apps.datasets import check_dataset_spec
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
+from mpsync.apps.train_checkpoints import reshard
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, plugins_from_env, \
@@ -149,6 +150,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "(with --cluster: default one per node besides node1; "
                                     "under mpirun: checked against the ranks started)")
     add_cluster_arguments(g)
+    g = p.add_argument_group("restarts (started from the login node, not under mpirun)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="after a rank fails, start again from the newest checkpoint on the "
+                        "hosts that remain, up to N times (default 0: a fault ends the job); "
+                        "needs --checkpoint-every and --out")
+    g.add_argument("--min-np", type=int, default=None,
+                   help="fewest workers a restart may run with (default 1)")
+    g.add_argument("--max-np", type=int, default=None,
+                   help="most workers a restart may run with (default --np)")
 
 
 def build_config(args) -> SyncConfig:
@@ -229,6 +239,10 @@ def main(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not launched_rank():
         try:
+            if args.max_restarts:
+                from mpsync.apps.train_restarts import run_supervised
+
+                return run_supervised(args, validate, add_arguments)
             if args.cluster is not None:
                 return _run_on_cluster(args)
             return _launch_here(args)
@@ -245,12 +259,12 @@ def main(args) -> int:
             # Every rank reads and verifies the checkpoint before any communication, so a bad
             # one fails the whole job at once with the same message.
             path, resume = latest_good(args.resume, warn=_warn_once)
-            if resume["workers"] != workers:
-                raise ConfigError(f"--resume {path}: written by {resume['workers']} workers, "
-                                  f"this run has {workers}")
             if world_rank() == 0:
                 print(f"mpsync train: resuming from {path}: round {resume['round']}, "
-                      f"step {resume['step']}", flush=True)
+                      f"step {resume['step']}" + (
+                          f" (written by {resume['workers']} workers: data re-sharded over "
+                          f"{workers})" if resume["workers"] != workers else ""), flush=True)
+            resume = reshard(resume, workers)
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
         from mpsync.apps.checkpoint import CheckpointError  # torch
 

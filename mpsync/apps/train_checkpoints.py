@@ -14,7 +14,8 @@ import numpy as np
 
 from mpsync.config import SyncConfig
 
-__all__ = ["worker_state", "write_checkpoint", "ps_checkpoint", "warn_if_slow"]
+__all__ = ["worker_state", "write_checkpoint", "ps_checkpoint", "warn_if_slow",
+           "flush_checkpoints", "reshard", "remap_position"]
 
 COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent",
             "data_sent", "data_received", "control_sent", "control_received", "data_min",
@@ -44,11 +45,60 @@ def write_checkpoint(out, model, gathered: list, n, wall_s, evals, round_, step,
              # For the record: a resumed server starts from the model above and zero clocks
              # (module doc: what is needed for correctness and what is re-learned).
              "server": {"topology": config.topology, **(server or {})}}
-    from mpsync.apps.checkpoint import save_checkpoint  # torch
-
     t0 = time.perf_counter()
-    save_checkpoint(out / "checkpoints", round_, state)
-    warn_if_slow(time.perf_counter() - t0, "a checkpoint write", config)
+    _writer(out).save(round_, state)   # a copy now; the file in the background
+    warn_if_slow(time.perf_counter() - t0, "a checkpoint copy", config)
+
+
+_writers: dict = {}
+
+
+def _writer(out):
+    from mpsync.apps.checkpoint import CheckpointWriter  # torch
+
+    key = str(out)
+    if key not in _writers:
+        _writers[key] = CheckpointWriter(out / "checkpoints")
+    return _writers[key]
+
+
+def flush_checkpoints() -> None:
+    """Worker 0, before the run's results: every checkpoint asked for is on disk."""
+    for writer in _writers.values():
+        writer.flush()
+
+
+def reshard(resume: dict, workers: int) -> dict:
+    """A checkpoint written by ``resume["workers"]`` workers, for ``workers`` of them.
+
+    Worker i keeps old worker i's optimizer state, RNG states and counters (a worker added
+    beyond the old count starts from old worker ``i mod n``'s, with no counters); the samples
+    seen are spread evenly so their sum, which the epoch budget counts, is unchanged.  Each
+    entry keeps its old epoch and index; :func:`remap_position` maps the index onto the new
+    shard.  The same checkpoint and worker count always give the same result, so a restart
+    and a resume by hand compute the same run."""
+    old = resume["per_worker"]
+    n = len(old)
+    if workers == n:
+        return resume
+    total = sum(int(w["samples"]) for w in old)
+    per_worker = []
+    for i in range(workers):
+        entry = dict(old[i % n])
+        if i >= n:
+            entry["counters"] = {}
+        entry["samples"] = total // workers + (1 if i < total % workers else 0)
+        entry["resharded_from"] = (n, i % n)
+        per_worker.append(entry)
+    return {**resume, "per_worker": per_worker, "workers": workers, "resharded_from": n}
+
+
+def remap_position(index: int, old_per_epoch: int, new_per_epoch: int) -> int:
+    """The batch index on a new shard at the same fraction of the epoch as ``index`` was on
+    the old one (a shard of fewer workers is longer)."""
+    if old_per_epoch <= 0:
+        return 0
+    return min(max(new_per_epoch - 1, 0), index * new_per_epoch // old_per_epoch)
 
 
 def ps_checkpoint(mps, opt, out, model, me, n, mine: dict, time_up: bool, target_samples, wall,

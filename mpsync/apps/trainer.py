@@ -25,7 +25,8 @@ import numpy as np
 from mpsync.apps import report
 from mpsync.apps.datasets import load_dataset, partition
 from mpsync.apps.heterogeneity import Heterogeneity
-from mpsync.apps.train_checkpoints import COUNTERS, warn_if_slow, worker_state
+from mpsync.apps.train_checkpoints import COUNTERS, flush_checkpoints, remap_position, \
+    warn_if_slow, worker_state
 from mpsync.apps.train_stops import make_stop
 from mpsync.config import SyncConfig
 
@@ -157,6 +158,8 @@ class Worker:
         self.eval_every = args.eval_every or (args.time_budget / 30 if args.time_budget else 1.0)
         self.global_samples = self.samples * self.n  # estimate between stop checks
         self.start_time = time.perf_counter()
+        # When a resumed run is ready to train: a supervisor's restart cost ends here.
+        self.resumed_at_clock = time.time() if self.resume is not None else None
         if self.me == 0 and not args.no_progress:
             from tqdm import tqdm
 
@@ -178,6 +181,11 @@ class Worker:
         self.model.load_state_dict(self.resume["model"])
         self.inner.load_state_dict(mine["optimizer"])
         self.epoch, self.index, self.samples = mine["epoch"], mine["index"], mine["samples"]
+        if "resharded_from" in mine:   # written by another number of workers: same fraction
+            old_n, old_me = mine["resharded_from"]
+            old = partition(self.ds, old_n, old_me, self.args.partition, seed=self.args.seed)
+            self.index = remap_position(self.index, old.batches_per_epoch(self.args.batch_size),
+                                        self.shard.batches_per_epoch(self.args.batch_size))
         torch.set_rng_state(mine["rng_torch"])
         np.random.set_state(mine["rng_numpy"])
         random.setstate(mine["rng_python"])
@@ -236,6 +244,7 @@ class Worker:
             # Says where the run got to, so a test can measure how far a resume rolls back.
             print(f"mpsync train: fault injection: SIGKILL worker 0 after step "
                   f"{args.kill_at_step}, round {self.round}", flush=True)
+            flush_checkpoints()   # the cut before the kill is on disk: a test knows which
             os.kill(os.getpid(), signal.SIGKILL)
         return round_before
 
@@ -294,6 +303,7 @@ def _progress(w: Worker, e: dict) -> None:
 # -- the end of the run ------------------------------------------------------------------------
 def finish(w: Worker) -> int:
     """Gather every worker's counters to worker 0, shut down, and (worker 0) write results."""
+    flush_checkpoints()
     local = w.mps.stats()["local"]
     before = w.counters_before
     mine = {k: local[k] + before.get(k, 0) for k in COUNTERS}
@@ -342,6 +352,7 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         # When training began (worker 0's first evaluation), seconds since the epoch: what a
         # launcher subtracts its own start from to time the start-up.
         "train_start_clock": w.evals[0].get("wall_clock") if w.evals else None,
+        "resumed_at_clock": w.resumed_at_clock,
         "final_param_sha256": _param_sha256(w.model),
         "server": server,
     }

@@ -19,7 +19,7 @@ on rank 0, which trains too.
 
 from __future__ import annotations
 
-from mpsync.torch import _runtime
+from mpsync.torch import _runtime, elastic
 from mpsync.torch._wait import CollectiveTimeout
 from mpsync.torch.broadcast import (
     broadcast_object,
@@ -117,6 +117,8 @@ __all__ = [
     "HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "SyncBatchNorm", "start_timeline", "stop_timeline",
+    # elastic training (a restart from the last commit, with Open MPI)
+    "elastic",
 ]
 
 

@@ -18,8 +18,9 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic-mode interrupt (the set of hosts changed).  mpsync runs a fixed set of
-    workers and never raises it; it exists so scripts that catch it run unchanged."""
+    """Horovod's elastic-mode interrupt (the set of hosts changed): raised by
+    ``state.commit()`` / ``state.check_host_updates()`` on every worker at once when the
+    elastic launcher's discovery script found new hosts (see :mod:`mpsync.torch.elastic`)."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__(f"hosts updated (skip_sync={skip_sync})")

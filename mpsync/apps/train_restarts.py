@@ -1,0 +1,157 @@
+"""``mpsync train --max-restarts N``: a training job that heals itself.
+
+Started outside ``mpirun`` (from a login node, or inside a Slurm/PBS allocation), it starts the
+job through the launch registry -- the same command line ``mpsync train --np N`` /
+``--cluster`` runs -- under :func:`mpsync.launch.supervisor.supervise`.  When a rank fails the
+job ends (Open MPI 4.1 has no fault tolerance); the supervisor starts it again on the hosts
+that remain (on one host: one worker fewer; ``--min-np``/``--max-np`` bound the count) with
+``--resume`` pointing at the newest checkpoint that passes verification, so:
+
+* the data are re-sharded over the new worker count and each worker's position moved to the
+  same fraction of its epoch (:func:`mpsync.apps.train_checkpoints.reshard`);
+* the policy's state is rebuilt as on any resume (module doc of ``mpsync.apps.train``): the
+  model or the PS shards from the checkpoint, SSP/DSSP clocks at zero with no gaps, the
+  ElasticBSP plan and ESync's times re-learned within a round;
+* the checkpoint each restart resumed from is kept (hard-linked) under ``OUT/restarts/``, and
+  ``OUT/restarts.json`` records every start: workers, hosts, exit, the failed rank, its host
+  and cause, and the checkpoint resumed from; when the run ends, ``metrics.json`` gets the
+  same record under ``"restarts"`` with each restart's cost (the failed job's end to the
+  resumed job's first step) and the rounds it rolled back.  The evaluations, wall clock and
+  counters continue across restarts (they travel in the checkpoints).
+
+A run that never wrote a checkpoint restarts from the beginning.  Exit code 2 (bad input) is
+never retried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mpsync.apps.checkpoint import CheckpointError, latest_good
+from mpsync.config import ConfigError
+from mpsync.launch.cluster import argv_from_namespace
+from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
+from mpsync.launch.registry import launch_argv
+from mpsync.launch.supervisor import Attempt, Host, SupervisorError, run_streaming, supervise, \
+    write_record
+
+__all__ = ["run_supervised", "restart_costs"]
+
+# Flags the supervisor decides itself on every start (or that only make sense once).
+_SUPERVISOR_FLAGS = ("cluster", "cluster_placement", "np", "max_restarts", "min_np", "max_np",
+                     "resume", "workers")
+
+
+def run_supervised(args, validate, add_arguments) -> int:
+    """Supervise ``mpsync train``'s jobs; ``validate(args, workers)`` and
+    ``add_arguments(parser)`` are train's own (its checks, and its flags to rebuild argv)."""
+    extra = 1 if args.server == "dedicated" else 0
+    np = args.np or 2
+    try:
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        if not args.checkpoint_every or not args.out:
+            raise ConfigError("--max-restarts needs --checkpoint-every K and --out DIR (a "
+                              "restart resumes from the newest checkpoint in DIR)")
+        if args.cluster is not None:
+            raise ConfigError("--max-restarts with --cluster is not supported yet; run it "
+                              "on one host, or under a job script")
+        min_np, max_np = args.min_np or 1, args.max_np or np
+        if not 1 <= min_np <= np <= max_np:
+            raise ConfigError(f"need 1 <= --min-np ({min_np}) <= --np ({np}) <= --max-np "
+                              f"({max_np})")
+        validate(args, np)
+    except ConfigError as e:
+        print(f"mpsync train: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    env = clean_launch_env(os.environ)
+
+    def run(attempt: Attempt):
+        drop = _SUPERVISOR_FLAGS + (("kill_at_step",) if attempt.index else ())
+        rest = argv_from_namespace(parser, args, drop=drop)
+        resume = args.resume if attempt.index == 0 else _keep_newest(out, attempt.index)
+        if resume:
+            rest += ["--resume", str(resume)]
+            if attempt.index:
+                attempt.extra["resumed_from"] = _describe_checkpoint(resume)
+        argv = launch_argv(attempt.np + extra, python_argv("mpsync.apps.train", *rest),
+                           forward_env=forwarded_env())
+        return run_streaming(argv, env=env)
+
+    try:
+        rc, attempts = supervise(
+            run, [Host("localhost", np + extra)], min_np=min_np, max_np=max_np,
+            max_restarts=args.max_restarts, extra_ranks=extra,
+            on_end=lambda _a, all_: write_record(out / "restarts.json", all_))
+    except SupervisorError as e:
+        print(f"mpsync train: error: {e}", file=sys.stderr)
+        return 1
+    if rc == 0 and len(attempts) > 1:
+        _add_to_metrics(out / "metrics.json", attempts)
+    return rc
+
+
+def _keep_newest(out: Path, index: int) -> Path | None:
+    """A directory holding the newest good checkpoint (hard-linked under OUT/restarts/, so
+    that pruning by the resumed run never removes what a restart started from); None when
+    there is none (start from the beginning)."""
+    try:
+        path, _ = latest_good(out, warn=lambda m: print(f"mpsync train: {m}", file=sys.stderr))
+    except CheckpointError:
+        return None
+    keep = out / "restarts" / f"restart-{index}"
+    keep.mkdir(parents=True, exist_ok=True)
+    link = keep / path.name
+    link.unlink(missing_ok=True)
+    try:
+        os.link(path, link)
+    except OSError:
+        shutil.copy2(path, link)
+    return keep
+
+
+def _describe_checkpoint(path) -> dict:
+    path, state = latest_good(path)
+    return {"path": str(path), "round": state["round"], "step": state["step"],
+            "wall_s": state["wall_s"], "workers": state["workers"]}
+
+
+def restart_costs(attempts: list[dict], resumed_at_clock: float | None) -> list[dict]:
+    """One entry per restart: what failed, on how many workers the job went on, the
+    checkpoint it resumed from, and (for the last restart, whose run wrote the metrics) the
+    seconds from the failed job's end to the resumed job's first step."""
+    costs = []
+    for before, after in zip(attempts, attempts[1:]):
+        entry = {"after_job": before["index"], "failure": before["failure"],
+                 "returncode": before["returncode"], "workers_before": before["np"],
+                 "workers_after": after["np"], "detected_at": before["ended_at"],
+                 "restarted_at": after["started_at"],
+                 "resumed_from": after["extra"].get("resumed_from")}
+        if after is attempts[-1] and resumed_at_clock is not None:
+            entry["restart_s"] = resumed_at_clock - before["ended_at"]
+        costs.append(entry)
+    return costs
+
+
+def _add_to_metrics(path: Path, attempts: list[Attempt]) -> None:
+    from dataclasses import asdict
+
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    records = [asdict(a) for a in attempts]
+    metrics["restarts"] = restart_costs(records, metrics.get("resumed_at_clock"))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(metrics, indent=1))
+    os.replace(tmp, path)

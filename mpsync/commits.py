@@ -1,0 +1,387 @@
+"""Commits that outlive the job: sealed files, written in the background, complete or unused.
+
+With Open MPI 4.1 a lost rank ends the whole job (no ULFM), so every rank's memory is lost with
+it: a state that is to survive must be on a disk (node-local or shared) before the job ends.
+Three pieces, each usable alone:
+
+* **sealed files** (:func:`write_sealed` / :func:`read_sealed`): ``MAGIC``, one JSON header line
+  with the payload's length and sha256, then the payload (``torch.save``).  Written to a
+  temporary name, fsync'ed and renamed, so a reader sees the whole file or the previous one;
+  a truncated or corrupt file is refused with a message naming it.
+* **a background writer** (:class:`BackgroundWriter`): one thread, one waiting slot.  The
+  caller hands it a *copy* of its state and goes on training; a newer commit that arrives while
+  an older one still waits replaces it (commits as often as asked never queue up without bound).
+* **a commit store** (:class:`CommitStore`): one job's commits, one directory per commit
+  (``commit-<seq>/rank-<r>.pt``).  Each rank writes its own file and then tells rank 0 of the
+  store's communicator; rank 0 writes ``MANIFEST.json`` (atomically, last) once every rank's
+  file of that commit is written.  A commit without a manifest is never used:
+  :func:`newest_complete` is what a restarted job resumes from.
+
+The directory must be readable by the restarted job's rank 0: a shared file system, or a
+node-local disk on the first host, which a supervisor keeps first when it restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE",
+           "SealedFileError", "write_sealed", "read_sealed", "fsync_dir", "BackgroundWriter",
+           "CommitStore", "Manifest", "newest_complete", "load_committed", "MAGIC"]
+
+# What an elastic launcher tells every rank of the job it starts:
+ENV_COMMIT_DIR = "MPSYNC_ELASTIC_DIR"            # where commits go and are resumed from
+ENV_HOSTS_FILE = "MPSYNC_ELASTIC_HOSTS_FILE"     # {"version": V, "hosts": [...]}, rewritten
+ENV_HOSTS_VERSION = "MPSYNC_ELASTIC_HOSTS_VERSION"  # V when the job was started
+# A job that ends to be started again with new hosts exits with this (EX_TEMPFAIL).
+RESTART_EXIT_CODE = 75
+
+MAGIC = b"MPSYNC-CKPT 1\n"
+MANIFEST = "MANIFEST.json"
+_REPORT_TAG = 77
+
+
+class SealedFileError(RuntimeError):
+    """A sealed file that cannot be used; the message names the file and the reason."""
+
+
+def _serialize(state) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def write_sealed(path: str | os.PathLike, state, **header) -> dict:
+    """Write ``state`` to ``path`` atomically; returns the header (length, sha256, ``header``)."""
+    path = Path(path)
+    payload = _serialize(state)
+    head = {"sha256": hashlib.sha256(payload).hexdigest(), "length": len(payload), **header}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC)
+        f.write(json.dumps(head).encode() + b"\n")
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return head
+
+
+def read_sealed(path: str | os.PathLike, what: str = "checkpoint"):
+    """The state stored in ``path`` by :func:`write_sealed`; SealedFileError if it is corrupt,
+    truncated or not one."""
+    import torch
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SealedFileError(f"{what} {path}: cannot read ({e.strerror})") from None
+    if not data.startswith(MAGIC):
+        raise SealedFileError(f"{what} {path}: not an mpsync {what} (bad magic)")
+    end = data.find(b"\n", len(MAGIC))
+    if end < 0:
+        raise SealedFileError(f"{what} {path}: truncated header")
+    try:
+        header = json.loads(data[len(MAGIC):end])
+        digest, length = str(header["sha256"]), int(header["length"])
+    except (ValueError, KeyError, TypeError):
+        raise SealedFileError(f"{what} {path}: corrupt header") from None
+    payload = data[end + 1:]
+    if len(payload) != length:
+        raise SealedFileError(f"{what} {path}: truncated ({len(payload)} of {length} "
+                              f"payload bytes)")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise SealedFileError(f"{what} {path}: corrupt (sha256 mismatch)")
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the file system allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class BackgroundWriter:
+    """Runs write jobs on one thread, newest first: a job submitted while another waits
+    replaces it (the older commit is superseded, not queued).  An exception of a job is raised
+    by the next :meth:`submit` or :meth:`wait`, so a failing disk is not silent."""
+
+    def __init__(self, name: str = "mpsync-commit-writer"):
+        self._cond = threading.Condition()
+        self._pending: Callable[[], None] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self.superseded = 0          # jobs replaced before they started
+        self.written = 0
+        self.write_s = 0.0           # seconds spent in jobs (for the cost of a commit)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._raise_error()
+            if self._closed:
+                raise RuntimeError("BackgroundWriter is closed")
+            if self._pending is not None:
+                self.superseded += 1
+            self._pending = job
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until no job waits or runs (True), or ``timeout`` passes (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._raise_error()
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        done = self.wait(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        return done
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"a background commit write failed: {err}") from err
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                job, self._pending, self._busy = self._pending, None, True
+            t0 = time.perf_counter()
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                with self._cond:
+                    self._error = e
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self.written += 1
+                    self.write_s += time.perf_counter() - t0
+                    self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A commit complete on every rank of the job that wrote it."""
+    directory: Path
+    seq: int
+    size: int                 # ranks of the job that wrote it
+    files: dict               # rank -> {"name", "sha256", "length"}
+    info: dict                # what the committer attached (step, wall time, ...)
+
+    def path_of(self, rank: int) -> Path:
+        return self.directory / self.files[rank]["name"]
+
+
+def _commit_dir(root: Path, seq: int) -> Path:
+    return root / f"commit-{seq:09d}"
+
+
+def newest_complete(root: str | os.PathLike) -> Manifest | None:
+    """The newest commit under ``root`` whose manifest is there (None when there is none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for d in sorted((p for p in root.iterdir() if p.name.startswith("commit-")), reverse=True):
+        try:
+            m = json.loads((d / MANIFEST).read_text())
+            return Manifest(d, int(m["seq"]), int(m["size"]),
+                            {int(r): f for r, f in m["files"].items()}, m.get("info", {}))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def load_committed(manifest: Manifest, rank: int):
+    """Rank ``rank``'s state of a complete commit (checked against the manifest's digest)."""
+    return read_sealed(manifest.path_of(rank), what="commit")
+
+
+class CommitStore:
+    """One job's durable commits under ``root`` (see the module doc).  Created collectively
+    on every rank of ``comm`` (its ``Dup()`` carries the reports to rank 0)."""
+
+    def __init__(self, root: str | os.PathLike, comm, *, keep: int = 2,
+                 report_timeout: float = 60.0):
+        from mpi4py import MPI
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.keep, self.report_timeout = max(1, keep), report_timeout
+        self.threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self.writer = BackgroundWriter() if self.threaded else None
+        self.last_complete = -1                    # rank 0: the newest manifest written
+        self._lock = threading.Lock()
+        self._reported: dict[int, dict] = {}       # rank 0: seq -> {rank: file entry}
+        self._last_own = -1
+        self._collector = None
+        self._stop = threading.Event()
+        if self.rank == 0 and self.threaded and self.size > 1:
+            self._collector = threading.Thread(target=self._collect, daemon=True,
+                                               name="mpsync-commit-manifest")
+            self._collector.start()
+
+    # -- every rank ----------------------------------------------------------------------------
+    def commit(self, seq: int, state, info: dict | None = None) -> None:
+        """Write ``state`` (already a copy: the caller goes on changing the original) as this
+        rank's part of commit ``seq``, in the background."""
+        def job():
+            self._write(seq, state, info or {})
+        if self.writer is None:
+            job()
+            if self.rank == 0 and self.size > 1:
+                self._drain_reports(block_until=None)
+        else:
+            self.writer.submit(job)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Until this rank's writes are done and (rank 0) the last one's manifest is written."""
+        ok = self.writer.wait(timeout) if self.writer is not None else True
+        if self.rank == 0 and self._last_own >= 0:
+            end = time.monotonic() + (self.report_timeout if timeout is None else timeout)
+            while self.last_complete < self._last_own and time.monotonic() < end:
+                if self._collector is None:
+                    self._drain_reports(block_until=end)
+                else:
+                    time.sleep(0.005)
+            ok = ok and self.last_complete >= self._last_own
+        return ok
+
+    def close(self, timeout: float | None = None) -> bool:
+        ok = self.flush(timeout)
+        if self.writer is not None:
+            self.writer.close(0)
+        self._stop.set()
+        if self._collector is not None:
+            self._collector.join(1.0)
+        return ok
+
+    def _write(self, seq: int, state, info: dict) -> None:
+        d = _commit_dir(self.root, seq)
+        d.mkdir(parents=True, exist_ok=True)
+        name = f"rank-{self.rank:05d}.pt"
+        head = write_sealed(d / name, state, seq=seq, rank=self.rank, size=self.size)
+        entry = {"name": name, "sha256": head["sha256"], "length": head["length"]}
+        self._last_own = seq
+        if self.rank == 0:
+            self._record(seq, 0, entry, info)
+        else:
+            # Small and sent eagerly; rank 0 matches it by tag on the store's own communicator.
+            self.comm.send((seq, entry), dest=0, tag=_REPORT_TAG)
+        self._prune_own(seq)
+
+    # -- rank 0: collecting reports, writing manifests ----------------------------------------
+    def _record(self, seq: int, rank: int, entry: dict, info: dict | None = None) -> None:
+        with self._lock:
+            got = self._reported.setdefault(seq, {})
+            got[rank] = entry
+            if info is not None:
+                got["info"] = info
+            complete = sorted(s for s, g in self._reported.items()
+                              if sum(1 for k in g if k != "info") == self.size
+                              and "info" in g and s > self.last_complete)
+            if not complete:
+                return
+            seq = complete[-1]
+            files = {r: e for r, e in self._reported[seq].items() if r != "info"}
+            info = self._reported[seq]["info"]
+            for s in [s for s in self._reported if s <= seq]:
+                del self._reported[s]
+        self._write_manifest(seq, files, info)
+
+    def _write_manifest(self, seq: int, files: dict, info: dict) -> None:
+        d = _commit_dir(self.root, seq)
+        tmp = d / f".{MANIFEST}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"seq": seq, "size": self.size, "info": info,
+                                   "files": {str(r): e for r, e in sorted(files.items())},
+                                   "written_at": time.time()}))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, d / MANIFEST)
+        fsync_dir(d)
+        self.last_complete = seq
+        self._prune_complete(seq)
+
+    def _drain_reports(self, block_until: float | None) -> None:
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while True:
+            if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REPORT_TAG, status=status):
+                seq, entry = self.comm.recv(source=status.Get_source(), tag=_REPORT_TAG)
+                self._record(seq, status.Get_source(), entry)
+                continue
+            if block_until is None or time.monotonic() >= block_until:
+                return
+            time.sleep(0.005)
+
+    def _collect(self) -> None:
+        # Polls (a blocking receive would spin a core in Open MPI); 10 ms bounds the delay
+        # between the last rank's write and the manifest.
+        while not self._stop.is_set():
+            self._drain_reports(block_until=None)
+            self._stop.wait(0.01)
+        self._drain_reports(block_until=None)
+
+    # -- pruning -------------------------------------------------------------------------------
+    def _prune_complete(self, newest: int) -> None:
+        """Rank 0: keep the newest ``keep`` complete commits and anything newer than them."""
+        dirs = sorted(p for p in self.root.iterdir() if p.name.startswith("commit-"))
+        complete = [p for p in dirs if (p / MANIFEST).exists()]
+        if len(complete) <= self.keep:
+            return
+        oldest_kept = complete[-self.keep].name
+        for p in dirs:
+            if p.name < oldest_kept:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune_own(self, seq: int) -> None:
+        """Every rank: its own files of commits far older than the last it wrote (on a
+        node-local disk rank 0 never sees them)."""
+        if self.rank == 0:
+            return
+        horizon = seq - 4 * self.keep
+        for p in self.root.glob("commit-*/rank-*.pt"):
+            try:
+                old = int(p.parent.name.split("-")[1]) < horizon
+            except ValueError:
+                continue
+            if old and p.name == f"rank-{self.rank:05d}.pt":
+                p.unlink(missing_ok=True)

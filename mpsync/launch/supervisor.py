@@ -1,0 +1,272 @@
+"""Restarting a job on the hosts that remain: the supervisor above ``mpirun``.
+
+Open MPI 4.1 ends the whole job when one rank dies (no ULFM), so a job survives a lost worker
+only by starting again.  The supervisor runs the job, reads from Open MPI's last words which
+rank failed and on which host, decides which hosts remain (the failed host left out; on a
+single host, the failed rank's slot), sizes the next job within ``--min-np``/``--max-np`` and
+starts it again -- the command it starts resumes from the newest complete commit, which is
+the command's business (``mpsync train --resume``, ``hvd.elastic.run``).  It never runs inside
+a rank.
+
+Pure parts (tested without MPI): :func:`failure_of` (Open MPI's messages -> who failed, why),
+:func:`remaining_hosts`, :func:`worker_count`, :func:`parse_hosts`.  :func:`supervise` is the
+loop; it starts each job through ``run`` (by default :func:`run_streaming`, which passes the
+job's output through and keeps the tail of its stderr to read the failure from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from mpsync.commits import RESTART_EXIT_CODE
+
+__all__ = ["Host", "Failure", "Attempt", "JobEnd", "failure_of", "remaining_hosts",
+           "worker_count", "parse_hosts", "discover_hosts", "run_streaming", "supervise",
+           "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE"]
+
+# Exit codes that are the user's mistake, not a fault: restarting would fail the same way.
+NO_RESTART_CODES = (2,)
+
+
+class SupervisorError(RuntimeError):
+    """The job cannot be restarted (too few workers left, a bad discovery script)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Who ended the job and why, as far as Open MPI's messages tell."""
+    rank: int | None
+    host: str | None
+    cause: str
+
+
+@dataclass
+class JobEnd:
+    """How one job ended: mpirun's exit code (None: stopped from outside), who failed."""
+    returncode: int | None
+    failure: Failure | None
+    elapsed: float
+
+
+@dataclass
+class Attempt:
+    """One start of the job: what it ran on and how it ended."""
+    index: int
+    np: int
+    hosts: list
+    started_at: float
+    ended_at: float | None = None
+    returncode: int | None = None
+    failure: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)"
+                     r"(?: \(([^)]*)\))?")
+_SILENT = re.compile(r"no word from worker (\d+) \(world rank (\d+)\)")
+_EXIT = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
+_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+)")
+_HOST_OF = re.compile(r"on node (\S+)")
+
+
+def failure_of(returncode: int | None, stderr: str) -> Failure:
+    """The failed rank, its host and the cause, read from Open MPI's and mpsync's messages.
+
+    A rank killed by a signal is named by mpirun at once; a stopped or silent rank is named by
+    the workers' deadline (mpsync's "no word from worker W (world rank R)"), and the rank that
+    aborted the job is only the one that noticed.  Earlier lines of the same kind win."""
+    m = _SIGNAL.search(stderr)
+    if m:
+        name = f" ({m.group(4)})" if m.group(4) else ""
+        return Failure(int(m.group(1)), m.group(2).rstrip(".,"), f"signal {m.group(3)}{name}")
+    m = _SILENT.search(stderr)
+    if m:
+        return Failure(int(m.group(2)), None, f"worker {m.group(1)} silent past the deadline")
+    m = _EXIT.search(stderr)
+    if m:
+        return Failure(int(m.group(1)), None, f"exit code {m.group(2)}")
+    m = _ABORT.search(stderr)
+    if m:
+        return Failure(int(m.group(1)), None, "MPI_Abort")
+    if returncode is None:
+        return Failure(None, None, "killed by the supervisor's deadline")
+    return Failure(None, None, f"mpirun exit code {returncode}")
+
+
+def remaining_hosts(hosts: Sequence[Host], failure: Failure, world_hosts: Sequence[str] = ()
+                    ) -> list[Host]:
+    """The hosts for the next start: with several hosts, the failed rank's host is left out
+    (a lost node takes its ranks with it); on a single host, the failed rank's slot.
+    ``world_hosts``: each world rank's host in the failed job, when the failure names only a
+    rank.  An unknown failure leaves the hosts as they were."""
+    host = failure.host
+    if host is None and failure.rank is not None and failure.rank < len(world_hosts):
+        host = world_hosts[failure.rank]
+    if failure.rank is None and host is None:
+        return list(hosts)
+    if len(hosts) == 1:
+        only = hosts[0]
+        return [Host(only.name, only.slots - 1)] if only.slots > 1 else []
+    return [h for h in hosts if h.name != host] if host is not None else list(hosts)
+
+
+def worker_count(hosts: Sequence[Host], *, min_np: int, max_np: int, extra_ranks: int = 0
+                 ) -> int:
+    """Workers the next start gets: all the slots allow (less ``extra_ranks``, e.g. the
+    dedicated server's), at most ``max_np``; SupervisorError below ``min_np``."""
+    free = sum(h.slots for h in hosts) - extra_ranks
+    np = min(max_np, free)
+    if np < min_np:
+        raise SupervisorError(f"only {max(free, 0)} worker slots remain on "
+                              f"{', '.join(h.name for h in hosts) or 'no host'}; "
+                              f"--min-np is {min_np}")
+    return np
+
+
+def parse_hosts(text: str, default_slots: int = 1) -> list[Host]:
+    """``host[:slots]`` entries, separated by commas or lines (horovodrun's -H and discovery
+    script formats)."""
+    hosts = []
+    for item in re.split(r"[,\s]+", text.strip()):
+        if not item:
+            continue
+        name, _, slots = item.partition(":")
+        try:
+            n = int(slots) if slots else default_slots
+        except ValueError:
+            raise SupervisorError(f"host entry {item!r}: slots must be an integer "
+                                  f"(host:slots)") from None
+        if n < 1:
+            raise SupervisorError(f"host entry {item!r}: slots must be >= 1")
+        hosts.append(Host(name, n))
+    return hosts
+
+
+def discover_hosts(script: str, default_slots: int = 1, timeout: float = 30.0) -> list[Host]:
+    """Run a host discovery script (horovodrun's ``--host-discovery-script``): it prints one
+    ``host[:slots]`` per line of the hosts available now."""
+    try:
+        out = subprocess.run([script], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SupervisorError(f"--host-discovery-script {script}: {e}") from None
+    if out.returncode != 0:
+        raise SupervisorError(f"--host-discovery-script {script}: exit code "
+                              f"{out.returncode}: {out.stderr.strip()[-300:]}")
+    return parse_hosts(out.stdout, default_slots)
+
+
+def run_streaming(argv: list[str], env: dict | None = None, tail_lines: int = 400) -> JobEnd:
+    """Run the job in its own process group, its stdout passed through and its stderr both
+    passed through and kept (the tail) to read a failure from.  Interrupting the supervisor
+    ends the whole group."""
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=None, stderr=subprocess.PIPE, env=env, text=True,
+                            errors="replace", start_new_session=True)
+    tail: deque = deque(maxlen=tail_lines)
+
+    def pump():
+        for line in proc.stderr:
+            tail.append(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    try:
+        rc = proc.wait()
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=3)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        raise
+    t.join(5)
+    failure = failure_of(rc, "".join(tail)) if rc != 0 else None
+    return JobEnd(rc, failure, time.monotonic() - start)
+
+
+def supervise(run: Callable[[Attempt], JobEnd], hosts: Sequence[Host], *, min_np: int,
+              max_np: int, max_restarts: int, extra_ranks: int = 0,
+              discover: Callable[[], list[Host]] | None = None,
+              on_end: Callable[[Attempt, list], None] | None = None,
+              log: Callable[[str], None] | None = None) -> tuple[int, list[Attempt]]:
+    """Run the job (``run(attempt)`` starts it with ``attempt.np`` workers on
+    ``attempt.hosts`` and waits for its end) and restart it after a failure, up to
+    ``max_restarts`` times, on the hosts that remain (or, with ``discover``, those it lists,
+    the failed ones excluded).  ``on_end(attempt, attempts)`` is called after every job with
+    the record so far (to write it somewhere).  Returns the last job's exit code and every
+    attempt."""
+    log = log or (lambda msg: print(f"mpsync supervisor: {msg}", file=sys.stderr, flush=True))
+    hosts, excluded = list(hosts), set()
+    attempts: list[Attempt] = []
+    restarts = 0
+    while True:
+        if discover is not None and attempts:
+            hosts = [h for h in discover() if h.name not in excluded]
+        np = worker_count(hosts, min_np=min_np, max_np=max_np, extra_ranks=extra_ranks)
+        attempt = Attempt(len(attempts), np, [asdict(h) for h in hosts], time.time())
+        attempts.append(attempt)
+        end = run(attempt)
+        attempt.ended_at, attempt.returncode = time.time(), end.returncode
+        if end.returncode == 0:
+            if on_end:
+                on_end(attempt, attempts)
+            return 0, attempts
+        failure = end.failure or Failure(None, None, f"exit code {end.returncode}")
+        attempt.failure = asdict(failure)
+        if on_end:
+            on_end(attempt, attempts)
+        if end.returncode in NO_RESTART_CODES:
+            return end.returncode, attempts
+        if end.returncode == RESTART_EXIT_CODE:
+            log(f"job {attempt.index} asked for a restart (hosts changed); starting again")
+            continue
+        if restarts >= max_restarts:
+            if max_restarts:
+                log(f"job {attempt.index} failed ({_describe(failure)}); no restarts left "
+                    f"(--max-restarts {max_restarts})")
+            return end.returncode if end.returncode is not None else 1, attempts
+        restarts += 1
+        if failure.host is not None and len(hosts) > 1:
+            excluded.add(failure.host)
+        hosts = remaining_hosts(hosts, failure)
+        try:
+            worker_count(hosts, min_np=min_np, max_np=max_np, extra_ranks=extra_ranks)
+        except SupervisorError as e:
+            if discover is None:
+                log(f"job {attempt.index} failed ({_describe(failure)}); cannot restart: {e}")
+                return end.returncode if end.returncode is not None else 1, attempts
+        log(f"job {attempt.index} failed ({_describe(failure)}) after {end.elapsed:.1f}s; "
+            f"restart {restarts} of {max_restarts} on "
+            f"{', '.join(f'{h.name}:{h.slots}' for h in hosts)}")
+
+
+def _describe(f: Failure) -> str:
+    who = f"rank {f.rank}" if f.rank is not None else "unknown rank"
+    return f"{who}{f' on {f.host}' if f.host else ''}: {f.cause}"
+
+
+def write_record(path, attempts: Sequence[Attempt]) -> None:
+    """The attempts as JSON, written atomically (a reader never sees half a record)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump([asdict(a) for a in attempts], f, indent=1)
+    os.replace(tmp, path)

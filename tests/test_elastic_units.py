@@ -1,0 +1,156 @@
+"""The pieces of restarts that need no MPI: reading Open MPI's last words, choosing the hosts
+and worker count of the next start, the supervisor's loop over real processes, sealed files,
+the background writer, and re-sharding a checkpoint over another number of workers."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from mpsync.apps.train_checkpoints import remap_position, reshard
+from mpsync.commits import BackgroundWriter, SealedFileError, newest_complete, read_sealed, \
+    write_sealed
+from mpsync.launch.supervisor import Attempt, Failure, Host, SupervisorError, failure_of, \
+    parse_hosts, remaining_hosts, run_streaming, supervise, worker_count
+
+KILLED = """--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+--------------------------------------------------------------------------
+mpirun noticed that process rank 2 with PID 4711 on node node3 exited on signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+EXITED = """mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[51603,1],1]
+  Exit code:    3
+"""
+SILENT = ("mpsync: fault: collective 'allreduce' not complete after 20s deadline: no word "
+          "from worker 1 (world rank 2)\nMPI_ABORT was invoked on rank 1 in communicator "
+          "MPI_COMM_WORLD\n")
+
+
+def test_failure_of_names_the_rank_host_and_cause():
+    assert failure_of(137, KILLED) == Failure(2, "node3", "signal 9 (Killed)")
+    assert failure_of(3, EXITED) == Failure(1, None, "exit code 3")
+    # A stopped worker: the rank that aborted only noticed; the silent one failed.
+    assert failure_of(1, SILENT) == Failure(2, None, "worker 1 silent past the deadline")
+    assert failure_of(1, "MPI_ABORT was invoked on rank 4 in communicator x").rank == 4
+    assert failure_of(None, "").cause.startswith("killed by the supervisor")
+
+
+def test_remaining_hosts_drop_the_failed_host_or_slot():
+    one = [Host("localhost", 4)]
+    assert remaining_hosts(one, Failure(2, "localhost", "x")) == [Host("localhost", 3)]
+    assert remaining_hosts([Host("localhost", 1)], Failure(0, None, "x")) == []
+    many = [Host("a", 2), Host("b", 2), Host("c", 2)]
+    assert remaining_hosts(many, Failure(3, "b", "x")) == [Host("a", 2), Host("c", 2)]
+    # A rank without its host: the failed job's placement says where it ran.
+    assert remaining_hosts(many, Failure(4, None, "x"), ["a", "a", "b", "b", "c", "c"]) == \
+        [Host("a", 2), Host("b", 2)]
+    assert remaining_hosts(many, Failure(None, None, "x")) == many
+
+
+def test_worker_count_within_min_and_max():
+    hosts = [Host("a", 3), Host("b", 2)]
+    assert worker_count(hosts, min_np=1, max_np=8, extra_ranks=1) == 4
+    assert worker_count(hosts, min_np=1, max_np=2, extra_ranks=1) == 2
+    with pytest.raises(SupervisorError, match="only 4 worker slots remain.*--min-np is 5"):
+        worker_count(hosts, min_np=5, max_np=8, extra_ranks=1)
+
+
+def test_parse_hosts():
+    assert parse_hosts("a:2,b\nc:4", default_slots=3) == [Host("a", 2), Host("b", 3),
+                                                         Host("c", 4)]
+    with pytest.raises(SupervisorError, match="slots must be an integer"):
+        parse_hosts("a:x")
+    with pytest.raises(SupervisorError, match=">= 1"):
+        parse_hosts("a:0")
+
+
+def _job(code: int, message: str = "") -> list[str]:
+    return [sys.executable, "-c", f"import sys; sys.stderr.write({message!r}); sys.exit({code})"]
+
+
+def test_supervise_restarts_on_the_slots_that_remain():
+    codes = iter([137, 0])
+    seen: list[Attempt] = []
+
+    def run(attempt):
+        seen.append(attempt)
+        return run_streaming(_job(next(codes), KILLED.replace("node3", "localhost")))
+    rc, attempts = supervise(run, [Host("localhost", 4)], min_np=1, max_np=3,
+                             max_restarts=2, extra_ranks=1, log=lambda m: None)
+    assert rc == 0
+    assert [a.np for a in attempts] == [3, 2]
+    assert attempts[0].failure == {"rank": 2, "host": "localhost", "cause": "signal 9 (Killed)"}
+    assert attempts[1].failure is None and attempts[1].returncode == 0
+
+
+def test_supervise_gives_up_when_restarts_or_workers_run_out():
+    def failing(attempt):
+        return run_streaming(_job(137, KILLED))
+    rc, attempts = supervise(failing, [Host("localhost", 3)], min_np=1, max_np=3,
+                             max_restarts=1, log=lambda m: None)
+    assert rc == 137 and len(attempts) == 2
+    rc, attempts = supervise(failing, [Host("localhost", 2)], min_np=2, max_np=2,
+                             max_restarts=5, log=lambda m: None)
+    assert rc == 137 and len(attempts) == 1   # one slot left, two needed
+    # Bad input (exit 2) is never retried; the default of no restarts ends at the first fault.
+    rc, attempts = supervise(lambda a: run_streaming(_job(2)), [Host("localhost", 3)],
+                             min_np=1, max_np=3, max_restarts=5, log=lambda m: None)
+    assert rc == 2 and len(attempts) == 1
+
+
+def test_sealed_file_refuses_truncation_and_corruption(tmp_path):
+    path = tmp_path / "x.pt"
+    write_sealed(path, {"w": torch.arange(5)}, seq=3)
+    assert torch.equal(read_sealed(path)["w"], torch.arange(5))
+    data = path.read_bytes()
+    path.write_bytes(data[:-2])
+    with pytest.raises(SealedFileError, match="truncated"):
+        read_sealed(path)
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(SealedFileError, match="sha256 mismatch"):
+        read_sealed(path)
+    assert newest_complete(tmp_path) is None
+
+
+def test_background_writer_supersedes_waiting_jobs_and_reports_errors():
+    gate, done = threading.Event(), []
+    w = BackgroundWriter()
+    w.submit(lambda: (gate.wait(5), done.append(1)))
+    time.sleep(0.05)                     # the first job is running, held at the gate
+    w.submit(lambda: done.append(2))
+    w.submit(lambda: done.append(3))     # replaces 2, which never started
+    gate.set()
+    assert w.wait(5)
+    assert done == [1, 3] and w.superseded == 1
+    w.submit(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="background commit write failed"):
+        w.wait(5)
+    w.close(1)
+
+
+def test_reshard_keeps_the_samples_and_is_deterministic():
+    per = [{"epoch": 1, "index": 6, "samples": 100 + i, "counters": {"rounds": 9}, "i": i}
+           for i in range(3)]
+    ckpt = {"per_worker": per, "workers": 3, "round": 9}
+    two = reshard(ckpt, 2)
+    assert two["workers"] == 2 and [w["i"] for w in two["per_worker"]] == [0, 1]
+    assert sum(w["samples"] for w in two["per_worker"]) == sum(w["samples"] for w in per)
+    assert two["per_worker"][1]["resharded_from"] == (3, 1)
+    assert reshard(ckpt, 2) == two
+    four = reshard(ckpt, 4)
+    assert four["per_worker"][3]["i"] == 0 and four["per_worker"][3]["counters"] == {}
+    assert reshard(ckpt, 3) is ckpt
+    # Same fraction of the epoch on a longer shard; never past its end.
+    assert remap_position(6, 12, 18) == 9
+    assert remap_position(11, 12, 6) == 5
+    assert remap_position(0, 0, 5) == 0
