@@ -91,7 +91,7 @@ def test_horovod_elastic_script_survives_a_killed_worker(tmp_path):
     script = tmp_path / "pytorch_digits_elastic_mpsync.py"
     script.write_text(text.replace("import horovod.torch as hvd", "import mpsync.torch as hvd"))
     commits = tmp_path / "commits"
-    argv = [sys.executable, "-m", "mpsync.launch.elastic_run", "--np", "3", "--min-np", "2",
+    argv = [sys.executable, "-m", "mpsync.cli", "run", "--np", "3", "--min-np", "2",
             "--max-restarts", "1", "--commit-dir", str(commits), sys.executable, str(script),
             "--data", str(DIGITS), "--epochs", "4", "--batch-sleep", "0.05"]
 
@@ -109,3 +109,59 @@ def test_horovod_elastic_script_survives_a_killed_worker(tmp_path):
     assert record[0]["failure"]["rank"] == 2 and "signal 9" in record[0]["failure"]["cause"]
     accuracy = float(finals[0].split("accuracy=")[1])
     assert accuracy > 0.7, out[-3000:]
+
+
+def _train(out, policy, *flags):
+    return [sys.executable, "-m", "mpsync.cli", "train", "--policy", policy, "--batch-size",
+            "16", "--seed", "5", "--out", str(out), "--no-progress", "--no-plots", *flags]
+
+
+def _checkpointed(out, at_least_round):
+    def ready():
+        ckpts = sorted((out / "checkpoints").glob("ckpt-*.mpsck"))
+        return bool(ckpts) and int(ckpts[-1].name[5:14]) >= at_least_round
+    return ready
+
+
+def test_bsp_restart_equals_a_resume_by_hand(tmp_path):
+    """A fixed number of steps on the ring: the supervised restart on the two remaining
+    workers computes bitwise what a resume by hand from the same checkpoint computes."""
+    out, by_hand = tmp_path / "run", tmp_path / "by-hand"
+    common = ["--backend", "mpi", "--epochs", "1.5", "--checkpoint-every", "5"]
+    rc, log = _supervised(_train(out, "bsp", "--np", "3", "--max-restarts", "1", *common),
+                          _checkpointed(out, 5), tmp_path)
+    assert rc == 0, log[-6000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    [restart] = metrics["restarts"]
+    assert restart["workers_before"] == 3 and restart["workers_after"] == 2
+    assert restart["failure"]["rank"] == 2 and "signal 9" in restart["failure"]["cause"]
+    assert restart["resumed_from"]["round"] >= 5 and restart["restart_s"] > 0
+    assert metrics["config"]["workers"] == 2 and metrics["config"]["resumed"] is True
+    start = out / "restarts" / "restart-1"
+    run_mpi(TRAIN, np=3, timeout=240, args=[
+        "--policy", "bsp", "--batch-size", "16", "--seed", "5", "--out", str(by_hand),
+        "--no-progress", "--no-plots", *common, "--resume", str(start)])
+    manual = json.loads((by_hand / "metrics.json").read_text())
+    assert manual["final_param_sha256"] == metrics["final_param_sha256"]
+    assert manual["total_samples"] == metrics["total_samples"]
+
+
+@pytest.mark.parametrize("policy, flags", [
+    ("ssp", ["--staleness", "2"]),      # parameter server: the shards from the checkpoint
+    ("esync", []),                     # ring, time-driven rounds
+])
+def test_time_driven_policies_restart_and_reach_the_target(tmp_path, policy, flags):
+    out = tmp_path / "run"
+    rc, log = _supervised(_train(out, policy, "--np", "3", "--max-restarts", "1",
+                                 "--epochs", "3", "--checkpoint-every", "4",
+                                 "--target-acc", "0.85", "--eval-every", "0.5", *flags),
+                          _checkpointed(out, 8), tmp_path)
+    assert rc == 0, log[-6000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    [restart] = metrics["restarts"]
+    ckpt = restart["resumed_from"]
+    assert ckpt["round"] >= 8 and ckpt["workers"] == 2 + 1
+    # The evaluations go on from the committed wall time: none lost before the checkpoint.
+    walls = [e["wall_s"] for e in metrics["evals"]]
+    assert walls == sorted(walls) and walls[-1] > ckpt["wall_s"]
+    assert metrics["final_acc"] >= 0.85, (metrics["final_acc"], log[-3000:])

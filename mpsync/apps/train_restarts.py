@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -35,24 +36,29 @@ from pathlib import Path
 from mpsync.apps.checkpoint import CheckpointError, latest_good
 from mpsync.config import ConfigError
 from mpsync.launch.cluster import argv_from_namespace
-from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
-from mpsync.launch.registry import launch_argv
-from mpsync.launch.supervisor import Attempt, Host, SupervisorError, run_streaming, supervise, \
-    write_record
+from mpsync.launch.mpirun import python_argv
+from mpsync.launch.runner import build_job, run_job
+from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, end_of, \
+    hosts_text, parse_hosts, supervise, write_record
 
 __all__ = ["run_supervised", "restart_costs"]
 
 # Flags the supervisor decides itself on every start (or that only make sense once).
 _SUPERVISOR_FLAGS = ("cluster", "cluster_placement", "np", "max_restarts", "min_np", "max_np",
-                     "resume", "workers")
+                     "resume", "workers", "hosts", "hostfile", "mpirun_args")
 
 
 def run_supervised(args, validate, add_arguments) -> int:
     """Supervise ``mpsync train``'s jobs; ``validate(args, workers)`` and
     ``add_arguments(parser)`` are train's own (its checks, and its flags to rebuild argv)."""
-    extra = 1 if args.server == "dedicated" else 0
-    np = args.np or 2
+    dedicated = args.server == "dedicated"
+    np = args.np
     try:
+        if np is None:
+            raise ConfigError("--max-restarts needs --np N (the workers of the first start)")
+        if args.hostfile:
+            raise ConfigError("--max-restarts takes its hosts from -H HOST:SLOTS,.. (or this "
+                              "host), not --hostfile")
         if args.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
         if not args.checkpoint_every or not args.out:
@@ -74,7 +80,8 @@ def run_supervised(args, validate, add_arguments) -> int:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
 
-    env = clean_launch_env(os.environ)
+    hosts = parse_hosts(args.hosts) if args.hosts else [Host(LOCAL, np)]
+    mpirun_args = shlex.split(args.mpirun_args or "")
 
     def run(attempt: Attempt):
         drop = _SUPERVISOR_FLAGS + (("kill_at_step",) if attempt.index else ())
@@ -84,14 +91,16 @@ def run_supervised(args, validate, add_arguments) -> int:
             rest += ["--resume", str(resume)]
             if attempt.index:
                 attempt.extra["resumed_from"] = _describe_checkpoint(resume)
-        argv = launch_argv(attempt.np + extra, python_argv("mpsync.apps.train", *rest),
-                           forward_env=forwarded_env())
-        return run_streaming(argv, env=env)
+        # The same launcher as `mpsync train --np N`: placement, environment, failure report.
+        job = build_job(python_argv("mpsync.apps.train", *rest, "--np", str(attempt.np)),
+                        attempt.np, dedicated_server=dedicated,
+                        hosts=hosts_text(attempt.hosts), mpirun_args=mpirun_args,
+                        name="mpsync train")
+        return end_of(run_job(job))
 
     try:
         rc, attempts = supervise(
-            run, [Host("localhost", np + extra)], min_np=min_np, max_np=max_np,
-            max_restarts=args.max_restarts, extra_ranks=extra,
+            run, hosts, min_np=min_np, max_np=max_np, max_restarts=args.max_restarts,
             on_end=lambda _a, all_: write_record(out / "restarts.json", all_))
     except SupervisorError as e:
         print(f"mpsync train: error: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ import shutil
 import sys
 
 from mpsync.config import DEFAULTS, SERVER_PLACEMENTS, ConfigError
+from mpsync.launch.elastic_run import add_elastic_arguments, run_elastic, wants_elastic
 from mpsync.launch.hosts import launched_rank
 from mpsync.launch.runner import Job, build_job, run_job
 from mpsync.launch.target import LaunchError
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: $MPSYNC_SERVER or {DEFAULTS.server}: one more rank)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="stop the job after S seconds (default: none)")
+    add_elastic_arguments(p.add_argument_group("elastic runs (hvd.elastic; restarts)"))
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="PROGRAM ...",
                    help="the program and its arguments, e.g. python train.py --epochs 3")
 
@@ -97,6 +99,8 @@ def main(args) -> int:
         command.insert(0, sys.executable)
     # The ranks' init() takes the placement from the environment, so it matches the rank count.
     os.environ["MPSYNC_SERVER"] = server
+    if wants_elastic(args):
+        return run_elastic(args, command, server == "dedicated")
     job = job_from_args(args, command, args.np, server == "dedicated", "mpsync run")
     return launch_and_wait(job, timeout=args.timeout)
 

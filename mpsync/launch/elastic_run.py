@@ -1,42 +1,43 @@
-"""Elastic runs of a user's script, as ``horovodrun --host-discovery-script``: start it, and
-start it again after a lost worker or when the discovery script reports new hosts::
+"""``mpsync run --max-restarts N``: elastic runs of a user's script, as ``horovodrun
+--host-discovery-script``: start it, and start it again after a lost worker or when the
+discovery script reports new hosts::
 
-    python -m mpsync.launch.elastic_run --np 4 --min-np 2 --max-np 8 --max-restarts 3 \\
+    mpsync run --np 4 --min-np 2 --max-np 8 --max-restarts 3 \\
         --host-discovery-script ./discover.sh --commit-dir /shared/ckpt python train.py
 
-The script uses :mod:`mpsync.torch.elastic` (``@hvd.elastic.run``, ``state.commit()``); the
-launcher gives every rank the commit directory (``MPSYNC_ELASTIC_DIR``) and the hosts file its
-discovery watcher rewrites (``MPSYNC_ELASTIC_HOSTS_FILE``), and restarts through
+The script uses :mod:`mpsync.torch.elastic` (``@hvd.elastic.run``, ``state.commit()``); each
+rank gets the commit directory (``MPSYNC_ELASTIC_DIR``) and the hosts file that the discovery
+watcher rewrites (``MPSYNC_ELASTIC_HOSTS_FILE``).  Every start goes through the launcher of
+``mpsync run --np N`` (:func:`mpsync.launch.runner.run_job`) under
 :func:`mpsync.launch.supervisor.supervise`.  Without a discovery script the hosts are ``-H``'s
 (or this host); a failed host is left out of every later start, as horovodrun blacklists it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
 from mpsync.commits import ENV_COMMIT_DIR, ENV_HOSTS_FILE, ENV_HOSTS_VERSION
-from mpsync.config import DEFAULTS, setting_from_env
-from mpsync.launch.mpirun import clean_launch_env, forwarded_env, mpirun_argv
-from mpsync.launch.supervisor import Attempt, Host, SupervisorError, discover_hosts, \
-    parse_hosts, run_streaming, supervise, write_record
+from mpsync.config import ConfigError
+from mpsync.launch.runner import build_job, run_job
+from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, discover_hosts, \
+    end_of, hosts_text, parse_hosts, supervise, write_record
 
-__all__ = ["add_elastic_arguments", "main", "HostsWatcher"]
+__all__ = ["add_elastic_arguments", "wants_elastic", "run_elastic", "HostsWatcher"]
 
 def add_elastic_arguments(p) -> None:
-    p.add_argument("--np", "-np", type=int, required=True, help="workers of the first start")
+    """The flags of an elastic run (``mpsync run``'s; ``--np`` and ``-H`` are its own)."""
     p.add_argument("--min-np", type=int, default=None, help="fewest workers to run with")
     p.add_argument("--max-np", type=int, default=None, help="most workers to run with")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts after a failure (default 3; new hosts do not count)")
-    p.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,..",
-                   help="hosts (default: this host with one slot per rank)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts after a failure (default 0: a fault ends the job; new "
+                        "hosts from the discovery script do not count)")
     p.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
                    help="prints the available hosts, one host[:slots] per line; asked at "
                         "every start and every --discovery-interval seconds")
@@ -89,19 +90,19 @@ class HostsWatcher:
         os.replace(tmp, self.path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpsync.launch.elastic_run")
-    add_elastic_arguments(p)
-    p.add_argument("command", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
-    if not args.command:
-        p.error("give the command to run, e.g. python train.py")
+def wants_elastic(args) -> bool:
+    return bool(args.max_restarts or args.host_discovery_script or args.min_np or args.max_np)
+
+
+def run_elastic(args, command: list[str], dedicated: bool) -> int:
+    """Run ``command`` elastically as ``args`` say (``mpsync run``'s parsed flags)."""
     min_np, max_np = args.min_np or 1, args.max_np or args.np
     if not 1 <= min_np <= args.np <= max_np:
-        print(f"mpsync elastic: error: need 1 <= --min-np ({min_np}) <= --np ({args.np}) <= "
-              f"--max-np ({max_np})", file=sys.stderr)
-        return 2
-    extra = 1 if (setting_from_env("server") or DEFAULTS.server) == "dedicated" else 0
+        raise ConfigError(f"need 1 <= --min-np ({min_np}) <= --np ({args.np}) <= --max-np "
+                          f"({max_np})")
+    if args.hostfile:
+        raise ConfigError("an elastic run takes its hosts from -H or "
+                          "--host-discovery-script, not --hostfile")
     commit_dir = Path(args.commit_dir or tempfile.mkdtemp(prefix="mpsync-elastic-"))
     commit_dir.mkdir(parents=True, exist_ok=True)
     discover = None
@@ -113,41 +114,36 @@ def main(argv: list[str] | None = None) -> int:
         elif args.hosts:
             hosts = parse_hosts(args.hosts)
         else:
-            hosts = [Host("localhost", args.np + extra)]
+            hosts = [Host(LOCAL, args.np)]
     except SupervisorError as e:
-        print(f"mpsync elastic: error: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(e)) from None
     watcher = HostsWatcher(discover, commit_dir / "hosts.json", args.discovery_interval) \
         if discover else None
-    local = len(hosts) == 1 and hosts[0].name == "localhost"
+    mpirun_args = shlex.split(args.mpirun_args or "")
 
     def run(attempt: Attempt):
-        env = dict(os.environ, **{ENV_COMMIT_DIR: str(commit_dir)})
+        os.environ[ENV_COMMIT_DIR] = str(commit_dir)
         if watcher is not None:
-            env[ENV_HOSTS_FILE] = str(watcher.path)
-            env[ENV_HOSTS_VERSION] = str(watcher.started(attempt.hosts))
-        ranks = attempt.np + extra
-        where = [] if local else [f"{h['name']}:{h['slots']}" for h in attempt.hosts]
-        argv = mpirun_argv(ranks, args.command, hosts=where, forward_env=forwarded_env(env))
-        print(f"mpsync elastic: start {attempt.index}: {attempt.np} workers on "
-              f"{', '.join(h['name'] for h in attempt.hosts)}", file=sys.stderr, flush=True)
-        return run_streaming(argv, env=clean_launch_env(env))
+            os.environ[ENV_HOSTS_FILE] = str(watcher.path)
+            os.environ[ENV_HOSTS_VERSION] = str(watcher.started(attempt.hosts))
+        job = build_job(command, attempt.np, dedicated_server=dedicated,
+                        hosts=hosts_text(attempt.hosts), mpirun_args=mpirun_args,
+                        name="mpsync run")
+        print(f"mpsync run: start {attempt.index}: {job.describe()}", file=sys.stderr,
+              flush=True)
+        return end_of(run_job(job, timeout=args.timeout))
 
     if watcher is not None:
         watcher.start()
     try:
         rc, _ = supervise(run, hosts, min_np=min_np, max_np=max_np,
-                          max_restarts=args.max_restarts, extra_ranks=extra, discover=discover,
+                          max_restarts=args.max_restarts, discover=discover,
                           on_end=lambda _a, all_: write_record(commit_dir / "restarts.json",
                                                                all_))
     except SupervisorError as e:
-        print(f"mpsync elastic: error: {e}", file=sys.stderr)
+        print(f"mpsync run: error: {e}", file=sys.stderr)
         return 1
     finally:
         if watcher is not None:
             watcher.stop()
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

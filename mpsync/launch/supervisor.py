@@ -32,8 +32,11 @@ from mpsync.commits import RESTART_EXIT_CODE
 
 __all__ = ["Host", "Failure", "Attempt", "JobEnd", "failure_of", "remaining_hosts",
            "worker_count", "parse_hosts", "discover_hosts", "run_streaming", "supervise",
-           "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE"]
+           "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE", "end_of", "write_record",
+           "hosts_text"]
 
+# The name of this host in a host list: the launcher places the ranks here itself.
+LOCAL = "localhost"
 # Exit codes that are the user's mistake, not a fault: restarting would fail the same way.
 NO_RESTART_CODES = (2,)
 
@@ -169,6 +172,26 @@ def discover_hosts(script: str, default_slots: int = 1, timeout: float = 30.0) -
         raise SupervisorError(f"--host-discovery-script {script}: exit code "
                               f"{out.returncode}: {out.stderr.strip()[-300:]}")
     return parse_hosts(out.stdout, default_slots)
+
+
+def end_of(outcome) -> JobEnd:
+    """A :class:`mpsync.launch.runner.JobOutcome` (the launcher of ``mpsync train --np`` and
+    ``mpsync run``) as the supervisor reads it."""
+    failure = None
+    if not outcome.ok:
+        failure = Failure(outcome.rank, outcome.host,
+                          outcome.reason or f"exit status {outcome.exit_code}")
+    return JobEnd(0 if outcome.ok else outcome.exit_code, failure, outcome.elapsed)
+
+
+def hosts_text(hosts) -> str | None:
+    """``host:slots,...`` for ``-H`` (None for this host alone: the launcher's own placement,
+    oversubscribed as needed)."""
+    names = [(h["name"], h["slots"]) if isinstance(h, dict) else (h.name, h.slots)
+             for h in hosts]
+    if len(names) == 1 and names[0][0] == LOCAL:
+        return None
+    return ",".join(f"{n}:{s}" for n, s in names)
 
 
 def run_streaming(argv: list[str], env: dict | None = None, tail_lines: int = 400) -> JobEnd:
