@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transport": ("mpsync.bench.transport", "Open MPI defaults vs mpsync's tuned transport across cluster nodes (bus bandwidth)"),
     "simulate": ("mpsync.bench.simulate", "mpsync simulate replaying real runs: wait fraction and samples/s errors"),
     "startup": ("mpsync.bench.startup", "seconds from mpirun to the first iteration: mpsync train and a Horovod-style script vs importing torch, numba, mpi4py"),
+    "commit": ("mpsync.bench.commit", "a durable commit of the wide MLP (copy, background write) vs a training step"),
     "memory": ("mpsync.bench.memory", "bytes each policy keeps per worker beyond parameters and gradients"),
 }
 

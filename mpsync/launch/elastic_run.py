@@ -3,7 +3,7 @@
 discovery script reports new hosts::
 
     mpsync run --np 4 --min-np 2 --max-np 8 --max-restarts 3 \\
-        --host-discovery-script ./discover.sh --commit-dir /shared/ckpt python train.py
+        --host-discovery-script ./discover.sh --commit-dir ckpt python train.py
 
 The script uses :mod:`mpsync.torch.elastic` (``@hvd.elastic.run``, ``state.commit()``); each
 rank gets the commit directory (``MPSYNC_ELASTIC_DIR``) and the hosts file that the discovery
