@@ -215,13 +215,16 @@ def joined(r, n):
     else:
         assert mps.allreduce(torch.ones(2), op=mps.Sum).tolist() == [float(n - 1)] * 2
         assert mps.allreduce(torch.tensor([3 * n]), op=mps.Average).tolist() == [3 * (n - 1)]
-        assert mps.allgather(torch.tensor([r, r])).tolist() == [k for k in range(1, n) for _ in "ab"]
-        assert mps.broadcast(torch.tensor([float(r)]), root_rank=n - 1).tolist() == [n - 1.0]
-        _raises(mps.HorovodInternalError, lambda: mps.broadcast(torch.ones(1), root_rank=0),
-                "has joined")
+        # Horovod 0.28.1 answers these with an error while a worker has joined.
+        _raises(mps.HorovodInternalError, lambda: mps.allgather(torch.tensor([r, r])),
+                "Allgather is not supported with Join")
+        _raises(mps.HorovodInternalError,
+                lambda: mps.broadcast(torch.ones(1), root_rank=n - 1),
+                "Broadcast is not supported with Join")
         mps.barrier()
         last = mps.join()
-    assert last == n - 1, last
+    # The workers that join last are the others, at about the same time: one of them.
+    assert last in range(1, n) and last == mps.broadcast_object(last, root_rank=0), last
     _usable(n)
 
 
@@ -342,7 +345,8 @@ def main():
 
 def deadline():
     """A collective's set-up is bounded: worker 0's first barrier gives up at the deadline
-    naming worker 1, which arrives late; worker 0's next barrier then completes both."""
+    naming worker 1, which arrives late; its barrier pairs with worker 0's next one (unnamed
+    collectives pair in order again after one was withdrawn)."""
     import time
 
     mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=3)
@@ -355,7 +359,6 @@ def deadline():
         mps.barrier()
     else:
         time.sleep(4.5)
-        mps.barrier()
         mps.barrier()
     _usable(n)
     mps.shutdown()

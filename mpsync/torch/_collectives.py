@@ -4,24 +4,25 @@ workers (all of them, or a process set).
 
 Every collective runs in two steps, like a request to Horovod's coordinator and its answer:
 
-1. a small allgather of one int64 record per worker on the ``meta`` communicator
-   (:mod:`~mpsync.torch._metadata`): kind, dtype, shape, reduce op, scale factors, root,
-   name; every worker checks the records with the same pure function, so a mismatch raises
-   :class:`~mpsync.torch.HorovodInternalError` with the same message on every worker before
-   any data moves, and the next collective runs normally;
-2. the data collective on the ``comm`` communicator (:mod:`~mpsync.torch._moves`), started
-   only once the records are in.
+1. negotiation by name (:mod:`~mpsync.torch._negotiation`, its messages in
+   :mod:`~mpsync.torch._coordinator`): the worker sends member 0 one int64 record (kind,
+   dtype, shape, reduce op, scale factors, root; :mod:`~mpsync.torch._metadata`) under the
+   collective's name; once every worker has submitted that name, in whatever order, member 0
+   answers every worker with all the records.  Every worker checks them with the same pure
+   function, so a mismatch raises :class:`~mpsync.torch.HorovodInternalError` with the same
+   message on every worker before any data moves, and the next collective runs normally;
+2. the data step on the ``comm`` communicator (:mod:`~mpsync.torch._moves`), started in the
+   order of member 0's answers -- the same on every worker -- several small allreduces
+   answered together sharing one buffer (tensor fusion).
 
-Collectives start their data step in the order they were called (a FIFO), so non-blocking
-collectives on ``comm`` are matched in the same order on every worker, even when a script
-synchronizes its handles in another order.  A worker inside ``join()`` answers each record
-exchange with a ``JOINED`` record and takes part in the data step (zeros into reductions,
-Horovod's join semantics; see :mod:`~mpsync.torch.joining`).
+A name some worker never submits fails at the deadline on the workers that did, naming the
+missing workers, and is withdrawn, so it never disturbs the names after it.  A worker inside
+``join()`` takes part in the answered collectives it has not submitted (zeros into
+allreduces, Horovod's join semantics; see :mod:`~mpsync.torch.joining`).
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from mpsync.torch import _metadata as meta
+from mpsync.torch import _negotiation as neg
 from mpsync.torch._wait import poll_until_done
 from mpsync.torch.exceptions import HorovodInternalError
 
@@ -108,58 +110,87 @@ def wait_while_stepping(test, *, deadline: float, what: str, idle=None, watch=No
 
 
 class _Op:
-    """A collective in flight: waiting for the records, then for its data step.
+    """A collective in flight: waiting for its name to be negotiated, then for its data step.
 
     ``start(records)`` starts the data step and returns ``(test, finish)``; ``finish()``
-    gives the result that ``synchronize(handle)`` returns."""
+    gives the result that ``synchronize(handle)`` returns.  ``fusion``, for a reduction that
+    may share a buffer with others: ``(prepare, finish_from, reduce)`` -- ``prepare()`` is
+    this worker's host tensor ready to reduce, ``finish_from(x)`` the result from the reduced
+    ``x``, ``reduce(buf)`` starts reducing a buffer in place and returns its ``test``."""
 
-    def __init__(self, ops: "UserOps", what: str, name, start, local_error=None):
+    def __init__(self, ops: "UserOps", what: str, name, start, local_error=None,
+                 fusion=None):
         self.ops, self.what, self.name, self._start = ops, what, name, start
         self.local_error = local_error
+        self.fusion = fusion
         self.records = None
         self.error: BaseException | None = None
         self._test = self._finish = None
         self.done = False
+        self.abandoned = False  # its wait gave up; the data step still runs if it comes
+        self.cancelled: list[int] | None = None  # member 0 withdrew it: who never submitted
+        self.extended = False  # member 0 asked for one more deadline (see Negotiator.cancel)
         self.result = None
-        self.seq = 0  # the record exchange's number, the same on every member
+        self.seq = 0  # the data step's number, the same on every member
 
-    def begin_data(self, records: np.ndarray) -> None:
+    def _checked(self, records: np.ndarray) -> bool:
         self.records = records
-        if self._start is None:  # a joined worker's round (joining) reads the records
-            return
         msg = meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
         if self.local_error is not None:
             self.error = self.local_error
         elif msg is not None:
             self.error = HorovodInternalError(msg)
-        else:
-            self._test, self._finish = self._start(records)
+        return self.error is None
 
-    def test_records(self) -> bool:
-        self.ops.advance()
-        return self.records is not None
+    def begin_data(self, records: np.ndarray) -> None:
+        if self._checked(records):
+            self._test, self._finish = self._start(records)
 
     def test(self) -> bool:
         if self.done:
             return True
         self.ops.advance()
+        return self.poll()
+
+    def poll(self) -> bool:
+        """``test`` without advancing the negotiation."""
+        if self.done:
+            return True
         if self.records is None:
             return False
         if self.error is None and not self._test():
             return False
         self.done = True
         self.ops.release(self.name)
-        if self.error is None:
+        if self.error is None and not self.abandoned:
             self.result = self._finish()
         return True
 
     def wait(self):
-        if not self.done:
-            wait_while_stepping(self.test, deadline=self.ops.deadline, what=self.what,
-                                idle=self.ops.idle, watch=self.ops.watch, seq=self.seq)
+        while not self.done:
+            try:
+                wait_while_stepping(self.test, deadline=self.ops.deadline, what=self.what,
+                                    idle=self.ops.idle, watch=self.ops.watch,
+                                    seq=self.seq or self.ops.execs + 1)
+            except TimeoutError as timeout:
+                if not self.ops.give_up(self, timeout):
+                    continue  # member 0 asked for one more deadline
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
+    """One data step for several allreduces: their host tensors packed in one buffer."""
+    xs = [op.fusion[0]() for op in group]
+    buf = torch.cat([x.reshape(-1) for x in xs])
+    test = group[0].fusion[2](buf)
+    at = 0
+    for op, x in zip(group, xs):
+        view = buf[at:at + x.numel()].view(x.shape)
+        at += x.numel()
+        op._test, op._finish = test, (lambda op=op, view=view: op.fusion[1](view))
+        op.seq = seq
 
 
 class _Group:
@@ -199,12 +230,21 @@ class _Done:
 
 class UserOps:
     """The script's collectives over the workers of ``comm`` (a ``Dup()`` reserved for them;
-    the record exchanges get a ``Dup()`` of their own).  ``ranks``: the worker ranks of the
-    members in ``comm``'s order (a process set); ``idle``: called while a collective waits
-    (see :func:`wait_while_stepping`), True if it did something."""
+    negotiation gets a ``Dup()`` of its own).  ``ranks``: the worker ranks of the members in
+    ``comm``'s order (a process set); ``idle``: called while a collective waits (see
+    :func:`wait_while_stepping`), True if it did something.
+
+    Collectives are matched by name (:mod:`~mpsync.torch._negotiation`): an unnamed one is
+    ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order
+    (as Horovod's handle-numbered names are).  ``fusion_bytes`` 0 turns tensor fusion off;
+    ``stall_after`` (default: half the deadline, at most Horovod's 60 s) is when member 0
+    reports the names some workers have not submitted."""
 
     def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None,
-                 checked: bool = True, world_ranks=None):
+                 checked: bool = True, world_ranks=None, fusion_bytes: int | None = None,
+                 stall_after: float | None = None):
+        from mpsync.torch._coordinator import Channel, Coordinator
+        from mpsync.torch._negotiation import FUSION_BYTES
         from mpsync.torch._wait import PeerWatch
 
         self.comm = comm
@@ -213,16 +253,28 @@ class UserOps:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.ranks = list(range(self.size)) if ranks is None else list(ranks)
+        self.world_ranks = list(world_ranks) if world_ranks is not None else self.ranks
         self.deadline = float(deadline)
         self.hvd = hvd  # kept for callers' signatures: every collective here is mpi4py
         self.idle = idle
         self.handles: dict[int, object] = {}
         self._ids = itertools.count(1)
-        self._queue: collections.deque[tuple[_Op, object, np.ndarray]] = collections.deque()
-        self._names: set[str] = set()
-        self.exchanges = 0  # record exchanges started: the same count on every member
-        # False: no record exchange, the data step starts at once (``mpsync bench allreduce``
-        # measures what the check costs; reductions only, nothing else may be queued).
+        self._names: set[str] = set()      # in flight (not yet synchronized)
+        self._waiting: dict[str, _Op] = {}  # submitted, not yet answered
+        self._unnamed = 0                  # unnamed collectives submitted
+        self._running: list[_Op] = []      # abandoned ops whose data step still runs
+        self.execs = 0                     # data steps started: the same count on every member
+        self.exchanges = 0                 # requests sent by this member
+        self.joined = None                 # a joined worker's answerer (joining)
+        self.all_joined: int | None = None
+        self.channel = Channel(self.meta)
+        stall = min(60.0, self.deadline / 2) if stall_after is None else stall_after
+        self.coordinator = Coordinator(
+            self.meta, self.size, stall_after=stall, deadline=self.deadline,
+            fusion_bytes=FUSION_BYTES if fusion_bytes is None else fusion_bytes) \
+            if self.rank == 0 else None
+        # False: no negotiation, the data step starts at once (``mpsync bench allreduce``
+        # measures what negotiation costs; reductions only, nothing else may be queued).
         self.checked = checked
 
     def free(self) -> None:
@@ -235,72 +287,135 @@ class UserOps:
         self.handles[handle] = op
         return handle
 
-    # -- the record exchange ------------------------------------------------------------------
-    def submit(self, what: str, name, rec: np.ndarray, start, local_error=None) -> _Op:
-        """Post ``rec`` and queue the collective; raises ``local_error`` (after posting, so the
-        others learn of it and raise too) or a duplicate in-flight ``name`` (before)."""
-        if name is not None:
-            if name in self._names:
-                raise ValueError(f"{what}: requested a collective named {name!r} while another "
-                                 f"one with that name is in flight (not yet synchronized); "
-                                 f"use a different name")
-            self._names.add(name)
-        op = _Op(self, what, name, start, local_error)
+    # -- negotiation ----------------------------------------------------------------------------
+    def submit(self, what: str, name, rec: np.ndarray, start, local_error=None,
+               fusion=None) -> _Op:
+        """Submit the collective named ``name`` (None: the next unnamed one of its kind);
+        raises ``local_error`` (after submitting, so the others learn of it and raise too)
+        or a duplicate in-flight ``name`` (before)."""
+        if name is not None and name in self._names:
+            raise ValueError(f"{what}: requested a collective named {name!r} while another "
+                             f"one with that name is in flight (not yet synchronized); "
+                             f"use a different name")
+        if name is None:
+            self._unnamed += 1
+            name = f"{neg.UNNAMED}.{self._unnamed}"
+        self._names.add(name)
+        op = _Op(self, what, name, start, local_error, fusion)
         if not self.checked:
-            if local_error is not None or self._queue:
+            if local_error is not None:
                 raise RuntimeError(f"{what}: unchecked collectives take valid reductions only")
             op.records = rec[None, :]
             op._test, op._finish = start(op.records)
             return op
         if local_error is not None:
             rec[meta.Field.INVALID] = 1
-        self._post(op, rec)
+        self._waiting[name] = op
+        self.channel.submit(name, np.ascontiguousarray(rec, dtype=np.int64))
+        self.exchanges += 1
+        self.watch.drain()
         if local_error is not None:
             self.release(name)
             raise local_error
         return op
 
-    def _post(self, op, rec: np.ndarray) -> None:
-        from mpi4py import MPI
+    def advance(self) -> bool:
+        """Member 0: answer the requests in; every member: start the data steps answered,
+        in the order answered.  True if anything happened."""
+        busy = self.coordinator.step() if self.coordinator is not None else False
+        for parts in self.channel.answers():
+            busy = True
+            kind = int(parts[0][0])
+            if kind == neg.EXEC:
+                self._execute(parts)
+            elif kind == neg.CANCELLED:
+                op = self._waiting.pop(neg.word_name(parts[1]), None)
+                if op is not None:
+                    op.cancelled = [int(w) for w in parts[2]]
+                    self.release(op.name)
+            elif kind == neg.EXTENDED:
+                op = self._waiting.get(neg.word_name(parts[1]))
+                if op is not None:
+                    op.extended = True
+            elif kind == neg.ALL_JOINED:
+                self.all_joined = int(parts[0][1])
+        if self._running:
+            self._running = [op for op in self._running if not op.poll()]
+        return busy
 
-        rec = np.ascontiguousarray(rec, dtype=np.int64)
-        out = np.empty((self.size, rec.size), dtype=np.int64)
-        req = self.meta.Iallgather([rec, MPI.INT64_T], [out, MPI.INT64_T])
-        self.exchanges += 1
-        op.seq = self.exchanges
-        self.watch.drain()
-        self._queue.append((op, req, out))
+    def _execute(self, parts: list) -> None:
+        count = int(parts[0][1])
+        group = []
+        for i in range(count):
+            name = neg.word_name(parts[1 + 3 * i])
+            records = parts[2 + 3 * i].reshape(self.size, -1)
+            local = neg.local_name(name, parts[3 + 3 * i], self.rank)
+            op = self._waiting.pop(local, None)
+            if op is None:  # a joined worker, or a name this worker withdrew in the meantime
+                self.execs += 1
+                if self.joined is not None:
+                    self.joined(records)
+                continue
+            if op.abandoned:
+                self._running.append(op)
+            group.append((op, records))
+        if count > 1:  # member 0 fused these allreduces: one data step on every worker
+            for op, records in group:
+                op._checked(records)
+            self.execs += 1
+            _start_fused(self, [op for op, _ in group], self.execs)
+            return
+        for op, records in group:
+            self.execs += 1
+            op.seq = self.execs
+            op.begin_data(records)
 
-    def advance(self) -> None:
-        """Start the data step of every queued collective whose records are in, in order."""
-        while self._queue:
-            op, req, out = self._queue[0]
-            if not req.Test():
-                return
-            self._queue.popleft()
-            op.begin_data(out)
+    def give_up(self, op: _Op, timeout: BaseException) -> bool:
+        """``op`` passed its deadline: withdraw its name if it is still waiting and raise,
+        naming the workers that never submitted it (member 0 knows them).  If the answer to
+        run it crosses the withdrawal, it runs (and may still complete in the grace time);
+        False: member 0 asked for one more deadline (a missing worker is stuck behind an
+        older collective of its own)."""
+        op.abandoned = True
+        if op.records is None and op.name in self._waiting:
+            op.cancelled, op.extended = None, False
+            self.channel.cancel(op.name)
+            end = time.monotonic() + min(1.0, self.deadline / 4)
+            while time.monotonic() < end and op.records is None and op.cancelled is None \
+                    and not op.extended:
+                self.advance()
+                time.sleep(1e-4)
+            if op.extended and op.records is None:
+                op.abandoned = False
+                return False
+            if op.records is None:
+                missing = op.cancelled  # None: member 0 did not answer; a late answer runs it
+                if missing:
+                    from mpsync.torch._wait import CollectiveTimeout
+
+                    raise CollectiveTimeout(
+                        f"{op.what} {op.name!r}", self.deadline, missing,
+                        [self.world_ranks[w] for w in missing]) from None
+                raise timeout
+        if op.test():
+            op.abandoned = False
+            if op.error is None:
+                op.result = op._finish()
+            return True
+        self._running.append(op)
+        raise timeout
 
     def release(self, name) -> None:
         self._names.discard(name)
 
     def drain(self) -> None:
-        """Wait until every queued collective has its records (before ``join``)."""
-        while self._queue:
-            op = self._queue[0][0]
-            wait_while_stepping(lambda: (self.advance(), op.records is not None)[1],
-                                deadline=self.deadline, what=op.what, idle=self.idle,
-                                watch=self.watch, seq=op.seq)
+        """Start the data step of every collective this worker has submitted whose answer is
+        in (kept for callers: negotiation needs no draining before ``join``)."""
+        self.advance()
 
     def _wait(self, req, what: str) -> None:
         wait_while_stepping(req.Test, deadline=self.deadline, what=what, idle=self.idle,
-                            watch=self.watch, seq=self.exchanges)
-
-    def exchange(self, rec: np.ndarray) -> _Op:
-        """Post a record with no data step of its own (a joined worker's round): the
-        returned op's ``test_records()`` says when every member's record is in."""
-        op = _Op(self, "join", None, None)
-        self._post(op, rec)
-        return op
+                            watch=self.watch, seq=self.execs)
 
     def check(self, records: np.ndarray) -> str | None:
         return meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
@@ -325,4 +440,3 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 def name_of(name) -> str | None:
     return None if name is None else str(name)
-

@@ -163,14 +163,12 @@ def _compare(ref, rec, a: int, w: int, kind: str, dtype_names, op_names) -> str 
 
 
 def _with_join(ref, kind: str, joined: list[int]) -> str | None:
-    """What a collective cannot do while ``joined`` workers wait in ``join()``: Horovod lets
-    joined ranks contribute zeros to reductions; a joined worker also receives a broadcast,
-    contributes no rows to an allgather and takes part in a barrier.  An alltoall would need
-    rows from it, and a broadcast from it needs its tensor."""
-    if kind == "alltoall":
-        return (f"alltoall is not supported while workers {joined} have joined (they have no "
-                f"rows to send)")
-    if kind == "broadcast" and int(ref[Field.ROOT]) in joined:
-        return (f"broadcast from root worker {int(ref[Field.ROOT])}, which has joined (it has "
-                f"no tensor to send)")
+    """What a collective cannot do while ``joined`` workers wait in ``join()``.  Horovod's
+    coordinator lets joined ranks contribute zeros to an allreduce and take part in a
+    barrier; an allgather, broadcast, alltoall or reducescatter is answered with an error on
+    the ranks that called it (its messages, as Horovod 0.28.1 words them)."""
+    if kind in ("allgather", "broadcast", "alltoall", "reducescatter"):
+        name = kind[0].upper() + kind[1:]
+        return (f"{name} is not supported with Join at this time (workers {joined} have "
+                f"joined).")
     return None

@@ -99,17 +99,20 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
                       nbytes=wire.numel() * wire.element_size())
     post = postscale / ops.size if op == Average else postscale
 
+    def prepare():
+        return _scale_(_host(wire), prescale)
+
+    def finish_from(x):
+        y = compression.decompress(_scale_(x, post), ctx)
+        return finish(y) if finish is not None else _deliver(y, tensor, out)
+
     def start(_records):
-        x = _scale_(_host(wire), prescale)
-        test = _reduce_started(ops, x, op)
+        x = prepare()
+        return _reduce_started(ops, x, op), lambda: finish_from(x)
 
-        def done():
-            y = compression.decompress(_scale_(x, post), ctx)
-            return finish(y) if finish is not None else _deliver(y, tensor, out)
-
-        return test, done
-
-    return ops.submit(meta.KIND_NAMES[kind], name, rec, start, error)
+    fusion = (prepare, finish_from, lambda buf: _reduce_started(ops, buf, op)) \
+        if kind == meta.ALLREDUCE else None
+    return ops.submit(meta.KIND_NAMES[kind], name, rec, start, error, fusion=fusion)
 
 
 def reducescatter_rows(rows: int, size: int, rank: int) -> tuple[int, int]:

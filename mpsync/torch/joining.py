@@ -3,20 +3,19 @@ collectives until every worker has joined.
 
 Two kinds of collectives may be running on the others: their ``DistributedOptimizer``
 aggregations (each strategy's own ``join``, see ``strategies``) and the script's own
-collectives (``mpi_ops``).  A joined worker answers both at once: it posts a ``JOINED``
-record for the script's next collective, and while its optimizers' joins wait inside an
-aggregation the backend calls :meth:`JoinService.poll` between polls, so an ``allreduce``
-the others call between two optimizer steps is answered (zeros, as in Horovod) instead of
-waiting for the deadline.  When every worker's record says JOINED, all return.
+collectives (``mpi_ops``).  A joined worker answers both at once: member 0's negotiation
+counts it as present for every name (:mod:`~mpsync.torch._negotiation`), and while its
+optimizers' joins wait inside an aggregation the backend calls :meth:`JoinService.poll`
+between polls, so an ``allreduce`` the others call between two optimizer steps is answered
+(zeros, as in Horovod) instead of waiting for the deadline; an allgather, broadcast, alltoall
+or reducescatter raises on the others, as in Horovod 0.28.1.  When every worker has joined,
+all return the worker that joined last.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
-
-from mpsync.torch import _metadata as meta
 from mpsync.torch._moves import take_part_joined
 from mpsync.torch._wait import CollectiveTimeout
 
@@ -24,28 +23,32 @@ __all__ = ["JoinService", "join"]
 
 
 class JoinService:
-    """One worker's answers to the script's collectives while it is joined."""
+    """One worker's answers to the script's collectives while it is joined: it tells member 0
+    it has joined, and takes part in every collective member 0 answers that it has not
+    submitted itself, until member 0 says every worker has joined."""
 
     def __init__(self, ops):
         self.ops = ops
-        ops.drain()
-        self.joined_at = ops.exchanges
         self.last: int | None = None
-        self._round = ops.exchange(meta.joined_record(ops.size, self.joined_at))
+        ops.all_joined = None
+        ops.joined = self._take_part
+        ops.channel.join()
 
-    def poll(self) -> bool:
-        """Answer the next collective if its records are in; True if it did something."""
-        if self.last is not None or not self._round.test_records():
-            return False
-        records = self._round.records
-        if np.all(records[:, meta.Field.KIND] == meta.JOINED):
-            at = records[:, meta.Field.JOINED_ROUNDS]
-            self.last = int(np.flatnonzero(at == at.max())[-1])
-            return True
+    def _take_part(self, records) -> None:
         if self.ops.check(records) is None:
             take_part_joined(self.ops, records)
-        self._round = self.ops.exchange(meta.joined_record(self.ops.size, self.joined_at))
-        return True
+
+    def poll(self) -> bool:
+        """Answer what member 0 has sent; True if it did something."""
+        if self.last is not None:
+            return False
+        busy = self.ops.advance()
+        if self.ops.all_joined is not None:
+            self.last = self.ops.all_joined
+            self.ops.joined = None
+            self.ops.all_joined = None
+            return True
+        return busy
 
     def finish(self, deadline: float) -> int:
         """Answer collectives until every worker has joined; the worker that joined last."""
@@ -56,6 +59,7 @@ class JoinService:
             else:
                 time.sleep(2e-4)
             if time.monotonic() - quiet_since > deadline:
+                self.ops.joined = None
                 raise CollectiveTimeout("join", deadline, [], why="the workers that have not "
                                         "joined neither called a collective nor joined")
         return self.last

@@ -1,0 +1,152 @@
+"""The messages of named negotiation (:mod:`~mpsync.torch._negotiation`) over MPI.
+
+Every member of a set has a :class:`Channel` on a communicator reserved for negotiation: it
+sends its requests (submit a name, withdraw one, join) to member 0 and receives member 0's
+answers, which arrive in the order they were sent (MPI keeps the order of messages between
+two ranks on one tag), so every member sees the same sequence of ``EXEC`` answers.  Member 0
+also runs the :class:`Coordinator`: it drains the requests whenever that worker is inside a
+collective call (there is no background thread: a worker waiting for a name keeps member 0's
+part going only while member 0 is itself inside mpsync, as with order-matched collectives).
+
+Why not the state server: it would add a hop through the server's loop (a thread of rank 0,
+or a dedicated rank) to every collective and compete with the policy decisions it answers;
+the workers' own member 0 answers in the same two messages without touching the server.
+``mpsync bench allreduce`` measures both (see bench/allreduce/README.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from mpsync.torch import _negotiation as neg
+
+__all__ = ["Channel", "Coordinator"]
+
+_REQUEST_TAG, _ANSWER_TAG = 7401, 7402
+_CYCLE_S = 1e-3  # Horovod's HOROVOD_CYCLE_TIME default: the longest a ready name waits
+
+
+def _receive(comm, source, tag) -> list[np.ndarray]:
+    """Every message waiting from ``source`` on ``tag``, in order (cheap when none)."""
+    from mpi4py import MPI
+
+    out = []
+    status = MPI.Status()
+    while comm.Iprobe(source=source, tag=tag, status=status):
+        buf = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
+        comm.Recv([buf, MPI.INT64_T], source=status.Get_source(), tag=tag)
+        out.append((status.Get_source(), buf))
+    return out
+
+
+class _Sender:
+    def __init__(self, comm):
+        self.comm = comm
+        self._sends: list = []
+
+    def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
+        from mpi4py import MPI
+
+        if len(self._sends) > 64:
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+        self._sends.append((self.comm.Isend([buf, MPI.INT64_T], dest=dest, tag=tag), buf))
+
+
+class Channel(_Sender):
+    """One member's end: requests to member 0, answers from it."""
+
+    def request(self, parts) -> None:
+        self.send(neg.frame(parts), 0, _REQUEST_TAG)
+
+    def submit(self, name: str, rec: np.ndarray) -> None:
+        self.request([[neg.SUBMIT], rec, neg.name_words(name)])
+
+    def cancel(self, name: str) -> None:
+        self.request([[neg.CANCEL], neg.name_words(name)])
+
+    def join(self) -> None:
+        self.request([[neg.JOIN]])
+
+    def answers(self) -> list[list[np.ndarray]]:
+        return [neg.unframe(buf) for _src, buf in _receive(self.comm, 0, _ANSWER_TAG)]
+
+
+class Coordinator(_Sender):
+    """Member 0's table and answers (see the module doc).  ``fusion_bytes`` 0: no fusion;
+    names waiting ``stall_after`` seconds are reported once on stderr (``report`` replaces
+    the printing, for tests)."""
+
+    def __init__(self, comm, size: int, *, stall_after: float, deadline: float,
+                 fusion_bytes: int = neg.FUSION_BYTES, report=None):
+        super().__init__(comm)
+        self.table = neg.Negotiator(size)
+        self.size = size
+        self.stall_after, self.deadline = stall_after, deadline
+        self.fusion_bytes = fusion_bytes
+        self.report = report or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.stall_reports: list[dict] = []
+        self._next_stall_check = 0.0
+        self._ready: list = []  # answered at the end of the burst that made them ready
+        self._ready_since = 0.0
+
+    def _broadcast(self, parts) -> None:
+        buf = neg.frame(parts)
+        for w in range(self.size):
+            self.send(buf, w, _ANSWER_TAG)
+
+    def _execute(self, ready: list) -> None:
+        for group in neg.fusion_groups(ready, self.fusion_bytes):
+            parts = [[neg.EXEC, len(group)]]
+            for name, recs, numbers in group:
+                parts += [neg.name_words(name), recs, numbers]
+            self._broadcast(parts)
+
+    def step(self) -> bool:
+        """Drain the requests, answer what became ready; True if anything arrived."""
+        requests = _receive(self.comm, _any_source(), _REQUEST_TAG)
+        now = time.monotonic()
+        ready = list(self._ready)
+        for src, buf in requests:
+            parts = neg.unframe(buf)
+            kind = int(parts[0][0])
+            if kind == neg.SUBMIT:
+                ready += self.table.submit(src, neg.word_name(parts[2]), parts[1], now)
+            elif kind == neg.CANCEL:
+                name = neg.word_name(parts[1])
+                missing = self.table.cancel(src, name, now, self.deadline)
+                if missing == neg.EXTEND:
+                    self.send(neg.frame([[neg.EXTENDED], parts[1]]), src, _ANSWER_TAG)
+                elif missing is not None:
+                    self.send(neg.frame([[neg.CANCELLED], parts[1], missing]), src,
+                              _ANSWER_TAG)
+            elif kind == neg.JOIN:
+                newly, last = self.table.join(src)
+                ready += newly
+                if last is not None:
+                    self._execute(ready)
+                    ready = []
+                    self._broadcast([[neg.ALL_JOINED, last]])
+        # Answer once a burst of requests has been read (or after a cycle): names that became
+        # ready together may share a buffer, as in a Horovod cycle.
+        if ready and (not requests or now - self._ready_since > _CYCLE_S):
+            self._execute(ready)
+            ready = []
+        if ready and not self._ready:
+            self._ready_since = now
+        self._ready = ready
+        if now >= self._next_stall_check:
+            self._next_stall_check = now + min(1.0, self.stall_after / 4)
+            stalled = self.table.stalled(now, self.stall_after)
+            if stalled:
+                self.stall_reports.append(stalled)
+                self.report(neg.stall_text(stalled, self.stall_after, self.deadline))
+        return bool(requests)
+
+
+def _any_source() -> int:
+    from mpi4py import MPI
+
+    return MPI.ANY_SOURCE

@@ -1,0 +1,255 @@
+"""Named negotiation: which collectives every worker has submitted, and in which order all of
+them run -- the decision Horovod's controller makes on rank 0 -- as pure functions and one
+small table.  No MPI and no torch here: names and int64 records in, decisions out.
+
+Workers submit collectives by name in any order.  The coordinator (member 0 of the set) keeps,
+for every name, the records of the workers that have submitted it; a name is *ready* once
+every worker that has not joined has submitted it, and ready names are answered to every
+worker in the order they became ready, so every worker starts the same data steps in the same
+order whatever order it submitted them in.  Ready allreduces of one dtype and op that were
+answered together are fused into one buffer up to a byte threshold (Horovod's tensor fusion).
+
+A worker that gives up on a name at its deadline withdraws its record (``cancel``); the
+coordinator answers with the workers that never submitted it, so the name never runs with
+part of the workers and the next names are not disturbed.  Names waiting longer than the
+warning time are reported once each (Horovod's stall inspector).
+
+The wire form of every message is one int64 array (:func:`frame` / :func:`unframe`); names
+travel as their UTF-8 bytes (:func:`name_words` / :func:`word_name`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpsync.torch import _metadata as meta
+
+__all__ = ["SUBMIT", "CANCEL", "JOIN", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED", "FUSION_BYTES",
+           "frame", "unframe", "name_words", "word_name", "Negotiator", "fusion_groups",
+           "stall_text", "unnamed_key", "local_name", "UNNAMED"]
+
+# Message kinds: worker -> coordinator, then coordinator -> worker.
+SUBMIT, CANCEL, JOIN = 1, 2, 3
+EXEC, CANCELLED, ALL_JOINED, EXTENDED = 11, 12, 13, 14
+
+EXTEND = "extend"  # :meth:`Negotiator.cancel`'s answer: wait one more deadline
+
+# Horovod's default HOROVOD_FUSION_THRESHOLD (64 MB).
+FUSION_BYTES = 64 << 20
+
+
+def frame(parts) -> np.ndarray:
+    """One int64 array holding ``parts`` (int64 arrays or int lists): count, lengths, data."""
+    arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+    head = np.array([len(arrays)] + [a.size for a in arrays], dtype=np.int64)
+    return np.concatenate([head] + arrays)
+
+
+def unframe(buf: np.ndarray) -> list[np.ndarray]:
+    n = int(buf[0])
+    sizes = buf[1:1 + n]
+    out, at = [], 1 + n
+    for s in sizes:
+        out.append(buf[at:at + int(s)])
+        at += int(s)
+    return out
+
+
+def name_words(name: str) -> np.ndarray:
+    raw = name.encode()
+    padded = raw + b"\0" * (-len(raw) % 8)
+    return np.concatenate([[len(raw)], np.frombuffer(padded, dtype=np.int64)]).astype(np.int64)
+
+
+def word_name(words: np.ndarray) -> str:
+    n = int(words[0])
+    return np.ascontiguousarray(words[1:]).tobytes()[:n].decode()
+
+
+UNNAMED = "noname"
+
+
+def unnamed_key(local: str) -> str | None:
+    """``"noname.7"`` (a worker's 7th unnamed collective) -> ``"noname"``; a name -> None."""
+    head, dot, tail = local.rpartition(".")
+    return head if dot and head == UNNAMED and tail.isdigit() else None
+
+
+class Negotiator:
+    """The coordinator's table for ``size`` workers (member indices 0..size-1).
+
+    A named collective waits under its name.  Unnamed ones wait together, each worker's in
+    the order it submitted them, and the first of every worker's are matched -- what
+    Horovod's handle-numbered names do while the workers agree; unlike those, the next ones
+    pair again after one worker withdrew one of its own at a deadline, and an unnamed
+    allreduce on one worker against an unnamed allgather on another is a mismatch error on
+    both instead of a stall."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.waiting: dict[str, dict[int, list]] = {}  # key -> worker -> [(local, rec, t, n)]
+        self.reported: set[str] = set()
+        self.joined: list[int] = []  # in the order they joined
+        self._count: dict[str, int] = {}
+        self.extended: set[tuple[str, int]] = set()
+        self.gave_up: dict[int, tuple[int, float]] = {}  # worker -> (arrival, when)
+        self._arrivals = 0
+
+    def _ready(self, key: str) -> bool:
+        have = self.waiting[key]
+        return all(have.get(w) or w in self.joined for w in range(self.size))
+
+    def _take(self, key: str) -> tuple[str, np.ndarray, np.ndarray]:
+        """(name, every worker's record, every worker's number for an unnamed one)."""
+        have = self.waiting[key]
+        width = next(q[0][1].size for q in have.values() if q)
+        recs = np.empty((self.size, width), dtype=np.int64)
+        numbers = np.full(self.size, -1, dtype=np.int64)
+        for w in range(self.size):
+            if have.get(w):
+                local, recs[w], _t, _seq = have[w].pop(0)
+                if local != key:
+                    numbers[w] = int(local.rpartition(".")[2])
+            else:
+                recs[w] = meta.joined_record(self.size, 0)[:width]
+        if not any(have.values()):
+            del self.waiting[key]
+        self.reported.discard(key)
+        name = key
+        if key == UNNAMED:
+            self._count[key] = self._count.get(key, 0) + 1
+            name = f"{key}.{self._count[key]}"
+        return name, recs, numbers
+
+    def submit(self, worker: int, local: str, rec: np.ndarray, now: float) -> list:
+        """Record ``worker``'s request ``local``; what became ready (see :meth:`_take`)."""
+        key = unnamed_key(local) or local
+        queue = self.waiting.setdefault(key, {}).setdefault(worker, [])
+        self._arrivals += 1
+        queue.append((local, np.asarray(rec, dtype=np.int64), now, self._arrivals))
+        return [self._take(key)] if self._ready(key) else []
+
+    def cancel(self, worker: int, local: str, now: float, patience: float):
+        """``worker`` withdraws ``local`` at its deadline: the workers that never submitted it;
+        None if it is not waiting (it was answered already, and that answer is on its way);
+        ``EXTEND`` (once per request) when a missing worker is stuck behind an older request
+        of its own, or gave one up within ``patience`` seconds: a worker that skipped part of
+        a sequence (a failing test) and went on leaves the others waiting for the rest; the
+        older collective fails first, and this one, submitted after it, should then pair."""
+        key = unnamed_key(local) or local
+        queue = self.waiting.get(key, {}).get(worker, [])
+        at = next((i for i, e in enumerate(queue) if e[0] == local), None)
+        if at is None:
+            return None
+        missing = self.missing(key)
+        seq = queue[at][3]
+        stuck = any(self._oldest(m) < seq or (m in self.gave_up and self.gave_up[m][0] < seq
+                                              and now - self.gave_up[m][1] < patience)
+                    for m in missing)
+        if stuck and (local, worker) not in self.extended:
+            self.extended.add((local, worker))
+            return EXTEND
+        self.extended.discard((local, worker))
+        self.gave_up[worker] = (seq, now)
+        queue.pop(at)
+        if not any(self.waiting[key].values()):
+            del self.waiting[key]
+            self.reported.discard(key)
+        return missing
+
+    def _oldest(self, worker: int) -> float:
+        """The arrival number of ``worker``'s oldest waiting request (inf if none)."""
+        return min((q[0][3] for have in self.waiting.values() for w, q in have.items()
+                    if w == worker and q), default=float("inf"))
+
+    def missing(self, key: str) -> list[int]:
+        have = self.waiting.get(key, {})
+        return [w for w in range(self.size) if not have.get(w) and w not in self.joined]
+
+    def join(self, worker: int) -> tuple[list, int | None]:
+        """``worker`` has joined: the names that are ready without it, and the worker that
+        joined last once every worker has (the table then forgets the joins)."""
+        if worker not in self.joined:
+            self.joined.append(worker)
+        ready = []
+        for key in list(self.waiting):
+            while key in self.waiting and self._ready(key):
+                ready.append(self._take(key))
+        if len(self.joined) == self.size:
+            last = self.joined[-1]
+            self.joined = []
+            return ready, last
+        return ready, None
+
+    def stalled(self, now: float, warn_after: float) -> dict[str, list[int]]:
+        """Names waiting longer than ``warn_after`` seconds not reported before, with the
+        workers that have not submitted them."""
+        out = {}
+        for key, have in self.waiting.items():
+            oldest = min((q[0][2] for q in have.values() if q), default=now)
+            if now - oldest >= warn_after and key not in self.reported:
+                self.reported.add(key)
+                out[key] = self.missing(key)
+        return out
+
+
+def stall_text(stalled: dict[str, list[int]], warn_after: float, deadline: float) -> str:
+    """Horovod's stall warning, per missing worker the names it has not submitted."""
+    by_worker: dict[int, list[str]] = {}
+    for name, workers in stalled.items():
+        for w in workers:
+            by_worker.setdefault(w, []).append(name)
+    lines = [f"mpsync: one or more collectives were submitted by a subset of the workers and "
+             f"have waited for the others for more than {warn_after:g}s (they fail at the "
+             f"{deadline:g}s deadline). Missing workers:"]
+    lines += [f"  worker {w}: {sorted(names)}" for w, names in sorted(by_worker.items())]
+    return "\n".join(lines)
+
+
+def _fusion_key(recs: np.ndarray):
+    F = meta.Field
+    if meta.mismatch(recs, _CODES, _CODES) is not None:
+        return None
+    if np.any(recs[:, F.KIND] != meta.ALLREDUCE):  # a joined worker answers on its own
+        return None
+    r = recs[0]
+    return int(r[F.DTYPE]), int(r[F.OP])
+
+
+def local_name(name: str, numbers: np.ndarray, worker: int) -> str:
+    """The name ``worker`` submitted for an answered ``name`` (its own number if unnamed)."""
+    if int(numbers[worker]) < 0:
+        return name
+    return f"{UNNAMED}.{int(numbers[worker])}"
+
+
+class _Codes(dict):
+    """Renders any code (the fusion check needs only whether records differ)."""
+
+    def __missing__(self, key):
+        return str(key)
+
+    def __getitem__(self, key):
+        return str(key)
+
+
+_CODES = _Codes()
+
+
+def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
+    """``ready`` (name, records) in order, cut into the groups that run as one data step:
+    consecutive allreduces with the same dtype and op and no mismatch, up to ``threshold``
+    bytes; everything else alone.  ``threshold`` 0 turns fusion off."""
+    groups: list[list] = []
+    key = None
+    total = 0
+    for item in ready:
+        k = _fusion_key(item[1]) if threshold > 0 else None
+        nbytes = int(item[1][0, meta.Field.NBYTES])  # item: (name, records, numbers)
+        if k is not None and k == key and total + nbytes <= threshold:
+            groups[-1].append(item)
+            total += nbytes
+        else:
+            groups.append([item])
+            key, total = k, nbytes
+    return groups

@@ -1,0 +1,128 @@
+"""Multi-rank program for tests/test_horovod_negotiation.py: collectives matched by name on 2
+workers of a co-located server (bsp, ring), as Horovod's coordinator matches them.
+
+Each part prints ``PART-OK <name> rank=<r>``; every value is checked against what each worker
+computes alone from both workers' inputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import mpsync.torch as mps
+from mpsync.torch import _runtime
+
+
+def _x(k: int, i: int) -> torch.Tensor:
+    return torch.arange(4, dtype=torch.float64) * (k + 1) + 10 * i
+
+
+def _total(i: int, n: int) -> torch.Tensor:
+    return sum(_x(k, i) for k in range(n))
+
+
+def any_order(r, n):
+    """Named async collectives submitted in opposite orders, across a barrier that one
+    worker crosses with its collectives in flight; Horovod's results on every worker."""
+    names = [f"grad.{i}" for i in range(6)]
+    order = names if r == 0 else names[::-1]
+    if r == 0:
+        handles = {nm: mps.allreduce_async(_x(r, int(nm[-1])), name=nm, op=mps.Sum)
+                   for nm in order}
+        gathered = mps.allgather_async(torch.full((r + 1, 2), float(r)), name="rows")
+        mps.barrier()
+        cast = mps.broadcast_async(torch.full((3,), float(r)), root_rank=1, name="cast")
+    else:
+        mps.barrier()
+        cast = mps.broadcast_async(torch.full((3,), float(r)), root_rank=1, name="cast")
+        handles = {nm: mps.allreduce_async(_x(r, int(nm[-1])), name=nm, op=mps.Sum)
+                   for nm in order}
+        gathered = mps.allgather_async(torch.full((r + 1, 2), float(r)), name="rows")
+    for nm in names[::-1] if r == 0 else names:  # synchronized in yet another order
+        assert torch.equal(mps.synchronize(handles[nm]), _total(int(nm[-1]), n)), nm
+    rows = mps.synchronize(gathered)
+    assert rows[:, 0].tolist() == [float(k) for k in range(n) for _ in range(k + 1)], rows
+    assert mps.synchronize(cast).tolist() == [1.0] * 3
+    # Horovod's duplicate-name error: worker 0 holds "dup" in flight across a barrier that
+    # worker 1 reaches before it submits "dup"; the second "dup" raises on both.
+    h = mps.allreduce_async(torch.ones(2), name="dup") if r == 0 else None
+    mps.barrier()
+    if r == 1:
+        h = mps.allreduce_async(torch.ones(2), name="dup")
+    try:
+        mps.allreduce_async(torch.ones(2), name="dup")
+        raise AssertionError("a second 'dup' in flight did not raise")
+    except ValueError as e:
+        assert "in flight" in str(e), e
+    assert mps.synchronize(h).tolist() == [1.0, 1.0]
+
+
+def error_in_sequence(r, n):
+    """Worker 1 raises inside a sequence and skips its remaining collectives, as a failing
+    test does; worker 0's pending one raises at the deadline naming worker 1, and the next
+    collectives, named or not, succeed on both."""
+    ops = _runtime.worker_context("test").user_ops
+    ops.deadline = 3.0  # the job's deadline stays longer: start-up on a loaded node
+    t0 = time.monotonic()
+    try:
+        mps.allreduce(_x(r, 0), name="seq.1")
+        if r == 1:
+            raise KeyError("a failing check on worker 1")
+        mps.allreduce(_x(r, 1), name="seq.2")
+        mps.allreduce(_x(r, 2), name="seq.3")
+        raise AssertionError("seq.2 completed without worker 1")
+    except KeyError:
+        assert r == 1
+    except mps.CollectiveTimeout as e:
+        waited = time.monotonic() - t0
+        assert r == 0 and "seq.2" in str(e) and "worker 1" in str(e), e
+        assert e.silent_ranks == [1], e.silent_ranks
+        assert 3.0 <= waited < 12.0, waited
+    assert torch.equal(mps.allreduce(_x(r, 3), name="next.a", op=mps.Sum), _total(3, n))
+    assert torch.equal(mps.allreduce(_x(r, 4), op=mps.Sum), _total(4, n))
+    assert mps.allgather(torch.tensor([r]), name="next.b").tolist() == list(range(n))
+    ops.deadline = 30.0
+
+
+def stall_report(r, n):
+    """A name one worker submits late is reported on worker 0 after the warning time (the
+    stall report goes to stderr), and still completes before the deadline."""
+    ops = _runtime.worker_context("test").user_ops
+    if r == 0:
+        ops.coordinator.stall_after = 0.5
+    if r == 1:
+        time.sleep(1.5)
+    assert torch.equal(mps.allreduce(_x(r, 5), name="late", op=mps.Sum), _total(5, n))
+    if r == 0:
+        reports = ops.coordinator.stall_reports
+        assert any(rep.get("late") == [1] for rep in reports), reports
+        ops.coordinator.stall_after = 15.0
+
+
+def fusion(r, n):
+    """Small allreduces ready together share one data step (tensor fusion); with fusion off
+    each has its own; the results are the same."""
+    ops = _runtime.worker_context("test").user_ops
+    for fused in (True, False):
+        if r == 0:
+            ops.coordinator.fusion_bytes = 64 << 20 if fused else 0
+        mps.barrier()
+        before = ops.execs
+        handles = [mps.allreduce_async(_x(r, i), name=f"small.{i}", op=mps.Sum)
+                   for i in range(16)]
+        time.sleep(0.5)  # every request is in before member 0 reads them
+        for i, h in reversed(list(enumerate(handles))):
+            assert torch.equal(mps.synchronize(h), _total(i, n)), i
+        steps = ops.execs - before
+        assert steps == (1 if fused else 16), (fused, steps)
+
+
+def main():
+    mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=30)
+    r, n = mps.rank(), mps.size()
+    for part in (any_order, error_in_sequence, stall_report, fusion):
+        part(r, n)
+        print(f"PART-OK {part.__name__} rank={r}", flush=True)
+    mps.shutdown()

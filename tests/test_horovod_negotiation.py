@@ -1,0 +1,100 @@
+"""Named negotiation: the coordinator's table as pure functions, then 2 workers that submit
+named collectives in different orders, skip part of a sequence, submit late, and fuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpi_harness import run_mpi
+from mpsync.torch import _metadata as meta
+from mpsync.torch import _negotiation as neg
+
+
+def _rec(n=2, shape=(3,), kind=meta.ALLREDUCE, dtype=1, op=1):
+    return meta.record(n, kind, dtype=dtype, shape=shape, op=op,
+                       nbytes=int(np.prod(shape)) * 4)
+
+
+def test_frames_and_names_round_trip():
+    parts = neg.unframe(neg.frame([[neg.SUBMIT], _rec(), neg.name_words("layer.ü.weight")]))
+    assert int(parts[0][0]) == neg.SUBMIT and np.array_equal(parts[1], _rec())
+    assert neg.word_name(parts[2]) == "layer.ü.weight"
+
+
+def test_a_name_is_ready_once_every_worker_submitted_it_in_any_order():
+    t = neg.Negotiator(2)
+    assert t.submit(0, "a", _rec(), 0.0) == [] and t.submit(0, "b", _rec(), 0.0) == []
+    (name, recs, numbers), = t.submit(1, "b", _rec(), 0.1)
+    assert name == "b" and recs.shape == (2, _rec().size) and list(numbers) == [-1, -1]
+    assert [x[0] for x in t.submit(1, "a", _rec(), 0.2)] == ["a"] and not t.waiting
+
+
+def test_unnamed_collectives_pair_in_order_and_again_after_a_withdrawal():
+    t = neg.Negotiator(2)
+    t.submit(0, "noname.1", _rec(), 0.0)
+    assert t.cancel(0, "noname.1", 5.0, 5.0) == [1]  # worker 1 never submitted it
+    t.submit(0, "noname.2", _rec(), 5.1)
+    (name, _recs, numbers), = t.submit(1, "noname.1", _rec(), 5.2)
+    assert name == "noname.1" and list(numbers) == [2, 1]
+    assert neg.local_name(name, numbers, 0) == "noname.2"
+    assert neg.local_name(name, numbers, 1) == "noname.1"
+
+
+def test_a_withdrawal_waits_once_for_a_worker_stuck_behind_an_older_collective():
+    t = neg.Negotiator(2)
+    t.submit(0, "seq.2", _rec(), 0.0)      # worker 0 waits for the step worker 1 skipped
+    t.submit(1, "next", _rec(), 0.01)      # worker 1 went on
+    assert t.cancel(1, "next", 3.0, 3.0) == neg.EXTEND
+    assert t.cancel(0, "seq.2", 3.0, 3.0) == [1]
+    assert [x[0] for x in t.submit(0, "next", _rec(), 3.1)] == ["next"]
+    # The other way round: the stale one is withdrawn first, the next still waits once.
+    t.submit(0, "s", _rec(), 10.0)
+    t.submit(1, "n", _rec(), 10.01)
+    assert t.cancel(0, "s", 13.0, 3.0) == [1]
+    assert t.cancel(1, "n", 13.01, 3.0) == neg.EXTEND
+    assert t.cancel(1, "n", 16.0, 3.0) == [0]
+    assert t.cancel(1, "n", 16.0, 3.0) is None  # not waiting any more
+
+
+def test_joined_workers_count_as_present_and_the_last_one_is_reported():
+    t = neg.Negotiator(3)
+    t.submit(1, "a", _rec(3), 0.0)
+    ready, last = t.join(0)
+    assert ready == [] and last is None
+    (name, recs, _n), = t.submit(2, "a", _rec(3), 0.1)
+    assert recs[0, meta.Field.KIND] == meta.JOINED
+    assert "Allgather is not supported with Join" in meta.mismatch(
+        np.stack([meta.joined_record(2, 0), _rec(kind=meta.ALLGATHER)]), ["f"] * 12, {})
+    assert t.join(2) == ([], None) and t.join(1) == ([], 1) and t.joined == []
+
+
+def test_stalled_names_are_reported_once_with_the_missing_workers():
+    t = neg.Negotiator(3)
+    t.submit(0, "x", _rec(3), 0.0)
+    t.submit(2, "x", _rec(3), 0.5)
+    assert t.stalled(0.9, 1.0) == {}
+    assert t.stalled(1.1, 1.0) == {"x": [1]}
+    assert t.stalled(5.0, 1.0) == {}
+    text = neg.stall_text({"x": [1]}, 1.0, 20.0)
+    assert "worker 1: ['x']" in text and "20s deadline" in text
+
+
+@pytest.mark.parametrize("threshold, sizes", [(1 << 20, [3]), (24, [2, 1]), (0, [1, 1, 1])])
+def test_fusion_groups_consecutive_matching_allreduces_up_to_the_threshold(threshold, sizes):
+    recs = np.stack([_rec(), _rec()])
+    ready = [(f"t{i}", recs, np.array([-1, -1])) for i in range(3)]
+    assert [len(g) for g in neg.fusion_groups(ready, threshold)] == sizes
+    other = np.stack([_rec(dtype=0), _rec(dtype=0)])
+    mixed = ready[:1] + [("d", other, np.array([-1, -1]))] + ready[1:]
+    assert [len(g) for g in neg.fusion_groups(mixed, 1 << 20)] == [1, 1, 2]
+
+
+@pytest.mark.mpi
+def test_named_collectives_in_any_order_after_errors_late_and_fused():
+    run = run_mpi("horovod_negotiation_programs:main", np=2, timeout=240)
+    parts = ["any_order", "error_in_sequence", "stall_report", "fusion"]
+    for r in range(2):
+        for part in parts:
+            assert f"PART-OK {part} rank={r}" in run.rank_out(r), run.report()
+    assert "worker 1: ['late']" in run.rank_err(0), run.report()
