@@ -112,6 +112,9 @@ class SyncConfig:
     # least a ring allreduce's time over links of this rate (EmulatedLink).  For experiments on
     # one machine; 0 = off.
     comm_bandwidth: float = 0.0
+    # auto: a fixed plan of switches instead of its own decisions, "ROUND:POLICY,..." (after
+    # aggregation round ROUND, run POLICY): replays a decision log, tests the switch itself.
+    auto_plan: str = ""
     # Modules that register policies of their own (comma-separated, ``MPSYNC_PLUGINS``),
     # imported on every rank by validate() before the policy name is looked up.
     plugins: str = ""
@@ -160,6 +163,7 @@ class SyncConfig:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
         self.ps_shards = parse_ps_shards(self.ps_shards)
         _check_ps_optimizer(self.ps_optimizer, self.topology, self.choice.spec)
+        parse_auto_plan(self.auto_plan)
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
         if not self.comm_bandwidth >= 0:
@@ -203,6 +207,20 @@ class SyncConfig:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "choice"}
+
+
+def parse_auto_plan(text: str) -> list[tuple[int, str]]:
+    """``"3:esync,9:bsp"`` -> [(3, "esync"), (9, "bsp")]: after round 3 ESync, after 9 BSP."""
+    plan = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        rnd, sep, name = part.partition(":")
+        if not sep or not rnd.strip().isdigit() or name.strip() not in policies.AUTO_SWITCHABLE:
+            raise ConfigError(f"auto_plan: {part!r} is not ROUND:POLICY with POLICY one of "
+                              f"{', '.join(policies.AUTO_SWITCHABLE)} (e.g. '5:esync,12:bsp')")
+        plan.append((int(rnd), name.strip()))
+    if [r for r, _ in plan] != sorted({r for r, _ in plan}):
+        raise ConfigError(f"auto_plan: rounds must increase, got {text!r}")
+    return plan
 
 
 DEFAULTS = SyncConfig()

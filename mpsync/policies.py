@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE",
+__all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE", "AUTO", "AUTO_SWITCHABLE",
            "FAST_PATH_KINDS", "SIMULATION_MODELS", "register", "unregister", "get", "names",
            "specs", "choose", "baseline", "is_baseline", "default_topology", "load_plugins",
            "resolve", "policy_table", "fidelity_table"]
@@ -29,6 +29,12 @@ __all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE"
 TOPOLOGIES = ("ring", "ps")
 # What the other policies are measured against (``mpsync compare``'s speedup column).
 BASELINE = "bsp"
+
+# The policies ``auto`` runs and switches between on the ring (it starts with the first, the
+# safe one), in the order of the codes its SYNC replies carry (1 + index): mpsync.auto,
+# mpsync.torch.switching.
+AUTO = "auto"
+AUTO_SWITCHABLE = ("bsp", "esync", "ebsp")
 
 # Rule families the compiled serve path implements (server/_fastpath.py):
 # "tables"      the step's reply follows from the shared tables alone (the base Policy.on_step);
@@ -445,3 +451,10 @@ register(
                  f"optimizers [osp-lgp-plain-sgd] "
                  f"(mpsync.torch.two_stage:TwoStageSync)"),
     })
+register(
+    AUTO, description="measures the cluster under BSP, simulates every candidate with the "
+                      "server's rules, runs the one predicted to reach the target first "
+                      "(BSP, ESync, ElasticBSP) and decides again when the cluster changes",
+    paper="its candidates' papers", server="mpsync.auto.serving:AutoPolicy",
+    strategies={"ring": "mpsync.torch.switching:Switching"},
+    options=("lookahead", "zipline_variant", "epsilon", "esync_slack", "auto_plan"))

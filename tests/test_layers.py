@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("slowdown", "sched"),                         # slowdown parsing; the decision kernels
     ("server",),                                   # the state server and its rules
     ("torch", "simulate", "cluster"),              # workers; the simulator; the virtual cluster
-    ("launch",),                                   # launch targets, job scripts
+    ("launch", "auto"),                            # launch targets, job scripts; auto policy
     ("doctor", "bench"),                           # installation check; benchmarks
     ("apps",),                                     # train, compare, simulate, reports
     ("cli",),                                      # the `mpsync` command

@@ -1,0 +1,116 @@
+"""When to decide, and whether a decision switches: ``auto``'s hysteresis, pure.
+
+A :class:`Decider` holds the policy running now and the measurements its last decision
+rested on.  It asks for a new ranking only when the cluster changed (a worker's compute time
+or the aggregation moved by more than ``change_tolerance``, seen on ``confirm`` consecutive
+checks, so one slow window is not a change), and switches only when the best candidate is
+predicted at least ``min_gain`` faster than the policy running, and not sooner than
+``min_dwell_s`` after the last switch.  On a steady cluster it therefore decides once and
+switches at most once; what it decided, on what, and why, is in ``records``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mpsync.auto.measurements import Measurements
+from mpsync.auto.ranking import Candidate, Ranked
+
+__all__ = ["Decider", "DecisionRecord"]
+
+
+@dataclass
+class DecisionRecord:
+    """One decision: when (seconds since the job's server started), why it was taken, the
+    measurements, every candidate's prediction, what ran before, what runs after."""
+
+    at_s: float
+    trigger: str
+    measurements: dict
+    ranking: list
+    previous: str
+    chosen: str
+    switch: bool
+    reason: str
+    switch_after_round: int | None = None
+    decision_cost_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"at_s": round(self.at_s, 3), "trigger": self.trigger, "previous": self.previous,
+                "chosen": self.chosen, "switch": self.switch, "reason": self.reason,
+                "switch_after_round": self.switch_after_round,
+                "decision_cost_s": round(self.decision_cost_s, 3),
+                "measurements": self.measurements, "ranking": self.ranking, **self.extra}
+
+
+class Decider:
+    def __init__(self, current: Candidate, *, min_gain: float = 0.10,
+                 change_tolerance: float = 0.3, confirm: int = 2, min_dwell_s: float = 3.0):
+        self.current = current
+        self.min_gain = min_gain
+        self.change_tolerance = change_tolerance
+        self.confirm = confirm
+        self.min_dwell_s = min_dwell_s
+        self.basis: Measurements | None = None
+        self.records: list[DecisionRecord] = []
+        self.last_switch_s = float("-inf")
+        self._seen = 0                   # consecutive checks that saw a change
+
+    @property
+    def switches(self) -> int:
+        return sum(r.switch for r in self.records)
+
+    def wants_ranking(self, m: Measurements) -> str | None:
+        """Why the cluster needs a (new) decision, or None.  The first call always wants
+        one; later ones only for a change confirmed on ``confirm`` consecutive calls."""
+        if self.basis is None:
+            return "first measurement"
+        change = m.change_from(self.basis, self.change_tolerance)
+        if change is None:
+            self._seen = 0
+            return None
+        self._seen += 1
+        if self._seen < self.confirm:
+            return None
+        self._seen = 0
+        return f"cluster changed: {change}"
+
+    def decide(self, ranked: list[Ranked], m: Measurements, now_s: float, trigger: str,
+               *, cost_s: float = 0.0) -> DecisionRecord:
+        """Choose among ``ranked`` (best first); the record says whether it switches."""
+        if not ranked:
+            raise ValueError("decide: no candidates were ranked")
+        best = ranked[0]
+        here = next((r for r in ranked if r.candidate == self.current), None)
+        chosen, switch = self.current, False
+        if best.candidate == self.current:
+            reason = (f"{self.current.label} is predicted fastest "
+                      f"({best.predicted_time_to_target_s:.1f}s to target)")
+        elif here is None:
+            chosen, switch = best.candidate, True
+            reason = f"{self.current.label} is not a candidate; {best.candidate.label} ranks first"
+        else:
+            gain = here.predicted_time_to_target_s / best.predicted_time_to_target_s - 1.0
+            if gain < self.min_gain:
+                reason = (f"{best.candidate.label} predicted only {gain:.0%} faster than "
+                          f"{self.current.label} (a switch needs {self.min_gain:.0%}): stay")
+            elif now_s - self.last_switch_s < self.min_dwell_s:
+                reason = (f"{best.candidate.label} predicted {gain:.0%} faster, but the last "
+                          f"switch was {now_s - self.last_switch_s:.1f}s ago "
+                          f"(< {self.min_dwell_s:g}s): stay")
+            else:
+                chosen, switch = best.candidate, True
+                reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
+                          f"{self.current.label} ({best.predicted_time_to_target_s:.1f}s vs "
+                          f"{here.predicted_time_to_target_s:.1f}s to target)")
+        record = DecisionRecord(at_s=now_s, trigger=trigger, measurements=m.as_dict(),
+                                ranking=[r.as_dict() for r in ranked],
+                                previous=self.current.label, chosen=chosen.label,
+                                switch=switch, reason=reason, decision_cost_s=cost_s)
+        self.records.append(record)
+        self.basis = m
+        if switch:
+            self.current = chosen
+            self.last_switch_s = now_s
+        return record

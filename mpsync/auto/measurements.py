@@ -1,0 +1,208 @@
+"""What ``auto`` knows of the cluster: one :class:`Measurements` record.
+
+The live server builds it from the reports it answers (``Window``: each worker's recent compute
+times; the aggregation's seconds per round as the span from the last SYNC reply of a round to
+the first reset after it); the offline advice builds it from a finished run's ``metrics.json``
+(:meth:`Measurements.from_metrics`) or from stated speeds and a link rate
+(:meth:`Measurements.from_speeds`).  Either way the record is plain data: the ranking
+(``ranking``) turns it into the simulator's speed and cost models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Measurements", "Window", "DEFAULT_TARGET_SAMPLES"]
+
+# Samples of BSP-equivalent progress a job needs to reach its target when nothing says more
+# (the digits task of ``mpsync train`` reaches 0.9 after about 9-10k samples under BSP,
+# bench/compare); only the scale of the predicted times depends on it, never their order.
+DEFAULT_TARGET_SAMPLES = 10_000.0
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """The cluster as measured (or stated).
+
+    ``compute_s``: per worker, the mean seconds of one iteration's compute (recent window).
+    ``jitter``: the per-iteration spread of compute, as a lognormal sigma (0: steady).
+    ``aggregation_s``: one ring aggregation as measured, without waiting for peers; None:
+    from ``model_bytes`` and ``bandwidth`` (the simulator's link model).
+    ``query_s``: one state-server query round trip.
+    ``target_samples``: BSP-equivalent samples to the target (``DEFAULT_TARGET_SAMPLES``).
+    ``topologies``: where candidates may run (the live ring job: ``("ring",)``).
+    """
+
+    compute_s: tuple[float, ...]
+    jitter: float = 0.0
+    aggregation_s: float | None = None
+    model_bytes: float = 150e3
+    bandwidth: float = 1.25e9
+    latency: float = 5e-6
+    query_s: float = 3e-4
+    batch_size: int = 32
+    ps_shards: int = 2
+    target_samples: float = DEFAULT_TARGET_SAMPLES
+    topologies: tuple[str, ...] = ("ring", "ps")
+    source: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if not self.compute_s or not all(c > 0 and math.isfinite(c) for c in self.compute_s):
+            raise ValueError(f"compute_s: one iteration time > 0 per worker, got "
+                             f"{self.compute_s!r}")
+        if self.aggregation_s is not None and not self.aggregation_s >= 0:
+            raise ValueError(f"aggregation_s must be >= 0 seconds, got {self.aggregation_s}")
+        if not self.target_samples > 0:
+            raise ValueError(f"target_samples must be > 0, got {self.target_samples}")
+
+    @property
+    def n(self) -> int:
+        return len(self.compute_s)
+
+    @property
+    def spread(self) -> float:
+        """Slowest over fastest worker's compute time (1: equal speeds)."""
+        return max(self.compute_s) / min(self.compute_s)
+
+    def with_topologies(self, topologies) -> "Measurements":
+        return replace(self, topologies=tuple(topologies))
+
+    def change_from(self, other: "Measurements", tolerance: float) -> str | None:
+        """Why this cluster differs from ``other`` by more than ``tolerance`` (relative), or
+        None: a worker's compute time, or the aggregation's time, moved that much."""
+        if other is None:
+            return "first measurement"
+        if other.n != self.n:
+            return f"{other.n} -> {self.n} workers"
+        moved = [(w, b, a) for w, (b, a) in enumerate(zip(other.compute_s, self.compute_s))
+                 if abs(a - b) > tolerance * b]
+        if moved:
+            w, b, a = max(moved, key=lambda x: abs(x[2] - x[1]) / x[1])
+            return (f"worker {w} compute {b * 1e3:.0f} -> {a * 1e3:.0f} ms/iteration "
+                    f"({len(moved)} worker(s) moved > {tolerance:.0%})")
+        if other.aggregation_s and self.aggregation_s is not None:
+            b, a = other.aggregation_s, self.aggregation_s
+            # An aggregation of a few ms moves with the machine's load: compare above a floor.
+            if abs(a - b) > 2 * tolerance * b and abs(a - b) > 5e-3:
+                return f"aggregation {b * 1e3:.1f} -> {a * 1e3:.1f} ms/round"
+        return None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["compute_s"] = list(self.compute_s)
+        d["topologies"] = list(self.topologies)
+        d["notes"] = list(self.notes)
+        return d
+
+    # -- builders ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measurements":
+        """The inverse of :meth:`as_dict`."""
+        d = dict(d)
+        for key in ("compute_s", "topologies", "notes"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    @classmethod
+    def from_speeds(cls, speeds, *, iter_time: float = 0.05, link: float | None = None,
+                    model_bytes: float = 150e3, **kw) -> "Measurements":
+        """Stated speeds: ``speeds`` are slowdown factors (``1,1,2,4``) of ``iter_time``
+        seconds; ``link``: bytes/s of each worker's link (None: 10 Gbit/s)."""
+        factors = [float(f) for f in speeds]
+        if not factors or not all(f > 0 for f in factors):
+            raise ValueError(f"speeds: one factor > 0 per worker, got {speeds!r}")
+        return cls(compute_s=tuple(f * iter_time for f in factors), model_bytes=model_bytes,
+                   bandwidth=link or 1.25e9, source=kw.pop("source", "stated speeds"), **kw)
+
+    @classmethod
+    def from_metrics(cls, metrics, **kw) -> "Measurements":
+        """A finished run's ``metrics.json`` (a path or the loaded dict): each worker's
+        compute per iteration, the aggregation per round of the worker that waited least
+        (under a synchronous policy the slowest waits for nobody, so its figure is the
+        aggregation itself), the samples at which it reached its target accuracy."""
+        if not isinstance(metrics, dict):
+            path = Path(metrics)
+            try:
+                metrics = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"metrics: cannot read {path}: {e}") from None
+        workers = metrics.get("workers") or {}
+        if not workers:
+            raise ValueError("metrics: no 'workers' section (is this an mpsync train "
+                             "metrics.json?)")
+        order = sorted(workers, key=int)
+        compute = tuple(max(workers[w]["compute_s"], 1e-9) / max(workers[w]["iterations"], 1)
+                        for w in order)
+        per_round = [workers[w]["aggregation_s"] / workers[w]["rounds"] for w in order
+                     if workers[w].get("rounds")]
+        config = metrics.get("config") or {}
+        notes = []
+        target = None
+        target_acc = config.get("target_acc")
+        for ev in metrics.get("evals") or ():
+            if target_acc is not None and ev.get("accuracy", 0) >= target_acc:
+                target = float(ev["samples"])
+                break
+        if target:
+            notes.append(f"{config.get('policy', '?')} reached {target_acc} after "
+                         f"{target:.0f} samples")
+        bandwidth = float(config.get("comm_bandwidth") or 0) or 1.25e9
+        values = dict(compute_s=compute,
+                      aggregation_s=min(per_round) if per_round else None,
+                      batch_size=int(config.get("batch_size") or 32),
+                      bandwidth=bandwidth,
+                      target_samples=target or DEFAULT_TARGET_SAMPLES,
+                      source=f"metrics of a {config.get('policy', '?')} run",
+                      notes=tuple(notes))
+        values.update(kw)
+        return cls(**values)
+
+
+class Window:
+    """The live server's recent measurements: per worker the last ``size`` compute times
+    (a ring of floats), and the last aggregation spans (pure bookkeeping, no clock of its
+    own: times come with the calls)."""
+
+    def __init__(self, n: int, size: int = 16):
+        self.n, self.size = n, size
+        self.compute = np.full((n, size), np.nan)
+        self.count = np.zeros(n, dtype=np.int64)
+        self.aggregation = np.full(size, np.nan)
+        self.agg_count = 0
+
+    def add_compute(self, w: int, seconds: float) -> None:
+        if seconds > 0 and math.isfinite(seconds):
+            self.compute[w, self.count[w] % self.size] = seconds
+            self.count[w] += 1
+
+    def add_aggregation(self, seconds: float) -> None:
+        if seconds >= 0 and math.isfinite(seconds):
+            self.aggregation[self.agg_count % self.size] = seconds
+            self.agg_count += 1
+
+    def ready(self, reports: int) -> bool:
+        """Every worker has reported at least ``reports`` compute times."""
+        return bool(np.all(self.count >= reports))
+
+    def clear(self) -> None:
+        """Forget what was measured (after a switch: waiting patterns change)."""
+        self.aggregation[:] = np.nan
+        self.agg_count = 0
+
+    def measurements(self, **kw) -> Measurements:
+        """The window as a :class:`Measurements` (medians: a single slow iteration, a
+        scheduler hiccup, must not read as a slower worker)."""
+        med = np.nanmedian(self.compute, axis=1)
+        logs = np.log(self.compute)
+        sigma = float(np.nanmean(np.nanstd(logs, axis=1))) if self.compute.size else 0.0
+        agg = np.nanmedian(self.aggregation) if self.agg_count else None
+        return Measurements(compute_s=tuple(float(x) for x in med),
+                            jitter=round(sigma if math.isfinite(sigma) else 0.0, 4),
+                            aggregation_s=None if agg is None else float(agg), **kw)

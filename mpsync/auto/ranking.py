@@ -1,0 +1,176 @@
+"""Rank candidate policies on measurements: each candidate simulated with the server's own
+rules (``mpsync.simulate``) on the measured speeds and costs, its samples per second turned
+into progress per second by a statistical efficiency (``efficiency``), and the candidates
+ordered by their predicted time to the target.
+
+Pure: no MPI, no torch, no clock besides the simulator's virtual one.  The live server calls
+it in a process of its own (``serving``); ``mpsync advise`` and tests call it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mpsync import policies
+from mpsync.policies import AUTO_SWITCHABLE
+from mpsync.auto.efficiency import efficiency
+from mpsync.auto.measurements import Measurements
+
+__all__ = ["Candidate", "Ranked", "default_candidates", "rank_candidates",
+           "SWITCHABLE", "HORIZON_ITERATIONS"]
+
+# The policies a live ``auto`` run can switch between (the registry's, in the order their
+# codes travel in a SYNC reply: 1 + index), on the ring, at a round every worker takes part in.
+SWITCHABLE = AUTO_SWITCHABLE
+# Iterations per worker each candidate is simulated for: enough for ElasticBSP's supersteps
+# (2 monitoring reports + up to R) and ESync's rounds to repeat several times at 4-64 workers.
+HORIZON_ITERATIONS = 120
+# Settings swept for the policies that have a main one (offline advice; the live run uses
+# its configuration's).
+_STALENESS = (1, 3, 8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A policy on a topology with the settings that differ from the configuration's;
+    ``wire="fp16"``: the aggregation sends half the bytes (Compression.fp16)."""
+
+    policy: str
+    topology: str
+    settings: tuple = ()
+    wire: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        extra = [f"{k}={v}" for k, v in self.settings]
+        if self.wire != "fp32":
+            extra.append(self.wire)
+        return f"{self.policy}/{self.topology}" + (f" ({', '.join(extra)})" if extra else "")
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "topology": self.topology,
+                "settings": [list(kv) for kv in self.settings], "wire": self.wire}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Candidate":
+        return cls(d["policy"], d["topology"], tuple(tuple(kv) for kv in d.get("settings", ())),
+                   d.get("wire", "fp32"))
+
+    @property
+    def switchable(self) -> bool:
+        """Can a live ring job switch to it (same topology, the configuration's settings)?"""
+        return (self.policy in SWITCHABLE and self.topology == "ring" and not self.settings
+                and self.wire == "fp32")
+
+    def config(self, base=None):
+        from mpsync.config import SyncConfig
+
+        values = {} if base is None else {k: getattr(base, k) for k in
+                                          ("staleness", "staleness_low", "staleness_high",
+                                           "lookahead", "zipline_variant", "epsilon",
+                                           "esync_slack")}
+        values.update(dict(self.settings))
+        return SyncConfig(policy=self.policy, topology=self.topology, **values).validate()
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One candidate's prediction: ``predicted_time_to_target_s`` = target samples / (samples
+    per second x efficiency); ``reasons`` say what the simulation saw."""
+
+    candidate: Candidate
+    predicted_time_to_target_s: float
+    samples_per_s: float
+    efficiency: float
+    wait_fraction: float
+    reasons: tuple[str, ...]
+    simulation_cpu_s: float
+
+    @property
+    def progress_per_s(self) -> float:
+        return self.samples_per_s * self.efficiency
+
+    def as_dict(self) -> dict:
+        return {"candidate": self.candidate.label, **self.candidate.as_dict(),
+                "predicted_time_to_target_s": round(self.predicted_time_to_target_s, 3),
+                "samples_per_s": round(self.samples_per_s, 1),
+                "efficiency": round(self.efficiency, 3),
+                "wait_fraction": round(self.wait_fraction, 3), "reasons": list(self.reasons),
+                "simulation_cpu_s": round(self.simulation_cpu_s, 3)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ranked":
+        return cls(Candidate.from_dict(d), d["predicted_time_to_target_s"], d["samples_per_s"],
+                   d["efficiency"], d["wait_fraction"], tuple(d["reasons"]),
+                   d["simulation_cpu_s"])
+
+
+def default_candidates(topologies=("ring", "ps"), *, switchable_only: bool = False
+                       ) -> list[Candidate]:
+    """Every registered policy (but ``auto``) on each of its topologies in ``topologies``,
+    with its main settings swept (a staleness bound; the fp16 wire where the ring aggregates every
+    iteration or at barriers); only those a live ring run can switch to when asked."""
+    out = []
+    for spec in policies.specs():
+        if spec.name == policies.AUTO:
+            continue
+        for topology in spec.topologies:
+            if topology not in topologies:
+                continue
+            if spec.reads("staleness"):
+                out += [Candidate(spec.name, topology, (("staleness", s),))
+                        for s in _STALENESS]
+                continue
+            out.append(Candidate(spec.name, topology))
+            if topology == "ring" and spec.name in SWITCHABLE:
+                out.append(Candidate(spec.name, topology, wire="fp16"))
+    if switchable_only:
+        out = [c for c in out if c.switchable]
+    return out
+
+
+def _cost(m: Measurements, c: Candidate):
+    from mpsync.simulate import CostModel
+
+    half = c.wire == "fp16"
+    fixed = m.aggregation_s
+    if fixed is not None and half:
+        # A measured aggregation is latency plus bytes over the link: fp16 halves the second.
+        n = m.n
+        transfer = 2 * (n - 1) / n * m.model_bytes / m.bandwidth
+        fixed = max(fixed / 2, fixed - transfer / 2)
+    return CostModel(model_bytes=m.model_bytes / (2 if half else 1), bandwidth=m.bandwidth,
+                     latency=m.latency, query=m.query_s, fixed_aggregation=fixed,
+                     ps_shards=max(1, int(m.ps_shards)))
+
+
+def predict(m: Measurements, c: Candidate, *, base=None, seed: int = 0,
+            horizon: int = HORIZON_ITERATIONS) -> Ranked:
+    """Simulate one candidate on ``m`` and predict its time to the target."""
+    from mpsync.simulate import SpeedModel, simulate
+
+    t0 = time.process_time()
+    speeds = SpeedModel(list(m.compute_s), jitter=m.jitter, seed=seed)
+    row = simulate(c.config(base), speeds, _cost(m, c), iterations=horizon,
+                   batch_size=m.batch_size)
+    rate = row.get("samples_per_s") or 0.0
+    spec = policies.get(c.policy)
+    eff, why = efficiency(row, c.topology == "ps" and not spec.ps_average, m.compute_s)
+    ttt = m.target_samples / (rate * eff) if rate > 0 else float("inf")
+    reasons = (f"{rate:.0f} samples/s simulated ({row['engine']} engine, "
+               f"{row['iterations']} iterations)",
+               f"wait fraction {row['wait_fraction']:.2f}", why)
+    return Ranked(c, ttt, rate, eff, row["wait_fraction"], reasons,
+                  time.process_time() - t0)
+
+
+def rank_candidates(measurements: Measurements, candidates=None, *, base=None,
+                    horizon: int = HORIZON_ITERATIONS) -> list[Ranked]:
+    """Every candidate (None: :func:`default_candidates` on ``measurements.topologies``)
+    predicted on ``measurements``, best (shortest predicted time to target) first.  ``base``:
+    the run's configuration, whose settings the candidates keep unless they sweep them."""
+    if candidates is None:
+        candidates = default_candidates(measurements.topologies)
+    ranked = [predict(measurements, c, base=base, horizon=horizon) for c in candidates]
+    return sorted(ranked, key=lambda r: (r.predicted_time_to_target_s, r.candidate.label))

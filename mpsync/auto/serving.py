@@ -1,0 +1,230 @@
+"""``auto`` on the state server: a policy of policies.
+
+:class:`AutoPolicy` is what the registry names as ``auto``'s server class, so the server
+never imports the simulator: it gets this decider from the registry like any other policy.  It
+answers every step with the rules of the policy running now (BSP first: the safe one), over
+the server's one ``WorkerTable``, and meanwhile:
+
+* measures: each worker's compute time per iteration (the reports: ``measurements.Window``),
+  the aggregation's seconds per round (from the last SYNC of a round to its first reset: the
+  collective itself, without the waiting for peers), and its own cost per query;
+* decides: every ``CHECK_EVERY_S`` it asks the ``Decider`` whether the cluster needs a
+  decision (the first one, or a confirmed change); if so the ranking (every switchable
+  candidate simulated on the measurements) runs in a helper process (``helper.Ranker``) and
+  the answer is picked up by a later query, which never waits for it;
+* switches: the SYNC replies carry the code of the policy to run after their round; a switch
+  decided now takes effect after the first round no SYNC has been sent for yet, so every
+  worker switches after the same round.  Each worker's messages go to the old policy until its
+  reset of that round, then to a fresh instance of the new one (its own state starts as at the
+  start of a run: ElasticBSP's monitoring phase, ESync's capability test).
+
+Everything it decided, on what, and why, is in ``describe()``: ``decisions`` and
+``policy_timeline`` reach ``metrics.json`` at the top level (the policy's ``metrics``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from mpsync.auto.decider import Decider, DecisionRecord
+from mpsync.auto.measurements import Window
+from mpsync.auto.ranking import Candidate, Ranked
+from mpsync.config import parse_auto_plan
+from mpsync.policies import AUTO_SWITCHABLE
+from mpsync.server.policies import Policy
+from mpsync.server.wire import SYNC
+
+__all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS"]
+
+CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the queries' clock)
+RANK_EVERY_S = 2.0       # and at most this often ranked again
+WARM_UP_S = 2.0          # measured under the starting policy at least this long
+MIN_REPORTS = 4          # ... and until every worker has reported this often
+WINDOW_REPORTS = 12      # the window of compute times per worker (medians over it)
+_SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipline_variant",
+             "epsilon", "esync_slack")
+
+
+class AutoPolicy(Policy):
+    holds_steps = True   # served by the Python loop: the compiled one knows one rule family
+
+    def __init__(self, table, config):
+        super().__init__(table, config)
+        self.candidates = [Candidate(name, "ring") for name in AUTO_SWITCHABLE]
+        self.running, self.code = self._fresh(0), 1
+        self.next, self.next_code, self.switch_after = None, 0, None
+        self.window = Window(table.n, WINDOW_REPORTS)
+        self.decider = Decider(self.candidates[0])
+        self.sync_sent = 0          # the highest round any SYNC was sent for
+        self.sync_at: dict[int, float] = {}
+        self.t0 = None
+        self.next_check = 0.0
+        self.ranker = None
+        self.asked = None           # (trigger, measurements, when) of the ranking in flight
+        self.timeline = [{"policy": AUTO_SWITCHABLE[0], "after_round": 0, "at_s": 0.0}]
+        self.overhead_s, self.queries = 0.0, 0
+        self.problems: list[str] = []
+        # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
+        self.plan = parse_auto_plan(config.auto_plan)
+        self.planned = bool(self.plan)
+
+    def _fresh(self, index: int) -> Policy:
+        config = dataclasses.replace(self.config, policy=AUTO_SWITCHABLE[index],
+                                     esync_delayed_ack=False).validate()
+        return config.resolved().spec.server_class()(self.t, config)
+
+    def warm_up(self):
+        # Every candidate's kernels now, not at the switch while the workers wait; the
+        # helper's simulator too (its first ranking loads the compiled engines).
+        for i in range(len(AUTO_SWITCHABLE)):
+            self._fresh(i).warm_up()
+        if self.planned:
+            return
+        from mpsync.auto.helper import Ranker
+        from mpsync.auto.measurements import Measurements
+
+        self.ranker = Ranker()
+        self._ask(Measurements(compute_s=(0.05,) * self.t.n, topologies=("ring",)),
+                  "warm-up", 0.0)
+
+    # -- routing ---------------------------------------------------------------------------------
+    def _policy_of(self, w: int):
+        if self.switch_after is not None and self.t.round[w] >= self.switch_after:
+            return self.next, self.next_code
+        return self.running, self.code
+
+    def _tag(self, w: int, decision, now: float):
+        if decision is None:
+            return None
+        action, local_iters, _ = decision
+        if action != SYNC:
+            return int(action), int(local_iters), 0
+        opens = int(self.t.round[w]) + 1          # the round this SYNC opens
+        self.sync_sent = max(self.sync_sent, opens)
+        self.sync_at[opens] = max(self.sync_at.get(opens, now), now)
+        after = self.switch_after is not None and opens >= self.switch_after
+        return int(action), int(local_iters), self.next_code if after else self.code
+
+    def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
+        start = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+        if k > 0:
+            self.window.add_compute(w, compute)
+        policy, _ = self._policy_of(w)
+        decision = self._tag(w, policy.on_step(w, k, compute, now), now)
+        self._think(now)
+        self.queries += 1
+        self.overhead_s += time.perf_counter() - start
+        return decision
+
+    def decide_held(self, w, k, now):
+        policy, _ = self._policy_of(w)
+        return self._tag(w, policy.decide_held(w, k, now), now)
+
+    def on_reset(self, w, round_, now):
+        switching = self.switch_after is not None and round_ >= self.switch_after
+        (self.next if switching else self.running).on_reset(w, round_, now)
+        began = self.sync_at.pop(round_, None)
+        if began is not None:     # the first reset of this round: the collective has ended
+            self.window.add_aggregation(max(0.0, now - began))
+        if switching:
+            act = self.t.active
+            if (self.t.round[act] >= self.switch_after).all():
+                self._commit(now)
+
+    def _commit(self, now: float) -> None:
+        self.running, self.code = self.next, self.next_code
+        self.timeline.append({"policy": AUTO_SWITCHABLE[self.code - 1],
+                              "after_round": int(self.switch_after),
+                              "at_s": round(now - (self.t0 or now), 3)})
+        self.next, self.next_code, self.switch_after = None, 0, None
+
+    def on_membership_change(self):
+        self.running.on_membership_change()
+        if self.next is not None:
+            self.next.on_membership_change()
+        if not self.t.active.any() and self.ranker is not None:
+            self.ranker.close()
+
+    def on_rejoin(self, w):
+        self.running.on_rejoin(w)
+
+    # -- deciding --------------------------------------------------------------------------------
+    def _ask(self, m, trigger: str, now: float) -> None:
+        self.asked = (trigger, m, now)
+        self.ranker.submit({"measurements": m.as_dict(),
+                            "candidates": [c.as_dict() for c in self.candidates],
+                            "base": {k: getattr(self.config, k) for k in _SETTINGS}})
+
+    def _think(self, now: float) -> None:
+        if self.planned:
+            return self._follow_plan(now)
+        if self.asked is not None:
+            answer = self.ranker.poll()
+            if answer is not None:
+                self._answered(answer, now)
+            return
+        if self.switch_after is not None or now < self.next_check:
+            return
+        self.next_check = now + CHECK_EVERY_S
+        if now - self.t0 < WARM_UP_S or not self.window.ready(MIN_REPORTS):
+            return
+        m = self.window.measurements(topologies=("ring",), source="live reports")
+        trigger = self.decider.wants_ranking(m)
+        if trigger is not None:
+            self._ask(m, trigger, now)
+            self.next_check = now + RANK_EVERY_S
+
+    def _answered(self, answer: dict, now: float) -> None:
+        trigger, m, asked_at = self.asked
+        self.asked = None
+        if "error" in answer:
+            if len(self.problems) < 20:
+                self.problems.append(answer["error"])
+            return
+        if trigger == "warm-up":
+            return
+        ranked = [Ranked.from_dict(r) for r in answer["ranked"]]
+        record = self.decider.decide(ranked, m, asked_at - self.t0, trigger,
+                                     cost_s=answer.get("cpu_s", 0.0))
+        record.extra.update(answered_after_s=round(now - asked_at, 3),
+                            ranking_wall_s=round(answer.get("wall_s", 0.0), 3),
+                            ranker=self.ranker.mode)
+        if record.switch:
+            self._schedule(AUTO_SWITCHABLE.index(record.chosen.split("/")[0]))
+            record.switch_after_round = self.switch_after
+
+    def _follow_plan(self, now: float) -> None:
+        if not self.plan or self.switch_after is not None:
+            return
+        after, name = self.plan[0]
+        if name == AUTO_SWITCHABLE[self.code - 1]:
+            self.plan.pop(0)
+            return
+        if self.sync_sent + 1 < after:
+            return
+        self.plan.pop(0)
+        self._schedule(AUTO_SWITCHABLE.index(name))
+        self.decider.records.append(DecisionRecord(
+            at_s=now - self.t0, trigger="auto_plan", measurements={}, ranking=[],
+            previous=self.decider.current.label, chosen=f"{name}/ring", switch=True,
+            reason=f"the plan says {name} after round {after}",
+            switch_after_round=self.switch_after))
+        self.decider.current = Candidate(name, "ring")
+
+    def _schedule(self, index: int) -> None:
+        """Switch to candidate ``index`` after the first round no SYNC was sent for yet."""
+        self.next, self.next_code = self._fresh(index), index + 1
+        self.switch_after = self.sync_sent + 1
+
+    # -- what it says about itself -----------------------------------------------------------------
+    def describe(self):
+        decisions = [r.as_dict() for r in self.decider.records]
+        return {"running": AUTO_SWITCHABLE[self.code - 1], "decisions": decisions,
+                "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
+                "problems": self.problems,
+                "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
+                "running_state": self.running.describe(),
+                "metrics": {"decisions": decisions, "policy_timeline": self.timeline}}

@@ -1,0 +1,191 @@
+"""``auto`` on the worker: run one policy's strategy, and hand over to another's when the
+server says so, at a round every worker takes part in.
+
+The state server (``mpsync.auto.serving``) answers every step under the policy running now
+and tags each SYNC with the code of the policy to run after that round (1 + its index in
+``mpsync.policies.AUTO_SWITCHABLE``).  A worker switches right after the aggregation whose
+SYNC carried another code: on the ring every worker aggregates the same round, so every worker
+switches after the same round, from the same weights:
+
+* after a BSP round every replica has applied the same averaged gradients with the same
+  optimizer state, so weights and optimizer state are equal;
+* after a model-delta round (ESync, ElasticBSP) every replica restarts from the same
+  w_{t+1} (ESync Alg. 1 lines 17-22); the optimizer states drifted apart during the local
+  steps, so when the next policy averages gradients (BSP, which relies on equal optimizer
+  states) they are averaged over the workers first, then made bitwise equal from one worker.
+
+Nothing is lost at the switch: the round that ends one policy aggregates every update made
+under it, and the next strategy starts from its result with the same iteration and round
+numbers (the server's tables go on counting), the same fusion buffers, counters and wire.
+The gradients leave the fusion buffer when a local-step strategy takes over (BSP binds them
+into it).  Each switch is recorded in ``switches`` (iteration, round, from, to, and a digest of
+the weights: every worker's must be equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+
+import torch
+
+from mpsync.policies import AUTO_SWITCHABLE
+from mpsync.torch.strategy_base import Strategy, spec_of
+
+__all__ = ["Switching", "weights_digest"]
+
+# What the optimizer and the trainer set on a strategy: kept here and given to each new one.
+_CARRIED = ("wire", "op_sum", "peers", "skip_aggregation")
+
+
+def weights_digest(buffers) -> str:
+    """sha256 of the parameters in fusion-buffer order (equal digests: equal weights)."""
+    h = hashlib.sha256()
+    for buf in buffers:
+        for p in buf.params:
+            h.update(p.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Switching(Strategy):
+    """The strategy of policy ``auto`` (module doc); everything not defined here is the
+    running strategy's (``inner``)."""
+
+    memory_target = "at most one parameter copy beyond the fusion buffer"
+    # op=Sum would mean nothing once a model-delta policy runs: refused from the start.
+    aggregates_gradients = False
+
+    def __init__(self, optimizer, buffers, backend, client, counters, config):
+        # No Strategy.__init__: each inner strategy sets up its own plumbing.
+        self.__dict__.update(optimizer=optimizer, buffers=buffers, backend=backend,
+                             client=client, counters=counters, config=config, switches=[],
+                             _carried=dict(wire=None, op_sum=False, peers=None,
+                                           skip_aggregation=False))
+        self.__dict__["inner"] = self._make(AUTO_SWITCHABLE[0], None)
+
+    # -- the running strategy's state, read and written through ---------------------------------
+    def __getattr__(self, name):
+        if name == "inner":   # (not set yet: __init__ failed)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in _CARRIED:
+            self._carried[name] = value
+        if name in self.__dict__ or name == "inner":
+            self.__dict__[name] = value
+        else:
+            setattr(self.inner, name, value)
+
+    @property
+    def aggregates_every_step(self) -> bool:
+        return self.inner.aggregates_every_step
+
+    @property
+    def policy(self) -> str:
+        """The policy running now."""
+        return AUTO_SWITCHABLE[self.inner.code - 1]
+
+    # -- switching ------------------------------------------------------------------------------
+    def _make(self, policy: str, previous: Strategy | None) -> Strategy:
+        config = dataclasses.replace(self.config, policy=policy, esync_delayed_ack=False)
+        config.validate()
+        cls = spec_of(config).strategy_class("ring")
+        for buf in self.buffers:
+            # A strategy lays out its header before gradient averaging binds the gradients.
+            self._unbind_grads(buf)
+        inner = cls.from_config(config, self.optimizer, self.buffers, self.backend,
+                                self.client, self.counters)
+        inner.code = 1 + AUTO_SWITCHABLE.index(policy)
+        for name, value in self._carried.items():
+            setattr(inner, name, value)
+        if previous is not None:
+            inner.iteration, inner.round = previous.iteration, previous.round
+            inner.last_active = previous.last_active
+        return inner
+
+    @staticmethod
+    def _unbind_grads(buf) -> None:
+        if not buf.grads_bound:
+            return
+        with torch.no_grad():
+            for p in buf.params:
+                if p.grad is not None:
+                    p.grad = p.grad.detach().clone()
+        buf.grads_bound = False
+
+    def _switch_if_told(self) -> bool:
+        old = self.inner
+        if not old.switch_pending():
+            return False
+        policy = AUTO_SWITCHABLE[old.last_decision.extra - 1]
+        new = self._make(policy, old)
+        if not old.aggregates_every_step and new.aggregates_every_step:
+            self._average_optimizer_state(min(old.last_active))
+        self.switches.append({"iteration": old.iteration, "round": old.round,
+                              "from": AUTO_SWITCHABLE[old.code - 1], "to": policy,
+                              "weights_sha256": weights_digest(self.buffers)})
+        now = time.perf_counter()
+        self.counters.event("switch", now, now)
+        self.__dict__["inner"] = new
+        return True
+
+    def _average_optimizer_state(self, root: int) -> None:
+        """The optimizer states drifted apart during local steps: average every floating
+        state tensor over the workers, then give every worker root's bits (BSP's replicas stay
+        equal only from equal optimizer states)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for _key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                    if not (torch.is_tensor(value) and value.is_floating_point()):
+                        continue
+                    flat = value.view(-1)
+                    if flat.numel() > 1:
+                        self.backend.allreduce_average_(flat, "optimizer state")
+                    self.backend.broadcast_(flat, root, "optimizer state")
+
+    # -- the interface -------------------------------------------------------------------------
+    def step(self, compute_time, closure=None):
+        loss = self.inner.step(compute_time, closure)
+        self._switch_if_told()
+        return loss
+
+    def idle_step(self) -> bool:
+        did = self.inner.idle_step()
+        self._switch_if_told()
+        return did
+
+    def join(self) -> None:
+        """The running strategy's join; a switch told during it hands the rest of the join to
+        the next strategy (ESync's first query is its capability test, as at any start)."""
+        while True:
+            self.inner.join()
+            if not self._switch_if_told():
+                return
+            inner = self.inner
+            if getattr(inner, "capability_test", False):
+                inner._test_capability(inner._pace())
+
+    def synchronize(self) -> None:
+        self.join()
+        inner = self.inner
+        inner._broadcast_model(min(inner.last_active))
+        inner.last_active = list(range(inner.n_workers))
+        inner.settled = True
+
+    def finish(self) -> None:
+        if not self.inner.settled:
+            self.synchronize()
+
+    def synchronize_gradients(self) -> None:
+        self.inner.synchronize_gradients()
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        self.inner.note_progress(epoch, loss)
+
+    def zero_grad(self) -> bool:
+        return self.inner.zero_grad()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,71 @@
+"""Rank programs for tests/test_auto_switch.py: ``auto``'s switches on real ranks.
+
+Each program prints one ``RESULT {...}`` JSON line per worker rank (run through
+``run_mpi("auto_programs:NAME", ...)``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(1)
+
+import mpsync.torch as mps  # noqa: E402
+from torch_programs import _args, _data, _digest, _flat, _model  # noqa: E402
+
+
+def _result(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def planned_switches() -> None:
+    """Policy ``auto`` following a fixed plan of switches (every kind it can make), worker 0
+    three times slower so ESync's and ElasticBSP's rounds hold uneven numbers of local steps.
+    Each worker records its weights after every round and at every switch, and what it applied:
+    with plain SGD (momentum 0, ε = 1) every policy moves the model by the mean over workers of
+    the updates each applied (BSP: the mean gradient step; ESync and ElasticBSP: the mean
+    delta of the local steps), so the final model must be w0 plus the mean of every update any
+    worker applied, none lost at a switch, none counted twice."""
+    a = _args()
+    rounds, lr, momentum = int(a["rounds"]), 0.05, float(a.get("momentum", 0))
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
+             auto_plan=a["plan"], deadline=60)
+    model = _model()
+    w0 = _flat(model).clone()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr,
+                                                   momentum=momentum),
+                                   named_parameters=model.named_parameters())
+    me = mps.rank()
+    applied = torch.zeros_like(w0)
+    after_round, policy_of_round, step = {}, {}, 0
+    while opt.strategy.round < rounds:
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.03 if me == 0 else 0.01)
+        applied -= lr * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        before, policy = opt.strategy.round, opt.strategy.policy
+        opt.step()
+        step += 1
+        if opt.strategy.round > before:
+            after_round[opt.strategy.round] = _digest(_flat(model))
+            policy_of_round[opt.strategy.round] = policy
+    server = mps.stats()["server"] if me == 0 else None
+    opt.synchronize()
+    mean_applied = mps.allreduce(applied)
+    mps.shutdown()
+    final = _flat(model)
+    err = float((final - (w0 + mean_applied)).abs().max() / mean_applied.abs().max())
+    state = (server or {}).get("policy_state") or {}
+    _result(rank=me, steps=step, rel_err=err, digest=_digest(final),
+            after_round=after_round, policy_of_round=policy_of_round,
+            switches=opt.strategy.switches, timeline=state.get("policy_timeline"),
+            decisions=state.get("decisions"))
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

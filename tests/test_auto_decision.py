@@ -1,0 +1,178 @@
+"""``auto``'s decision, without MPI: measurements in, a ranked choice with reasons out, and
+the hysteresis that keeps a steady cluster from flapping (mpsync.auto)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpsync import policies
+from mpsync.auto import (
+    Candidate,
+    Decider,
+    Measurements,
+    Window,
+    default_candidates,
+    rank_candidates,
+)
+from mpsync.auto.efficiency import staleness_efficiency
+
+REPO = Path(__file__).resolve().parent.parent
+RING = default_candidates(("ring",), switchable_only=True)
+
+
+def _choose(m: Measurements, candidates=None, start: str = "bsp/ring"):
+    ranked = rank_candidates(m, candidates)
+    start = next(r.candidate for r in ranked if r.candidate.label == start)
+    record = Decider(start).decide(ranked, m, 10.0, "test")
+    return record, ranked
+
+
+def _time(ranked, label: str) -> float:
+    return next(r.predicted_time_to_target_s for r in ranked if r.candidate.label == label)
+
+
+def test_three_clusters_three_choices_each_the_one_it_calls_for():
+    # Equal speeds, an aggregation of 2 ms against 50 ms iterations: nothing waits, so every
+    # policy has BSP's samples/s and local steps or stale reads only cost progress.  BSP stays.
+    equal = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.002,
+                                     topologies=("ring",))
+    r1, ranked = _choose(equal, RING)
+    assert not r1.switch and r1.chosen == "bsp/ring", r1.reason
+    assert _time(ranked, "ebsp/ring") > 1.05 * _time(ranked, "bsp/ring")
+    # The same workers behind a slow link (200 ms per aggregation): ElasticBSP's supersteps
+    # aggregate once per monitoring phase + barrier instead of every iteration (and ESync, with
+    # nobody faster than anybody, is BSP): it halves the time.
+    slow_link = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.2,
+                                         topologies=("ring",))
+    r2, ranked = _choose(slow_link, RING)
+    assert r2.switch and r2.chosen == "ebsp/ring", r2.reason
+    assert _time(ranked, "bsp/ring") > 1.5 * _time(ranked, "ebsp/ring")
+    # One worker 20x slower, every topology: anything synchronous waits for it; local-step
+    # rounds leave the fast ones ~20 local steps each; ASP's pushes never wait and the
+    # straggler's stale updates are 1/61 of all updates.
+    straggler = Measurements.from_speeds([1, 1, 1, 20], iter_time=0.05, aggregation_s=0.002)
+    r3, ranked = _choose(straggler)
+    assert r3.switch and r3.chosen == "asp/ps", r3.reason
+    runner_up = sorted(r.predicted_time_to_target_s for r in ranked)[1]
+    assert runner_up > 1.3 * _time(ranked, "asp/ps")
+    assert len({r1.chosen, r2.chosen, r3.chosen}) == 3
+    # Each decision explains itself: inputs, every candidate's prediction, the reason.
+    for r in (r1, r2, r3):
+        d = r.as_dict()
+        assert d["measurements"]["compute_s"] and d["reason"]
+        assert all(x["reasons"] and x["predicted_time_to_target_s"] > 0 for x in d["ranking"])
+
+
+def test_stragglers_leave_bsp_for_a_local_step_policy():
+    m = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.05, aggregation_s=0.002,
+                                 topologies=("ring",))
+    record, ranked = _choose(m, RING)
+    assert record.switch and record.chosen in ("esync/ring", "ebsp/ring"), record.reason
+    assert _time(ranked, "bsp/ring") > 1.5 * _time(ranked, record.chosen)
+
+
+def test_efficiency_is_not_throughput_alone():
+    """ASP would win on samples/s wherever anybody waits; staleness costs it (n - 1 updates
+    stale on average, the straggler's much staler) and grows with the cluster."""
+    eff4, stale4 = staleness_efficiency([0.05] * 4)
+    eff64, stale64 = staleness_efficiency([0.05] * 64)
+    assert stale4 == pytest.approx(3) and stale64 == pytest.approx(63)
+    assert eff64 < 0.5 < eff4 < 1
+    m = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.05, aggregation_s=0.002)
+    ranked = {r.candidate.label: r for r in rank_candidates(m)}
+    assert ranked["asp/ps"].samples_per_s > ranked["esync/ring"].samples_per_s
+    assert ranked["asp/ps"].efficiency < ranked["esync/ring"].efficiency
+
+
+def test_a_change_in_measured_speeds_makes_it_decide_again():
+    d = Decider(Candidate("bsp", "ring"), confirm=2)
+    even = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.15, aggregation_s=0.003,
+                                    topologies=("ring",))
+    assert d.wants_ranking(even) == "first measurement"
+    first = d.decide(rank_candidates(even, RING), even, 5.0, "first measurement")
+    assert not first.switch
+    # The 4x straggler appears: seen once is not yet a change, twice in a row is.
+    slowed = Measurements.from_speeds([1, 1, 1, 4], iter_time=0.15, aggregation_s=0.003,
+                                      topologies=("ring",))
+    assert d.wants_ranking(slowed) is None
+    trigger = d.wants_ranking(slowed)
+    assert trigger and "worker 3" in trigger, trigger
+    second = d.decide(rank_candidates(slowed, RING), slowed, 12.0, trigger)
+    assert second.switch and second.chosen in ("esync/ring", "ebsp/ring"), second.reason
+    # It goes away again: decided again; ESync with equal speeds is BSP (a round every
+    # iteration) and ElasticBSP would now lose, so an ESync run stays, one on ElasticBSP
+    # goes back to BSP.
+    assert d.wants_ranking(even) is None
+    trigger = d.wants_ranking(even)
+    assert trigger and "worker 3" in trigger
+    third = d.decide(rank_candidates(even, RING), even, 30.0, trigger)
+    if second.chosen == "esync/ring":
+        assert not third.switch and "stay" in third.reason, third.reason
+    else:
+        assert third.switch and third.chosen == "bsp/ring", third.reason
+    assert len(d.records) == 3
+
+
+def test_a_steady_cluster_switches_at_most_once_after_the_first_decision():
+    rng = np.random.default_rng(3)
+    d = Decider(Candidate("bsp", "ring"))
+    base = np.array([1, 1, 2, 4]) * 0.05
+    for step in range(60):
+        noisy = base * rng.lognormal(0, 0.1, 4)           # a loaded machine's noise
+        m = Measurements(compute_s=tuple(noisy), aggregation_s=0.002 * rng.lognormal(0, 0.3),
+                         topologies=("ring",))
+        trigger = d.wants_ranking(m)
+        if trigger:
+            d.decide(rank_candidates(m, RING), m, 2.0 + step * 0.5, trigger)
+    assert d.records, "no decision at all"
+    assert d.switches <= 1, [(r.previous, r.chosen, r.reason) for r in d.records]
+    assert d.records[0].switch   # the stragglers call for a local-step policy at once
+
+
+def test_hysteresis_needs_a_clear_gain():
+    m = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.004,
+                                 topologies=("ring",))
+    ranked = rank_candidates(m, RING)
+    # From ElasticBSP, BSP is predicted faster, but only by a few percent here: stay.
+    d = Decider(Candidate("ebsp", "ring"), min_gain=0.5)
+    record = d.decide(ranked, m, 1.0, "test")
+    assert not record.switch and "stay" in record.reason
+
+
+def test_measurements_from_a_finished_run_and_back():
+    m = Measurements.from_metrics(REPO / "bench" / "compare" / "bsp" / "repeat0" /
+                                  "metrics.json")
+    ratios = np.array(m.compute_s) / min(m.compute_s)
+    assert np.allclose(ratios, [1, 1, 2, 4], rtol=0.2), ratios    # slowdown 1,1,2,4
+    assert m.aggregation_s is not None and m.aggregation_s < max(m.compute_s)
+    assert 5000 < m.target_samples < 20000 and m.notes
+    assert Measurements.from_dict(json.loads(json.dumps(m.as_dict()))) == m
+    ranked = rank_candidates(m)
+    assert {r.candidate.policy for r in ranked} == {s.name for s in policies.specs()
+                                                   if s.name != policies.AUTO}
+    with pytest.raises(ValueError, match="workers"):
+        Measurements.from_metrics({"config": {}})
+
+
+def test_the_live_window_reads_medians():
+    w = Window(2, size=4)
+    for t in (0.1, 0.1, 5.0, 0.1):       # one scheduler hiccup
+        w.add_compute(0, t)
+        w.add_compute(1, 2 * t)
+    w.add_aggregation(0.01)
+    assert w.ready(4) and not w.ready(5)
+    m = w.measurements(topologies=("ring",))
+    assert m.compute_s == pytest.approx((0.1, 0.2)) and m.aggregation_s == pytest.approx(0.01)
+
+
+def test_ranking_is_fast_enough_to_run_while_training():
+    m = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.05)
+    rank_candidates(m, RING)                       # compiled engines loaded
+    t0 = time.process_time()
+    rank_candidates(m, RING)
+    assert time.process_time() - t0 < 2.0

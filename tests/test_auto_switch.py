@@ -1,0 +1,69 @@
+"""``auto``'s switches on real ranks: every kind of switch it can make happens after a round
+every worker takes part in, from bitwise identical weights, losing no update (checked against
+the sum of every update the workers applied), and a change of the cluster's speeds makes the
+live decision logic choose again."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+# Every switch auto can make on the ring: bsp->esync, esync->ebsp, ebsp->bsp, bsp->ebsp,
+# ebsp->esync, esync->bsp.
+PLAN = "3:esync,6:ebsp,9:bsp,12:ebsp,15:esync,18:bsp"
+KINDS = {("bsp", "esync"), ("esync", "ebsp"), ("ebsp", "bsp"), ("bsp", "ebsp"),
+         ("ebsp", "esync"), ("esync", "bsp")}
+
+
+def _run(momentum: str):
+    run = run_mpi("auto_programs:planned_switches", np=4, timeout=240,
+                  args=[f"plan={PLAN}", "rounds=21", f"momentum={momentum}"])
+    res = run.results()
+    assert sorted(res) == [1, 2, 3], run.report()
+    return res
+
+
+def _check_switches(res):
+    switches = [r["switches"] for r in res.values()]
+    kinds = {(s["from"], s["to"]) for s in switches[0]}
+    assert kinds == KINDS, switches[0]
+    for k in range(len(switches[0])):
+        # Every worker switched after the same round, from the same weights.
+        assert len({(s[k]["round"], s[k]["from"], s[k]["to"], s[k]["weights_sha256"])
+                    for s in switches}) == 1, [s[k] for s in switches]
+    server = res[1]
+    timeline = [(t["policy"], t["after_round"]) for t in server["timeline"]]
+    assert timeline == [("bsp", 0), *((s["to"], s["round"]) for s in switches[0])], timeline
+    assert [d["chosen"] for d in server["decisions"]] == [f"{s['to']}/ring"
+                                                          for s in switches[0]]
+
+
+def test_every_kind_of_switch_keeps_every_update_and_equal_weights():
+    res = _run("0")
+    _check_switches(res)
+    for r in res.values():
+        # Every update any worker applied is in the model, averaged, none twice.
+        assert r["rel_err"] <= 1e-9, r["rel_err"]
+    assert len({r["digest"] for r in res.values()}) == 1
+    # After every round (under each policy) the replicas are bitwise equal.
+    rounds = [r["after_round"] for r in res.values()]
+    assert all(set(x) == set(rounds[0]) for x in rounds)
+    for k in rounds[0]:
+        assert len({x[k] for x in rounds}) == 1, k
+    # The local-step phases let the fast workers run more iterations than the straggler.
+    assert res[2]["steps"] > res[1]["steps"]
+
+
+def test_momentum_is_carried_into_bsp_so_its_rounds_stay_identical():
+    """ESync and ElasticBSP leave each replica its own momentum; after a switch to BSP the
+    states are averaged and made equal, or the BSP rounds would drift apart."""
+    res = _run("0.9")
+    _check_switches(res)
+    rounds = [r["after_round"] for r in res.values()]
+    bsp_rounds = [k for k, p in res[1]["policy_of_round"].items() if p == "bsp"]
+    assert len(bsp_rounds) >= 9
+    for k in rounds[0]:
+        assert len({x[k] for x in rounds}) == 1, (k, res[1]["policy_of_round"][k])
