@@ -64,9 +64,7 @@ def run_supervised(args, validate, add_arguments) -> int:
         if not args.checkpoint_every or not args.out:
             raise ConfigError("--max-restarts needs --checkpoint-every K and --out DIR (a "
                               "restart resumes from the newest checkpoint in DIR)")
-        if args.cluster is not None:
-            raise ConfigError("--max-restarts with --cluster is not supported yet; run it "
-                              "on one host, or under a job script")
+        cluster_state = _cluster(args) if args.cluster is not None else None
         min_np, max_np = args.min_np or 1, args.max_np or np
         if not 1 <= min_np <= np <= max_np:
             raise ConfigError(f"need 1 <= --min-np ({min_np}) <= --np ({np}) <= --max-np "
@@ -80,7 +78,10 @@ def run_supervised(args, validate, add_arguments) -> int:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
 
-    hosts = parse_hosts(args.hosts) if args.hosts else [Host(LOCAL, np)]
+    if cluster_state is not None:
+        hosts = _cluster_hosts(cluster_state, np, dedicated)
+    else:
+        hosts = parse_hosts(args.hosts) if args.hosts else [Host(LOCAL, np)]
     mpirun_args = shlex.split(args.mpirun_args or "")
 
     def run(attempt: Attempt):
@@ -91,6 +92,10 @@ def run_supervised(args, validate, add_arguments) -> int:
             rest += ["--resume", str(resume)]
             if attempt.index:
                 attempt.extra["resumed_from"] = _describe_checkpoint(resume)
+        command = python_argv("mpsync.apps.train", *rest, "--np", str(attempt.np))
+        if cluster_state is not None:
+            return end_of(run_job(_cluster_job(cluster_state, command, attempt, dedicated,
+                                               mpirun_args)))
         # The same launcher as `mpsync train --np N`: placement, environment, failure report.
         job = build_job(python_argv("mpsync.apps.train", *rest, "--np", str(attempt.np)),
                         attempt.np, dedicated_server=dedicated,
@@ -108,6 +113,51 @@ def run_supervised(args, validate, add_arguments) -> int:
     if rc == 0 and len(attempts) > 1:
         _add_to_metrics(out / "metrics.json", attempts)
     return rc
+
+
+def _cluster(args):
+    from mpsync import cluster as vc
+
+    state = vc.load_state(args.cluster or None)
+    if state is None:
+        raise ConfigError(f"cluster {args.cluster or vc.default_name()!r} is not up (mpsync "
+                          f"cluster up --nodes N)")
+    return state
+
+
+def _cluster_hosts(state, np: int, dedicated: bool) -> list[Host]:
+    """The worker nodes of the virtual cluster (node1 is the dedicated server's, as in
+    ``--cluster-placement server-alone``), each with the slots that spread ``np`` workers
+    evenly: losing a node loses its workers."""
+    nodes = state.nodes[1:] if dedicated and len(state.nodes) > 1 else state.nodes
+    per = -(-np // len(nodes))
+    return [Host(n.name, per) for n in nodes]
+
+
+def _cluster_job(state, command: list[str], attempt: Attempt, dedicated: bool, mpirun_args):
+    """A job on the cluster's nodes that remain: the server's rank on node1, the workers
+    round-robin over ``attempt.hosts`` (a sequential hostfile), Open MPI set up as for
+    ``mpsync train --cluster``."""
+    from mpsync import transport
+    from mpsync.cluster.layout import hostfile_text, mpirun_options
+    from mpsync.launch.hosts import Placement
+    from mpsync.launch.mpirun import forwarded_env, mpirun_argv
+    from mpsync.launch.runner import Job, mpsync_roles
+
+    address = {n.name: n.address for n in state.nodes}
+    slots = [h["name"] for h in attempt.hosts for _ in range(h["slots"])]
+    order = sorted(range(len(slots)), key=lambda i: (slots[:i].count(slots[i]), i))
+    workers = [address[slots[i]] for i in order][:attempt.np]
+    ranks = ([state.nodes[0].address] if dedicated else []) + workers
+    path = Path(state.state_dir) / f"hostfile-restart-{os.getpid()}-{attempt.index}"
+    path.write_text(hostfile_text(state, ranks))
+    extra = mpirun_options(state, hostfile=str(path), sequential=True, standalone=False,
+                           transport=transport.mca_argv(None)) + list(mpirun_args)
+    argv = mpirun_argv(len(ranks), command, forward_env=forwarded_env(), extra=extra)
+    names = {v: k for k, v in address.items()}
+    where = Placement(len(ranks), tuple((names[a], 1) for a in ranks), False,
+                      f"on cluster {state.name}: {', '.join(names[a] for a in ranks)}")
+    return Job(argv, where, mpsync_roles(dedicated), "mpsync train")
 
 
 def _keep_newest(out: Path, index: int) -> Path | None:
