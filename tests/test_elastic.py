@@ -37,7 +37,10 @@ def test_commit_store_uses_a_commit_only_when_every_rank_wrote_it(tmp_path):
 
 
 def _env(tag: str) -> dict:
-    env = dict(os.environ, MPSYNC_TEST_TAG=tag, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A generous deadline: a loaded machine can take more than the default 20 s from start to
+    # the first registration, which would end the job before the fault under test.
+    env = dict(os.environ, MPSYNC_TEST_TAG=tag, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               MPSYNC_DEADLINE="90")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -113,7 +116,8 @@ def test_horovod_elastic_script_survives_a_killed_worker(tmp_path):
 
 def _train(out, policy, *flags):
     return [sys.executable, "-m", "mpsync.cli", "train", "--policy", policy, "--batch-size",
-            "16", "--seed", "5", "--out", str(out), "--no-progress", "--no-plots", *flags]
+            "16", "--seed", "5", "--out", str(out), "--no-progress", "--no-plots",
+            "--deadline", "90", *flags]
 
 
 def _checkpointed(out, at_least_round):
@@ -140,7 +144,7 @@ def test_bsp_restart_equals_a_resume_by_hand(tmp_path):
     start = out / "restarts" / "restart-1"
     run_mpi(TRAIN, np=3, timeout=240, args=[
         "--policy", "bsp", "--batch-size", "16", "--seed", "5", "--out", str(by_hand),
-        "--no-progress", "--no-plots", *common, "--resume", str(start)])
+        "--no-progress", "--no-plots", "--deadline", "90", *common, "--resume", str(start)])
     manual = json.loads((by_hand / "metrics.json").read_text())
     assert manual["final_param_sha256"] == metrics["final_param_sha256"]
     assert manual["total_samples"] == metrics["total_samples"]

@@ -154,3 +154,12 @@ def test_reshard_keeps_the_samples_and_is_deterministic():
     assert remap_position(6, 12, 18) == 9
     assert remap_position(11, 12, 6) == 5
     assert remap_position(0, 0, 5) == 0
+
+
+def test_allocation_hosts_of_pbs_and_outside(tmp_path):
+    from mpsync.launch.supervisor import allocation_hosts
+
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn1\nn2\nn2\nn2\n")
+    assert allocation_hosts({"PBS_NODEFILE": str(nodefile)}) == [Host("n1", 2), Host("n2", 3)]
+    assert allocation_hosts({}) is None

@@ -74,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parameter-server shards for the PS policies (default: "
                         "$MPSYNC_PS_SHARDS or auto: one per node, 2 on one host)")
     p.add_argument("--train-args", default="", help="extra flags passed to every train run")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="each run restarts up to N times after a failed rank, from its newest "
+                        "checkpoint on the workers that remain (mpsync train --max-restarts; "
+                        "checkpoints every --checkpoint-every rounds)")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
+                   help="with --max-restarts: checkpoint every K rounds (default 10)")
     p.add_argument("--from-runs", action="store_true",
                    help="do not train: rebuild the table and plot from the runs under --out")
     p.add_argument("--repeats", type=int, default=None,

@@ -46,6 +46,11 @@ def launch_argv(args, policy: str, out: Path) -> list[str]:
     launch; with ``--cluster`` it writes the cluster's hostfile for this rank count)."""
     command = python_argv("mpsync.apps.train", *train_argv(args, policy, out))
     on = getattr(args, "cluster", None)
+    if getattr(args, "max_restarts", 0):
+        # mpsync train supervises its own jobs (the same launcher, restarted on failure).
+        where = ["--cluster", on] if on is not None else []
+        return command + ["--np", str(args.np), "--max-restarts", str(args.max_restarts),
+                          "--checkpoint-every", str(args.checkpoint_every), *where]
     # On one host Open MPI's defaults stand unless the user (or a job script) chose.
     extra = transport.mca_argv() if on is None and transport.is_set() else []
     return target_argv(ranks(args), command, cluster=on,

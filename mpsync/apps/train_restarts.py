@@ -31,6 +31,7 @@ import os
 import shlex
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from mpsync.apps.checkpoint import CheckpointError, latest_good
@@ -38,8 +39,8 @@ from mpsync.config import ConfigError
 from mpsync.launch.cluster import argv_from_namespace
 from mpsync.launch.mpirun import python_argv
 from mpsync.launch.runner import build_job, run_job
-from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, end_of, \
-    hosts_text, parse_hosts, supervise, write_record
+from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, allocation_hosts, \
+    end_of, hosts_text, parse_hosts, supervise, write_record
 
 __all__ = ["run_supervised", "restart_costs"]
 
@@ -80,8 +81,10 @@ def run_supervised(args, validate, add_arguments) -> int:
 
     if cluster_state is not None:
         hosts = _cluster_hosts(cluster_state, np, dedicated)
+    elif args.hosts:
+        hosts = parse_hosts(args.hosts)
     else:
-        hosts = parse_hosts(args.hosts) if args.hosts else [Host(LOCAL, np)]
+        hosts = _allocation_workers(dedicated) or [Host(LOCAL, np)]
     mpirun_args = shlex.split(args.mpirun_args or "")
 
     def run(attempt: Attempt):
@@ -94,8 +97,13 @@ def run_supervised(args, validate, add_arguments) -> int:
                 attempt.extra["resumed_from"] = _describe_checkpoint(resume)
         command = python_argv("mpsync.apps.train", *rest, "--np", str(attempt.np))
         if cluster_state is not None:
-            return end_of(run_job(_cluster_job(cluster_state, command, attempt, dedicated,
-                                               mpirun_args)))
+            end = end_of(run_job(_cluster_job(cluster_state, command, attempt, dedicated,
+                                              mpirun_args)))
+            # Open MPI names a node by the address in the hostfile; the hosts go by name.
+            names = {n.address: n.name for n in cluster_state.nodes}
+            if end.failure is not None and end.failure.host in names:
+                end.failure = replace(end.failure, host=names[end.failure.host])
+            return end
         # The same launcher as `mpsync train --np N`: placement, environment, failure report.
         job = build_job(python_argv("mpsync.apps.train", *rest, "--np", str(attempt.np)),
                         attempt.np, dedicated_server=dedicated,
@@ -113,6 +121,18 @@ def run_supervised(args, validate, add_arguments) -> int:
     if rc == 0 and len(attempts) > 1:
         _add_to_metrics(out / "metrics.json", attempts)
     return rc
+
+
+def _allocation_workers(dedicated: bool) -> list[Host] | None:
+    """Inside Slurm/PBS: the allocation's hosts, as worker slots (the dedicated server's task
+    is the first host's first, as the launcher places it), so that a restart leaves a lost
+    node out.  None outside an allocation or with one host (the launcher's own placement)."""
+    hosts = allocation_hosts()
+    if not hosts or len(hosts) < 2:
+        return None
+    if dedicated:
+        hosts[0] = Host(hosts[0].name, hosts[0].slots - 1)
+    return [h for h in hosts if h.slots > 0]
 
 
 def _cluster(args):

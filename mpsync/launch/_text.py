@@ -122,6 +122,14 @@ def variables(target: LaunchTarget, template: str, s: JobSettings) -> list[Varia
             ("SEED", "", "random seed (default: empty, mpsync train's own)"),
             ("TRAIN_ARGS", "", "more mpsync train flags, e.g. \"--staleness 3 --lookahead 15\""),
         ]
+        if target.allocated:
+            variables += [
+                ("MAX_RESTARTS", "0", "restarts after a lost rank, on the nodes that remain, "
+                                      "from the newest\ncheckpoint (default: 0, a fault ends "
+                                      "the job)"),
+                ("CHECKPOINT_EVERY", "10", "with MAX_RESTARTS: checkpoint every K rounds "
+                                           "(default: 10)"),
+            ]
     elif template == "compare":
         variables = [
             ("POLICIES", s.policies, f"policies to compare, comma-separated (default: {s.policies})"),

@@ -41,6 +41,7 @@ from mpsync.config import ConfigError, SyncConfig, parse_float_list
 from mpsync.launch import registry as targets
 from mpsync.launch._text import PAYLOAD, RUN, doc, header, settings_block, variables
 from mpsync.launch.settings import JobSettings, JobTemplateError
+from mpsync.launch.supervisor import JOB_RESTARTS
 from mpsync.launch.target import LaunchTarget
 
 __all__ = ["JobSettings", "JobTemplateError", "schedulers", "render", "default_path",
@@ -76,6 +77,8 @@ def render(scheduler: str, template: str = "train", settings: JobSettings | None
     ]
     if template == "train":
         parts.append(target.launch_text)
+        if target.allocated:
+            parts.append(JOB_RESTARTS)
         parts.append(RUN)
     return "\n\n".join(p.strip("\n") for p in parts) + "\n"
 

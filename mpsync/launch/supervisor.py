@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from mpsync.commits import RESTART_EXIT_CODE
 
 __all__ = ["Host", "Failure", "Attempt", "JobEnd", "failure_of", "remaining_hosts",
-           "worker_count", "parse_hosts", "discover_hosts", "run_streaming", "supervise",
+           "worker_count", "parse_hosts", "discover_hosts", "allocation_hosts", "JOB_RESTARTS", "run_streaming", "supervise",
            "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE", "end_of", "write_record",
            "hosts_text"]
 
@@ -161,6 +161,37 @@ def parse_hosts(text: str, default_slots: int = 1) -> list[Host]:
     return hosts
 
 
+def allocation_hosts(environ=None) -> list[Host] | None:
+    """The hosts and task slots of the Slurm or PBS allocation this process runs in (None
+    outside one): what a restart inside the allocation chooses from."""
+    env = os.environ if environ is None else environ
+    nodefile = env.get("PBS_NODEFILE")
+    if nodefile:
+        counts: dict[str, int] = {}
+        with open(nodefile) as f:
+            for line in f:
+                if line.strip():
+                    counts[line.strip()] = counts.get(line.strip(), 0) + 1
+        return [Host(h, n) for h, n in counts.items()]
+    nodelist = env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                               text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # SLURM_TASKS_PER_NODE: "5(x2),4" -> 5, 5, 4
+    per: list[int] = []
+    for part in env.get("SLURM_TASKS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m:
+            per += [int(m.group(1))] * int(m.group(2) or 1)
+    if len(per) != len(names):
+        return None
+    return [Host(h, n) for h, n in zip(names, per)]
+
+
 def discover_hosts(script: str, default_slots: int = 1, timeout: float = 30.0) -> list[Host]:
     """Run a host discovery script (horovodrun's ``--host-discovery-script``): it prints one
     ``host[:slots]`` per line of the hosts available now."""
@@ -285,6 +316,22 @@ def supervise(run: Callable[[Attempt], JobEnd], hosts: Sequence[Host], *, min_np
 def _describe(f: Failure) -> str:
     who = f"rank {f.rank}" if f.rank is not None else "unknown rank"
     return f"{who}{f' on {f.host}' if f.host else ''}: {f.cause}"
+
+
+# The job scripts' restarts (Slurm, PBS): with MAX_RESTARTS > 0 the script runs mpsync train as
+# the supervisor of its own mpirun (the same launcher), which restarts inside the allocation on
+# the nodes that remain (allocation_hosts).
+JOB_RESTARTS = """
+# A lost rank ends mpirun.  MAX_RESTARTS > 0: mpsync train starts mpirun itself and starts it
+# again on the nodes of this allocation that remain, from the newest checkpoint in OUT_DIR.
+[[ $MAX_RESTARTS =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be an integer >= 0, got '$MAX_RESTARTS'"
+if ((MAX_RESTARTS > 0)); then
+  workers=$NP
+  [ "$SERVER" = colocated ] || workers=$((NP - 1))
+  command=("${train[@]}" --np "$workers" --max-restarts "$MAX_RESTARTS"
+           --checkpoint-every "$CHECKPOINT_EVERY" --mpirun-args "${tuning[*]} $MPIRUN_ARGS")
+fi
+"""
 
 
 def write_record(path, attempts: Sequence[Attempt]) -> None:
