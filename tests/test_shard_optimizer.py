@@ -195,3 +195,20 @@ def test_the_train_command_passes_the_flag_and_the_environment_on():
     assert build_config(args).ps_optimizer == "server"
     with pytest.raises(SystemExit):
         p.parse_args(["--policy", "dssp", "--ps-optimizer", "gpu"])
+
+
+def test_the_mean_of_per_worker_adam_steps_is_not_an_adam_step_on_the_mean_gradient():
+    """Why the workers' own Adam is a departure even under BSP, where SGD's is not."""
+    rng = np.random.default_rng(2)
+    grads = rng.normal(size=(3, 50)) * np.array([[1.0], [0.1], [5.0]])
+    for kind, differs in (("sgd", False), ("adam", True)):
+        settings = OptimizerSettings(kind=kind, lr=0.01, momentum=0.9 if kind == "sgd" else 0)
+        server, w_server = ShardOptimizer(settings, 50), np.zeros(50)
+        server.step(w_server, grads.mean(axis=0))
+        steps = []
+        for g in grads:
+            w = np.zeros(50)
+            ShardOptimizer(settings, 50).step(w, g)
+            steps.append(w)
+        gap = np.abs(np.mean(steps, axis=0) - w_server).max() / np.abs(w_server).max()
+        assert (gap > 1e-3) if differs else (gap < 1e-14), (kind, gap)

@@ -77,3 +77,17 @@ def test_the_simulate_command_takes_the_server_optimizer_where_a_policy_can_run_
     assert _config(Args, "ssp").ps_optimizer == "server"
     assert _config(Args, "esync").ps_optimizer == "worker"    # local steps: its own optimizer
     assert _config(Args, "osp").ps_optimizer == "worker"      # ring
+
+
+def test_bench_psopt_measures_every_way_and_feeds_the_rates_to_the_simulator():
+    from mpsync.bench.psopt import bottleneck_rows, measure
+
+    m = measure(4096, 2, 3, budget=0.05)
+    assert set(m["ms"]) == {"shard_add_delta", "shard_add_scaled_delta",
+                            "shard_sgd_momentum_step", "shard_adam_step", "shard_adam_round",
+                            "worker_torch_sgd_momentum_step", "worker_torch_adam_step"}
+    assert m["range_bytes"] == 2048 and all(v > 0 for v in m["ms"].values())
+    rows = bottleneck_rows(1e7, 1, [2, 16], 0.05, 1e9, apply_rate=4e9, optimizer_rate=2e8)
+    busy = {(r["workers"], r["ps_optimizer"]): r["shard_busy_fraction"] for r in rows}
+    assert busy[2, "worker"] < busy[2, "server"] < 1.0
+    assert busy[16, "server"] > 0.98

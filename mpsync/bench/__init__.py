@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "startup": ("mpsync.bench.startup", "seconds from mpirun to the first iteration: mpsync train and a Horovod-style script vs importing torch, numba, mpi4py"),
     "commit": ("mpsync.bench.commit", "a durable commit of the wide MLP (copy, background write) vs a training step"),
     "memory": ("mpsync.bench.memory", "bytes each policy keeps per worker beyond parameters and gradients"),
+    "psopt": ("mpsync.bench.psopt", "a PS shard's work per push with the workers' optimizer vs its own (SGD, Adam), beside the worker's torch.optim step; the simulated shard bottleneck"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -422,7 +422,8 @@ class SyncClient:
         Sharded: every shard applies its slice first, and only then is the push counted by
         the state server, so its staleness rules count updates that are in on every shard."""
         if self.shards is not None:
-            self.shards.push(np.ascontiguousarray(delta))
+            if delta.size:   # empty: nothing left to apply (the server's optimizer), counted
+                self.shards.push(np.ascontiguousarray(delta))
             self._call(W.PUSH, f"push {iteration}",
                        header=self._header(iteration, count=0, flag=int(final)))
             return int(self._rep[W.R_VERSION])

@@ -232,9 +232,11 @@ class ShardOptimizer:
 
     def _sgd(self, w: np.ndarray, g: np.ndarray, s: OptimizerSettings) -> None:
         # torch.optim.SGD: g += wd·w; b = μ·b + (1-τ)·g (b = g the first time);
-        # g = g + μ·b (Nesterov) or b; w -= lr·g
+        # g = g + μ·b (Nesterov) or b; w -= lr·g.  Scratch buffers, no temporaries.
+        t = self._buffer("_t")
         if s.weight_decay:
-            g += s.weight_decay * w
+            np.multiply(w, s.weight_decay, out=t)
+            g += t
         if s.momentum:
             first = self._momentum is None
             b = self._buffer("_momentum")
@@ -242,25 +244,31 @@ class ShardOptimizer:
                 np.copyto(b, g)
             else:
                 b *= s.momentum
-                b += (1.0 - s.dampening) * g
+                np.multiply(g, 1.0 - s.dampening, out=t)
+                b += t
             if s.nesterov:
-                g += s.momentum * b
+                np.multiply(b, s.momentum, out=t)
+                g += t
             else:
                 g = b
-        w -= s.lr * g
+        np.multiply(g, s.lr, out=t)
+        w -= t
 
     def _adam(self, w: np.ndarray, g: np.ndarray, s: OptimizerSettings) -> None:
         # torch.optim.Adam / AdamW: (AdamW: w *= 1 - lr·wd; Adam: g += wd·w);
         # m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; (amsgrad: v̂ = max(v̂, v));
-        # w -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)
+        # w -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps).  Scratch buffers only.
+        t = self._buffer("_t")
         if s.weight_decay:
             if s.kind == "adamw":
                 w *= 1.0 - s.lr * s.weight_decay
             else:
-                g += s.weight_decay * w
+                np.multiply(w, s.weight_decay, out=t)
+                g += t
         m, v = self._buffer("_momentum"), self._buffer("_second")
         m *= s.beta1
-        m += (1.0 - s.beta1) * g
+        np.multiply(g, 1.0 - s.beta1, out=t)
+        m += t
         v *= s.beta2
         np.multiply(g, g, out=g)
         g *= 1.0 - s.beta2
@@ -269,7 +277,6 @@ class ShardOptimizer:
             vmax = self._buffer("_max_second")
             np.maximum(vmax, v, out=vmax)
             v = vmax
-        t = self._buffer("_t")
         np.sqrt(v, out=t)
         t *= 1.0 / math.sqrt(1.0 - s.beta2 ** self.steps)
         t += s.eps

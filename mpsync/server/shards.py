@@ -54,6 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.config import ConfigError
+from mpsync.server.shard_optimizer import ServerUpdates
 from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
 from mpsync.server.weights import WeightStore
 
@@ -63,6 +64,8 @@ __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DT
 WIRE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 INIT, PUSH, PULL = 300, 310, 320
 ACK, DATA, BYE = 330, 340, 350
+# The server-side optimizer's settings (float64, ``OptimizerSettings.to_array``), ACKed.
+OPT = 380
 _OK, _REFUSED = 0, 1
 _SLEEP_MIN_S, _SLEEP_MAX_S, _SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
 _IDLE_AFTER_S = 0.05
@@ -83,10 +86,13 @@ class ShardServer:
     1 ms, 4 ms after 50 ms of silence), so an idle shard costs its host little CPU.
     """
 
-    def __init__(self, comm, index: int, n_workers: int, scale: float, log=None):
+    def __init__(self, comm, index: int, n_workers: int, scale: float, log=None,
+                 updates: ServerUpdates | None = None):
         self.comm = comm
         self.index = index
         self.store = WeightStore(scale)
+        # ps_optimizer='server': pushes are gradients for this shard's optimizer
+        self.updates = updates
         self.left = n_workers
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.bytes_received = 0
@@ -127,6 +133,16 @@ class ShardServer:
             data = self._receive(src, tag, WIRE_DTYPES[code], nbytes)
             self._ack[:] = (self.store.version, self._take(kind, data, src))
             self.comm.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
+        elif tag == OPT:
+            settings = np.empty(nbytes // 8, dtype=np.float64)
+            self.comm.Recv([settings, MPI.BYTE], source=src, tag=tag)
+            problem = (self.updates.configure(settings) if self.updates is not None else
+                       "optimizer settings, but the workers run the optimizer")
+            if problem:
+                self.log(f"mpsync PS shard {self.index}: refused the optimizer settings of "
+                         f"worker {src}: {problem}")
+            self._ack[:] = (self.store.version, _REFUSED if problem else _OK)
+            self.comm.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
         elif tag == BYE:
             self.comm.Recv([self._req, MPI.INT64_T], source=src, tag=tag)
             self.left -= 1
@@ -150,14 +166,26 @@ class ShardServer:
                 self._serve_pull(*waiting)
             self._waiting_pulls.clear()
             return _OK
-        problem = self.store.apply(data)
+        problem = self.apply_push(data)
         if problem:
             self.log(f"mpsync PS shard {self.index}: refused a push from worker {src}: "
                      f"{problem}")
             return _REFUSED
         return _OK
 
+    def apply_push(self, update: np.ndarray) -> str | None:
+        """A worker's slice of an update into this shard's range: added (the workers run the
+        optimizer) or stepped on / merged by the shard's optimizer; None, or why refused."""
+        if self.updates is None:
+            return self.store.apply(update)
+        problem = self.updates.take(self.store.weights, update)
+        if problem is None:
+            self.store.version += 1
+        return problem
+
     def _serve_pull(self, src: int, code: int) -> None:
+        if self.updates is not None:
+            self.updates.settle(self.store.weights)   # a round's step before its first read
         weights = self.store.weights
         if WIRE_DTYPES[code] != weights.dtype:
             if self._send_buf is None or self._send_buf.dtype != WIRE_DTYPES[code]:
@@ -243,6 +271,19 @@ class ShardClient:
             np.copyto(wire, delta, casting="unsafe")
         self._send_slices(PUSH, delta, wire, "push")
 
+    def configure(self, settings: np.ndarray) -> None:
+        """The server-side optimizer's settings (float64) to every shard; returns once each
+        has taken them."""
+        comm = self.comm
+        acks = [comm.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
+                for k, h in enumerate(self.hosts)]
+        sends = [comm.Isend([settings, MPI.DOUBLE], dest=h, tag=OPT) for h in self.hosts]
+        self._wait(acks + sends, "optimizer settings", list(range(self.count)) * 2)
+        refused = [self.names[k] for k in range(self.count) if self._acks[k, 1] != _OK]
+        if refused:
+            raise RuntimeError(f"optimizer settings refused by {', '.join(refused)} (see its "
+                               f"log line)")
+
     def _send_slices(self, kind: int, flat: np.ndarray, wire: np.ndarray, what: str) -> None:
         self.layout(flat.size)
         tag = kind + _code(wire.dtype)
@@ -317,8 +358,12 @@ def start_shards(workers, config, world_ranks, *, log=None):
               for k, h in enumerate(layout.hosts)]
     thread = None
     if me in layout.hosts:
-        scale = policies.get(config.policy).ps_update_scale(config, n)
-        thread = ShardThread(ShardServer(comm, layout.hosts.index(me), n, scale, log=log))
+        spec = policies.get(config.policy)
+        updates = (ServerUpdates(per_round=spec.ps_average)
+                   if config.ps_optimizer == "server" else None)
+        thread = ShardThread(ShardServer(comm, layout.hosts.index(me), n,
+                                         spec.ps_update_scale(config, n), log=log,
+                                         updates=updates))
     if me == 0:
         (log or (lambda t: print(t, file=sys.stderr, flush=True)))(
             f"mpsync: parameter server in {layout.count} shard(s) over {layout.nodes} "
