@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=2, help="shards the model is cut into")
     p.add_argument("--workers", default="4,8,16,32", help="worker counts for the simulation")
     p.add_argument("--iter-time", type=float, default=0.1, help="seconds per iteration (sim)")
-    p.add_argument("--bandwidth", default="125M", help="bytes/s per link (sim; 125M = 1 Gbit/s)")
+    p.add_argument("--bandwidth", default="1.25G",
+                   help="bytes/s per link (sim; 1.25G = 10 Gbit/s)")
     p.add_argument("--budget", type=float, default=2.0, help="seconds of timing per size")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
@@ -118,13 +119,17 @@ def bottleneck_rows(model_bytes: float, shards: int, counts, iter_time: float,
     from mpsync.config import SyncConfig
     from mpsync.simulate import CostModel, SpeedModel, simulate
 
+    from mpsync import policies
+
+    # the policy whose pulls never wait (ASP): every push queues at the shards at once
+    no_wait = next(s.name for s in policies.specs() if s.simulation_model("ps") == "no_wait")
     rows = []
     for n in counts:
         for mode in ("worker", "server"):
             cost = CostModel(model_bytes=model_bytes, bandwidth=bandwidth, latency=50e-6,
                              query=1e-4, ps_shards=shards, apply_rate=apply_rate,
                              optimizer_rate=optimizer_rate)
-            row = simulate(SyncConfig(policy="asp", ps_optimizer=mode).validate(),
+            row = simulate(SyncConfig(policy=no_wait, ps_optimizer=mode).validate(),
                            SpeedModel(np.full(n, iter_time)), cost, iterations=200)
             rows.append({"workers": n, "ps_optimizer": mode,
                          "iterations_per_s": row["iterations_per_s"],
