@@ -38,9 +38,9 @@ from mpsync.apps.checkpoint import CheckpointError, latest_good
 from mpsync.config import ConfigError
 from mpsync.launch.cluster import argv_from_namespace
 from mpsync.launch.mpirun import python_argv
-from mpsync.launch.runner import build_job, run_job
+from mpsync.launch.runner import build_job
 from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, allocation_hosts, \
-    end_of, hosts_text, parse_hosts, supervise, write_record
+    hosts_text, parse_hosts, run_watched, supervise, write_record
 
 __all__ = ["run_supervised", "restart_costs"]
 
@@ -97,8 +97,8 @@ def run_supervised(args, validate, add_arguments) -> int:
                 attempt.extra["resumed_from"] = _describe_checkpoint(resume)
         command = python_argv("mpsync.apps.train", *rest, "--np", str(attempt.np))
         if cluster_state is not None:
-            end = end_of(run_job(_cluster_job(cluster_state, command, attempt, dedicated,
-                                              mpirun_args)))
+            end = run_watched(_cluster_job(cluster_state, command, attempt, dedicated,
+                                           mpirun_args))
             # Open MPI names a node by the address in the hostfile; the hosts go by name.
             names = {n.address: n.name for n in cluster_state.nodes}
             if end.failure is not None and end.failure.host in names:
@@ -109,7 +109,7 @@ def run_supervised(args, validate, add_arguments) -> int:
                         attempt.np, dedicated_server=dedicated,
                         hosts=hosts_text(attempt.hosts), mpirun_args=mpirun_args,
                         name="mpsync train")
-        return end_of(run_job(job))
+        return run_watched(job)
 
     try:
         rc, attempts = supervise(

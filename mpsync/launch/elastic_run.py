@@ -25,9 +25,9 @@ from pathlib import Path
 
 from mpsync.commits import ENV_COMMIT_DIR, ENV_HOSTS_FILE, ENV_HOSTS_VERSION
 from mpsync.config import ConfigError
-from mpsync.launch.runner import build_job, run_job
+from mpsync.launch.runner import build_job
 from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, discover_hosts, \
-    end_of, hosts_text, parse_hosts, supervise, write_record
+    hosts_text, parse_hosts, run_watched, supervise, write_record
 
 __all__ = ["add_elastic_arguments", "wants_elastic", "run_elastic", "HostsWatcher"]
 
@@ -131,7 +131,7 @@ def run_elastic(args, command: list[str], dedicated: bool) -> int:
                         name="mpsync run")
         print(f"mpsync run: start {attempt.index}: {job.describe()}", file=sys.stderr,
               flush=True)
-        return end_of(run_job(job, timeout=args.timeout))
+        return run_watched(job, timeout=args.timeout)
 
     if watcher is not None:
         watcher.start()

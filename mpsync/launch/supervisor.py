@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from mpsync.commits import RESTART_EXIT_CODE
+from mpsync.launch.runner import run_job
 
 __all__ = ["Host", "Failure", "Attempt", "JobEnd", "failure_of", "remaining_hosts",
            "worker_count", "parse_hosts", "discover_hosts", "allocation_hosts", "JOB_RESTARTS", "run_streaming", "supervise",
-           "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE", "end_of", "write_record",
+           "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE", "end_of", "run_watched", "write_record",
            "hosts_text"]
 
 # The name of this host in a host list: the launcher places the ranks here itself.
@@ -213,6 +214,34 @@ def end_of(outcome) -> JobEnd:
         failure = Failure(outcome.rank, outcome.host,
                           outcome.reason or f"exit status {outcome.exit_code}")
     return JobEnd(0 if outcome.ok else outcome.exit_code, failure, outcome.elapsed)
+
+
+class _Tee:
+    """A text sink that passes everything on and keeps the last lines."""
+
+    def __init__(self, sink, lines: int = 400):
+        self.sink, self.tail = sink, deque(maxlen=lines)
+
+    def write(self, text: str) -> int:
+        self.tail.append(text)
+        return self.sink.write(text)
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+
+def run_watched(job, **run_kw) -> JobEnd:
+    """Run ``job`` with :func:`mpsync.launch.runner.run_job` and read how it ended; a worker
+    that went silent (stopped, cut off) is named by mpsync's deadline message ("no word from
+    worker W (world rank R)"), not by the rank that gave up waiting on it and aborted."""
+    tee = _Tee(run_kw.pop("stderr", None) or sys.stderr)
+    end = end_of(run_job(job, stderr=tee, **run_kw))
+    silent = _SILENT.search("".join(tee.tail))
+    if end.failure is not None and silent and end.failure.cause.startswith("aborted"):
+        rank = int(silent.group(2))
+        end.failure = Failure(rank, job.placement.host_of(rank),
+                              f"worker {silent.group(1)} silent past the deadline")
+    return end
 
 
 def hosts_text(hosts) -> str | None:
