@@ -32,6 +32,10 @@ state the server re-learns: ElasticBSP's and ESync's iteration times (within the
 ElasticBSP's monitoring phase, ESync's first reports), DSSP's push-interval table, and the
 server's statistics (``server_stats.json`` of a resumed run covers the resumed part).  Updates
 made after the newest checkpoint are lost on a crash: the rollback is at most K rounds.
+
+A checkpoint resumes on another number of workers too (the data re-sharded, each worker at the
+same fraction of its epoch: ``mpsync.apps.train_checkpoints.reshard``); ``--max-restarts N``
+does that by itself after a lost rank (``mpsync.apps.train_restarts``).
 """
 
 from __future__ import annotations
