@@ -61,10 +61,9 @@ __all__ = ["CostModel", "parse_rate"]
 # (averaging policies) and 6.3 GB/s without, medians of 7 on this 2-core machine under load.
 APPLY_RATE = 3e9
 # A shard's optimizer step (bytes of its range per second; see CostModel): the server-side
-# Adam (``ShardOptimizer.step``) over 10 M float32 elements took 0.78 GB/s, SGD with momentum
-# 1.1 GB/s, beside 2.5-4.6 GB/s for ``WeightStore.apply``, medians of 7 on this 2-core
-# machine under load.
-OPTIMIZER_RATE = 0.8e9
+# Adam (``ServerUpdates`` per push) on a 4.35 MB float32 range took 6.77 ms (0.64 GB/s) beside
+# 1.38 ms for adding a delta, medians on an otherwise idle 16-core Xeon (bench/psopt).
+OPTIMIZER_RATE = 0.65e9
 PS_OPTIMIZERS = ("worker", "server")
 
 _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9}
