@@ -101,8 +101,9 @@ def pyplot():
 
 
 def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | None = None,
-                  title: str = "") -> Path:
-    """Accuracy vs wall time, one line per run (``series``: label -> evals)."""
+                  title: str = "", restarts: list[dict] | None = None) -> Path:
+    """Accuracy vs wall time, one line per run (``series``: label -> evals); ``restarts``
+    (metrics.json's): a dotted line where each restart resumed from."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, evals in series.items():
@@ -110,6 +111,10 @@ def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | 
                 label=label)
     if target is not None:
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
+    for r in restarts or []:
+        if r.get("resumed_from"):
+            ax.axvline(r["resumed_from"]["wall_s"], color="red", ls=":", lw=1,
+                       label=f"restart: {r['workers_before']} -> {r['workers_after']} workers")
     ax.set_xlabel("wall time (s, evaluation excluded)")
     ax.set_ylabel("test accuracy")
     ax.set_title(title)
@@ -137,7 +142,7 @@ def plot_run(out: Path) -> None:
     c = metrics["config"]
     title = f"{c['policy']} on {c['topology']}, {c['heterogeneity']}"
     plot_accuracy({c["policy"]: metrics["evals"]}, out / "accuracy.png",
-                  target=c.get("target_acc"), title=title)
+                  target=c.get("target_acc"), title=title, restarts=metrics.get("restarts"))
     plot_timeline(events, out / "timeline.png", t0=0.0, title=title)
 
 

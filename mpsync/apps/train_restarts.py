@@ -120,6 +120,10 @@ def run_supervised(args, validate, add_arguments) -> int:
         return 1
     if rc == 0 and len(attempts) > 1:
         _add_to_metrics(out / "metrics.json", attempts)
+        if not args.no_plots:   # again, with the restarts marked
+            from mpsync.apps.report import plot_run
+
+            plot_run(out)
     return rc
 
 
