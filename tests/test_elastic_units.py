@@ -163,3 +163,32 @@ def test_allocation_hosts_of_pbs_and_outside(tmp_path):
     nodefile.write_text("n1\nn1\nn2\nn2\nn2\n")
     assert allocation_hosts({"PBS_NODEFILE": str(nodefile)}) == [Host("n1", 2), Host("n2", 3)]
     assert allocation_hosts({}) is None
+
+
+def test_a_job_asking_for_new_hosts_restarts_without_using_up_restarts():
+    from mpsync.commits import RESTART_EXIT_CODE
+
+    codes = iter([RESTART_EXIT_CODE, RESTART_EXIT_CODE, 0])
+    listed = iter([[Host("a", 1)], [Host("a", 1), Host("b", 1)], [Host("a", 1), Host("b", 1)]])
+    rc, attempts = supervise(lambda a: run_streaming(_job(next(codes))), [Host("a", 1)],
+                             min_np=1, max_np=4, max_restarts=0, discover=lambda: next(listed),
+                             log=lambda m: None)
+    assert rc == 0 and [a.np for a in attempts] == [1, 1, 2]
+
+
+def test_hosts_watcher_writes_a_new_version_when_a_host_appears(tmp_path):
+    import json
+
+    from mpsync.launch.elastic_run import HostsWatcher
+
+    answers = iter([[Host("a", 2)], [Host("a", 2), Host("b", 2)]] + [[Host("a", 2)]] * 100)
+    watcher = HostsWatcher(lambda: next(answers), tmp_path / "hosts.json", interval=0.05)
+    assert watcher.started([{"name": "a", "slots": 2}]) == 0
+    watcher.start()
+    end = time.monotonic() + 10
+    while json.loads((tmp_path / "hosts.json").read_text())["version"] < 1:
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    watcher.stop()
+    assert json.loads((tmp_path / "hosts.json").read_text()) == {"version": 1,
+                                                                "hosts": ["a:2", "b:2"]}
