@@ -14,8 +14,10 @@ import torch
 from mpsync.apps.train_checkpoints import remap_position, reshard
 from mpsync.commits import BackgroundWriter, SealedFileError, newest_complete, read_sealed, \
     write_sealed
-from mpsync.launch.supervisor import Attempt, Failure, Host, SupervisorError, failure_of, \
-    parse_hosts, remaining_hosts, run_streaming, supervise, worker_count
+from mpsync.launch.hosts import Placement
+from mpsync.launch.runner import Job
+from mpsync.launch.supervisor import Attempt, Failure, Host, SupervisorError, parse_hosts, \
+    remaining_hosts, run_watched, supervise, worker_count
 
 KILLED = """--------------------------------------------------------------------------
 Primary job  terminated normally, but 1 process returned
@@ -25,24 +27,45 @@ a non-zero exit code. Per user-direction, the job has been aborted.
 mpirun noticed that process rank 2 with PID 4711 on node node3 exited on signal 9 (Killed).
 --------------------------------------------------------------------------
 """
-EXITED = """mpirun detected that one or more processes exited with non-zero status, thus causing
+EXITED = """--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
 the job to be terminated. The first process to do so was:
 
   Process name: [[51603,1],1]
   Exit code:    3
+--------------------------------------------------------------------------
 """
 SILENT = ("mpsync: fault: collective 'allreduce' not complete after 20s deadline: no word "
           "from worker 1 (world rank 2)\nMPI_ABORT was invoked on rank 1 in communicator "
           "MPI_COMM_WORLD\n")
 
 
-def test_failure_of_names_the_rank_host_and_cause():
-    assert failure_of(137, KILLED) == Failure(2, "node3", "signal 9 (Killed)")
-    assert failure_of(3, EXITED) == Failure(1, None, "exit code 3")
+def _job(code: int, message: str = "") -> Job:
+    """A real process that says what an Open MPI job's last words would and exits ``code``."""
+    argv = [sys.executable, "-c", f"import sys; sys.stderr.write({message!r}); sys.exit({code})"]
+    return Job(argv, Placement(4, (("node2", 2), ("node3", 2)), False, "on two nodes"))
+
+
+def run_streaming(job: Job):
+    return run_watched(job, stderr=open("/dev/null", "w"))
+
+
+def test_how_a_job_ended_names_the_rank_host_and_cause():
+    assert run_streaming(_job(137, KILLED)).failure == \
+        Failure(2, "node3", "was killed by signal 9 (Killed)")
+    assert run_streaming(_job(3, EXITED)).failure.rank == 1
     # A stopped worker: the rank that aborted only noticed; the silent one failed.
-    assert failure_of(1, SILENT) == Failure(2, None, "worker 1 silent past the deadline")
-    assert failure_of(1, "MPI_ABORT was invoked on rank 4 in communicator x").rank == 4
-    assert failure_of(None, "").cause.startswith("killed by the supervisor")
+    box = "-" * 70 + "\n" + SILENT.split("\n", 1)[1] + "with errorcode 1.\n" + "-" * 70 + "\n"
+    end = run_streaming(_job(1, SILENT.split("\n", 1)[0] + "\n" + box))
+    assert end.failure == Failure(2, "node3", "worker 1 silent past the deadline")
+    # A node cut off: mpirun loses its daemon there and names no rank.
+    lost = ("mpsync cluster el: node3 (10.213.0.13) has not answered for 13 s (its link is cut "
+            "or down): ending the session there\n")
+    assert run_streaming(_job(3, lost)).failure == \
+        Failure(None, "node3", "node lost (stopped answering)")
+    assert remaining_hosts([Host("node2", 1), Host("node3", 1)],
+                           Failure(None, "node3", "x")) == [Host("node2", 1)]
+    assert run_streaming(_job(0)).failure is None
 
 
 def test_remaining_hosts_drop_the_failed_host_or_slot():
@@ -74,10 +97,6 @@ def test_parse_hosts():
         parse_hosts("a:0")
 
 
-def _job(code: int, message: str = "") -> list[str]:
-    return [sys.executable, "-c", f"import sys; sys.stderr.write({message!r}); sys.exit({code})"]
-
-
 def test_supervise_restarts_on_the_slots_that_remain():
     codes = iter([137, 0])
     seen: list[Attempt] = []
@@ -89,7 +108,8 @@ def test_supervise_restarts_on_the_slots_that_remain():
                              max_restarts=2, extra_ranks=1, log=lambda m: None)
     assert rc == 0
     assert [a.np for a in attempts] == [3, 2]
-    assert attempts[0].failure == {"rank": 2, "host": "localhost", "cause": "signal 9 (Killed)"}
+    assert attempts[0].failure == {"rank": 2, "host": "localhost",
+                                   "cause": "was killed by signal 9 (Killed)"}
     assert attempts[1].failure is None and attempts[1].returncode == 0
 
 

@@ -8,10 +8,11 @@ starts it again -- the command it starts resumes from the newest complete commit
 the command's business (``mpsync train --resume``, ``hvd.elastic.run``).  It never runs inside
 a rank.
 
-Pure parts (tested without MPI): :func:`failure_of` (Open MPI's messages -> who failed, why),
-:func:`remaining_hosts`, :func:`worker_count`, :func:`parse_hosts`.  :func:`supervise` is the
-loop; it starts each job through ``run`` (by default :func:`run_streaming`, which passes the
-job's output through and keeps the tail of its stderr to read the failure from).
+Pure parts (tested without MPI): :func:`remaining_hosts`, :func:`worker_count`,
+:func:`parse_hosts`.  :func:`supervise` is the loop; the caller's ``run`` starts each job,
+normally through :func:`run_watched`: the launcher of ``mpsync train --np N`` and ``mpsync
+run`` (:func:`mpsync.launch.runner.run_job`, which reads Open MPI's notices), plus the silent
+worker named by mpsync's deadline message.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -31,10 +30,10 @@ from typing import Callable, Sequence
 from mpsync.commits import RESTART_EXIT_CODE
 from mpsync.launch.runner import run_job
 
-__all__ = ["Host", "Failure", "Attempt", "JobEnd", "failure_of", "remaining_hosts",
-           "worker_count", "parse_hosts", "discover_hosts", "allocation_hosts", "JOB_RESTARTS", "run_streaming", "supervise",
-           "SupervisorError", "NO_RESTART_CODES", "RESTART_EXIT_CODE", "end_of", "run_watched", "write_record",
-           "hosts_text"]
+__all__ = ["Host", "Failure", "Attempt", "JobEnd", "remaining_hosts", "worker_count",
+           "parse_hosts", "discover_hosts", "allocation_hosts", "supervise", "run_watched",
+           "end_of", "hosts_text", "write_record", "SupervisorError", "JOB_RESTARTS",
+           "NO_RESTART_CODES", "RESTART_EXIT_CODE", "LOCAL"]
 
 # The name of this host in a host list: the launcher places the ranks here itself.
 LOCAL = "localhost"
@@ -81,36 +80,11 @@ class Attempt:
     extra: dict = field(default_factory=dict)
 
 
-_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)"
-                     r"(?: \(([^)]*)\))?")
+# mpsync's deadline message names the worker that went silent (CollectiveTimeout).
 _SILENT = re.compile(r"no word from worker (\d+) \(world rank (\d+)\)")
-_EXIT = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
-_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+)")
-_HOST_OF = re.compile(r"on node (\S+)")
-
-
-def failure_of(returncode: int | None, stderr: str) -> Failure:
-    """The failed rank, its host and the cause, read from Open MPI's and mpsync's messages.
-
-    A rank killed by a signal is named by mpirun at once; a stopped or silent rank is named by
-    the workers' deadline (mpsync's "no word from worker W (world rank R)"), and the rank that
-    aborted the job is only the one that noticed.  Earlier lines of the same kind win."""
-    m = _SIGNAL.search(stderr)
-    if m:
-        name = f" ({m.group(4)})" if m.group(4) else ""
-        return Failure(int(m.group(1)), m.group(2).rstrip(".,"), f"signal {m.group(3)}{name}")
-    m = _SILENT.search(stderr)
-    if m:
-        return Failure(int(m.group(2)), None, f"worker {m.group(1)} silent past the deadline")
-    m = _EXIT.search(stderr)
-    if m:
-        return Failure(int(m.group(1)), None, f"exit code {m.group(2)}")
-    m = _ABORT.search(stderr)
-    if m:
-        return Failure(int(m.group(1)), None, "MPI_Abort")
-    if returncode is None:
-        return Failure(None, None, "killed by the supervisor's deadline")
-    return Failure(None, None, f"mpirun exit code {returncode}")
+# A node that stopped answering: Open MPI's lost daemon, or the virtual cluster's ssh stand-in.
+_LOST_NODE = re.compile(r"Remote daemon:\s*\[\[\d+,\d+\],\d+\] on node (\S+)|"
+                        r"(\S+) \([\d.]+\) has not answered for")
 
 
 def remaining_hosts(hosts: Sequence[Host], failure: Failure, world_hosts: Sequence[str] = ()
@@ -236,8 +210,14 @@ def run_watched(job, **run_kw) -> JobEnd:
     worker W (world rank R)"), not by the rank that gave up waiting on it and aborted."""
     tee = _Tee(run_kw.pop("stderr", None) or sys.stderr)
     end = end_of(run_job(job, stderr=tee, **run_kw))
-    silent = _SILENT.search("".join(tee.tail))
-    if end.failure is not None and silent and end.failure.cause.startswith("aborted"):
+    text = "".join(tee.tail)
+    silent, lost = _SILENT.search(text), _LOST_NODE.search(text)
+    if end.failure is None:
+        return end
+    if lost and end.failure.host is None:
+        end.failure = Failure(None, lost.group(1) or lost.group(2),
+                              "node lost (stopped answering)")
+    elif silent and end.failure.cause.startswith("aborted"):
         rank = int(silent.group(2))
         end.failure = Failure(rank, job.placement.host_of(rank),
                               f"worker {silent.group(1)} silent past the deadline")
@@ -252,38 +232,6 @@ def hosts_text(hosts) -> str | None:
     if len(names) == 1 and names[0][0] == LOCAL:
         return None
     return ",".join(f"{n}:{s}" for n, s in names)
-
-
-def run_streaming(argv: list[str], env: dict | None = None, tail_lines: int = 400) -> JobEnd:
-    """Run the job in its own process group, its stdout passed through and its stderr both
-    passed through and kept (the tail) to read a failure from.  Interrupting the supervisor
-    ends the whole group."""
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=None, stderr=subprocess.PIPE, env=env, text=True,
-                            errors="replace", start_new_session=True)
-    tail: deque = deque(maxlen=tail_lines)
-
-    def pump():
-        for line in proc.stderr:
-            tail.append(line)
-            sys.stderr.write(line)
-            sys.stderr.flush()
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    try:
-        rc = proc.wait()
-    except BaseException:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=3)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        raise
-    t.join(5)
-    failure = failure_of(rc, "".join(tail)) if rc != 0 else None
-    return JobEnd(rc, failure, time.monotonic() - start)
 
 
 def supervise(run: Callable[[Attempt], JobEnd], hosts: Sequence[Host], *, min_np: int,
