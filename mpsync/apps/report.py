@@ -100,12 +100,23 @@ def pyplot():
     return plt
 
 
+def _mark_switches(ax, marks) -> None:
+    """Policy auto: a vertical line at each switch, labelled with the policy that runs from
+    there (``marks``: [(x, label)])."""
+    for x, label in marks or ():
+        ax.axvline(x, color="black", ls=":", lw=1)
+        ax.annotate(label, (x, 0.02), xycoords=("data", "axes fraction"), rotation=90,
+                    va="bottom", ha="right", fontsize=8)
+
+
 def plot_accuracy(series: dict[str, list[dict]], path: Path, *, target: float | None = None,
-                  title: str = "", restarts: list[dict] | None = None) -> Path:
+                  title: str = "", restarts: list[dict] | None = None, marks=None) -> Path:
     """Accuracy vs wall time, one line per run (``series``: label -> evals); ``restarts``
-    (metrics.json's): a dotted line where each restart resumed from."""
+    (metrics.json's): a dotted line where each restart resumed from; ``marks``: policy
+    switches (auto)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    _mark_switches(ax, marks)
     for label, evals in series.items():
         ax.plot([e["wall_s"] for e in evals], [e["accuracy"] for e in evals], marker=".",
                 label=label)
@@ -141,17 +152,23 @@ def plot_run(out: Path) -> None:
             events.setdefault(int(e["tid"]), []).append((e["name"], a, a + e["dur"] * 1e-6))
     c = metrics["config"]
     title = f"{c['policy']} on {c['topology']}, {c['heterogeneity']}"
+    switches = metrics.get("switches") or []
     plot_accuracy({c["policy"]: metrics["evals"]}, out / "accuracy.png",
-                  target=c.get("target_acc"), title=title, restarts=metrics.get("restarts"))
-    plot_timeline(events, out / "timeline.png", t0=0.0, title=title)
+                  target=c.get("target_acc"), title=title, restarts=metrics.get("restarts"),
+                  marks=[(s["wall_s"], f"{s['from']} -> {s['to']}") for s in switches])
+    at = [a for name, a, _ in events.get(0, ()) if name == "switch"]
+    plot_timeline(events, out / "timeline.png", t0=0.0, title=title,
+                  marks=[(a, s["to"]) for a, s in zip(at, switches)])
 
 
-def plot_timeline(events: dict[int, list], path: Path, *, t0: float, title: str = "") -> Path:
+def plot_timeline(events: dict[int, list], path: Path, *, t0: float, title: str = "",
+                  marks=None) -> Path:
     """Per worker, compute / server-wait / aggregation bars over wall time (``events``:
-    worker -> [(name, start, end)] in wall-clock seconds)."""
+    worker -> [(name, start, end)] in wall-clock seconds); ``marks``: policy switches."""
     plt = pyplot()
     workers = sorted(events)
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(workers) + 1.6))
+    _mark_switches(ax, [(x - t0, label) for x, label in marks or ()])
     for row, w in enumerate(workers):
         by_name: dict[str, list] = {}
         for name, a, b in events[w]:

@@ -355,7 +355,24 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         "resumed_at_clock": w.resumed_at_clock,
         "final_param_sha256": _param_sha256(w.model),
         "server": server,
+        **_switches(w),
     }
+
+
+def _switches(w: Worker) -> dict:
+    """Policy auto: worker 0's switches, each with its training wall time (evaluations
+    excluded, as the evals' ``wall_s``), for the summary and the plots."""
+    switches = getattr(w.opt.strategy, "switches", None)
+    if not switches:
+        return {}
+    out = []
+    for s in switches:
+        # Evaluation time taken before the switch: that of the last evaluation before it.
+        before = [e for e in w.evals if e.get("wall_clock", 0) <= s["at_clock"]]
+        offset = before[-1]["wall_clock"] - before[-1]["wall_s"] if before else s["at_clock"]
+        out.append({k: v for k, v in s.items() if k != "at_clock"} |
+                   {"wall_s": round(s["at_clock"] - offset, 3)})
+    return {"switches": out}
 
 
 def _write_results(w: Worker, metrics: dict, events: dict) -> None:
@@ -386,6 +403,11 @@ def _print_summary(m: dict) -> None:
           f"wall {m['wall_s']:.1f}s  samples {m['total_samples']}  "
           f"samples/s {m['samples_per_s']:.0f}  wait fraction {m['wait_fraction']:.2f}  "
           f"time to target {'-' if ttt is None else f'{ttt:.1f}s'}")
+    for d in m.get("decisions") or ():
+        print(f"  auto at {d['at_s']:.1f}s ({d['trigger']}): {d['reason']}")
+    for s in m.get("switches") or ():
+        print(f"  auto switched {s['from']} -> {s['to']} after round {s['round']} "
+              f"(wall {s['wall_s']:.1f}s)")
     print("  worker  iterations  samples  compute_s  wait_s  aggregation_s  bytes_sent")
     for w, s in m["workers"].items():
         print(f"  {w:>6}  {s['iterations']:>10}  {s['samples']:>7}  {s['compute_s']:>9.1f}  "

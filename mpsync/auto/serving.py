@@ -39,9 +39,9 @@ __all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS"]
 
 CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the queries' clock)
 RANK_EVERY_S = 2.0       # and at most this often ranked again
-WARM_UP_S = 2.0          # measured under the starting policy at least this long
-MIN_REPORTS = 4          # ... and until every worker has reported this often
-WINDOW_REPORTS = 12      # the window of compute times per worker (medians over it)
+WARM_UP_S = 1.0          # measured under the starting policy at least this long
+MIN_REPORTS = 3          # ... and until every worker has reported this often
+WINDOW_REPORTS = 5       # the window of compute times per worker (medians over it)
 _SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipline_variant",
              "epsilon", "esync_slack")
 

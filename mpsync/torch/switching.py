@@ -125,7 +125,8 @@ class Switching(Strategy):
             self._average_optimizer_state(min(old.last_active))
         self.switches.append({"iteration": old.iteration, "round": old.round,
                               "from": AUTO_SWITCHABLE[old.code - 1], "to": policy,
-                              "weights_sha256": weights_digest(self.buffers)})
+                              "weights_sha256": weights_digest(self.buffers),
+                              "at_clock": time.time()})
         now = time.perf_counter()
         self.counters.event("switch", now, now)
         self.__dict__["inner"] = new
