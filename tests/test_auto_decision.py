@@ -176,3 +176,51 @@ def test_ranking_is_fast_enough_to_run_while_training():
     t0 = time.process_time()
     rank_candidates(m, RING)
     assert time.process_time() - t0 < 2.0
+
+
+def test_the_server_policy_measures_decides_in_its_helper_and_switches_after_one_round():
+    """AutoPolicy as the state server runs it (no MPI: its calls driven on a virtual clock,
+    BSP rounds of four workers), its ranking in the real helper process: equal speeds keep
+    BSP; worker 3 becoming 4x slower makes it decide again and switch, and every SYNC of the
+    round it switches after carries the new policy's code, the earlier ones BSP's."""
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+    from mpsync.server.wire import SYNC
+
+    pol = make_policy(SyncConfig(policy="auto").validate(), 4)
+    pol.warm_up()
+    clock, k, codes = 0.0, 0, {}
+
+    def rounds(n, speeds, until=lambda: False):
+        nonlocal clock, k
+        for _ in range(n):
+            k += 1
+            for w in range(4):
+                action, _, code = pol.on_step(w, k, speeds[w], clock + speeds[w])
+                assert action == SYNC
+                codes.setdefault(int(pol.t.round[w]) + 1, set()).add(code)
+            clock += max(speeds) + 0.002
+            for w in range(4):
+                pol.on_reset(w, int(pol.t.round[w]) + 1, clock)
+            time.sleep(0.02)           # real time for the helper's answer
+            if until():
+                return True
+        return False
+
+    try:
+        equal = [0.05] * 4
+        assert rounds(1500, equal, lambda: len(pol.decider.records) >= 1), pol.problems
+        first = pol.decider.records[0]
+        assert first.trigger == "first measurement" and not first.switch, first.reason
+        slowed = [0.05, 0.05, 0.05, 0.2]
+        assert rounds(1500, slowed, lambda: pol.switch_after is not None), pol.problems
+        second = pol.decider.records[-1]
+        assert second.switch and "worker 3" in second.trigger, second.as_dict()
+        after = pol.switch_after
+        rounds(after - int(pol.t.round.max()), slowed)
+        new_code = 1 + policies.AUTO_SWITCHABLE.index(second.chosen.split("/")[0])
+        assert codes[after] == {new_code} and codes[after - 1] == {1}
+        assert pol.describe()["policy_timeline"][-1]["policy"] == second.chosen.split("/")[0]
+        assert pol.describe()["ranker"] == "process"
+    finally:
+        pol.ranker.close()
