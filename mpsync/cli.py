@@ -112,13 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_error(prog: str, exc: BaseException) -> int:
     """Print ``exc`` as a user error (one line, 2) or as a bug (traceback and a line, 1)."""
-    from mpsync.config import debug_enabled
+    from mpsync.config import print_user_error
 
-    debug = debug_enabled()
     if is_user_error(exc):
-        if debug:
-            traceback.print_exception(exc)
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print_user_error(prog, exc)
         return 2
     traceback.print_exception(exc)
     print(f"{prog}: internal error: {type(exc).__name__} is a bug in mpsync, not in your "

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
+import tempfile
+import traceback
 from dataclasses import dataclass, field
 
 from mpsync import policies
@@ -23,7 +26,7 @@ __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
     "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled",
-    "check_output_dir", "PS_OPTIMIZERS",
+    "check_output_dir", "PS_OPTIMIZERS", "parse_staleness_range", "print_user_error",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -267,6 +270,15 @@ def parse_ps_shards(value) -> int | str:
     return value
 
 
+def parse_staleness_range(text: str, flag: str = "--staleness-range") -> tuple[int, int]:
+    """``"sL,sU"`` -> (sL, sU), two integers; the range itself is checked by validate()."""
+    try:
+        low, high = (int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected sL,sU integers (e.g. 3,15), got {text!r}") from None
+    return low, high
+
+
 def parse_number(name: str, text: str, kind: type = float, *, at_least: float | None = None):
     """``kind(text)`` (int or float), at least ``at_least``; the error names ``name``."""
     what = "an integer" if kind is int else "a number"
@@ -328,10 +340,18 @@ def debug_enabled(environ=None) -> bool:
     return value.strip().lower() in _TRUE
 
 
+def print_user_error(prog: str, exc: BaseException) -> None:
+    """``PROG: error: <exc>`` on stderr, one line; its traceback before it with
+    ``MPSYNC_DEBUG=1`` (``mpsync --debug``)."""
+    if debug_enabled():
+        traceback.print_exception(exc)
+    print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+
+
 def check_output_dir(flag: str, path: str) -> None:
-    """``path`` can be (or already is) a writable directory: the nearest existing ancestor is a
-    directory we may write in.  Checked before any rank starts, so a bad ``--out`` is one line
-    instead of a traceback at the end of a run."""
+    """``path`` is, or can be made as, a directory we can write in (a file is written and
+    removed in it, or in its nearest existing parent; nothing is left behind).  Checked before
+    any rank starts, so a bad ``--out`` is one line instead of a traceback after the run."""
     here = os.path.abspath(path)
     while not os.path.exists(here):
         parent = os.path.dirname(here)
@@ -341,9 +361,12 @@ def check_output_dir(flag: str, path: str) -> None:
     if not os.path.isdir(here):
         raise ConfigError(f"{flag} {path}: {here} is a file, not a directory; give a directory "
                           f"path (it is created if missing)")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path}: {here} is not writable by this user; give a "
-                          f"directory you can write to")
+    try:   # root passes every access() check: only writing tells (a read-only mount, /proc)
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror}); give a "
+                          f"directory you can write to") from None
 
 
 def _coerce(name: str, type_, raw: str):

@@ -63,10 +63,13 @@ def test_sync_writes_every_template(tmp_path):
     assert sync_jobs_dir(tmp_path, check=True) == [str(tmp_path / "pbs" / "train.pbs")]
 
 
+SLOWDOWN_15 = "1,1,1,1,1,1,1,1,2,2,2,2,4,4,4"   # one factor per worker of 2 x 8 ranks
+
+
 def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
     removed, added = changed_lines("slurm", "train", JobSettings(
         nodes=2, tasks_per_node=8, gpus_per_node=4, time="12:00:00", partition="gpu",
-        account="proj1", policy="esync", slowdown="1,1,2,4", epochs=20,
+        account="proj1", policy="esync", slowdown=SLOWDOWN_15, epochs=20,
         venv="/opt/mpsync/venv"))
     assert added == [
         "#SBATCH --nodes=2",
@@ -78,11 +81,11 @@ def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
         "# other ranks train (16 ranks = 15 workers + server by default).",
         "#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: esync)",
         "#   EPOCHS             epochs per worker (default: 20); ignored if TIME_BUDGET is set",
-        "#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: 1,1,2,4)",
+        f"#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: {SLOWDOWN_15})",
         "#   VENV               Python environment with mpsync (default: /opt/mpsync/venv)",
         "POLICY=${POLICY:-esync}",
         "EPOCHS=${EPOCHS:-20}",
-        "SLOWDOWN=${SLOWDOWN:-1,1,2,4}",
+        f"SLOWDOWN=${{SLOWDOWN:-{SLOWDOWN_15}}}",
         "VENV=${VENV:-/opt/mpsync/venv}",
     ]
     assert removed == [
@@ -153,6 +156,7 @@ def test_default_script_headers_and_settings():
     (dict(venv="/opt/$HOME/venv"), "venv must not contain"),
     (dict(partition="a b"), "partition must not contain spaces"),
     (dict(slowdown="1,fast"), "slowdown: expected comma-separated numbers"),
+    (dict(slowdown="1,4", tasks_per_node=8), "2 factors for the job's 7 workers"),
     (dict(target_acc="95"), r"target-acc must be a number in \(0, 1\]"),
     (dict(hosts="n1:4"), "--hosts is for horovodrun"),
 ])
@@ -207,11 +211,17 @@ def test_cli_render_prints_the_same_script_and_reports_errors(tmp_path):
     out = subprocess.run(cli + ["render", "--scheduler", "pbs", "--nodes", "2",
                                 "--tasks-per-node", "4", "--policy", "ebsp"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    assert out == render("pbs", "train", JobSettings(nodes=2, tasks_per_node=4, policy="ebsp"))
+    # The script runs with the environment that rendered it, wherever it is saved.
+    assert out == render("pbs", "train", JobSettings(nodes=2, tasks_per_node=4, policy="ebsp",
+                                                     venv=str(VENV.resolve())),
+                         script="THIS_SCRIPT")
     target = tmp_path / "my.sbatch"
     subprocess.run(cli + ["render", "--scheduler", "slurm", "--template", "bench-kernels",
                           "-o", str(target)], check=True, timeout=60)
-    assert target.read_text() == render("slurm", "bench-kernels") and os.access(target, os.X_OK)
+    text = target.read_text()
+    assert text == render("slurm", "bench-kernels", JobSettings(venv=str(VENV.resolve())),
+                          script=str(target)) and os.access(target, os.X_OK)
+    assert f"#   sbatch {target}\n" in text and "jobs/slurm" not in text
     bad = subprocess.run(cli + ["render", "--scheduler", "slurm", "--policy", "asp",
                                 "--topology", "ring"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "policy='asp'" in bad.stderr and bad.stdout == ""

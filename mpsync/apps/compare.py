@@ -1,13 +1,17 @@
 """``mpsync compare``: run every policy under mpirun on the same task and compare
 time-to-accuracy (one table, one combined plot, every run's own outputs kept).
 
-Each policy runs in its own ``mpirun``, one after the other so runs do not compete for cores:
+Each policy runs in its own ``mpirun``, one after the other so runs do not compete for cores
+(on this host, on ``-H``/``--hostfile`` hosts, in the scheduler's allocation or on the virtual
+cluster):
 ``--np`` workers plus the dedicated state server's rank, or ``--np`` ranks with
 ``--server colocated`` (the server is a thread of rank 0, which also trains).  Without
 ``--topology`` each policy runs on its own default topology (its entry in
 :mod:`mpsync.policies`); ``--topology`` puts every policy on one.
 All flags are validated by the train parser before the first launch, so an impossible pair
-(``--topology ring`` with ssp) fails before anything starts.
+(``--topology ring`` with ssp) fails before anything starts.  The results go to a new folder
+under ``runs/`` unless ``--out`` says where: a comparison never rewrites the result sets
+committed under ``bench/`` (``make bench-compare`` refreshes ``bench/compare`` on purpose).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from mpsync import cluster
 from mpsync import policies as registry
 from mpsync.apps import repeats, train
 from mpsync.apps.report import comparison_figure, format_table, plot_run
-from mpsync.apps.runs import launch_argv, ranks, setup_line, train_argv
+from mpsync.apps.runs import default_slowdown, fresh_run_dir, launch_argv, ranks, setup_line, \
+    train_argv
 from mpsync.bench.nodes import cluster_at_rate
 from mpsync.cluster.layout import ClusterError, parse_rate
-from mpsync.config import DEFAULTS, ConfigError
+from mpsync.config import DEFAULTS, ConfigError, check_output_dir, print_user_error
 from mpsync.launch.cluster import add_cluster_arguments
+from mpsync.launch.command import add_launch_arguments
 from mpsync.launch.mpirun import run_with_deadline
 
 __all__ = ["add_arguments", "main", "table_rows", "DEMO_POLICIES"]
@@ -36,8 +42,8 @@ DEMO_POLICIES = ",".join(registry.names())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--np", type=int, default=4,
-                   help="number of workers (a server rank is added with --server dedicated)")
+    add_launch_arguments(p, np_default=4, np_help="number of workers (a server rank is "
+                                                   "added with --server dedicated)")
     p.add_argument("--policies", default=DEMO_POLICIES,
                    help=f"comma-separated (default: every policy, {DEMO_POLICIES})")
     p.add_argument("--topology", default=None,
@@ -45,9 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=DEFAULTS.server,
                    help="dedicated (an extra rank serves) | colocated (a server thread on "
                         "rank 0; --np ranks, all train)")
-    p.add_argument("--slowdown", default="1,1,2,4",
-                   help="per-worker slowdown factors (default: the demo's 1,1,2,4, for 4 "
-                        "workers); empty: none")
+    p.add_argument("--slowdown", default=None,
+                   help="per-worker slowdown factors, one per worker (default: half the "
+                        "workers at 1, a quarter at 2, a quarter at 4: 1,1,2,4 for 4, "
+                        "1,2 for 2, 1,1,1,1,2,2,4,4 for 8); empty: none")
     p.add_argument("--slowdown-schedule", default=None)
     p.add_argument("--iter-time", type=float, default=0.05,
                    help="emulated device time of one iteration at slowdown 1 (s)")
@@ -66,7 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/compare")
+    p.add_argument("--out", default=None,
+                   help="directory for the table, plots and every run (default: a new "
+                        "runs/compare-<date>-<time>; runs/ is ignored by git)")
     p.add_argument("--json", action="store_true", help="print only the JSON rows")
     p.add_argument("--timeout", type=float, default=None,
                    help="per-run hard limit (default: budget + 240 s)")
@@ -94,11 +103,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(args) -> list[str]:
+    """Every flag checked before the first launch; fills in the defaults that depend on
+    others (the slowdown for --np workers, a fresh --out)."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies: empty list")
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        raise ConfigError(f"--policies {args.policies}: {', '.join(twice)} given twice; "
+                          f"name each policy once (--repeats R runs each R times)")
     if args.np < 1:
         raise ConfigError(f"--np must be >= 1 worker, got {args.np}")
+    if args.slowdown is None:
+        args.slowdown = default_slowdown(args.np)
+    if args.out is None:
+        if args.from_runs:
+            raise ConfigError("--from-runs needs --out DIR: the directory of the runs to "
+                              "tabulate")
+        args.out = fresh_run_dir("compare")
+    check_output_dir("--out", args.out)
     if args.epochs is not None and args.time_budget is not None:
         raise ConfigError("give only one of --epochs or --time-budget")
     parser = argparse.ArgumentParser()
@@ -123,7 +146,7 @@ def main(args) -> int:
         parse_rate(bandwidth)
         _validate(args)
     except (ConfigError, ClusterError) as e:
-        print(f"mpsync compare: error: {e}", file=sys.stderr)
+        print_user_error("mpsync compare", e)
         return 2
     with cluster_at_rate(ranks(args), bandwidth, args.cluster or None):
         return _compare(args)
@@ -135,7 +158,7 @@ def _compare(args) -> int:
         if args.repeats is not None or args.seeds:
             seeds = repeats.seeds_of(args)
     except ConfigError as e:
-        print(f"mpsync compare: error: {e}", file=sys.stderr)
+        print_user_error("mpsync compare", e)
         return 2
     if getattr(args, "cluster", None) is not None and not args.from_runs:
         if cluster.load_state(args.cluster or None) is None:

@@ -4,17 +4,22 @@ repeats)."""
 
 from __future__ import annotations
 
+import shlex
+import time
 from pathlib import Path
 
 from mpsync import cluster, transport
 from mpsync.launch.mpirun import forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv as target_argv
+from mpsync.launch.runner import build_job
 
-__all__ = ["train_argv", "ranks", "launch_argv", "setup_line"]
+__all__ = ["train_argv", "ranks", "launch_argv", "setup_line", "default_slowdown",
+           "fresh_run_dir"]
 
 
 def train_argv(args, policy: str, out: Path) -> list[str]:
-    argv = ["--policy", policy, "--slowdown", args.slowdown, "--target-acc", str(args.target_acc),
+    slowdown = default_slowdown(args.np) if args.slowdown is None else args.slowdown
+    argv = ["--policy", policy, "--slowdown", slowdown, "--target-acc", str(args.target_acc),
             "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
             "--comm-delay", str(args.comm_delay), "--server", args.server,
@@ -42,20 +47,48 @@ def ranks(args) -> int:
 
 
 def launch_argv(args, policy: str, out: Path) -> list[str]:
-    """The command line of one policy's run, from the launch target ``--cluster`` picks (no
-    launch; with ``--cluster`` it writes the cluster's hostfile for this rank count)."""
+    """The command line of one policy's run (no launch): on the virtual cluster with
+    ``--cluster`` (writing its hostfile for this rank count), else as ``mpsync train --np``
+    starts its ranks (this host, ``-H``/``--hostfile``, or the scheduler's allocation)."""
     command = python_argv("mpsync.apps.train", *train_argv(args, policy, out))
     on = getattr(args, "cluster", None)
     if getattr(args, "max_restarts", 0):
         # mpsync train supervises its own jobs (the same launcher, restarted on failure).
         where = ["--cluster", on] if on is not None else []
+        for flag, dest in (("-H", "hosts"), ("--hostfile", "hostfile"),
+                           ("--mpirun-args", "mpirun_args")):
+            if getattr(args, dest, None):
+                where += [flag, getattr(args, dest)]
         return command + ["--np", str(args.np), "--max-restarts", str(args.max_restarts),
                           "--checkpoint-every", str(args.checkpoint_every), *where]
-    # On one host Open MPI's defaults stand unless the user (or a job script) chose.
-    extra = transport.mca_argv() if on is None and transport.is_set() else []
-    return target_argv(ranks(args), command, cluster=on,
-                       placement=getattr(args, "cluster_placement", "server-alone"),
-                       forward_env=forwarded_env(), extra=extra)
+    if on is not None:
+        return target_argv(ranks(args), command, cluster=on,
+                           placement=getattr(args, "cluster_placement", "server-alone"),
+                           forward_env=forwarded_env())
+    # Open MPI's defaults stand unless the user (or a job script) chose a transport.
+    extra = transport.mca_argv() if transport.is_set() else []
+    user = shlex.split(getattr(args, "mpirun_args", "") or "")
+    return build_job(command, args.np, dedicated_server=args.server == "dedicated",
+                     hosts=getattr(args, "hosts", None), hostfile=getattr(args, "hostfile", None),
+                     mpirun_args=[*extra, *user]).argv
+
+
+def default_slowdown(workers: int) -> str:
+    """The demo's heterogeneity scaled to ``workers``: half at factor 1, a quarter at 2, a
+    quarter at 4 (by position: worker i gets the factor of 1,1,2,4 at i*4//workers)."""
+    return ",".join(str((1, 1, 2, 4)[i * 4 // workers]) for i in range(workers))
+
+
+def fresh_run_dir(kind: str, root: str = "runs") -> str:
+    """A new ``runs/<kind>-<date>-<time>`` (a suffix when one exists already): where a
+    command writes by default, never over an earlier run or a committed result."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / f"{kind}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(root) / f"{kind}-{stamp}-{n}"
+    return str(path)
 
 
 def setup_line(args, runs) -> str:

@@ -5,7 +5,7 @@ fractions, rounds, staleness (PS policies), local steps per round (ESync, Elasti
 server decisions per second the run needs.  ``--workers``, ``--ps-shards`` and ``--speeds``
 take lists for a sweep; ``--out`` writes ``simulate.json``, ``table.md`` and one plot per metric
 against N.  Every parameter a registered policy reads (its registry ``options``: DSSP's
-``--staleness-low/--staleness-high``, ESync's ``--esync-delayed-ack``, OSP's
+``--staleness-range``, ESync's ``--esync-delayed-ack``, OSP's
 ``--osp-ics-size``, ...) is a flag, with ``SyncConfig``'s default.
 """
 
@@ -18,9 +18,13 @@ import sys
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync.config import DEFAULTS, ConfigError, SyncConfig, parse_number
+from mpsync.config import DEFAULTS, ConfigError, SyncConfig, check_output_dir, parse_number, \
+    parse_staleness_range, print_user_error
 
 __all__ = ["add_arguments", "main", "run_rows", "PLOTTED"]
+
+# Workers when the speed spec does not fix them: mpsync compare's (and the demo's) count.
+DEFAULT_WORKERS = 4
 
 PLOTTED = ("samples_per_s", "wait_fraction", "aggregation_fraction", "decisions_per_s",
            "local_steps_mean", "staleness_p99")
@@ -50,8 +54,10 @@ def _flag_type(name: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default=None,
-                   help="worker count, or a comma list for a sweep (default: from the SPEC)")
+    p.add_argument("--workers", "--np", dest="workers", default=None,
+                   help=f"worker count, or a comma list for a sweep (default: the SPEC's own "
+                        f"count for groups: and trace:, else {DEFAULT_WORKERS}, as mpsync "
+                        f"compare)")
     p.add_argument("--speeds", default="lognormal:0.3",
                    help="lognormal:SIGMA | groups:1x256,1.5x128,3x128 | trace:metrics.json | "
                         "const; ';'-separated list for a sweep")
@@ -78,9 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aggregation-s", type=float, default=None,
                    help="fixed cost per aggregation round (s) instead of the model; default "
                         "for trace: the run's measured cost")
-    g.add_argument("--ps-shards", default="1",
-                   help="parameter-server shards S (a link each), or a comma list for a sweep; "
-                        "'auto': one per worker")
+    g.add_argument("--ps-shards", default="auto",
+                   help="parameter-server shards S (a link each), or a comma list for a sweep "
+                        "(default auto: one per node, as mpsync train; every simulated "
+                        "worker is a node of its own)")
     g.add_argument("--ps-apply-rate", default=None,
                    help="bytes/s a shard server applies a pushed update at (default "
                         "CostModel's)")
@@ -102,8 +109,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="equal layers of the model (OSP moves whole layers; default 10)")
     g = p.add_argument_group("policy parameters (SyncConfig's defaults)")
     for name in policy_options():
+        # DSSP's range is one flag, as in mpsync train; the two halves stay for old scripts.
+        hidden = name in ("staleness_low", "staleness_high")
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(name),
-                       default=None, help=f"default {getattr(DEFAULTS, name)!r}")
+                       default=None, help=argparse.SUPPRESS if hidden else
+                       f"default {getattr(DEFAULTS, name)!r}")
+    g.add_argument("--staleness-range", default=None, metavar="sL,sU",
+                   help=f"DSSP [s_L, s_U] (default {DEFAULTS.staleness_low},"
+                        f"{DEFAULTS.staleness_high}), as mpsync train")
     p.add_argument("--topology", default=None, help="ring | ps (default: each policy's own)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--engine", default="auto", help="auto | exact | fast")
@@ -125,6 +138,8 @@ def _config(args, policy: str) -> SyncConfig:
     if getattr(args, "ps_optimizer", None) == "server" and spec.ps_server_optimizer and \
             (args.topology or spec.default_topology) == "ps":
         kw["ps_optimizer"] = "server"
+    if getattr(args, "staleness_range", None) is not None:
+        kw["staleness_low"], kw["staleness_high"] = parse_staleness_range(args.staleness_range)
     try:
         return SyncConfig(**kw).validate()
     except ValueError as e:
@@ -156,8 +171,15 @@ def run_rows(args, log=None) -> list[dict]:
                               f"{', '.join(registry.names())}")
     if not policies:
         raise ConfigError("--policies: empty list")
-    counts = [None] if args.workers is None else [_count(x) for x in str(args.workers).split(",")]
     specs = [s.strip() for s in args.speeds.split(";") if s.strip()]
+    if not specs:
+        raise ConfigError(f"--speeds {args.speeds!r}: no speed spec; e.g. lognormal:0.3")
+    if args.workers is not None:
+        counts = [_count(x) for x in str(args.workers).split(",")]
+    elif any(s.partition(":")[0] in ("lognormal", "const") for s in specs):
+        counts = [DEFAULT_WORKERS]    # these specs say nothing of the count
+    else:
+        counts = [None]               # groups: and trace: have their own
     if args.iterations is not None and args.iterations < 1:
         raise ConfigError(f"--iterations must be >= 1, got {args.iterations}")
     if args.iterations is not None and args.duration is not None:
@@ -306,9 +328,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 def main(args) -> int:
     log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
+        if args.out:
+            check_output_dir("--out", args.out)
         rows = run_rows(args, log)
     except ConfigError as e:
-        print(f"mpsync simulate: error: {e}", file=sys.stderr)
+        print_user_error("mpsync simulate", e)
         return 2
     result = {"rows": rows}
     if args.out:

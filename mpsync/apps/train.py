@@ -53,8 +53,8 @@ from mpsync.apps.model_names import MODELS
 from mpsync.apps.train_checkpoints import reshard
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, plugins_from_env, \
-    setting_from_env
+    PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
+    plugins_from_env, print_user_error, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
 from mpsync.launch.hosts import launched_rank
@@ -178,12 +178,7 @@ def build_config(args) -> SyncConfig:
     if args.staleness is not None:
         opts["staleness"] = args.staleness
     if args.staleness_range is not None:
-        parts = args.staleness_range.split(",")
-        try:
-            low, high = (int(x) for x in parts)
-        except ValueError:
-            raise ConfigError(f"--staleness-range: expected sL,sU integers, got "
-                              f"{args.staleness_range!r}") from None
+        low, high = parse_staleness_range(args.staleness_range)
         opts.update(staleness_low=low, staleness_high=high)
     for flag, key in (("lookahead", "lookahead"), ("zipline_variant", "zipline_variant"),
                       ("epsilon", "epsilon"), ("deadline", "deadline"),
@@ -251,7 +246,7 @@ def main(args) -> int:
                 return _run_on_cluster(args)
             return _launch_here(args)
         except (ConfigError, LaunchError) as e:
-            print(f"mpsync train: error: {e}", file=sys.stderr)
+            print_user_error("mpsync train", e)
             return 2
     try:
         workers = _workers_launched(args)
@@ -275,7 +270,7 @@ def main(args) -> int:
         if not isinstance(e, (ConfigError, CheckpointError)):
             raise
         if world_rank() == 0:
-            print(f"mpsync train: error: {e}", file=sys.stderr)
+            print_user_error("mpsync train", e)
         return 2
     return train(args, config, workers, resume)
 
@@ -327,11 +322,7 @@ def _run_on_cluster(args) -> int:
     dedicated = args.server == "dedicated"
     workers = args.np or max(1, len(state.nodes) - (1 if dedicated else 0))
     ranks = workers + (1 if dedicated else 0)
-    try:
-        validate(args, workers)
-    except ConfigError as e:
-        print(f"mpsync train: error: {e}", file=sys.stderr)
-        return 2
+    validate(args, workers)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "np", "hosts",

@@ -59,13 +59,21 @@ def header(target: LaunchTarget, template: str, s: JobSettings) -> str:
     return "\n".join(["#!/bin/bash", *target.header(template, s)])
 
 
-def doc(target: LaunchTarget, template: str, s: JobSettings, variables) -> str:
+def doc(target: LaunchTarget, template: str, s: JobSettings, variables,
+        script: str | None = None) -> str:
+    """The opening comment; ``script``: what its usage lines call the script (None: its path
+    under ``jobs/``, run from the repository root)."""
     ranks = s.nodes * s.tasks_per_node
     what, launcher = target.words
     summary = textwrap.wrap(" ".join(SUMMARY[template]).format(
         what=what, launcher=launcher, ranks=ranks, workers=ranks - 1), width=WIDTH - 2)
     out = ["#", *("# " + line for line in summary), "#", "# Usage:"]
-    out += ["#   " + u for u in target.usage[template]]
+    usage = list(target.usage[template])
+    if script is not None:
+        default = "jobs/" + target.templates[template]
+        usage = [u.replace(default, script).replace("# from the repository root", "").rstrip()
+                 for u in usage]
+    out += ["#   " + u for u in usage]
     out += ["#", "# Settings: environment variables, each read once below as ${NAME:-default}."]
     width = max(len(v[0]) for v in variables)
     for name, _default, text in variables:

@@ -19,7 +19,7 @@ import shlex
 import shutil
 import sys
 
-from mpsync.config import DEFAULTS, SERVER_PLACEMENTS, ConfigError
+from mpsync.config import DEFAULTS, SERVER_PLACEMENTS, ConfigError, debug_enabled
 from mpsync.launch.elastic_run import add_elastic_arguments, run_elastic, wants_elastic
 from mpsync.launch.hosts import launched_rank
 from mpsync.launch.runner import Job, build_job, run_job
@@ -28,9 +28,9 @@ from mpsync.launch.target import LaunchError
 __all__ = ["add_arguments", "main", "add_launch_arguments", "launch_and_wait", "job_from_args"]
 
 
-def add_launch_arguments(g, *, np_help: str) -> None:
+def add_launch_arguments(g, *, np_help: str, np_default: int | None = None) -> None:
     """``--np``, ``-H/--hosts``, ``--hostfile``, ``--mpirun-args`` (a parser or a group)."""
-    g.add_argument("--np", "-np", type=int, default=None, metavar="N", help=np_help)
+    g.add_argument("--np", "-np", type=int, default=np_default, metavar="N", help=np_help)
     g.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,..",
                    help="hosts to run on, as horovodrun's -H (default: this host, or the "
                         "Slurm/PBS allocation mpsync runs in)")
@@ -54,9 +54,10 @@ def job_from_args(args, command: list[str], workers: int, dedicated: bool,
                      hostfile=args.hostfile, mpirun_args=extra, name=name)
 
 
-def launch_and_wait(job: Job, *, announce: bool = True, timeout: float | None = None) -> int:
-    """Run ``job``, print its opening line and (on failure) its block; return the exit code."""
-    if announce:
+def launch_and_wait(job: Job, *, timeout: float | None = None) -> int:
+    """Run ``job`` (its mpirun line first with ``--debug``), print its block on failure;
+    return the exit code."""
+    if debug_enabled():
         print(f"{job.name}: starting {job.describe()}: {shlex.join(job.argv)}",
               file=sys.stderr, flush=True)
     return run_job(job, timeout=timeout).exit_code

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 from mpsync import policies as registry
-from mpsync.config import ConfigError, SyncConfig, parse_float_list
+from mpsync.config import ConfigError, SyncConfig, parse_float_list, print_user_error
 from mpsync.launch import registry as targets
 from mpsync.launch._text import PAYLOAD, RUN, doc, header, settings_block, variables
 from mpsync.launch.settings import JobSettings, JobTemplateError
@@ -45,7 +45,7 @@ from mpsync.launch.supervisor import JOB_RESTARTS
 from mpsync.launch.target import LaunchTarget
 
 __all__ = ["JobSettings", "JobTemplateError", "schedulers", "render", "default_path",
-           "sync_jobs_dir", "add_arguments", "main"]
+           "sync_jobs_dir", "add_arguments", "main", "running_venv"]
 
 
 def schedulers() -> tuple[str, ...]:
@@ -64,13 +64,15 @@ def default_path(scheduler: str, template: str) -> str:
     return _target(scheduler, template).templates[template]
 
 
-def render(scheduler: str, template: str = "train", settings: JobSettings | None = None) -> str:
-    """The job script of launch target ``scheduler`` for ``template`` with ``settings``; pure."""
+def render(scheduler: str, template: str = "train", settings: JobSettings | None = None,
+           script: str | None = None) -> str:
+    """The job script of launch target ``scheduler`` for ``template`` with ``settings``; pure.
+    ``script``: the name its usage comment gives it (None: its path under ``jobs/``)."""
     target = _target(scheduler, template)
     s = _validated((settings or JobSettings()).resolved(template), target, template)
     settings_vars = variables(target, template, s)
     parts = [
-        header(target, template, s) + "\n" + doc(target, template, s, settings_vars),
+        header(target, template, s) + "\n" + doc(target, template, s, settings_vars, script),
         target.prologue.format(ranks=s.nodes * s.tasks_per_node),
         settings_block(settings_vars),
         PAYLOAD[template],
@@ -100,6 +102,15 @@ def sync_jobs_dir(jobs_dir: str | Path, *, check: bool = False) -> list[str]:
         if not check:
             path.chmod(0o755)
     return changed
+
+
+def running_venv() -> str | None:
+    """The virtual environment this mpsync runs from (its absolute path), or None: the default
+    VENV of a rendered script, so that it runs wherever it is saved."""
+    prefix = Path(sys.prefix).resolve()
+    if sys.prefix == sys.base_prefix or not (prefix / "bin" / "python").exists():
+        return None
+    return str(prefix)
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -159,6 +170,14 @@ def _validated(s: JobSettings, target: LaunchTarget, template: str) -> JobSettin
     if template in ("train", "compare") and s.server == "dedicated" and ranks < 2:
         raise JobTemplateError(f"a dedicated server needs at least 2 ranks (server + 1 worker); "
                                f"nodes x tasks-per-node = {ranks}")
+    workers = ranks - (1 if s.server == "dedicated" else 0)
+    if template in ("train", "compare") and s.slowdown and \
+            len(parse_float_list("slowdown", s.slowdown)) != workers:
+        raise JobTemplateError(
+            f"slowdown {s.slowdown}: {len(s.slowdown.split(','))} factors for the job's "
+            f"{workers} workers (nodes x tasks-per-node = {ranks}"
+            f"{', one of them the server' if s.server == 'dedicated' else ''}); give one "
+            f"factor per worker")
     target.check(template, s)
     return s
 
@@ -196,7 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--slowdown", default=d.slowdown)
     run.add_argument("--target-acc", default=d.target_acc)
     run.add_argument("--policies", default=d.policies, help="compare: policies to run")
-    run.add_argument("--venv", default=d.venv, help="default: <repository>/.venv")
+    run.add_argument("--venv", default=d.venv,
+                     help="the environment with mpsync (default: the one running this "
+                          "command, so the script runs wherever it is saved)")
     run.add_argument("--out-dir", default=d.out_dir, help="default: beside the job's log")
     s = sub.add_parser("sync", help="rewrite jobs/ from the defaults (maintainers)")
     s.add_argument("--jobs-dir", default=str(Path(__file__).resolve().parents[2] / "jobs"))
@@ -215,10 +236,20 @@ def main(args: argparse.Namespace) -> int:
         return 1 if (args.check and changed) else 0
     fields = {f.name for f in dataclasses.fields(JobSettings)}
     settings = JobSettings(**{k: v for k, v in vars(args).items() if k in fields})
+    if not settings.venv:
+        venv = running_venv()
+        if venv is None:
+            print("mpsync jobs render: note: mpsync is not running from a virtual environment, "
+                  "so the script looks for <repository>/.venv, which it finds only when kept "
+                  "under jobs/ of a clone; give --venv DIR to run it from anywhere",
+                  file=sys.stderr)
+        else:
+            settings = dataclasses.replace(settings, venv=venv)
     try:
-        text = render(args.scheduler, args.template, settings)
+        text = render(args.scheduler, args.template, settings,
+                      script=args.output or "THIS_SCRIPT")
     except JobTemplateError as e:
-        print(f"mpsync jobs render: {e}", file=sys.stderr)
+        print_user_error("mpsync jobs render", e)
         return 2
     if args.output:
         out = Path(args.output)

@@ -148,7 +148,8 @@ _NOTICES = ("mpirun noticed that process", "Primary job  terminated normally",
             "MPI_ABORT was invoked", "mpirun detected that one or more processes exited",
             "mpirun has exited due to process rank")
 _AGGREGATION = re.compile(r"^\[[^\]]*\] (\d+ more process(es)? ha(s|ve) sent help message|"
-                          r"Set MCA parameter \"orte_base_help_aggregate\")")
+                          r"Set MCA parameter \"orte_base_help_aggregate\"|"
+                          r"\[\[\d+,\d+\],\d+\] ORTE_ERROR_LOG: .*show_help\.c)")
 _SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal "
                         r"(\d+)(?: \(([^)]*)\))?")
 _ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with "

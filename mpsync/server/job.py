@@ -11,15 +11,17 @@ the same order, which is what keeps the ranks in step.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
+import time
 import traceback
 
-from mpsync.config import ConfigError, SyncConfig
+from mpsync.config import ConfigError, SyncConfig, debug_enabled
 
 __all__ = ["config_of", "join", "serve_dedicated", "write_outputs", "install_abort_hooks",
-           "check_same_config", "Joined"]
+           "check_same_config", "Joined", "refuse"]
 
 
 def config_of(policy=None, topology=None, backend=None, server=None,
@@ -28,7 +30,45 @@ def config_of(policy=None, topology=None, backend=None, server=None,
     default of :class:`SyncConfig` (explicit > environment > default)."""
     given = {k: v for k, v in (("policy", policy), ("topology", topology),
                                ("backend", backend), ("server", server)) if v is not None}
-    return SyncConfig.from_options(**given, **policy_options)
+    try:
+        return SyncConfig.from_options(**given, **policy_options)
+    except ConfigError:
+        # Uncaught by the script, it ends the job as one line (a script may catch it).
+        sys.excepthook = _user_error_hook(sys.excepthook)
+        raise
+
+
+# How long a rank other than 0 waits for rank 0 to end the job before it reports its error.
+LONE_ERROR_WAIT = 60.0
+
+
+def refuse(exc: BaseException, comm=None) -> None:
+    """End the job for a user error: one line on world rank 0, exit status 2.  Settings are
+    the same on every rank (the launcher passes the environment on), so the other ranks wait
+    for rank 0 to end the job; one still running after a minute had an error of its own, and
+    says it.  ``MPSYNC_DEBUG=1`` prints the traceback too."""
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    if debug_enabled():
+        traceback.print_exception(exc)
+    if rank != 0:
+        time.sleep(LONE_ERROR_WAIT)
+    sys.stderr.write(f"mpsync: error: {exc}\n")
+    sys.stderr.flush()
+    if comm is None and "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD if MPI.Is_initialized() and not MPI.Is_finalized() else None
+    if comm is not None and comm.Get_size() > 1:   # alone, there is no one else to stop
+        comm.Abort(2)
+    os._exit(2)
+
+
+def _user_error_hook(previous):
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, ConfigError):
+            refuse(exc)
+        previous(exc_type, exc, tb)
+    return hook
 
 
 class Joined:
@@ -97,6 +137,8 @@ def install_abort_hooks(comm, label: str) -> None:
     host = socket.gethostname()
 
     def abort(exc_type, exc, tb) -> None:
+        if isinstance(exc, ConfigError):
+            refuse(exc, comm)
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         try:
             sys.stderr.write(f"MPSYNC-RANK-FAILED {label} on {host}: unhandled "
