@@ -24,6 +24,7 @@ import pytest
 from mpsync.launch import run_with_deadline
 from mpsync.launch.jobs import JobSettings, JobTemplateError, default_path, render, sync_jobs_dir
 from mpsync.launch.registry import templates
+from mpsync.policies import names as policy_names
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "jobs"
@@ -64,6 +65,7 @@ def test_sync_writes_every_template(tmp_path):
 
 
 SLOWDOWN_15 = "1,1,1,1,1,1,1,1,2,2,2,2,4,4,4"   # one factor per worker of 2 x 8 ranks
+NAMES = " | ".join(policy_names())
 
 
 def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
@@ -79,7 +81,7 @@ def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
         "#SBATCH --partition=gpu",
         "#SBATCH --account=proj1",
         "# other ranks train (16 ranks = 15 workers + server by default).",
-        "#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: esync)",
+        f"#   POLICY             {NAMES} (default: esync)",
         "#   EPOCHS             epochs per worker (default: 20); ignored if TIME_BUDGET is set",
         f"#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: {SLOWDOWN_15})",
         "#   VENV               Python environment with mpsync (default: /opt/mpsync/venv)",
@@ -93,7 +95,7 @@ def test_slurm_render_for_a_gpu_cluster_changes_exactly_the_expected_lines():
         "#SBATCH --ntasks-per-node=5",
         "#SBATCH --time=01:00:00",
         "# other ranks train (5 ranks = 4 workers + server by default).",
-        "#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)",
+        f"#   POLICY             {NAMES} (default: bsp)",
         "#   EPOCHS             epochs per worker (default: 5); ignored if TIME_BUDGET is set",
         "#   SLOWDOWN           per-worker slowdown factors, e.g. 1,1,2,4 (default: empty, none)",
         "#   VENV               Python environment with mpsync (default: the repository's .venv)",

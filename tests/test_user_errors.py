@@ -124,9 +124,9 @@ def test_a_mistake_is_one_line_and_exit_status_2(index, tmp_path, monkeypatch, c
 def test_debug_shows_the_traceback_of_a_user_error(monkeypatch, capsys):
     rc, _, err = run_cli(["--debug", "train", "--np", "2", *RUN, "--policy", "nonsense"], {},
                          monkeypatch, capsys)
-    assert rc == 2 and "Traceback" in err and err.rstrip().endswith(
-        "mpsync train: error: unknown policy 'nonsense'; choose one of: bsp, asp, ssp, dssp, "
-        "ebsp, esync, osp (a policy of your own: MPSYNC_PLUGINS=your.module)")
+    last = err.rstrip().splitlines()[-1]
+    assert rc == 2 and "Traceback" in err and last.startswith(
+        "mpsync train: error: unknown policy 'nonsense'; choose one of: bsp, asp,"), err
     monkeypatch.delenv("MPSYNC_DEBUG", raising=False)
 
 

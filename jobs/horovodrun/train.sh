@@ -10,7 +10,7 @@
 #   NP=16 HOSTFILE=hosts.txt bash jobs/horovodrun/train.sh   # lines: node1 slots=8
 #
 # Settings: environment variables, each read once below as ${NAME:-default}.
-#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp (default: bsp)
+#   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp | auto (default: bsp)
 #   TOPOLOGY           ring | ps (default: empty, the policy's own: ps for asp, ssp, dssp;
 #                      ring for the others; --topology is passed only when set)
 #   BACKEND            mpi | horovod (default: mpi)
