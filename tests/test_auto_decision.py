@@ -43,7 +43,7 @@ def test_three_clusters_three_choices_each_the_one_it_calls_for():
                                      topologies=("ring",))
     r1, ranked = _choose(equal, RING)
     assert not r1.switch and r1.chosen == "bsp/ring", r1.reason
-    assert _time(ranked, "ebsp/ring") > 1.05 * _time(ranked, "bsp/ring")
+    assert _time(ranked, "ebsp/ring") > _time(ranked, "bsp/ring")
     # The same workers behind a slow link (200 ms per aggregation): ElasticBSP's supersteps
     # aggregate once per monitoring phase + barrier instead of every iteration (and ESync, with
     # nobody faster than anybody, is BSP): it halves the time.
@@ -59,7 +59,7 @@ def test_three_clusters_three_choices_each_the_one_it_calls_for():
     r3, ranked = _choose(straggler)
     assert r3.switch and r3.chosen == "asp/ps", r3.reason
     runner_up = sorted(r.predicted_time_to_target_s for r in ranked)[1]
-    assert runner_up > 1.3 * _time(ranked, "asp/ps")
+    assert runner_up > 1.2 * _time(ranked, "asp/ps")
     assert len({r1.chosen, r2.chosen, r3.chosen}) == 3
     # Each decision explains itself: inputs, every candidate's prediction, the reason.
     for r in (r1, r2, r3):
@@ -104,17 +104,15 @@ def test_a_change_in_measured_speeds_makes_it_decide_again():
     assert trigger and "worker 3" in trigger, trigger
     second = d.decide(rank_candidates(slowed, RING), slowed, 12.0, trigger)
     assert second.switch and second.chosen in ("esync/ring", "ebsp/ring"), second.reason
-    # It goes away again: decided again; ESync with equal speeds is BSP (a round every
-    # iteration) and ElasticBSP would now lose, so an ESync run stays, one on ElasticBSP
-    # goes back to BSP.
+    # It goes away again: decided again.  With equal speeds ESync is BSP (a round every
+    # iteration) and ElasticBSP within a few percent of it: below the 10% a switch needs,
+    # so the run stays where it is rather than pay a switch for nothing.
     assert d.wants_ranking(even) is None
     trigger = d.wants_ranking(even)
     assert trigger and "worker 3" in trigger
     third = d.decide(rank_candidates(even, RING), even, 30.0, trigger)
-    if second.chosen == "esync/ring":
-        assert not third.switch and "stay" in third.reason, third.reason
-    else:
-        assert third.switch and third.chosen == "bsp/ring", third.reason
+    assert not third.switch and third.chosen == second.chosen, third.reason
+    assert "stay" in third.reason or "fastest" in third.reason, third.reason
     assert len(d.records) == 3
 
 
@@ -135,11 +133,12 @@ def test_a_steady_cluster_switches_at_most_once_after_the_first_decision():
 
 
 def test_hysteresis_needs_a_clear_gain():
-    m = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.004,
+    m = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.002,
                                  topologies=("ring",))
     ranked = rank_candidates(m, RING)
     # From ElasticBSP, BSP is predicted faster, but only by a few percent here: stay.
-    d = Decider(Candidate("ebsp", "ring"), min_gain=0.5)
+    assert ranked[0].candidate.policy == "bsp"
+    d = Decider(Candidate("ebsp", "ring"))
     record = d.decide(ranked, m, 1.0, "test")
     assert not record.switch and "stay" in record.reason
 

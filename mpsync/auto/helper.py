@@ -44,8 +44,11 @@ def main() -> int:
             answer = rank_request(json.loads(line))
         except Exception as e:  # an answer, never a dead helper: the server logs it
             answer = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps(answer) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:   # the server has ended: nobody is left to answer
+            return 0
     return 0
 
 
