@@ -33,7 +33,10 @@ the shard servers, policy asp, float32) at the same sizes (``ps_ms``), next to t
 ``mpsync_ms`` (ring vs PS), with the data bytes one worker's exchange moved, counted message
 by message (``ps_wire_bytes``: its push out, its pull in), beside the analytic minima per
 worker of a push and a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce
-(``ring_min_bytes`` = 2(n-1)/n·B sent, as much received).
+(``ring_min_bytes`` = 2(n-1)/n·B sent, as much received).  Its baseline, after it in the same
+job: ``ps_raw_ms``, a plain mpi4py program sending the same slices between the same ranks
+(each slice to the rank hosting its shard and back, a thread there answering with blocking
+receives), and ``ps_vs_raw`` = ``ps_ms`` / ``ps_raw_ms``.
 
 ``--json`` prints only the list of rows, one per size, with the keys above (``ps_ms`` and
 ``ps_vs_ring`` when the PS job ran; ``np`` and the ratios ``mpsync_vs_horovod``,
@@ -164,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(table: list[dict]) -> None:
     cols = ["bytes", "mpsync_ms", "horovod_ms", "mpsync_vs_horovod", "mpsync_copy_ms",
             "mpsync_mpi_ms", "mpi_ms",
-            "mpsync_mpi_vs_mpi", "ps_ms", "ps_vs_ring", "ps_shards", "ps_wire_bytes",
+            "mpsync_mpi_vs_mpi", "ps_ms", "ps_raw_ms", "ps_vs_raw", "ps_vs_ring", "ps_shards",
+            "ps_wire_bytes",
             "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
             "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
             "fp16_vs_fp32_bytes", "user_ms", "user_unchecked_ms", "check_overhead"]
@@ -309,13 +313,67 @@ def _ps_child(sizes, max_repeats, budget) -> None:
         if thread is not None:
             thread.join()
         client.shutdown()
+        raw_ms = _raw_slices_ms(workers, layout.hosts, n, max_repeats, budget)
         if workers.Get_rank() == 0:
             size = workers.Get_size()
             print("ROW " + json.dumps({
-                "bytes": nbytes, "ps_ms": ms, "ps_shards": layout.count,
+                "bytes": nbytes, "ps_ms": ms, "ps_raw_ms": raw_ms, "ps_vs_raw": ms / raw_ms,
+                "ps_shards": layout.count,
                 "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
                 "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size}), flush=True)
         world.Barrier()
+
+
+def _raw_slices_ms(workers, hosts, n: int, max_repeats: int, budget: float) -> float:
+    """The PS exchange's baseline, in the same job: a plain mpi4py program moving the same
+    data between the same ranks -- each worker sends every shard's slice of ``n`` float32 to
+    the rank hosting it and gets the slice back, and on each such rank a thread answers with
+    a blocking ``Probe``/``Recv``/``Send`` (no control plane, no polling, no acks)."""
+    import threading
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpsync.server.shard_plan import shard_bounds
+
+    slice_tag, stop_tag = 1, 2
+    comm, replies = workers.Dup(), workers.Dup()   # the echo probes requests only
+    me, size = comm.Get_rank(), comm.Get_size()
+
+    def echo():
+        status, buf, left = MPI.Status(), np.empty(0, dtype=np.uint8), size
+        while left:
+            comm.Probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            src, tag, count = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+            if buf.size < count:
+                buf = np.empty(count, dtype=np.uint8)
+            comm.Recv([buf[:count], MPI.BYTE], source=src, tag=tag)
+            if tag == stop_tag:
+                left -= 1
+            else:
+                replies.Send([buf[:count], MPI.BYTE], dest=src, tag=slice_tag)
+
+    thread = threading.Thread(target=echo, daemon=True) if me in hosts else None
+    if thread is not None:
+        thread.start()
+    bounds = shard_bounds(n, len(hosts))
+    out, back = np.full(n, 1e-6, dtype=np.float32), np.empty(n, dtype=np.float32)
+
+    def exchange():
+        reqs = [replies.Irecv([back[a:b], MPI.FLOAT], source=h, tag=slice_tag)
+                for (a, b), h in zip(bounds, hosts)]
+        reqs += [comm.Isend([out[a:b], MPI.FLOAT], dest=h, tag=slice_tag)
+                 for (a, b), h in zip(bounds, hosts)]
+        MPI.Request.Waitall(reqs)
+
+    ms = timed(replies, {"raw": exchange}, max_repeats, budget)["raw"]
+    for h in hosts:
+        comm.Send([np.zeros(1, dtype=np.uint8), MPI.BYTE], dest=h, tag=stop_tag)
+    if thread is not None:
+        thread.join()
+    comm.Free()
+    replies.Free()
+    return ms
 
 
 def _quiet(_text: str) -> None:
