@@ -122,12 +122,11 @@ def test_open_mpi_notices_are_read_and_held_back_but_user_output_passes():
     assert "exit status 137" in block and block.count("\n") == 3
 
 
-def test_debug_keeps_every_line_and_a_ranks_own_report_is_not_repeated():
+def test_debug_keeps_every_line_and_a_ranks_own_report_is_noted():
     out, _ = _filtered(SIGKILL_NOTICE, keep_all=True)
     assert out == SIGKILL_NOTICE
     _, f = _filtered("MPSYNC-RANK-FAILED rank 2 (worker 1) on h: unhandled X\n" + EXIT_NOTICE)
     assert f.reported
-    assert JobOutcome(1, 1.0, reported=True).block() == ""
 
 
 def test_a_job_whose_ranks_refused_their_settings_adds_nothing_to_their_line():
@@ -136,3 +135,56 @@ def test_a_job_whose_ranks_refused_their_settings_adds_nothing_to_their_line():
     from mpsync.launch.runner import _read_notices  # noqa: PLC0415
     _read_notices(outcome, f.notices, build_job(["x"], 2, cores=4, environ={}))
     assert outcome.rank == 1 and outcome.block() == "" and outcome.exit_code == 2
+
+
+def _outcome_of(text: str, job):
+    from mpsync.launch.runner import _read_faults  # noqa: PLC0415 - the parser alone
+    _, f = _filtered(text)
+    outcome = JobOutcome(1, 9.0)
+    from mpsync.launch.runner import _read_notices  # noqa: PLC0415
+    _read_notices(outcome, f.notices, job)
+    _read_faults(outcome, f.faults, job)
+    return outcome
+
+
+ABORT_NOTICE = """\
+--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 1 in communicator MPI COMMUNICATOR 3 DUP FROM 0
+with errorcode 1.
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+--------------------------------------------------------------------------
+"""
+
+
+@pytest.mark.parametrize("text, rank, reason", [
+    # a collective's deadline on the worker that waited names the one it waited for
+    ("mpsync: fault: rank 1 (worker 0) on n1: CollectiveTimeout: allreduce.stop not complete after 20s deadline: "
+     "no word from worker 1 (world rank 2)\n",
+     2, "went silent: the other workers waited for it in allreduce.stop past the 20 s deadline"),
+    # the stall warning names it before the state server aborts the ring
+    ("mpsync: one or more collectives were submitted by a subset of the workers and have "
+     "waited for the others for more than 10s (they fail at the 20s deadline). Missing "
+     "workers:\n  worker 1: ['stop check']\nmpsync server: worker rank(s) [1, 2] silent for "
+     "more than 10s; the ring cannot continue without them: aborting the job\n",
+     2, "went silent: the other workers waited for it in stop check"),
+    ("mpsync server: worker rank(s) [2] silent for more than 10s; the ring cannot continue "
+     "without them: aborting the job\n", 2, "went silent: the state server heard nothing"),
+    ("mpsync: fault: rank 1 (worker 0) on n1: DeadlineExceeded: no reply from the state server (rank 0) to step "
+     "within the 20s deadline\n", 0, "went silent: worker 0 had no reply from it to step"),
+])
+def test_a_silent_rank_is_named_not_the_one_that_gave_up_waiting(text, rank, reason):
+    job = build_job(["x"], 2, hosts="n1:1,n2:1", environ={})
+    outcome = _outcome_of(text + ABORT_NOTICE, job)
+    assert (outcome.rank, outcome.silent) == (rank, True) and outcome.reason.startswith(reason)
+    assert outcome.host == ("n1" if rank < 2 else "n2")
+    block = outcome.block("mpsync train")
+    assert block.startswith(f"mpsync train: the job failed: rank {rank} ({job.role(rank)}) on "
+                            f"{outcome.host} went silent")
+
+
+def test_without_a_silent_worker_the_rank_that_aborted_is_named():
+    outcome = _outcome_of("MPSYNC-RANK-FAILED rank 1 (worker 0) on n1: unhandled KeyError\n"
+                          + ABORT_NOTICE, build_job(["x"], 2, cores=8, environ={}))
+    assert (outcome.rank, outcome.reason, outcome.silent) == (
+        1, "aborted the job (MPI_Abort, error code 1)", False)

@@ -148,6 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=None, help=argparse.SUPPRESS)
     # Fault injection for the resume test: SIGKILL worker 0 right after this step.
     g.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    # ... and SIGSTOP the last worker after this step (a silent worker, for the fault tests).
+    g.add_argument("--stop-at-step", type=int, default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("launching (when not started under mpirun or srun)")
     add_launch_arguments(g, np_help="workers to start: mpsync starts mpirun with N workers "
                                     "and, with --server dedicated, the state server's rank "

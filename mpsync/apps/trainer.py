@@ -246,6 +246,12 @@ class Worker:
                   f"{args.kill_at_step}, round {self.round}", flush=True)
             flush_checkpoints()   # the cut before the kill is on disk: a test knows which
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.stop_at_step is not None and self.me == self.n - 1 and \
+                self.steps == args.stop_at_step:
+            # The last worker goes silent (SIGSTOP: alive, answering nothing), for fault tests.
+            print(f"mpsync train: fault injection: SIGSTOP worker {self.me} after step "
+                  f"{args.stop_at_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         return round_before
 
     # -- evaluation --------------------------------------------------------------------------

@@ -109,6 +109,11 @@ class Placement:
     oversubscribe: bool
     where: str
 
+    @property
+    def local(self) -> bool:
+        """Every rank on this host (no hosts given, no scheduler's allocation)."""
+        return not self.hosts and self.where.startswith("on this host")
+
     def host_argv(self) -> list[str]:
         """``--host a:2,b:2`` (nothing for this host or an allocation)."""
         if not self.hosts:

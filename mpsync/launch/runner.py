@@ -88,8 +88,10 @@ def build_job(command: Sequence[str], workers: int, *, dedicated_server: bool = 
 @dataclass
 class JobOutcome:
     """How a job ended.  ``returncode``: mpirun's (None when mpsync stopped it: deadline or
-    interrupt); ``rank`` / ``host`` / ``reason``: the first failed rank, where known;
-    ``reported``: that rank (or another) printed mpsync's own account of the failure."""
+    interrupt); ``rank`` / ``host`` / ``reason``: the rank that failed, where known: the one
+    killed, else the one that went silent (``silent``: named by mpsync's deadline messages, not
+    the rank that gave up waiting for it), else the first that exited or aborted;
+    ``reported``: a rank printed mpsync's own account of a failure (a fault or a bug)."""
 
     returncode: int | None
     elapsed: float
@@ -99,6 +101,7 @@ class JobOutcome:
     reason: str | None = None
     signal: int | None = None
     reported: bool = False
+    silent: bool = False
     timed_out: bool = False
     interrupted: bool = False
 
@@ -117,8 +120,9 @@ class JobOutcome:
         return self.returncode if self.returncode is not None else 1
 
     def block(self, name: str = "mpsync") -> str:
-        """The lines that say what failed (empty when nothing did, or a rank said it)."""
-        if self.ok or self.reported or self.interrupted:
+        """The lines that say what failed (empty when nothing did, or the ranks refused
+        their settings, each in one line)."""
+        if self.ok or self.interrupted:
             return ""
         if self.returncode == USER_ERROR and self.signal is None and not self.timed_out:
             return ""   # each rank refused a setting in one line already
@@ -133,7 +137,7 @@ class JobOutcome:
         if self.signal == signal.SIGKILL:
             lines.append("  it said nothing: it was killed from outside (out of memory, a "
                          "scheduler's limit, kill -9); every other rank was stopped")
-        elif self.signal is not None:
+        elif self.signal is not None or self.silent:
             lines.append("  every other rank was stopped")
         elif self.rank is not None:
             lines.append("  its own output above says why; every other rank was stopped")
@@ -152,11 +156,24 @@ _AGGREGATION = re.compile(r"^\[[^\]]*\] (\d+ more process(es)? ha(s|ve) sent hel
                           r"\[\[\d+,\d+\],\d+\] ORTE_ERROR_LOG: .*show_help\.c)")
 _SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal "
                         r"(\d+)(?: \(([^)]*)\))?")
-_ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with "
+_ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator .*? with "
                       r"errorcode (\d+)")
 _EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
 _EXITED_HOST = re.compile(r"mpirun has exited due to process rank (\d+) with PID \d+ on\s+node "
                           r"(\S+) exiting improperly")
+
+
+# mpsync's own messages about a silent worker, most precise first: a collective's deadline
+# ("no word from worker 1 (world rank 2)"), the stall warning's missing workers, the state
+# server's silence (which on the ring may also name workers waiting for the silent one).
+_NO_WORD = re.compile(r"([^\s:][^:\n]*?) not complete after ([\d.]+)s deadline: no word from "
+                      r"worker (\d+) \(world rank (\d+)\)")
+_MISSING = re.compile(r"^  worker (\d+): \[(.*)\]\s*$")
+_STALL = "mpsync: one or more collectives were submitted by a subset of the workers"
+_NO_REPLY = re.compile(r"mpsync: fault: rank \d+ \(([^)]*)\) on \S+: (?:\w+: )?no reply from "
+                       r"the state server \(rank (\d+)\) to (.*?) within the ([\d.]+)s deadline")
+_SERVER_SILENT = re.compile(r"mpsync server: worker rank\(s\) \[([\d, ]+)\] silent for more "
+                            r"than ([\d.]+)s")
 
 
 class OutputFilter:
@@ -167,7 +184,9 @@ class OutputFilter:
     def __init__(self, sink: TextIO, keep_all: bool = False):
         self.sink, self.keep_all = sink, keep_all
         self.notices: list[str] = []
+        self.faults: list[str] = []   # mpsync's lines naming a silent worker
         self.reported = False
+        self._stall = False
         self._partial = ""
         self._passed = ""   # the start of the current line, already passed on
         self._box: list[str] | None = None
@@ -194,8 +213,13 @@ class OutputFilter:
         self.sink.flush()
 
     def _line(self, line: str) -> None:
-        if (self._passed + line).lstrip().startswith(REPORTED_MARKERS):
+        whole = self._passed + line
+        if whole.lstrip().startswith(REPORTED_MARKERS):
             self.reported = True
+        if _NO_WORD.search(whole) or _SERVER_SILENT.match(whole) or _NO_REPLY.match(whole) or \
+                (self._stall and _MISSING.match(whole)):
+            self.faults.append(whole)
+        self._stall = whole.startswith(_STALL) or (self._stall and bool(_MISSING.match(whole)))
         if self._passed:    # the rest of a line whose start was passed on
             self._passed = ""
             self.sink.write(line)
@@ -247,7 +271,48 @@ def _read_notices(outcome: JobOutcome, notices: Sequence[str], job: Job) -> None
     if outcome.rank is not None:
         outcome.role = job.role(outcome.rank)
         if outcome.host is None:
-            outcome.host = job.placement.host_of(outcome.rank) or socket.gethostname()
+            outcome.host = _host_of(job, outcome.rank)
+
+
+def _read_faults(outcome: JobOutcome, faults: Sequence[str], job: Job) -> None:
+    """Name the worker that went silent from mpsync's messages (``_NO_WORD`` and the others
+    above), unless Open MPI saw a rank killed: that rank is the cause."""
+    if outcome.signal is not None or not faults:
+        return
+    worker_rank = {job.role(r): r for r in range(job.placement.ranks)}
+    found = None
+    for pattern in ("no word", "missing", "no reply", "server"):
+        for line in faults:
+            if pattern == "no word" and (m := _NO_WORD.search(line)):
+                found = (int(m.group(4)), f"went silent: the other workers waited for it in "
+                                          f"{m.group(1)} past the {m.group(2)} s deadline")
+            elif pattern == "missing" and (m := _MISSING.match(line)):
+                rank = worker_rank.get(f"worker {m.group(1)}")
+                if rank is not None:
+                    found = (rank, f"went silent: the other workers waited for it in "
+                                   f"{m.group(2).replace(chr(39), '')}")
+            elif pattern == "no reply" and (m := _NO_REPLY.match(line)):
+                found = (int(m.group(2)), f"went silent: {m.group(1)} had no reply from it "
+                                          f"to {m.group(3)} within the {m.group(4)} s deadline")
+            elif pattern == "server" and (m := _SERVER_SILENT.match(line)):
+                found = (int(m.group(1).split(",")[0]), f"went silent: the state server heard "
+                                                        f"nothing from it for {m.group(2)} s")
+            if found:
+                break
+        if found:
+            break
+    if found is None:
+        return
+    outcome.rank, outcome.reason, outcome.silent = found[0], found[1], True
+    outcome.role = job.role(outcome.rank)
+    outcome.host = _host_of(job, outcome.rank)
+
+
+def _host_of(job: Job, rank: int) -> str | None:
+    """Where ``rank`` ran: from the job's hosts, this host, or not known (an allocation)."""
+    if job.placement.hosts:
+        return job.placement.host_of(rank)
+    return socket.gethostname() if job.placement.local else None
 
 
 def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None = None,
@@ -283,6 +348,8 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
     outcome.elapsed = time.monotonic() - start
     outcome.reported = filt.reported
     _read_notices(outcome, filt.notices, job)
+    if not outcome.ok:
+        _read_faults(outcome, filt.faults, job)
     if outcome.returncode is not None and outcome.returncode < 0:   # mpirun itself signalled
         outcome.signal = outcome.signal or -outcome.returncode
         outcome.returncode = 128 - outcome.returncode

@@ -139,6 +139,16 @@ def install_abort_hooks(comm, label: str) -> None:
     def abort(exc_type, exc, tb) -> None:
         if isinstance(exc, ConfigError):
             refuse(exc, comm)
+        from mpsync.server._client import DeadlineExceeded  # mpi4py: loaded by now
+
+        if isinstance(exc, DeadlineExceeded) and not debug_enabled():
+            # A fault, not a bug: its message names what was waited for and who is silent.
+            try:
+                sys.stderr.write(f"mpsync: fault: {label} on {host}: {exc_type.__name__}: "
+                                 f"{exc}\n")
+                sys.stderr.flush()
+            finally:
+                comm.Abort(1)
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         try:
             sys.stderr.write(f"MPSYNC-RANK-FAILED {label} on {host}: unhandled "
