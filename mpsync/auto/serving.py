@@ -226,5 +226,6 @@ class AutoPolicy(Policy):
                 "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
                 "problems": self.problems,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
+                "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),
                 "metrics": {"decisions": decisions, "policy_timeline": self.timeline}}
