@@ -164,5 +164,155 @@ def bad_shards() -> None:
     raise AssertionError("a model smaller than the shard count was accepted")
 
 
+def _delay_pulls(seconds: float) -> None:
+    """Open the window the barrier/round rules must close: this worker's reads of the shards
+    start ``seconds`` after the state server granted them, so the others' next pushes can
+    reach the shards before it reads (a slow link or a busy rank does the same)."""
+    from mpsync.torch import _runtime
+
+    shards = _runtime.context().shards
+    read = shards.pull
+
+    def late_read(*args, **kw):
+        time.sleep(seconds)
+        return read(*args, **kw)
+
+    shards.pull = late_read
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.detach().numpy().tobytes()).hexdigest()[:16]
+
+
+def _flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def ebsp_barrier_weights() -> None:
+    """ElasticBSP on the PS, 2 workers at speeds 1:4 (10 and 40 ms per iteration), the slow
+    one's reads of the shards ``delay`` seconds late: at every barrier both must hold
+    bitwise-identical weights (ZipLine §6.2.5), although the fast worker pushes again right
+    after its own barrier pull.  Prints the digest of the weights after each barrier."""
+    a = _args()
+    rounds, delay = int(a.get("rounds", 5)), float(a.get("delay", 0.06))
+    mps.init(policy="ebsp", topology="ps", backend="mpi", server="dedicated", lookahead=8,
+             deadline=60)
+    me = mps.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    if me == 1:
+        _delay_pulls(delay)
+    at_barrier, step = [], 0
+    while opt.strategy.round < rounds:
+        g = torch.Generator().manual_seed(1000 * me + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.04 if me == 1 else 0.01)
+        before = opt.strategy.round
+        opt.step()
+        step += 1
+        if opt.strategy.round > before:
+            at_barrier.append(_digest(_flat_params(model)))
+    opt.synchronize()
+    mps.shutdown()
+    _result(rank=me, at_barrier=at_barrier, steps=step)
+
+
+def esync_join_rounds() -> None:
+    """ESync on the PS, 3 workers; worker 2 (the fastest) stops one local iteration after
+    round ``join_at`` and joins while the others train to round ``rounds``; the others' reads
+    of the shards are ``delay`` seconds late.  Every worker must start every round from
+    bitwise-identical weights, also the rounds around the join (those of the joined worker
+    run inside ``join()``).  Prints the digest of the weights after each round, by round."""
+    a = _args()
+    rounds, join_at = int(a.get("rounds", 6)), int(a.get("join_at", 2))
+    delay = float(a.get("delay", 0.15))
+    mps.init(policy="esync", topology="ps", backend="mpi", server="dedicated", deadline=60)
+    me = mps.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    strategy = opt.strategy
+    after_round: dict[int, str] = {}
+    aggregate = strategy._aggregate
+
+    def recorded(*args, **kw):
+        out = aggregate(*args, **kw)
+        after_round[strategy.round] = _digest(torch.from_numpy(strategy._base.copy()))
+        return out
+
+    strategy._aggregate = recorded
+    if me != 2:
+        _delay_pulls(delay)
+    step = 0
+
+    def train_step() -> None:
+        nonlocal step
+        g = torch.Generator().manual_seed(1000 * me + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep((0.005, 0.02, 0.002)[me])
+        opt.step()
+        step += 1
+
+    while strategy.round < (join_at if me == 2 else rounds):
+        train_step()
+    while me == 2:   # a local iteration after the round: an update left for join() to push
+        before = strategy.round
+        train_step()
+        if strategy.round == before:
+            break
+    opt.synchronize()
+    mps.shutdown()
+    _result(rank=me, after_round={str(k): v for k, v in sorted(after_round.items())},
+            steps=step)
+
+
+def stopped_at_join() -> None:
+    """SSP on the sharded PS (2 shards on workers 0 and 1), a time budget of ``budget``
+    seconds; worker ``victim`` (which hosts no shard) stops itself (SIGSTOP) ``stop_at``
+    seconds in and never comes back.  The state server takes it out after ``silent``
+    seconds and the others train on to the budget, printing ``STEP <wall time>`` per step,
+    then ``BUDGET_END <wall time>``, and join: the join must end the job (a
+    DeadlineExceeded naming the stopped worker, through the abort hook) instead of waiting
+    for it for ever."""
+    a = _args()
+    victim, budget = int(a.get("victim", 2)), float(a.get("budget", 8))
+    stop_at = float(a.get("stop_at", 1.5))
+    mps.init(policy="ssp", topology="ps", backend="mpi", server="dedicated", staleness=2,
+             ps_shards=2, deadline=float(a.get("deadline", 5)),
+             silent_timeout=float(a.get("silent", 2)))
+    from mpsync.torch import _runtime
+
+    me = mps.rank()
+    if victim in _runtime.context().shard_layout.hosts:
+        raise AssertionError(f"worker {victim} hosts a shard; this program stops one that "
+                             f"does not")
+    model = torch.nn.Linear(8, 4)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    start = time.monotonic()
+    while time.monotonic() - start < budget:
+        if me == victim and time.monotonic() - start > stop_at:
+            print(f"FAULT {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        print(f"STEP {time.time():.6f}", flush=True)
+        time.sleep(0.02)
+    print(f"BUDGET_END {time.time():.6f}", flush=True)
+    mps.shutdown()
+    raise AssertionError("shutdown returned although a worker had stopped")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -432,13 +432,15 @@ class SyncClient:
                    header=self._header(iteration, count=data.size, flag=int(final)), data=data)
         return int(self._rep[W.R_VERSION])
 
-    def pull(self, out: np.ndarray, iteration: int, final: bool = False) -> int:
+    def pull(self, out: np.ndarray, iteration: int, final: bool = False,
+             barrier: int = 0) -> int:
         """Current global weights into ``out`` (contiguous; float64 from the state server's
         store, the model's dtype from shards), as soon as the policy's staleness rule
         allows: the state server grants the pull, then every shard sends its slice.
         ``final``: the last pull of training, after every worker's last push (nobody will
         push again, so no staleness rule can be waited for).  Returns the model version
-        (updates applied so far)."""
+        (updates applied so far).  ``barrier`` > 0 (sharded): the pull at that barrier
+        (``ShardClient.pull``)."""
         if not out.flags.c_contiguous or (self.shards is None and out.dtype != np.float64):
             raise ValueError("pull needs a contiguous array (float64 without shards)")
         count = 0 if self.shards is not None else out.size
@@ -447,7 +449,7 @@ class SyncClient:
                    reply_data=None if self.shards is not None else out)
         version = int(self._rep[W.R_VERSION])
         if self.shards is not None:
-            self.shards.pull(out)
+            self.shards.pull(out, barrier=barrier)
         return version
 
     def stats(self) -> dict:

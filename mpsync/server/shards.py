@@ -34,208 +34,74 @@ MPI_THREAD_MULTIPLE (the trainer and its shard thread call MPI at once).  A shar
 shares its host's interpreter lock; it sleeps between polls (below) and numpy and MPI release
 the lock while they move and add bytes.
 
-Wire (on a ``Dup`` of the workers' communicator, nothing else on it): a request's tag says
-what it is and the dtype of its payload (``INIT``/``PUSH`` + code: the slice; ``PULL`` + code:
-a one-element request, answered with the slice in that dtype as ``DATA``); ``ACK`` carries
-``[version, status]``; ``BYE`` ends a worker's use of the shard.  Pushes and pulls go to all
+Wire (two ``Dup`` s of the workers' communicator, nothing else on them): requests go on one,
+replies on the other, so a reply that comes after its worker gave up waiting (its receive
+cancelled at the deadline) can never reach the any-tag probe of a shard thread on that
+worker's rank.  A request's tag says what it is and the dtype of its payload (``INIT``/``PUSH``
++ code: the slice; ``PULL`` + code: answered with the slice in that dtype as ``DATA``);
+``ACK`` carries ``[version, status]``; ``BYE`` ends a worker's use of the shard; ``WATCH`` asks
+how long since the shard heard from each worker (``HEARD``).  Pushes and pulls go to all
 shards at once (``Isend``/``Irecv``), so a worker's link carries about one model out and one in
 per synchronization.  Under ``Compression.fp16`` both travel as float16: the shards keep the
 master weights in the parameters' dtype and workers compute on a float16 rounding of them,
 as in mixed-precision training; their updates are applied to the master copy.
+
+Failures: every wait has the run's deadline.  A worker waiting for the others (``join``, a
+shard's shutdown) asks the shards who has been silent for longer than that and names them;
+a push is checked by the worker exactly as a shard would check it, on the bytes that go on the
+wire, so it is applied on every shard or on none; whatever a shard cannot use it logs and
+drops, and serves on.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from mpsync.config import ConfigError
+from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates
 from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
-from mpsync.server.weights import WeightStore
+from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, OK, OPT, PULL,
+                                        PUSH, SLEEP_MAX_S, SLEEP_MIN_S, UNHEARD, WATCH,
+                                        WIRE_DTYPES, ShardServer, ShardThread, wire_code)
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
-
-# Wire dtype codes (a tag's offset).
-WIRE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-INIT, PUSH, PULL = 300, 310, 320
-ACK, DATA, BYE = 330, 340, 350
-# The server-side optimizer's settings (float64, ``OptimizerSettings.to_array``), ACKed.
-OPT = 380
-_OK, _REFUSED = 0, 1
-_SLEEP_MIN_S, _SLEEP_MAX_S, _SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
-_IDLE_AFTER_S = 0.05
-
-
-def _code(dtype) -> int:
-    try:
-        return WIRE_DTYPES.index(np.dtype(dtype))
-    except ValueError:
-        raise TypeError(f"the parameter server stores float16/32/64, got {dtype}") from None
-
-
-class ShardServer:
-    """Serves one shard to ``n_workers`` workers until each has said ``BYE``.
-
-    ``comm`` is the shard communicator; ``scale`` the policy's update factor.  One loop:
-    probe, receive, apply or serve, reply; between messages it sleeps (20 µs doubling to
-    1 ms, 4 ms after 50 ms of silence), so an idle shard costs its host little CPU.
-    """
-
-    def __init__(self, comm, index: int, n_workers: int, scale: float, log=None,
-                 updates: ServerUpdates | None = None):
-        self.comm = comm
-        self.index = index
-        self.store = WeightStore(scale)
-        # ps_optimizer='server': pushes are gradients for this shard's optimizer
-        self.updates = updates
-        self.left = n_workers
-        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.bytes_received = 0
-        self.bytes_sent = 0
-        self._recv: dict[int, np.ndarray] = {}   # receive buffer per wire dtype
-        self._send_buf: np.ndarray | None = None
-        self._waiting_pulls: list[tuple[int, int]] = []   # pulls before the first INIT
-        self._ack = np.zeros(2, dtype=np.int64)
-        self._req = np.zeros(1, dtype=np.int64)
-
-    def serve(self) -> dict:
-        status = MPI.Status()
-        probe = self.comm.Iprobe
-        sleep, last = _SLEEP_MIN_S, time.perf_counter()
-        while self.left > 0:
-            if probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
-                sleep, last = _SLEEP_MIN_S, time.perf_counter()
-                continue
-            time.sleep(sleep)
-            idle = time.perf_counter() - last > _IDLE_AFTER_S
-            sleep = min(2 * sleep, _SLEEP_IDLE_S if idle else _SLEEP_MAX_S)
-        return self.stats()
-
-    def stats(self) -> dict:
-        return {"shard": self.index, "elements": self.store.size, "version": self.store.version,
-                "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent}
-
-    def _handle(self, src: int, tag: int, nbytes: int) -> None:
-        kind, code = tag - tag % 10, tag % 10
-        if kind == PULL and code < len(WIRE_DTYPES):
-            self.comm.Recv([self._req, MPI.INT64_T], source=src, tag=tag)
-            if not self.store.ready:
-                self._waiting_pulls.append((src, code))
-            else:
-                self._serve_pull(src, code)
-        elif kind in (INIT, PUSH) and code < len(WIRE_DTYPES):
-            data = self._receive(src, tag, WIRE_DTYPES[code], nbytes)
-            self._ack[:] = (self.store.version, self._take(kind, data, src))
-            self.comm.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
-        elif tag == OPT:
-            settings = np.empty(nbytes // 8, dtype=np.float64)
-            self.comm.Recv([settings, MPI.BYTE], source=src, tag=tag)
-            problem = (self.updates.configure(settings) if self.updates is not None else
-                       "optimizer settings, but the workers run the optimizer")
-            if problem:
-                self.log(f"mpsync PS shard {self.index}: refused the optimizer settings of "
-                         f"worker {src}: {problem}")
-            self._ack[:] = (self.store.version, _REFUSED if problem else _OK)
-            self.comm.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
-        elif tag == BYE:
-            self.comm.Recv([self._req, MPI.INT64_T], source=src, tag=tag)
-            self.left -= 1
-        else:
-            raise RuntimeError(f"PS shard {self.index}: unknown message tag {tag} from worker "
-                               f"{src}")
-
-    def _receive(self, src: int, tag: int, dtype: np.dtype, nbytes: int) -> np.ndarray:
-        count = nbytes // dtype.itemsize
-        buf = self._recv.get(dtype.num)
-        if buf is None or buf.size != count:
-            buf = self._recv[dtype.num] = np.empty(count, dtype=dtype)
-        self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
-        self.bytes_received += nbytes
-        return buf
-
-    def _take(self, kind: int, data: np.ndarray, src: int) -> int:
-        if kind == INIT:
-            self.store.init(data)
-            for waiting in self._waiting_pulls:
-                self._serve_pull(*waiting)
-            self._waiting_pulls.clear()
-            return _OK
-        problem = self.apply_push(data)
-        if problem:
-            self.log(f"mpsync PS shard {self.index}: refused a push from worker {src}: "
-                     f"{problem}")
-            return _REFUSED
-        return _OK
-
-    def apply_push(self, update: np.ndarray) -> str | None:
-        """A worker's slice of an update into this shard's range: added (the workers run the
-        optimizer) or stepped on / merged by the shard's optimizer; None, or why refused."""
-        if self.updates is None:
-            return self.store.apply(update)
-        problem = self.updates.take(self.store.weights, update)
-        if problem is None:
-            self.store.version += 1
-        return problem
-
-    def _serve_pull(self, src: int, code: int) -> None:
-        if self.updates is not None:
-            self.updates.settle(self.store.weights)   # a round's step before its first read
-        weights = self.store.weights
-        if WIRE_DTYPES[code] != weights.dtype:
-            if self._send_buf is None or self._send_buf.dtype != WIRE_DTYPES[code]:
-                self._send_buf = np.empty(weights.size, dtype=WIRE_DTYPES[code])
-            np.copyto(self._send_buf, weights, casting="unsafe")
-            weights = self._send_buf
-        self.comm.Send([weights, MPI.BYTE], dest=src, tag=DATA)
-        self.bytes_sent += weights.nbytes
-
-
-class ShardThread:
-    """A :class:`ShardServer` on a thread of its host rank; ``join()`` returns its stats.
-    An exception in it goes to the rank's abort hook (``threading.excepthook``)."""
-
-    def __init__(self, server: ShardServer):
-        self.server = server
-        self.result: dict | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"mpsync-ps-shard-{server.index}")
-        self.thread.start()
-
-    def _run(self) -> None:
-        self.result = self.server.serve()
-
-    def join(self, timeout: float | None = None) -> dict | None:
-        self.thread.join(timeout)
-        return self.result
 
 
 class ShardClient:
     """A worker's side: init, push and pull the whole flat model over every shard at once.
 
-    ``hosts[k]`` is shard k's rank in ``comm``; ``names[k]`` how errors name it (its world
-    rank and host).  The layout is fixed by the first call, from the model's size.  Every
-    wait has ``deadline``: a shard that does not answer raises ``DeadlineExceeded`` naming it.
+    ``comm`` carries the requests and ``replies`` the answers; ``hosts[k]`` is shard k's
+    rank in both, ``names[k]`` how errors name it (its world rank and host), ``worker_names[w]``
+    how they name worker w.  The layout is fixed by the first call, from the model's size.
+    Every wait has ``deadline``: a shard that does not answer raises ``DeadlineExceeded``
+    naming it, and is not asked again (a late answer would be taken for the next one's).
     ``wire``: the dtype on the wire (None: the model's own; float16 under Compression.fp16).
     """
 
-    def __init__(self, comm, hosts, names, deadline: float):
+    def __init__(self, comm, replies, hosts, names, deadline: float, worker_names=None,
+                 startup: float = 120.0):
         self.comm = comm
+        self.replies = replies
         self.hosts = tuple(int(h) for h in hosts)
         self.names = tuple(names)
+        self.worker_names = (tuple(worker_names) if worker_names is not None else
+                             tuple(f"worker {w}" for w in range(comm.Get_size())))
         self.deadline = float(deadline)
+        self.startup = max(float(startup), self.deadline)   # for a worker never heard from
         self.wire = None
         self.bounds: tuple[tuple[int, int], ...] | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self._acks = np.zeros((len(self.hosts), 2), dtype=np.int64)
         self._one = np.zeros(1, dtype=np.int64)
+        self._pull_req = np.zeros(1, dtype=np.int64)
         self._wire_buf: np.ndarray | None = None
+        self._lost: set[int] = set()    # shards that missed a deadline
 
     @property
     def count(self) -> int:
@@ -262,68 +128,119 @@ class ShardClient:
         self._send_slices(INIT, flat, flat, "ps_init")
 
     def push(self, delta: np.ndarray) -> None:
-        """Apply ``delta`` on every shard; returns once every shard has applied its slice."""
-        if not np.all(np.isfinite(delta)):
-            raise FloatingPointError("push with NaN or inf: the local model diverged (no shard "
-                                     "was sent any of it)")
+        """Apply ``delta`` on every shard; returns once every shard has applied its slice.
+
+        What a shard would refuse is refused here, before anything is sent, so that a push
+        is applied on every shard or on none: values that are not finite *on the wire* (a
+        float16 wire turns a delta above 65504 into inf)."""
         wire = self._on_wire(delta)
         if wire is not delta:
             np.copyto(wire, delta, casting="unsafe")
+        if not np.all(np.isfinite(wire)):
+            if np.all(np.isfinite(delta)):
+                big = float(np.max(np.abs(delta)))
+                raise FloatingPointError(
+                    f"push with a value of magnitude {big:.4g}, more than {wire.dtype} can "
+                    f"carry (largest {float(np.finfo(wire.dtype).max):g}): the local model "
+                    f"diverged or the wire's compression cannot send this update; no shard "
+                    f"was sent any of it")
+            raise FloatingPointError("push with NaN or inf: the local model diverged (no shard "
+                                     "was sent any of it)")
         self._send_slices(PUSH, delta, wire, "push")
 
     def configure(self, settings: np.ndarray) -> None:
         """The server-side optimizer's settings (float64) to every shard; returns once each
         has taken them."""
-        comm = self.comm
-        acks = [comm.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
+        self._check_lost("optimizer settings")
+        acks = [self.replies.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
                 for k, h in enumerate(self.hosts)]
-        sends = [comm.Isend([settings, MPI.DOUBLE], dest=h, tag=OPT) for h in self.hosts]
+        sends = [self.comm.Isend([settings, MPI.DOUBLE], dest=h, tag=OPT) for h in self.hosts]
         self._wait(acks + sends, "optimizer settings", list(range(self.count)) * 2)
-        refused = [self.names[k] for k in range(self.count) if self._acks[k, 1] != _OK]
+        refused = [self.names[k] for k in range(self.count) if self._acks[k, 1] != OK]
         if refused:
             raise RuntimeError(f"optimizer settings refused by {', '.join(refused)} (see its "
                                f"log line)")
 
     def _send_slices(self, kind: int, flat: np.ndarray, wire: np.ndarray, what: str) -> None:
         self.layout(flat.size)
-        tag = kind + _code(wire.dtype)
-        comm = self.comm
-        acks = [comm.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
+        self._check_lost(what)
+        tag = kind + wire_code(wire.dtype)
+        acks = [self.replies.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
                 for k, h in enumerate(self.hosts)]
-        sends = [comm.Isend([wire[a:b], MPI.BYTE], dest=h, tag=tag)
+        sends = [self.comm.Isend([wire[a:b], MPI.BYTE], dest=h, tag=tag)
                  for (a, b), h in zip(self.bounds, self.hosts)]
         self._wait(acks + sends, what, list(range(self.count)) * 2)
         self.bytes_sent += wire.nbytes
-        refused = [self.names[k] for k in range(self.count) if self._acks[k, 1] != _OK]
+        refused = [self.names[k] for k in range(self.count) if self._acks[k, 1] != OK]
         if refused:
             raise RuntimeError(f"{what} refused by {', '.join(refused)} (see its log line)")
 
-    def pull(self, out: np.ndarray) -> None:
-        """Every shard's slice into ``out`` (contiguous, the store's dtype)."""
+    def pull(self, out: np.ndarray, barrier: int = 0) -> None:
+        """Every shard's slice into ``out`` (contiguous, the store's dtype).  ``barrier`` > 0:
+        the pull at the ``barrier``-th barrier (ElasticBSP), which reads on every shard the
+        weights that the barrier's first pull found there (``ShardServer._at_barrier``)."""
         self.layout(out.size)
+        self._check_lost("pull")
         wire = self._on_wire(out)
-        tag = PULL + _code(wire.dtype)
-        comm = self.comm
-        recvs = [comm.Irecv([wire[a:b], MPI.BYTE], source=h, tag=DATA)
+        tag = PULL + wire_code(wire.dtype)
+        self._pull_req[0] = barrier
+        recvs = [self.replies.Irecv([wire[a:b], MPI.BYTE], source=h, tag=DATA)
                  for (a, b), h in zip(self.bounds, self.hosts)]
-        sends = [comm.Isend([self._one, MPI.INT64_T], dest=h, tag=tag) for h in self.hosts]
+        sends = [self.comm.Isend([self._pull_req, MPI.INT64_T], dest=h, tag=tag)
+                 for h in self.hosts]
         self._wait(recvs + sends, "pull", list(range(self.count)) * 2)
         self.bytes_received += wire.nbytes
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
 
+    def silent_workers(self) -> list[tuple[int, float]]:
+        """Ask every shard how long since it heard from each worker: ``(worker, seconds)``
+        for each worker that no shard has heard from for longer than the deadline (never
+        heard from: for longer than the start-up time) and that has not said goodbye.  Every push goes to every shard, so a worker that trains is
+        heard by all of them; one that waits for the others (``join``) asks this, and is
+        heard that way."""
+        n = len(self.worker_names)
+        self._check_lost("a liveness check")
+        heard = np.empty((self.count, 2, n))
+        recvs = [self.replies.Irecv([heard[k], MPI.DOUBLE], source=h, tag=HEARD)
+                 for k, h in enumerate(self.hosts)]
+        sends = [self.comm.Isend([self._one, MPI.INT64_T], dest=h, tag=WATCH)
+                 for h in self.hosts]
+        self._wait(recvs + sends, "a liveness check", list(range(self.count)) * 2)
+        quiet, state = heard[:, 0].min(axis=0), heard[:, 1].max(axis=0)
+        limit = np.where(state == UNHEARD, self.startup, self.deadline)
+        return [(int(w), float(quiet[w])) for w in range(n)
+                if state[w] != GONE and quiet[w] > limit[w]]
+
+    def check_workers(self, what: str) -> None:
+        """Raise :class:`DeadlineExceeded` naming every worker that :meth:`silent_workers`
+        finds: ``what`` (this worker's wait) cannot end without them."""
+        silent = self.silent_workers()
+        if silent:
+            quiet = ", ".join(f"{self.worker_names[w]} for {s:.1f}s" for w, s in silent)
+            raise DeadlineExceeded(
+                f"{what}: no word from {quiet} (no PS shard heard from it for longer than the "
+                f"{self.deadline:g}s deadline: it stopped before joining); ending the job",
+                [self.worker_names[w] for w, _ in silent], what)
+
     def close(self) -> None:
-        """This worker is done with every shard (each exits once all workers are)."""
+        """This worker is done with every shard (each exits once all workers are); also
+        one that missed a deadline, should it come back (a one-integer message: sent at
+        once, whether the shard takes it or not)."""
         for h in self.hosts:
             self.comm.Send([self._one, MPI.INT64_T], dest=h, tag=BYE)
+
+    def _check_lost(self, what: str) -> None:
+        if self._lost:
+            names = [self.names[k] for k in sorted(self._lost)]
+            raise DeadlineExceeded(f"{what}: {', '.join(names)} missed an earlier deadline "
+                                   f"and is not asked again", names, what)
 
     def _wait(self, requests, what: str, shard_of) -> None:
         """Wait for ``requests``, sleeping 20 µs doubling to 1 ms after the first 2 ms;
         past the deadline, raise naming the shards that did not answer."""
-        from mpsync.server._client import DeadlineExceeded
-
         start = time.perf_counter()
-        sleep = _SLEEP_MIN_S
+        sleep = SLEEP_MIN_S
         while not MPI.Request.Testall(requests):
             elapsed = time.perf_counter() - start
             if elapsed > self.deadline:
@@ -331,12 +248,13 @@ class ShardClient:
                 for i, r in enumerate(requests):
                     if shard_of[i] in late and r:
                         r.Cancel()
+                self._lost.update(late)
                 names = [self.names[k] for k in late]
                 raise DeadlineExceeded(f"no answer from {', '.join(names)} to {what} within "
                                        f"the {self.deadline:g}s deadline", names, what)
             if elapsed > 2e-3:
                 time.sleep(sleep)
-                sleep = min(2 * sleep, _SLEEP_MAX_S)
+                sleep = min(2 * sleep, SLEEP_MAX_S)
 
 
 def start_shards(workers, config, world_ranks, *, log=None):
@@ -352,20 +270,26 @@ def start_shards(workers, config, world_ranks, *, log=None):
                           f"{MPI.Query_thread()}")
     names = workers.allgather(MPI.Get_processor_name())
     layout: ShardLayout = plan_layout(config.ps_shards, names)
-    comm = workers.Dup()
+    requests, replies = workers.Dup(), workers.Dup()
     me, n = workers.Get_rank(), workers.Get_size()
     labels = [f"PS shard {k} (world rank {world_ranks[h]} on {names[h]})"
               for k, h in enumerate(layout.hosts)]
+    worker_names = [f"worker {w} (world rank {world_ranks[w]} on {names[w]})"
+                    for w in range(n)]
     thread = None
     if me in layout.hosts:
         spec = policies.get(config.policy)
         updates = (ServerUpdates(per_round=spec.ps_average)
                    if config.ps_optimizer == "server" else None)
-        thread = ShardThread(ShardServer(comm, layout.hosts.index(me), n,
-                                         spec.ps_update_scale(config, n), log=log,
-                                         updates=updates))
+        thread = ShardThread(ShardServer(requests, replies, layout.hosts.index(me), n,
+                                         spec.ps_update_scale(config, n),
+                                         deadline=config.deadline,
+                                         startup=config.startup_timeout,
+                                         worker_names=worker_names, log=log, updates=updates))
     if me == 0:
         (log or (lambda t: print(t, file=sys.stderr, flush=True)))(
             f"mpsync: parameter server in {layout.count} shard(s) over {layout.nodes} "
             f"node(s): {'; '.join(labels)}")
-    return ShardClient(comm, layout.hosts, labels, config.deadline), thread, layout
+    client = ShardClient(requests, replies, layout.hosts, labels, config.deadline,
+                         worker_names=worker_names, startup=config.startup_timeout)
+    return client, thread, layout

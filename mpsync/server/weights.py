@@ -57,6 +57,12 @@ class WeightStore:
         else:
             self.weights = np.array(data, copy=True)
 
+    def detach(self) -> None:
+        """Move the weights to a buffer of their own: the old one is still being read (a
+        shard's pull reply in flight) and must not change under it."""
+        if self.weights is not None:
+            self.weights = self.weights.copy()
+
     def apply(self, update: np.ndarray) -> str | None:
         """Add ``scale * update``; returns None, or why the update was refused."""
         if self.remote:

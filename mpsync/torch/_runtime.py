@@ -206,7 +206,9 @@ def shutdown() -> None:
     if ctx.shards is not None:
         ctx.shards.close()
         if ctx.shard_thread is not None:
-            ctx.shard_thread.join()   # until every worker is done with this shard
+            # Until every worker is done with this shard; one silent for longer than the
+            # deadline without its goodbye is named instead of waited for.
+            ctx.shard_thread.finish()
     if ctx.client is not None:
         server_stats = ctx.client.stats()
         ctx.client.shutdown()

@@ -17,6 +17,7 @@ __all__ = ["ParameterServer", "ElasticSuperstep"]
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+_WATCH_EVERY_S = 1.0   # how often a worker in join() asks the shards who is silent
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
@@ -162,10 +163,14 @@ class ParameterServer(LocalStepsThenAggregate):
             np.copyto(self._base, _stored(self.buf.pack_grads(torch.empty_like(flat))).numpy())
         return self._base
 
-    def _push_pull(self) -> None:
-        """Push Δ since the last pull, pull the current weights (as the policy allows)."""
+    def _push_pull(self, barrier: int = 0) -> None:
+        """Push Δ since the last pull, pull the current weights (as the policy allows;
+        ``barrier`` > 0: the weights of that barrier, ``ShardClient.pull``)."""
         self.client.push(self._delta_into_base(), self.iteration)
-        self.version = self.client.pull(self._base, self.iteration)
+        if barrier:
+            self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
+        else:
+            self.version = self.client.pull(self._base, self.iteration)
         self.buf.flat.copy_(torch.from_numpy(self._base))
         self.buf.unpack_to_params()
         if self.config.comm_delay > 0:
@@ -186,17 +191,30 @@ class ParameterServer(LocalStepsThenAggregate):
         count as iterations): a reset at its pace, which also completes an ElasticBSP
         barrier that would otherwise wait for it.  Under a policy whose rounds are decided
         from every worker's reports (ESync's QUERY-STATE: a READY waits for every worker's
-        pull of the last round) it reports idle iterations instead and, on SYNC, pushes an
-        empty update and pulls like the others."""
+        pull of the last round) it reports idle iterations instead and, on SYNC, pushes and
+        pulls like the others: its first such push carries what is left of its own update,
+        inside a round like every other (ESync Alg. 1: every replica restarts each round from
+        the same w_{t+1}; a push outside the rounds would reach some workers' pulls of a round
+        and not others').
+
+        The wait has the run's deadline in the only form that fits a wait for workers that
+        may still be training: every ``_WATCH_EVERY_S`` it asks the shards whom they have
+        not heard from for longer than the deadline (a worker that trains pushes to every
+        shard; one that joined asks too), and names them in a :class:`DeadlineExceeded`.
+        Under SSP a stopped worker is taken out and the others train on, so without this
+        they would wait here for it for ever."""
         if self.peers is None:
             raise RuntimeError("ParameterServer.join needs the workers' communicator (peers)")
         self._start()
         self.joined = True
         pace = self._pace()
         reports = spec_of(self.config).fast_path == "query_state"
-        self.client.push(self._delta_into_base(), self.iteration, final=True)
-        self._pull(final=True)
+        shards = getattr(self.client, "shards", None)
+        if not reports:
+            self.client.push(self._delta_into_base(), self.iteration, final=True)
+            self._pull(final=True)
         everyone = self.peers.comm.Ibarrier()
+        watch_at = time.monotonic() + _WATCH_EVERY_S
         try:
             while not everyone.Test():
                 if reports:
@@ -205,6 +223,10 @@ class ParameterServer(LocalStepsThenAggregate):
                         self._aggregate()
                 else:
                     self.reset(0.0)
+                if shards is not None and time.monotonic() > watch_at:
+                    shards.check_workers(f"worker {self.worker_rank} waiting in join() for "
+                                         f"the others")
+                    watch_at = time.monotonic() + _WATCH_EVERY_S
                 time.sleep(pace)
             self.reset(0.0)
         finally:
@@ -246,7 +268,9 @@ class ElasticSuperstep(ParameterServer):
         self.counters.iterations += 1
         barrier = self.is_sync(self.ask(compute_time, self.iteration))
         t0 = time.perf_counter()
-        self._push_pull()
+        # Every worker at a barrier has passed the same barriers before it (each barrier is
+        # every running worker's), so round + 1 names this barrier alike on all of them.
+        self._push_pull(barrier=self.round + 1 if barrier else 0)
         self.pushes_in_superstep += 1
         if barrier:
             self.supersteps.append({"superstep": len(self.supersteps),

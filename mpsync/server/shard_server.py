@@ -1,0 +1,337 @@
+"""A shard server of the sharded parameter server (:mod:`mpsync.server.shards` describes
+the design and the wire): it stores one contiguous range of the flat model, applies each
+worker's slice of an update as it arrives, serves pulls, and answers who it has heard from.
+It runs on a thread of its host worker rank (:class:`ShardThread`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpsync.server._client import DeadlineExceeded
+from mpsync.server.shard_optimizer import ServerUpdates
+from mpsync.server.weights import WeightStore
+
+__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code"]
+
+
+# Wire dtype codes (a tag's offset).
+WIRE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+# Requests (worker -> shard, on the requests communicator).
+INIT, PUSH, PULL, BYE, WATCH = 300, 310, 320, 350, 360
+# Replies (shard -> worker, on a communicator of their own: see the module doc).
+ACK, DATA, HEARD = 330, 340, 370
+# The server-side optimizer's settings (float64, ``OptimizerSettings.to_array``), ACKed.
+OPT = 380
+OK, REFUSED = 0, 1
+# What a shard knows of a worker (the second row of a HEARD reply).
+UNHEARD, HEARD_FROM, GONE = 0, 1, 2
+SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
+IDLE_AFTER_S = 0.05
+
+
+def wire_code(dtype) -> int:
+    try:
+        return WIRE_DTYPES.index(np.dtype(dtype))
+    except ValueError:
+        raise TypeError(f"the parameter server stores float16/32/64, got {dtype}") from None
+
+
+class _Reply:
+    """A pull's reply in flight: the request, the worker, the buffer it reads, its start."""
+
+    __slots__ = ("request", "worker", "buf", "since")
+
+    def __init__(self, request, worker: int, buf: np.ndarray, since: float):
+        self.request, self.worker, self.buf, self.since = request, worker, buf, since
+
+
+class ShardServer:
+    """Serves one shard to ``n_workers`` workers until each has said ``BYE``.
+
+    ``comm`` carries the requests, ``replies`` the answers; ``scale`` is the policy's update
+    factor; ``worker_names[w]`` how log lines name worker w.  One loop: probe, receive, apply
+    or serve, reply; between messages it sleeps (20 µs doubling to 1 ms, 4 ms after 50 ms of
+    silence), so an idle shard costs its host little CPU, and it does not sleep while a pull's
+    reply is still in flight.
+
+    Nothing a worker sends or fails to take stops the shard: a message it cannot use is
+    received, logged and dropped (a push refused that way is answered ``REFUSED``); a pull
+    reply a worker does not take within ``deadline`` (it gave up waiting) is cancelled and
+    the shard serves on.  ``heard[w]`` is when worker w's last message came, for the
+    liveness checks of :meth:`silent_workers`.
+    """
+
+    def __init__(self, comm, replies, index: int, n_workers: int, scale: float, *,
+                 deadline: float = 20.0, startup: float = 120.0, worker_names=None, log=None,
+                 updates: ServerUpdates | None = None):
+        self.comm = comm
+        self.replies = replies
+        self.index = index
+        self.store = WeightStore(scale)
+        # ps_optimizer='server': pushes are gradients for this shard's optimizer
+        self.updates = updates
+        self.deadline = float(deadline)
+        self.startup = max(float(startup), self.deadline)
+        self.worker_names = (list(worker_names) if worker_names is not None
+                             else [f"worker {w}" for w in range(n_workers)])
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.dropped = 0     # messages received and not used (logged)
+        self.started = time.monotonic()
+        self.heard = np.full(n_workers, self.started)
+        self.state = np.full(n_workers, UNHEARD, dtype=np.int64)
+        self._recv: dict[int, np.ndarray] = {}   # receive buffer (bytes) per message size
+        self._wire_bufs: list[np.ndarray] = []   # pull replies in a wire dtype of their own
+        self._sending: list[_Reply] = []         # pull replies in flight
+        self._abandoned: list[_Reply] = []       # replies cancelled (their buffers kept)
+        self._waiting_pulls: list[tuple[int, int, int]] = []   # pulls before the first INIT
+        # The weights of the latest barrier (ElasticBSP): what every pull at it reads.
+        self._barrier_epoch, self._barrier_weights = 0, None
+        self._ack = np.zeros(2, dtype=np.int64)
+
+    @property
+    def left(self) -> int:
+        """Workers that have not said goodbye."""
+        return int(np.count_nonzero(self.state != GONE))
+
+    def serve(self) -> dict:
+        status = MPI.Status()
+        probe = self.comm.Iprobe
+        sleep, last = SLEEP_MIN_S, time.perf_counter()
+        while self.left > 0 or self._sending:
+            if self._sending:
+                self._progress_replies()
+            if probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+                sleep, last = SLEEP_MIN_S, time.perf_counter()
+                continue
+            if self._sending:
+                time.sleep(0)   # a reply in flight: keep it moving, as a blocking Send would
+                continue
+            time.sleep(sleep)
+            idle = time.perf_counter() - last > IDLE_AFTER_S
+            sleep = min(2 * sleep, SLEEP_IDLE_S if idle else SLEEP_MAX_S)
+        return self.stats()
+
+    def stats(self) -> dict:
+        return {"shard": self.index, "elements": self.store.size, "version": self.store.version,
+                "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
+                "dropped": self.dropped}
+
+    def silent_workers(self, now: float | None = None) -> list[tuple[int, float]]:
+        """``(worker, seconds)`` for each worker that has not said goodbye and whose last
+        message is older than the deadline (one never heard from: this shard started longer
+        than the start-up time ago, ``startup``, as for the state server)."""
+        now = time.monotonic() if now is None else now
+        quiet = now - self.heard
+        limit = np.where(self.state == UNHEARD, self.startup, self.deadline)
+        return [(w, float(quiet[w])) for w in np.flatnonzero(
+            (self.state != GONE) & (quiet > limit))]
+
+    # -- requests -------------------------------------------------------------------------
+    def _handle(self, src: int, tag: int, nbytes: int) -> None:
+        payload = self._receive(src, tag, nbytes)
+        self.heard[src] = time.monotonic()
+        if self.state[src] == UNHEARD:
+            self.state[src] = HEARD_FROM
+        kind, code = tag - tag % 10, tag % 10
+        if kind in (INIT, PUSH) and code < len(WIRE_DTYPES):
+            status = self._take(kind, WIRE_DTYPES[code], payload, src)
+            self._ack[:] = (self.store.version, status)
+            self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
+        elif kind == PULL and code < len(WIRE_DTYPES):
+            barrier = int(payload.view(np.int64)[0]) if payload.nbytes == 8 else 0
+            if not self.store.ready:
+                self._waiting_pulls.append((src, code, barrier))
+            else:
+                self._serve_pull(src, code, barrier)
+        elif tag == OPT:
+            self._configure(src, payload)
+        elif tag == BYE:
+            self.state[src] = GONE
+        elif tag == WATCH:
+            self._answer_watch(src)
+        else:
+            self._drop(src, f"a message with tag {tag} ({nbytes} bytes), which is no "
+                            f"request of the parameter server's")
+
+    def _receive(self, src: int, tag: int, nbytes: int) -> np.ndarray:
+        """The message as bytes (any size: a malformed one is received, then refused)."""
+        buf = self._recv.get(nbytes)
+        if buf is None:
+            if len(self._recv) > 8:   # sizes vary only for malformed messages
+                self._recv.clear()
+            buf = self._recv[nbytes] = np.empty(nbytes, dtype=np.uint8)
+        self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
+        self.bytes_received += nbytes
+        return buf
+
+    def _drop(self, src: int, what: str) -> None:
+        self.dropped += 1
+        self.log(f"mpsync PS shard {self.index}: dropped {what} from "
+                 f"{self.worker_names[src]}; the shard serves on")
+
+    def _take(self, kind: int, dtype: np.dtype, payload: np.ndarray, src: int) -> int:
+        """Check an INIT or PUSH payload, then store or apply it; ``OK`` or ``REFUSED``."""
+        what = "initial weights" if kind == INIT else "push"
+        if payload.nbytes % dtype.itemsize:
+            self._refuse(src, what, f"{payload.nbytes} bytes is not a whole number of "
+                                    f"{dtype} elements ({dtype.itemsize} bytes each)")
+            return REFUSED
+        data = payload.view(dtype)
+        if kind == INIT:
+            if self.store.ready:
+                return OK     # the first worker's wins (every worker starts from one model)
+            self.store.init(data)
+            for waiting in self._waiting_pulls:
+                self._serve_pull(*waiting)
+            self._waiting_pulls.clear()
+            return OK
+        problem = self.apply_push(data)
+        if problem:
+            self._refuse(src, what, problem)
+            return REFUSED
+        return OK
+
+    def apply_push(self, update: np.ndarray) -> str | None:
+        """A worker's slice of an update (in the wire's dtype, whole elements) into this
+        shard's range: added (the workers run the optimizer) or stepped on / merged by the
+        shard's optimizer; None, or why it was refused (the range is then unchanged)."""
+        if self._reading(self.store.weights):
+            self.store.detach()   # a pull's reply or a barrier still reads the current buffer
+        if self.updates is None:
+            return self.store.apply(update)
+        problem = self.updates.take(self.store.weights, update)
+        if problem is None:
+            self.store.version += 1
+        return problem
+
+    def _configure(self, src: int, payload: np.ndarray) -> None:
+        """The server-side optimizer's settings, ACKed ``OK`` or ``REFUSED``."""
+        if payload.nbytes % 8:
+            problem = f"{payload.nbytes} bytes is not a whole number of float64 settings"
+        elif self.updates is None:
+            problem = "optimizer settings, but the workers run the optimizer"
+        else:
+            problem = self.updates.configure(payload.view(np.float64))
+        if problem:
+            self._refuse(src, "optimizer settings", problem)
+        self._ack[:] = (self.store.version, REFUSED if problem else OK)
+        self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
+
+    def _refuse(self, src: int, what: str, problem: str) -> None:
+        self.dropped += 1
+        self.log(f"mpsync PS shard {self.index}: refused the {what} of "
+                 f"{self.worker_names[src]}: {problem}; the shard serves on")
+
+    # -- replies --------------------------------------------------------------------------
+    def _reading(self, buf) -> bool:
+        """Is ``buf`` read by a reply in flight or kept as a barrier's weights?"""
+        return buf is self._barrier_weights or any(r.buf is buf for r in self._sending)
+
+    def _at_barrier(self, epoch: int) -> np.ndarray:
+        """The weights a pull at barrier ``epoch`` reads: the store as the first such pull
+        found it, kept until a later barrier's first pull.
+
+        ElasticBSP (ZipLine §6.2.5: the barrier imposes a weight synchronization on all
+        workers): the state server grants the barrier's pulls once every barrier push is in
+        on every shard, and a worker pushes again only after its own barrier pull returned
+        from every shard, so on each shard the first pull of a barrier comes after all of its
+        pushes and before any push of the next superstep.  Later pulls of the same barrier
+        (a slower worker's) read those weights too, not a fast worker's next pushes."""
+        if epoch > self._barrier_epoch:
+            self._barrier_epoch, self._barrier_weights = epoch, self.store.weights
+        return self._barrier_weights if epoch == self._barrier_epoch else self.store.weights
+
+    def _serve_pull(self, src: int, code: int, barrier: int = 0) -> None:
+        """Send this shard's weights to ``src`` (at ``barrier`` > 0: that barrier's)."""
+        if self.updates is not None and self.updates.pending:
+            if self._reading(self.store.weights):
+                self.store.detach()
+            self.updates.settle(self.store.weights)   # a round's step before its first read
+        weights = self._at_barrier(barrier) if barrier > 0 else self.store.weights
+        if WIRE_DTYPES[code] != weights.dtype:
+            out = next((b for b in self._wire_bufs if b.dtype == WIRE_DTYPES[code]
+                        and b.size == weights.size and not self._reading(b)), None)
+            if out is None:
+                out = np.empty(weights.size, dtype=WIRE_DTYPES[code])
+                self._wire_bufs = [b for b in self._wire_bufs if self._reading(b)] + [out]
+            np.copyto(out, weights, casting="unsafe")
+            weights = out
+        request = self.replies.Isend([weights, MPI.BYTE], dest=src, tag=DATA)
+        if request.Test():
+            self.bytes_sent += weights.nbytes
+        else:
+            self._sending.append(_Reply(request, src, weights, time.monotonic()))
+
+    def _progress_replies(self) -> None:
+        """Complete the pull replies in flight; cancel one its worker has not taken within
+        the deadline (it gave up waiting and cancelled its receive: a large reply would
+        otherwise never complete)."""
+        now, still = time.monotonic(), []
+        for reply in self._sending:
+            if reply.request.Test():
+                self.bytes_sent += reply.buf.nbytes
+            elif now - reply.since > self.deadline:
+                reply.request.Cancel()
+                self._abandoned.append(reply)   # its buffer lives until the cancel takes effect
+                self.dropped += 1
+                self.log(f"mpsync PS shard {self.index}: {self.worker_names[reply.worker]} "
+                         f"did not take its pull reply ({reply.buf.nbytes} bytes) within the "
+                         f"{self.deadline:g}s deadline (it gave up waiting); reply cancelled, "
+                         f"the shard serves on")
+            else:
+                still.append(reply)
+        self._sending = still
+        self._abandoned = [r for r in self._abandoned if not r.request.Test()]
+
+    def _answer_watch(self, src: int) -> None:
+        """How long since each worker's last message, and whether it said goodbye."""
+        now = time.monotonic()
+        heard = np.empty((2, self.heard.size))
+        heard[0] = now - self.heard
+        heard[1] = self.state
+        self.replies.Send([heard, MPI.DOUBLE], dest=src, tag=HEARD)
+
+
+class ShardThread:
+    """A :class:`ShardServer` on a thread of its host rank; ``join()`` returns its stats.
+    An exception in it goes to the rank's abort hook (``threading.excepthook``)."""
+
+    def __init__(self, server: ShardServer):
+        self.server = server
+        self.result: dict | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"mpsync-ps-shard-{server.index}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.result = self.server.serve()
+
+    def join(self, timeout: float | None = None) -> dict | None:
+        self.thread.join(timeout)
+        return self.result
+
+    def finish(self, poll_s: float = 0.1) -> dict | None:
+        """Wait until every worker said goodbye to this shard; a worker that has not and
+        that no message came from for longer than the deadline (it stopped, or exited
+        without ``mps.shutdown()``) raises :class:`DeadlineExceeded` naming it."""
+        server = self.server
+        while self.thread.is_alive():
+            self.thread.join(poll_s)
+            silent = server.silent_workers()
+            if silent and self.thread.is_alive():
+                names = [server.worker_names[w] for w, _ in silent]
+                quiet = ", ".join(f"{server.worker_names[w]} for {s:.1f}s" for w, s in silent)
+                raise DeadlineExceeded(
+                    f"PS shard {server.index} could not shut down: no goodbye and no word from "
+                    f"{quiet} (the deadline is {server.deadline:g}s; a worker that stopped or "
+                    f"exited without mps.shutdown())", names, "shutdown of a PS shard")
+        return self.result
