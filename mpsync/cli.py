@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                      "server: mpsync run --np 4 python train.py"),
     "compare": ("mpsync.apps.compare", "run every policy and compare time-to-accuracy"),
     "simulate": ("mpsync.apps.simulate", "simulate the policies on a virtual cluster of N workers"),
+    "advise": ("mpsync.apps.advise", "rank the policies for a cluster before a long job: from a "
+                                     "run's metrics.json or stated speeds and link"),
     "bench": ("mpsync.bench.__main__", "benchmarks: " + ", ".join(BENCHMARKS)),
     "jobs": ("mpsync.launch.jobs", "render Slurm / PBS / horovodrun job scripts"),
     "cluster": ("mpsync.cluster.cli", "a virtual cluster of network-namespace nodes on this "

@@ -99,6 +99,26 @@ def test_fast_engine_equals_the_event_engine(policy, spec):
         exact["local_steps_per_round"]["mean"], rel=1e-2)
     if exact["staleness"]:
         assert fast["staleness"]["hist"] == exact["staleness"]["hist"]
+    if policy in ("esync", "asp", "ssp", "dssp"):
+        # the compiled event loops: every message the server handles, resets included
+        assert fast["messages_per_s"] == pytest.approx(exact["messages_per_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("until", [{"iterations": 40}, {"duration": 30.0}])
+def test_fast_bsp_on_the_ps_holds_a_step_until_every_worker_pulled_the_round(until):
+    # 100 MB through one PS link, 10 ms iterations: a fast worker's next report comes in while
+    # slower workers' pulls of the round still queue at the shard; BSP.decide_held holds its
+    # SYNC until every reset of the round is in, and the fast engine must too
+    config = _config("bsp", "ps")
+    cost = CostModel(model_bytes=1e8, query=2e-4)
+    rows = [simulate(config, parse_speeds("groups:1x5,1.5x4,3x3", 12, iter_time=0.01, seed=2),
+                     cost, engine=engine, **until) for engine in ("fast", "exact")]
+    fast, exact = rows
+    assert fast["engine"] == "fast"
+    assert fast["sim_time_s"] == pytest.approx(exact["sim_time_s"], rel=1e-12)
+    assert fast["wait_fraction"] == pytest.approx(exact["wait_fraction"], rel=1e-9)
+    assert fast["rounds"] == exact["rounds"]
+    assert fast["messages_per_s"] == pytest.approx(exact["messages_per_s"], rel=1e-9)
 
 
 def test_fast_engine_with_jitter_agrees_statistically():

@@ -27,6 +27,9 @@ the error a wrong algorithm would show, so a replay within the targets says the 
 rules, not only its costs, were right.
 
 Writes ``validation.json`` and ``validation.md`` to ``--out``; ``--json`` prints the rows.
+
+``--speed`` times the simulator instead (:func:`run_speed`): ``mpsync simulate`` per policy
+and worker count, each in a fresh process, beside a ``--baseline`` source tree in the same run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from pathlib import Path
 from mpsync import policies as registry
 from mpsync.config import SyncConfig
 
-__all__ = ["add_arguments", "run", "validate_runs", "WAIT_TARGET", "SAMPLES_TARGET"]
+__all__ = ["add_arguments", "run", "run_speed", "time_simulate", "validate_runs", "WAIT_TARGET",
+           "SAMPLES_TARGET"]
 
 WAIT_TARGET = 0.05       # |simulated - measured| wait fraction
 SAMPLES_TARGET = 0.10    # |simulated / measured - 1| samples/s
@@ -62,6 +66,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slowdown", default="1,1,2,4")
     p.add_argument("--out", default="bench/simulate")
     p.add_argument("--json", action="store_true")
+    g = p.add_argument_group("speed (--speed): how long mpsync simulate takes per policy")
+    g.add_argument("--speed", action="store_true",
+                   help="time `mpsync simulate` per policy instead of validating "
+                        "(writes speed.json and speed.md to --out)")
+    g.add_argument("--workers", default="4096,64", help="comma list of worker counts")
+    g.add_argument("--iterations", type=int, default=10000, help="per worker")
+    g.add_argument("--speeds", default="lognormal:0.3")
+    g.add_argument("--repeats", type=int, default=1)
+    g.add_argument("--baseline", default=None,
+                   help="a source tree of mpsync (e.g. `git worktree add DIR REV`) timed in "
+                        "the same run, interleaved with this one")
 
 
 def _ablations(policy: str, topology: str) -> list[str]:
@@ -173,6 +188,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
+    if args.speed:
+        return run_speed(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in (args.policies or ",".join(registry.names())).split(",")
@@ -209,3 +226,103 @@ def run(args) -> int:
     else:
         print(table)
     return 0 if all(r["within_targets"] for r in rows) else 1
+
+
+# -- speed -----------------------------------------------------------------------------------
+
+def time_simulate(tree: str, policy: str, workers: int, iterations: int, speeds: str,
+                  timeout: float = 3600.0) -> dict:
+    """``mpsync simulate`` of one policy in a fresh process running the sources in ``tree``:
+    the simulation's own wall and CPU seconds (its row's ``runtime_s``, ``cpu_s``), the whole
+    command's (imports, Numba's cache load), and the load average around it."""
+    argv = [sys.executable, "-m", "mpsync.cli", "simulate", "--workers", str(workers),
+            "--speeds", speeds, "--iterations", str(iterations), "--policies", policy, "--json"]
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tree)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"policy": policy, "workers": workers, "error": f"over {timeout:.0f} s"}
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"policy": policy, "workers": workers,
+                "error": (err.strip().splitlines() or ["?"])[-1]}
+    row = json.loads(out.strip().splitlines()[-1])["rows"][0]
+    return {"policy": policy, "workers": workers, "iterations": iterations,
+            "engine": row.get("engine"), "topology": row.get("topology"),
+            "simulation_s": row["runtime_s"], "simulation_cpu_s": row["cpu_s"],
+            "command_s": round(wall, 2),
+            "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+
+
+def run_speed(args) -> int:
+    """Every policy at each worker count, this tree and (interleaved) the baseline's, each
+    run in its own process after one small run per tree has filled Numba's cache."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = [p.strip() for p in (args.policies or ",".join(registry.names())).split(",")
+                if p.strip()]
+    here = str(Path(__file__).resolve().parents[2])
+    trees = [("after", here)] + ([("before", args.baseline)] if args.baseline else [])
+    for _, tree in trees:
+        for policy in policies:      # compile (or load) every engine once
+            time_simulate(tree, policy, 8, 20, args.speeds)
+    rows = []
+    for repeat in range(args.repeats):
+        for n in [int(x) for x in str(args.workers).split(",")]:
+            for policy in policies:
+                order = trees if repeat % 2 == 0 else trees[::-1]
+                for label, tree in order:
+                    r = dict(time_simulate(tree, policy, n, args.iterations, args.speeds),
+                             tree=label, repeat=repeat)
+                    rows.append(r)
+                    if not args.json:
+                        print(json.dumps(r), file=sys.stderr, flush=True)
+    result = {"rows": rows, "speeds": args.speeds, "iterations": args.iterations,
+              "baseline": args.baseline, "cpus": os.cpu_count()}
+    (out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = format_speed(rows)
+    (out / "speed.md").write_text(table + "\n")
+    print(json.dumps(result) if args.json else table)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def format_speed(rows: list[dict]) -> str:
+    """One line per (workers, policy): per tree, the simulation's wall / CPU seconds (median
+    over repeats), the whole command's wall, and the load average over its runs."""
+    import statistics
+
+    trees = sorted({r["tree"] for r in rows}, key=lambda t: t != "before")
+    head = "| workers | policy | engine | " + " | ".join(
+        f"{t}: simulation wall / CPU (s) | {t}: command (s) | {t}: load" for t in trees) + " |"
+    if len(trees) == 2:
+        head += " after / before (CPU) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    keys = sorted({(r["workers"], r["policy"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    for n, policy in keys:
+        cells, cpu = [], {}
+        engine = "-"
+        for t in trees:
+            ok = [r for r in rows if (r["workers"], r["policy"], r["tree"]) == (n, policy, t)
+                  and "error" not in r]
+            if not ok:
+                cells.append("failed | - | -")
+                continue
+            engine = ok[0]["engine"] or engine
+            med = {k: statistics.median(r[k] for r in ok)
+                   for k in ("simulation_s", "simulation_cpu_s", "command_s")}
+            cpu[t] = med["simulation_cpu_s"]
+            loads = [x for r in ok for x in r["load"]]
+            cells.append(f"{med['simulation_s']:.2f} / {med['simulation_cpu_s']:.2f} | "
+                         f"{med['command_s']:.1f} | {min(loads):.0f}-{max(loads):.0f}")
+        line = f"| {n} | {policy} | {engine} | " + " | ".join(cells) + " |"
+        if len(trees) == 2:
+            line += f" {cpu['after'] / cpu['before']:.2f} |" if len(cpu) == 2 and \
+                cpu["before"] > 0 else " - |"
+        lines.append(line)
+    return "\n".join(lines)

@@ -17,6 +17,8 @@ from mpsync.sched._numba import jit
 
 __all__ = [
     "ssp_may_continue",
+    "within_staleness",
+    "dssp_allowance",
     "dssp_slowest",
     "dssp_fastest",
     "dssp_is_fastest",
@@ -57,7 +59,25 @@ def ssp_may_continue(iters, p, s):
     for i in range(1, n):
         if iters[i] < lo:
             lo = iters[i]
-    return iters[p] - lo <= s
+    return within_staleness(iters[p], lo, s)
+
+
+@jit
+def within_staleness(pushes, slowest_pushes, s):
+    """The bound itself, given the slowest worker's push count: ``pushes - slowest_pushes
+    <= s``.  :func:`ssp_may_continue` finds the slowest by a scan; the simulator's PS engine
+    keeps it incrementally and asks this same comparison."""
+    return pushes - slowest_pushes <= s
+
+
+@jit
+def dssp_allowance(gap, s_lower, s_upper):
+    """r_max for the controller (Alg. 1 line 12) when the fastest worker is ``gap`` pushes
+    ahead of the slowest: the allowance that is left, ``s_U - gap + 1`` (the OK sent now
+    counts as the first extra iteration), at most ``s_U - s_L`` and never negative, so repeated
+    grants never carry it past s_U (``server.policies.DSSP.on_push``'s departure
+    [dssp-allowance-left])."""
+    return max(0, min(s_upper - s_lower, s_upper - gap + 1))
 
 
 @jit

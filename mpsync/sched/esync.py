@@ -27,6 +27,7 @@ from mpsync.sched._numba import jit
 __all__ = [
     "esync_slowest",
     "esync_ready",
+    "esync_ready_given_slowest",
     "esync_ready_reference",
     "esync_query_state",
     "esync_reset",
@@ -88,7 +89,16 @@ def esync_ready(local_iters, capability, last_finish, ready, round_, p, now, eps
     reference code). For the delayed-ACK mode of §4.2 see :func:`esync_ready_delayed_ack`.
     """
     _check_table(local_iters, capability, last_finish, ready, round_, p)
-    s = esync_slowest(capability)
+    return esync_ready_given_slowest(local_iters, capability, last_finish, ready, round_, p,
+                                     esync_slowest(capability), now, eps)
+
+
+@jit
+def esync_ready_given_slowest(local_iters, capability, last_finish, ready, round_, p, s, now,
+                              eps):
+    """Lines 5-12 of :func:`esync_ready` once line 4 has found the slowest device ``s``
+    (:func:`esync_slowest` of the capabilities): the decision itself, in O(1).  The simulator,
+    which keeps the slowest in a tree instead of scanning, asks this same function."""
     if local_iters[p] == 0 or round_[s] < round_[p]:
         return False
     rest_time = capability[s] - now + last_finish[s]

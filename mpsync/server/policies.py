@@ -129,7 +129,8 @@ class BSP(Policy):
         if self.holds_steps:
             t = self.t
             members = t.active & ~t.final_pushed
-            if np.any(t.round[members] < t.round[w]):
+            lowest = t.round[members].min() if members.any() else t.round[w]
+            if not rules.round_pulled(lowest, t.round[w]):
                 return None
         return SYNC, 0, 0
 
@@ -193,8 +194,8 @@ class DSSP(Policy):
         # that is left, s_U - gap + 1 (the OK sent now counts as the first extra iteration),
         # so the gap never exceeds s_U.
         gap = int(iters[p] - iters.min())
-        r_max = max(0, min(self.config.staleness_high - self.config.staleness_low,
-                           self.config.staleness_high - gap + 1))
+        r_max = sched.dssp_allowance(gap, self.config.staleness_low,
+                                     self.config.staleness_high)
         ok, r_new = sched.dssp_on_push(iters, r_before, table, p, self.config.staleness_low,
                                        r_max)
         if ok and r_before == 0 and not sched.ssp_may_continue(iters, p, self.config.staleness_low):

@@ -44,7 +44,7 @@ __all__ = [
     "ebsp_decide", "ebsp_decide_reference", "ebsp_step", "ebsp_step_reference",
     "ebsp_new_superstep", "ebsp_new_superstep_reference", "esync_capability_test",
     "esync_capability_test_reference", "fast_hands_over", "fast_hands_over_reference",
-    "fast_decision", "fast_decision_reference", "next_report_due",
+    "fast_decision", "fast_decision_reference", "next_report_due", "round_pulled",
     "HOLD", "EBSP_MONITOR_REPORTS", "FAST_BASE", "FAST_EBSP", "FAST_ESYNC", "FAST_KINDS",
 ]
 
@@ -321,6 +321,17 @@ def fill_reply_reference(reply, action, local_iters, round_, seq, extra, count, 
                         (W.R_SEQ, seq), (W.R_EXTRA, extra), (W.R_COUNT, count),
                         (W.R_VERSION, version)):
         reply[slot] = value
+
+
+# -- BSP on the parameter server -----------------------------------------------------------------
+
+@jit
+def round_pulled(lowest_round, round_w):
+    """BSP on the PS: may a step of a worker in round ``round_w`` be answered SYNC?  Only once
+    every worker still pushing has pulled the round before (its reset, sent after the pull, is
+    in): the lowest round among them, ``lowest_round``, has reached ``round_w``.  The policy
+    (``BSP.decide_held``) and the simulator's PS engine both ask this."""
+    return lowest_round >= round_w
 
 
 # -- handing over to the Python loop ------------------------------------------------------------

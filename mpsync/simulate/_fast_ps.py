@@ -1,22 +1,28 @@
 """The parameter-server policies (asp, ssp, dssp, bsp on PS) at scale: one compiled event loop.
 
-Same worker cycle as the event engine (compute; step query, one round trip, always SYNC for
-these policies; a push queued at the shard servers, which receive and apply it; a pull, held by
-the staleness rule, queued at them too; the next iteration starts when the weights are back),
-on a heap of events in Numba, so one event costs well under a microsecond.  Every shard sees
-the same requests in the same order (a push or pull goes to all of them at once), so one queue
-of a shard's service times stands for all of them (``CostModel``).
+Same worker cycle as the event engine (compute; the step report, one round trip, answered SYNC
+at once or, BSP, once every worker has pulled the round before; a push queued at the shard
+servers, which receive and apply it; a pull, held by the staleness rule, queued at them too;
+the next iteration starts when the weights are back, and the reset goes to the server), in
+Numba, with the events in ``_queue``'s FIFOs and heap, so one event costs well under a
+microsecond.  Every shard sees the same requests in the same order (a push or pull goes to all
+of them at once), so one queue of a shard's service times stands for all of them
+(``CostModel``).
 
-Decisions: the staleness rule of SSP / BSP-on-PS (``ssp_may_continue``: pushes[w] - min <= s)
-is evaluated with the minimum kept incrementally (a histogram of push counts), which is the
-kernel's own comparison without its O(n) scan.  DSSP: lines 3-9 of Alg. 1 (an extra iteration
-left, or within s_L) are that same O(1) test, and line 11 (is p a fastest worker?) compares
-with the maximum, also kept incrementally; a push of a fastest worker beyond s_L calls the
-real kernel ``sched.dssp_on_push`` on the full table (the controller, Alg. 2), with the
-allowance r_max computed as ``server.policies.DSSP.on_push`` computes it.  Tests run both
-engines on the same seeded cases and require identical iteration counts.
+Decisions are the server's own comparisons on minima kept incrementally (a histogram of
+counts) instead of its O(n) scans: the staleness bound of SSP / BSP-on-PS is
+``sched.within_staleness`` (what ``ssp_may_continue`` asks after its scan for the slowest);
+BSP's step rule is ``rules.round_pulled`` (what ``BSP.decide_held`` asks) on the lowest round
+the resets told the server.  DSSP: lines 3-9 of Alg. 1 (an extra iteration left, or within
+s_L) are that same bound, line 11 (is p a fastest worker?) compares with the maximum, also kept
+incrementally; a push of a fastest worker beyond s_L calls the real kernel
+``sched.dssp_on_push`` on the full table (the controller, Alg. 2) with the allowance
+``sched.dssp_allowance`` that ``server.policies.DSSP.on_push`` passes.  Tests drive these
+helpers and the policy objects with the same random and adversarial pushes and require the
+same decisions, and run both engines on the same seeded cases and require identical iteration
+counts and times.
 
-``_loop`` is the dispatch over the four event kinds; each step it takes is a small helper
+``_loop`` is the dispatch over the six event kinds; each step it takes is a small helper
 compiled into it (``jit(inline=True)``), so naming the steps adds no function call per event.
 What it is told and what it fills are named tuples (:class:`PSRun`, :class:`Speed`,
 :class:`PSOut`), which Numba passes as they are.
@@ -24,22 +30,24 @@ What it is told and what it fills are named tuples (:class:`PSRun`, :class:`Spee
 
 from __future__ import annotations
 
-import heapq
 from typing import NamedTuple
 
 import numpy as np
 
 from mpsync import policies, sched
+from mpsync.server import rules
 from mpsync.sched._numba import jit
+from mpsync.simulate._index import count_up, new_counts
+from mpsync.simulate._queue import HEAP_KIND, new_queue, pop, push
 
 __all__ = ["run_ps", "PSRun", "PSOut", "Speed"]
 
 # ordered as the event engine orders simultaneous events (server messages first), ties
 # then in scheduling order (a sequence number), so both engines agree event for event
-_PUSHED, _PULL, _DONE, _REPLIED = 2, 3, 4, 5
-ASP, SSP, DSSP = 0, 1, 2
-# the registry's simulation models on the PS -> the rule the loop applies at a pull
-_KINDS = {"no_wait": ASP, "staleness": SSP, "in_step": SSP, "dynamic_staleness": DSSP}
+_STEP, _RESET, _PUSHED, _PULL, _DONE, _REPLIED = 0, 1, 2, 3, HEAP_KIND, 5
+ASP, SSP, DSSP, BSP = 0, 1, 2, 3
+# the registry's simulation models on the PS -> the rules the loop applies
+_KINDS = {"no_wait": ASP, "staleness": SSP, "in_step": BSP, "dynamic_staleness": DSSP}
 
 
 class PSRun(NamedTuple):
@@ -80,20 +88,6 @@ class PSOut(NamedTuple):
     totals: np.ndarray
 
 
-@jit
-def _key(ev, seq, w):
-    """Heap order after the time: event kind, then scheduling order; the worker rides in the
-    low 20 bits (up to 1,048,576 workers, 2**38 events)."""
-    return (np.int64(ev) << 58) | (np.int64(seq) << 20) | np.int64(w)
-
-
-@jit(inline=True)
-def _schedule(heap, seq, t, ev, w):
-    """Event ``ev`` of worker ``w`` at ``t``, after every event already scheduled for ``t``."""
-    seq[0] += 1
-    heapq.heappush(heap, (t, _key(ev, seq[0], w)))
-
-
 @jit(inline=True)
 def _iteration_time(speed, w, t):
     """One iteration of ``w`` starting at ``t`` (a :class:`Speed`)."""
@@ -118,23 +112,13 @@ def _transfer(t, server_free, service, run):
 
 
 @jit(inline=True)
-def _computed(book, w, t):
-    """``w``'s iteration ended at ``t``: compute time booked, waiting for the server begins."""
-    start, phase, time_, _ = book
-    time_[w, 0] += t - start[w]
+def _book(book, w, t, next_phase):
+    """``w``'s open phase (0 compute, 1 waiting for the server, 2 aggregating) ends at ``t``
+    and ``next_phase`` begins."""
+    start, phase, time_, _, _ = book
+    time_[w, phase[w]] += t - start[w]
     start[w] = t
-    phase[w] = 1
-
-
-@jit(inline=True)
-def _pushed(book, w, t, query):
-    """``w``'s push reached the server at ``t``: the step query's round trip was waiting, the
-    rest of the time since the iteration ended aggregating, which goes on until the pull."""
-    start, phase, time_, _ = book
-    time_[w, 1] += query
-    time_[w, 2] += t - start[w] - query
-    start[w] = t
-    phase[w] = 2
+    phase[w] = next_phase
 
 
 @jit(inline=True)
@@ -149,26 +133,6 @@ def _record_push(w, t, pushes, table):
 
 
 @jit(inline=True)
-def _count_push(count, old, lo, hi):
-    """A worker's push count went from ``old`` to ``old + 1``: move it in the histogram
-    ``count`` (grown when needed) and keep min (``lo``) and max (``hi``) of the push counts
-    without a scan; returns (count, lo, hi, whether the minimum rose)."""
-    if old + 1 >= count.shape[0]:
-        bigger = np.zeros(2 * count.shape[0], dtype=np.int64)
-        bigger[:count.shape[0]] = count
-        count = bigger
-    count[old] -= 1
-    count[old + 1] += 1
-    if old + 1 > hi:
-        hi = old + 1
-    raised = False
-    while count[lo] == 0:
-        lo += 1
-        raised = True
-    return count, lo, hi, raised
-
-
-@jit(inline=True)
 def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
     """DSSP at ``w``'s push (Alg. 1): will its next pull be held?  Lines 3-9 (an extra
     iteration left, or within s_L) in O(1); a fastest worker beyond s_L asks the controller
@@ -177,33 +141,35 @@ def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
     if r_extra[w] > 0:
         r_extra[w] -= 1
         dssp_held[w] = False
-    elif gap <= s_low:
+    elif sched.within_staleness(pushes[w], lo, s_low):
         dssp_held[w] = False
     elif pushes[w] < hi:
         dssp_held[w] = True     # not the fastest: line 11 fails, line 17 holds
     else:
-        r_max = max(0, min(s_high - s_low, s_high - gap + 1))
+        r_max = sched.dssp_allowance(gap, s_low, s_high)
         ok, r_new = sched.dssp_on_push(pushes, r_extra[w], table, w, s_low, r_max)
         r_extra[w] = r_new
         dssp_held[w] = not ok
 
 
 @jit(inline=True)
-def _may_pull(kind, gap, s, s_low, held_by_dssp):
-    """The staleness rule at a pull request, ``gap`` = pushes[w] - min(pushes)."""
+def _may_pull(kind, pushes_w, lo, s, s_low, held_by_dssp):
+    """The staleness rule at a pull request of a worker with ``pushes_w`` pushes, ``lo`` the
+    slowest's."""
     if kind == ASP:
         return True
-    if kind == SSP:
-        return gap <= s
-    return (not held_by_dssp) or gap <= s_low
+    if kind == SSP or kind == BSP:
+        return sched.within_staleness(pushes_w, lo, s)
+    return (not held_by_dssp) or sched.within_staleness(pushes_w, lo, s_low)
 
 
 @jit(inline=True)
-def _resume(w, t, gap, server_free, run, book, stale_hist, heap, seq, speed):
+def _resume(w, t, gap, server_free, run, book, stale_hist, q, speed):
     """The pull of ``w`` answered at ``t`` with staleness ``gap``: the weights come back from
-    the shards, the reset is sent and the next iteration starts (its end is the next event);
-    returns when the shards are free again.  ``book``: (start, phase, time_, rounds)."""
-    start, phase, time_, rounds = book
+    the shards, the reset goes to the server and the next iteration starts (its end is the
+    next event); returns when the shards are free again.  ``book``: (start, phase, time_,
+    rounds)."""
+    start, phase, time_, rounds, arrives = book
     stale_hist[min(gap, stale_hist.shape[0] - 1)] += 1
     end, server_free = _transfer(t, server_free, run.pull_s, run)
     back = end + run.query / 2.0
@@ -211,13 +177,17 @@ def _resume(w, t, gap, server_free, run, book, stale_hist, heap, seq, speed):
     time_[w, 2] += back - start[w]
     start[w] = back
     phase[w] = 0
-    _schedule(heap, seq, back + _iteration_time(speed, w, back), _DONE, w)
+    if run.kind == BSP:
+        push(q, _RESET, back + run.query / 2.0, w)
+    else:
+        arrives[w, 1] = back + run.query / 2.0   # counted now: no rule reads it
+    push(q, _DONE, back + _iteration_time(speed, w, back), w)
     return server_free
 
 
 @jit(inline=True)
 def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, server_free, run, book,
-                  stale_hist, heap, seq, speed):
+                  stale_hist, q, speed):
     """The minimum push count rose: answer every held pull now within ``bound`` of it (SSP's
     s, DSSP's s_L: a held DSSP pull waits for the slowest), in the order they were held;
     returns (how many are still held, when the shards are free again)."""
@@ -225,9 +195,9 @@ def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, server_free, ru
     for i in range(n_held):
         v = held[i]
         gap = pushes[v] - lo
-        if gap <= bound:
+        if sched.within_staleness(pushes[v], lo, bound):
             dssp_held[v] = False
-            server_free = _resume(v, t, gap, server_free, run, book, stale_hist, heap, seq,
+            server_free = _resume(v, t, gap, server_free, run, book, stale_hist, q,
                                   speed)
         else:
             held[keep] = v
@@ -236,10 +206,26 @@ def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, server_free, ru
 
 
 @jit(inline=True)
+def _release_steps(steps, n_steps, srv_round, lo, t, half, q):
+    """BSP on the PS: the last reset of a round is in, so every held step whose round every
+    worker has now pulled is answered SYNC, in the order they were held; returns how many
+    are still held."""
+    keep = 0
+    for i in range(n_steps):
+        v = steps[i]
+        if rules.round_pulled(lo, srv_round[v]):
+            push(q, _REPLIED, t + half, v)
+        else:
+            steps[keep] = v
+            keep += 1
+    return keep
+
+
+@jit(inline=True)
 def _close_phases(t_end, book):
     """Book each worker's open phase up to ``t_end``; weights still on the way back at
     ``t_end`` do not count as a round."""
-    start, phase, time_, rounds = book
+    start, phase, time_, rounds, arrives = book
     for w in range(start.shape[0]):
         if start[w] > t_end:
             time_[w, 2] -= start[w] - t_end
@@ -249,11 +235,12 @@ def _close_phases(t_end, book):
 
 
 @jit
-def _loop(run, speed, res):
+def _loop(run, speed, res, q):
     """Fill ``res`` (a :class:`PSOut`) with the run ``run`` (a :class:`PSRun`) of workers
-    ``speed`` (a :class:`Speed`).  Per event: an iteration done (the step query goes out), its
-    reply in (the push goes to the shards), the push at the server, the pull request
-    (answered or held)."""
+    ``speed`` (a :class:`Speed`), events in ``q`` (an ``EventQueue``).  Per event: an
+    iteration done (the step report goes out), the report at the server (answered SYNC, or
+    held: BSP), the reply in (the push goes to the shards), the push at the server, the pull
+    request (answered or held), the reset at the server."""
     np.random.seed(run.seed)
     n = speed.base.shape[0]
     half = run.query / 2.0
@@ -263,25 +250,28 @@ def _loop(run, speed, res):
     dssp_held = np.zeros(n, dtype=np.bool_)
     start = np.zeros(n)                       # when the current phase began
     phase = np.zeros(n, dtype=np.int64)
-    book = (start, phase, res.time, res.rounds)
-    count = np.zeros(1024, dtype=np.int64)    # workers per push count
-    count[0] = n
+    # without an event: when each worker's last step report and reset reach the server
+    arrives = np.full((n, 2), -np.inf)
+    book = (start, phase, res.time, res.rounds, arrives)
+    count = new_counts(n)                     # workers per push count
     lo, hi = 0, 0                             # min(pushes), max(pushes)
-    held = np.empty(n, dtype=np.int64)
+    held = np.empty(n, dtype=np.int64)        # pulls held by the staleness rule
     n_held = 0
+    srv_round = np.zeros(n, dtype=np.int64)   # BSP: the round each reset told the server
+    round_count = new_counts(n)
+    round_lo, round_hi = 0, 0
+    steps = np.empty(n, dtype=np.int64)       # BSP: steps held until the round is pulled
+    n_steps = 0
     server_free = 0.0
     messages = 0
     total = 0
-    heap = [(0.0, np.int64(0))]
-    heap.pop()
-    seq = np.zeros(1, dtype=np.int64)
     for w in range(n):
-        _schedule(heap, seq, _iteration_time(speed, w, 0.0), _DONE, w)
+        push(q, _DONE, _iteration_time(speed, w, 0.0), w)
     t_end = 0.0
-    while len(heap) > 0:
-        t, key = heapq.heappop(heap)
-        ev = key >> 58
-        w = key & 0xFFFFF
+    while True:
+        t, ev, w = pop(q)
+        if ev < 0:
+            break
         if run.duration > 0.0 and t > run.duration:
             t_end = run.duration
             break
@@ -289,41 +279,69 @@ def _loop(run, speed, res):
         if ev == _DONE:
             res.iters[w] += 1
             total += 1
-            _computed(book, w, t)
-            messages += 1
-            # step query (always SYNC); the push goes out when the reply is in;
-            # (t + half) + half: the sum the event engine computes
-            _schedule(heap, seq, (t + half) + half, _REPLIED, w)
+            _book(book, w, t, 1)
+            if run.kind == BSP:
+                push(q, _STEP, t + half, w)
+            else:
+                # answered SYNC at once: the reply is in a round trip later (the sum the
+                # event engine computes), the report counted now
+                messages += 1
+                arrives[w, 0] = t + half
+                push(q, _REPLIED, (t + half) + half, w)
             if run.total_target > 0 and total >= run.total_target:
                 break
+        elif ev == _STEP:
+            messages += 1
+            if run.kind == BSP and not rules.round_pulled(round_lo, srv_round[w]):
+                steps[n_steps] = w
+                n_steps += 1
+            else:
+                push(q, _REPLIED, t + half, w)
         elif ev == _REPLIED:
+            _book(book, w, t, 2)
             end, server_free = _transfer(t, server_free, run.push_s, run)
-            _schedule(heap, seq, end, _PUSHED, w)
+            push(q, _PUSHED, end, w)
         elif ev == _PUSHED:
-            _pushed(book, w, t, run.query)
             messages += 1
             old = _record_push(w, t, pushes, table)
-            count, lo, hi, raised = _count_push(count, old, lo, hi)
+            count, lo, hi, raised = count_up(count, old, lo, hi)
             if run.kind == DSSP:
                 _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, run.s_low, run.s_high)
-            _schedule(heap, seq, t + run.query, _PULL, w)
+            push(q, _PULL, t + run.query, w)
             if raised and n_held > 0:
                 # the slowest moved on: held pulls may go now (the loop retries after a message)
-                bound = run.s if run.kind == SSP else run.s_low
+                bound = run.s_low if run.kind == DSSP else run.s
                 n_held, server_free = _release_held(held, n_held, bound, pushes, lo, dssp_held,
                                                     t, server_free, run, book, res.stale_hist,
-                                                    heap, seq, speed)
+                                                    q, speed)
         elif ev == _PULL:
             messages += 1
             gap = pushes[w] - lo
-            if _may_pull(run.kind, gap, run.s, run.s_low, dssp_held[w]):
+            if _may_pull(run.kind, pushes[w], lo, run.s, run.s_low, dssp_held[w]):
                 dssp_held[w] = False
-                server_free = _resume(w, t, gap, server_free, run, book, res.stale_hist, heap,
-                                      seq, speed)
+                server_free = _resume(w, t, gap, server_free, run, book, res.stale_hist, q,
+                                      speed)
             else:
                 held[n_held] = w
                 n_held += 1
+        else:   # _RESET
+            messages += 1
+            if run.kind == BSP:
+                old = srv_round[w]
+                srv_round[w] = old + 1
+                round_count, round_lo, round_hi, raised = count_up(round_count, old,
+                                                                      round_lo, round_hi)
+                if raised and n_steps > 0:
+                    n_steps = _release_steps(steps, n_steps, srv_round, round_lo, t, half, q)
+    if run.kind != BSP:
+        messages += res.rounds.sum()    # a reset per pull answered
     _close_phases(t_end, book)
+    if run.kind != BSP:
+        # reports and resets counted when sent that reach the server after the end; the
+        # report of the iteration that reached the target is never handled
+        messages -= np.sum(arrives > t_end)
+        if run.total_target > 0 and total >= run.total_target and arrives[w, 0] <= t_end:
+            messages -= 1
     res.totals[0] = t_end
     res.totals[1] = messages
     res.totals[2] = pushes.sum()
@@ -334,8 +352,6 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     model = policies.get(config.policy).simulation_model("ps")
     kind = _KINDS[model]
     n = speeds.n
-    if n > 1 << 20:
-        raise ValueError(f"the PS engine handles up to {1 << 20} workers, got {n}")
     if speeds.schedule:
         sched_t = np.array([t for t, _ in speeds.schedule])
         sched_f = np.array([f for _, f in speeds.schedule])
@@ -350,7 +366,8 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
     res = PSOut(time=np.zeros((n, 3)), iters=np.zeros(n, dtype=np.int64),
                 rounds=np.zeros(n, dtype=np.int64), stale_hist=np.zeros(4096, dtype=np.int64),
                 totals=np.zeros(3))
-    _loop(run, Speed(speeds.base, sched_t, sched_f, float(speeds.jitter)), res)
+    _loop(run, Speed(speeds.base, sched_t, sched_f, float(speeds.jitter)), res,
+          new_queue(n))
     rec.time[:, :3] = res.time
     rec.iters[:] = res.iters
     rec.total_iterations = int(res.iters.sum())

@@ -106,8 +106,7 @@ class _Overlap:
         u_first = tr.u_max(self.rate, float(c[first]), self.n)
         others = np.delete(self.u, idx[first])
         u = min(u_first, float(others.min())) if others.size else u_first
-        for i, w in enumerate(idx):
-            self.u[w] = tr.u_max(self.rate, float(c[i]), self.n)
+        self.u[idx] = tr.u_max_all(self.rate, c, self.n)
         epoch = tr.epoch(k)
         return self.drv.importance(int(idx[first]), k, epoch, tr.loss(epoch), u, self.sizes)
 

@@ -1,0 +1,88 @@
+"""What the compiled engines keep so that a rule's scan over every worker becomes O(1) or
+O(log n): the minimum and maximum of counts that only grow by one (push counts, rounds), and the
+largest value with its lowest index (ESync's slowest device).
+
+The server scans its tables at every message (``sched.ssp_may_continue``'s minimum,
+``sched.esync_slowest``'s argmax, ``rules.esync_step``'s "is anyone a round behind?"); at
+4,096 workers that is most of a simulated report's cost.  These structures give the same
+answers (ties included: the lowest index, as the scans pick) and the rules are then asked with
+them (``sched.within_staleness``, ``sched.esync_ready_given_slowest``, ``rules.round_pulled``).
+``tests/test_simulate_index.py`` checks them against the scans on seeded random and adversarial
+sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpsync.sched._numba import jit
+
+__all__ = ["new_counts", "count_up", "new_argmax_tree", "tree_set", "tree_top"]
+
+
+@jit
+def new_counts(n):
+    """The histogram of n counts that all start at 0."""
+    count = np.zeros(1024, dtype=np.int64)
+    count[0] = n
+    return count
+
+
+@jit(inline=True)
+def count_up(count, old, lo, hi):
+    """A count went from ``old`` to ``old + 1``: move it in the histogram ``count`` (grown
+    when needed) and keep min (``lo``) and max (``hi``) of the counts without a scan; returns
+    (count, lo, hi, whether the minimum rose)."""
+    if old + 1 >= count.shape[0]:
+        bigger = np.zeros(2 * count.shape[0], dtype=np.int64)
+        bigger[:count.shape[0]] = count
+        count = bigger
+    count[old] -= 1
+    count[old + 1] += 1
+    if old + 1 > hi:
+        hi = old + 1
+    raised = False
+    while count[lo] == 0:
+        lo += 1
+        raised = True
+    return count, lo, hi, raised
+
+
+def new_argmax_tree(values: np.ndarray) -> np.ndarray:
+    """A tournament tree over ``values``: node i holds the index of the largest value below
+    it, the lowest index among equals (leaves past the end: -1)."""
+    n = values.shape[0]
+    size = 1
+    while size < n:
+        size *= 2
+    tree = np.full(2 * size, -1, dtype=np.int64)
+    tree[size:size + n] = np.arange(n)
+    for i in range(size - 1, 0, -1):
+        tree[i] = _winner(values, tree[2 * i], tree[2 * i + 1])
+    return tree
+
+
+@jit(inline=True)
+def _winner(values, a, b):
+    """The left index unless the right one's value is strictly larger (the left subtree holds
+    the lower indices, so ties go to the lowest index, as ``sched.esync_slowest``)."""
+    if b < 0:
+        return a
+    if a < 0 or values[b] > values[a]:
+        return b
+    return a
+
+
+@jit(inline=True)
+def tree_set(tree, values, i):
+    """``values[i]`` has changed: replay the matches on its path to the root."""
+    node = (tree.shape[0] // 2 + i) // 2
+    while node >= 1:
+        tree[node] = _winner(values, tree[2 * node], tree[2 * node + 1])
+        node //= 2
+
+
+@jit(inline=True)
+def tree_top(tree):
+    """The index of the largest value (lowest among equals)."""
+    return tree[1]
