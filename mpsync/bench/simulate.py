@@ -70,8 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speed", action="store_true",
                    help="time `mpsync simulate` per policy instead of validating "
                         "(writes speed.json and speed.md to --out)")
-    g.add_argument("--workers", default="4096,64", help="comma list of worker counts")
-    g.add_argument("--iterations", type=int, default=10000, help="per worker")
+    g.add_argument("--workers", default="4096,64",
+                   help="comma list of worker counts, each N or N:ITERATIONS")
+    g.add_argument("--iterations", type=int, default=10000,
+                   help="per worker, where --workers does not say")
     g.add_argument("--speeds", default="lognormal:0.3")
     g.add_argument("--repeats", type=int, default=1)
     g.add_argument("--baseline", default=None,
@@ -247,10 +249,11 @@ def time_simulate(tree: str, policy: str, workers: int, iterations: int, speeds:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        return {"policy": policy, "workers": workers, "error": f"over {timeout:.0f} s"}
+        return {"policy": policy, "workers": workers, "iterations": iterations,
+                "error": f"over {timeout:.0f} s"}
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        return {"policy": policy, "workers": workers,
+        return {"policy": policy, "workers": workers, "iterations": iterations,
                 "error": (err.strip().splitlines() or ["?"])[-1]}
     row = json.loads(out.strip().splitlines()[-1])["rows"][0]
     return {"policy": policy, "workers": workers, "iterations": iterations,
@@ -274,11 +277,11 @@ def run_speed(args) -> int:
             time_simulate(tree, policy, 8, 20, args.speeds)
     rows = []
     for repeat in range(args.repeats):
-        for n in [int(x) for x in str(args.workers).split(",")]:
+        for n, iterations in _sizes(args.workers, args.iterations):
             for policy in policies:
                 order = trees if repeat % 2 == 0 else trees[::-1]
                 for label, tree in order:
-                    r = dict(time_simulate(tree, policy, n, args.iterations, args.speeds),
+                    r = dict(time_simulate(tree, policy, n, iterations, args.speeds),
                              tree=label, repeat=repeat)
                     rows.append(r)
                     if not args.json:
@@ -292,24 +295,34 @@ def run_speed(args) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
+def _sizes(text: str, iterations: int) -> list[tuple[int, int]]:
+    out = []
+    for item in str(text).split(","):
+        n, _, k = item.strip().partition(":")
+        out.append((int(n), int(k) if k else iterations))
+    return out
+
+
 def format_speed(rows: list[dict]) -> str:
     """One line per (workers, policy): per tree, the simulation's wall / CPU seconds (median
     over repeats), the whole command's wall, and the load average over its runs."""
     import statistics
 
     trees = sorted({r["tree"] for r in rows}, key=lambda t: t != "before")
-    head = "| workers | policy | engine | " + " | ".join(
+    head = "| workers | iterations | policy | engine | " + " | ".join(
         f"{t}: simulation wall / CPU (s) | {t}: command (s) | {t}: load" for t in trees) + " |"
     if len(trees) == 2:
         head += " after / before (CPU) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    keys = sorted({(r["workers"], r["policy"]) for r in rows}, key=lambda k: (-k[0], k[1]))
-    for n, policy in keys:
+    keys = sorted({(r["workers"], r.get("iterations"), r["policy"]) for r in rows},
+                  key=lambda k: (-k[0], -(k[1] or 0), k[2]))
+    for n, iterations, policy in keys:
         cells, cpu = [], {}
         engine = "-"
         for t in trees:
-            ok = [r for r in rows if (r["workers"], r["policy"], r["tree"]) == (n, policy, t)
-                  and "error" not in r]
+            ok = [r for r in rows if "error" not in r and
+                  (r["workers"], r["iterations"], r["policy"], r["tree"]) ==
+                  (n, iterations, policy, t)]
             if not ok:
                 cells.append("failed | - | -")
                 continue
@@ -320,7 +333,7 @@ def format_speed(rows: list[dict]) -> str:
             loads = [x for r in ok for x in r["load"]]
             cells.append(f"{med['simulation_s']:.2f} / {med['simulation_cpu_s']:.2f} | "
                          f"{med['command_s']:.1f} | {min(loads):.0f}-{max(loads):.0f}")
-        line = f"| {n} | {policy} | {engine} | " + " | ".join(cells) + " |"
+        line = f"| {n} | {iterations} | {policy} | {engine} | " + " | ".join(cells) + " |"
         if len(trees) == 2:
             line += f" {cpu['after'] / cpu['before']:.2f} |" if len(cpu) == 2 and \
                 cpu["before"] > 0 else " - |"

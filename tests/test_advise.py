@@ -1,0 +1,86 @@
+"""``mpsync advise``: stated clusters for which different policies should win are ranked so,
+a real run's metrics.json gives a ranking, bad input is one line.  Single process: the command
+runs in-process (``mpsync.cli.main``), the simulator on a short horizon."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mpsync import cli
+
+REPO = Path(__file__).resolve().parent.parent
+# a real 4-worker run of mpsync compare across the virtual cluster at 1gbit (wide MLP)
+REAL_RUN = REPO / "bench" / "simulate" / "compare-runs-1gbit" / "bsp" / "metrics.json"
+
+
+def _advise(capsys, *argv):
+    assert cli.main(["advise", *argv, "--horizon", "60", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    return out["measurements"], out["ranking"]
+
+
+def _time(ranking, label):
+    return next(r["predicted_time_to_target_s"] for r in ranking if r["candidate"] == label)
+
+
+def test_equal_speeds_on_a_fast_link_leave_bsp_first(capsys):
+    # nobody waits for a straggler and the model is small: every update on the current
+    # weights is worth more than what local steps or stale updates save
+    _, ranking = _advise(capsys, "--speeds", "1,1,1,1", "--link", "10gbit", "--model-bytes",
+                         "150K")
+    best = ranking[0]["predicted_time_to_target_s"]
+    assert _time(ranking, "bsp/ring") <= 1.01 * best
+    assert _time(ranking, "ebsp/ring") >= 1.05 * best
+    assert _time(ranking, "asp/ps") >= 1.05 * best
+
+
+def test_a_straggler_behind_a_slow_link_puts_elasticbsp_first(capsys):
+    # 1,1,2,4 with the wide MLP's 8.7 MB at 1 Gbit/s: aggregating every iteration costs as
+    # much as computing, and BSP waits for the 4x worker too
+    m, ranking = _advise(capsys, "--speeds", "1,1,2,4", "--link", "1gbit", "--model",
+                         "wide-mlp")
+    assert m["model_bytes"] == pytest.approx(8.7e6, rel=0.01)
+    assert ranking[0]["policy"] == "ebsp"
+    assert _time(ranking, "bsp/ring") >= 2 * ranking[0]["predicted_time_to_target_s"]
+
+
+def test_one_slow_worker_and_a_small_model_put_asp_first(capsys):
+    # an 8x straggler, a 150 KB model on a fast link: pushes cost nothing and nobody waits
+    _, ranking = _advise(capsys, "--speeds", "1,1,1,8", "--link", "10gbit", "--model-bytes",
+                         "150K")
+    assert ranking[0]["candidate"] == "asp/ps"
+    assert _time(ranking, "bsp/ring") >= 1.5 * ranking[0]["predicted_time_to_target_s"]
+    times = [r["predicted_time_to_target_s"] for r in ranking]
+    assert times == sorted(times)
+
+
+def test_a_real_runs_metrics_give_a_ranking_with_reasons(capsys):
+    assert cli.main(["advise", "--metrics", str(REAL_RUN), "--horizon", "60",
+                     "--topologies", "ring"]) == 0
+    text = capsys.readouterr().out
+    run = json.loads(REAL_RUN.read_text())
+    assert f"{len(run['workers'])} workers" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().isdigit()]
+    labels = [row.split("|")[2].strip() for row in rows]
+    assert {"bsp/ring", "ebsp/ring", "esync/ring", "osp/ring"} <= set(labels)
+    times = [float(row.split("|")[3]) for row in rows]
+    assert times == sorted(times)
+    assert all("samples/s simulated" in row for row in rows)
+    assert f"advice: {labels[0]}" in text
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--speeds", "1,x"], "--speeds"),
+    (["--speeds", "1,1", "--metrics", "m.json"], "--metrics"),
+    (["--speeds", "1,1", "--link", "fast"], "--link"),
+    (["--speeds", "1,1", "--topologies", "mesh"], "--topologies"),
+    (["--metrics", "no/such/metrics.json"], "metrics"),
+])
+def test_bad_input_is_one_line_naming_the_setting(capsys, argv, named):
+    assert cli.main(["advise", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and err[0].startswith("mpsync advise: error:")
