@@ -80,10 +80,6 @@ class Attempt:
     extra: dict = field(default_factory=dict)
 
 
-# mpsync's deadline message names the worker that went silent (CollectiveTimeout).
-_SILENT = re.compile(r"no word from worker (\d+) \(world rank (\d+)\)")
-# A rank's own account of its failure (mpsync's excepthook, tests/mpi_harness alike).
-_REPORTED = re.compile(r"MPSYNC-RANK-FAILED rank (\d+)")
 # A node that stopped answering: Open MPI's lost daemon, or the virtual cluster's ssh stand-in.
 _LOST_NODE = re.compile(r"Remote daemon:\s*\[\[\d+,\d+\],\d+\] on node (\S+)|"
                         r"(\S+) \([\d.]+\) has not answered for")
@@ -212,29 +208,11 @@ def run_watched(job, **run_kw) -> JobEnd:
     worker W (world rank R)"), not by the rank that gave up waiting on it and aborted."""
     tee = _Tee(run_kw.pop("stderr", None) or sys.stderr)
     end = end_of(run_job(job, stderr=tee, **run_kw))
-    text = "".join(tee.tail)
-    lost = _LOST_NODE.search(text)
-    if end.failure is None:
-        return end
-    silent = _silent_worker(text)
-    if lost and end.failure.host is None:
+    lost = _LOST_NODE.search("".join(tee.tail))
+    if end.failure is not None and lost and end.failure.host is None:
         end.failure = Failure(None, lost.group(1) or lost.group(2),
                               "node lost (stopped answering)")
-    elif silent and end.failure.cause.startswith("aborted"):
-        worker, rank = silent
-        end.failure = Failure(rank, job.placement.host_of(rank),
-                              f"worker {worker} silent past the deadline")
     return end
-
-
-def _silent_worker(text: str) -> tuple[int, int] | None:
-    """(worker, world rank) that the deadline messages name and that never spoke up itself:
-    a worker waiting on the silent one may name a third (the root of a gather) that is only
-    waiting too, but every rank that could still run printed its own failure line."""
-    named = [(int(w), int(r)) for w, r in _SILENT.findall(text)]
-    spoke = {int(r) for r in _REPORTED.findall(text)}
-    quiet = [n for n in named if n[1] not in spoke]
-    return (quiet or named or [None])[0]
 
 
 def hosts_text(hosts) -> str | None:
