@@ -71,8 +71,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         if action.help is argparse.SUPPRESS or "default" in text.lower() or \
-                action.default in (None, False, "", argparse.SUPPRESS) or \
-                not action.option_strings:
+                action.default is None or action.default is False or \
+                action.default in ("", argparse.SUPPRESS) or not action.option_strings:
             return text
         return f"{text} (default {action.default})".strip()
 

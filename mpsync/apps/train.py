@@ -81,11 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"{' | '.join(BACKENDS)} (ring aggregation; default {d.backend})")
     g.add_argument("--server", default=d.server,
                    help=f"{' | '.join(SERVER_PLACEMENTS)} (default {d.server}: rank 0 serves)")
-    g.add_argument("--staleness", type=int, default=None, help="SSP threshold s")
-    g.add_argument("--staleness-range", default=None, metavar="sL,sU", help="DSSP [s_L, s_U]")
-    g.add_argument("--lookahead", type=int, default=None, help="ElasticBSP lookahead R")
-    g.add_argument("--zipline-variant", default=None, help=", ".join(ZIPLINE_VARIANTS))
-    g.add_argument("--epsilon", type=float, default=None, help="ESync global learning rate")
+    g.add_argument("--staleness", type=int, default=None, help=f"SSP threshold s (default {d.staleness})")
+    g.add_argument("--staleness-range", default=None, metavar="sL,sU", help=f"DSSP [s_L, s_U] (default {d.staleness_low},{d.staleness_high})")
+    g.add_argument("--lookahead", type=int, default=None, help=f"ElasticBSP lookahead R (default {d.lookahead})")
+    g.add_argument("--zipline-variant", default=None, help=f"{', '.join(ZIPLINE_VARIANTS)} (default {d.zipline_variant})")
+    g.add_argument("--epsilon", type=float, default=None, help=f"ESync global learning rate (default {d.epsilon:g})")
     g.add_argument("--deadline", type=float, default=None,
                    help=f"seconds any blocking wait may take before the job fails (default "
                         f"{d.deadline:g}); raise it if an evaluation or checkpoint write on "
@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modules that register policies of their own, imported on every rank "
                         "(default: $MPSYNC_PLUGINS)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=float, default=None, help="passes over the training set")
+    g.add_argument("--epochs", type=float, default=None, help="passes over the training set (this or --time-budget)")
     g.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="train for S seconds of wall time (evaluation excluded)")
     g.add_argument("--dataset", default="digits", help="digits | synthetic | npz:PATH")
@@ -113,14 +113,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="auto",
                    help="auto (cnn for images, mlp for features) | cnn | mlp | wide-mlp "
                         "(8.7 MB of gradients on digits: communication shows on a network)")
-    g.add_argument("--synthetic-samples", type=int, default=4096)
-    g.add_argument("--synthetic-features", type=int, default=32)
-    g.add_argument("--synthetic-classes", type=int, default=10)
+    g.add_argument("--synthetic-samples", type=int, default=4096,
+                   help="--dataset synthetic: samples")
+    g.add_argument("--synthetic-features", type=int, default=32,
+                   help="--dataset synthetic: features per sample")
+    g.add_argument("--synthetic-classes", type=int, default=10,
+                   help="--dataset synthetic: classes")
     g.add_argument("--synthetic-noise", type=float, default=1.0, help="higher = harder")
-    g.add_argument("--lr", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--lr", type=float, default=0.05, help="learning rate (SGD)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     g.add_argument("--batch-size", type=int, default=32, help="per worker")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random seed")
     g.add_argument("--target-acc", type=float, default=None)
     g.add_argument("--stop-at-target", action="store_true",
                    help="end the run at the first evaluation at or above --target-acc (the "

@@ -143,16 +143,12 @@ def install_abort_hooks(comm, label: str) -> None:
 
         if isinstance(exc, DeadlineExceeded) and not debug_enabled():
             # A fault, not a bug: its message names what was waited for and who is silent.
-            try:
-                sys.stderr.write(f"mpsync: fault: {label} on {host}: {exc_type.__name__}: "
-                                 f"{exc}\n")
-                sys.stderr.flush()
-            finally:
-                comm.Abort(1)
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
+            text = f"mpsync: fault: {label} on {host}: {exc_type.__name__}: {exc}\n"
+        else:
+            text = (f"MPSYNC-RANK-FAILED {label} on {host}: unhandled {exc_type.__name__}, "
+                    f"aborting the job\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
         try:
-            sys.stderr.write(f"MPSYNC-RANK-FAILED {label} on {host}: unhandled "
-                             f"{exc_type.__name__}, aborting the job\n{text}")
+            sys.stderr.write(text)
             sys.stderr.flush()
         finally:
             comm.Abort(1)
