@@ -168,6 +168,11 @@ NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
      "workers:\n  worker 1: ['stop check']\nmpsync server: worker rank(s) [1, 2] silent for "
      "more than 10s; the ring cannot continue without them: aborting the job\n",
      2, "went silent: the other workers waited for it in stop check"),
+    # on the PS a worker's push names the shard that stopped answering: a rank of its own
+    ("mpsync server: worker rank(s) [1, 2] silent for more than 5s; taken out of the ssp "
+     "decisions (ZipLine paper §4), the others continue\nmpsync: fault: rank 1 (worker 0) on "
+     "n1: DeadlineExceeded: no answer from PS shard 1 (world rank 2 on n2) to push within the "
+     "45s deadline\n", 2, "went silent: worker 0 had no answer from it (PS shard 1) to push"),
     ("mpsync server: worker rank(s) [2] silent for more than 10s; the ring cannot continue "
      "without them: aborting the job\n", 2, "went silent: the state server heard nothing"),
     ("mpsync: fault: rank 1 (worker 0) on n1: DeadlineExceeded: no reply from the state server (rank 0) to step "

@@ -65,3 +65,19 @@ def test_mpsync_train_np_runs_from_any_directory_and_prints_its_summary(tmp_path
     assert res.returncode == 0, res.stderr
     assert "final accuracy" in res.stdout + res.stderr
     assert not any(tmp_path.iterdir())   # nothing written without --out
+
+
+# One multi-rank run per topology: the fault is noticed by the topology's own machinery (the
+# state server's silence check on the ring; on the PS the server lets the others go on and the
+# end-of-run gather's deadline names the worker), which no policy changes.
+@pytest.mark.parametrize("policy, topology", [("esync", "ring"), ("ssp", "ps")])
+def test_a_stopped_worker_ends_the_job_with_one_block_naming_it(policy, topology, tmp_path):
+    res = mpsync("train", "--np", "2", "--policy", policy, "--topology", topology,
+                 "--time-budget", "5", "--no-progress", "--stop-at-step", "10",
+                 "--silent-timeout", "5", "--deadline", "45", cwd=tmp_path, timeout=400)
+    assert res.returncode not in (0, None), res.stderr
+    blocks = re.findall(r"^mpsync train: the job failed: .*$", res.stderr, flags=re.M)
+    assert len(blocks) == 1 and blocks[0].startswith(
+        f"mpsync train: the job failed: rank 2 (worker 1) on {socket.gethostname()} went "
+        f"silent"), res.stderr
+    assert "Traceback" not in res.stderr and "-----" not in res.stderr, res.stderr

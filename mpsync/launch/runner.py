@@ -127,9 +127,8 @@ class JobOutcome:
         if self.returncode == USER_ERROR and self.signal is None and not self.timed_out:
             return ""   # each rank refused a setting in one line already
         if self.timed_out:
-            head = f"{name}: the job did not end within its time limit ({self.elapsed:.0f} s); " \
-                   f"it was stopped"
-            return head + "\n"
+            return (f"{name}: the job did not end within its time limit "
+                    f"({self.elapsed:.0f} s); it was stopped\n")
         who = "a rank" if self.rank is None else f"rank {self.rank} ({self.role})"
         where = f" on {self.host}" if self.host else ""
         lines = [f"{name}: the job failed: {who}{where} {self.reason or 'failed'}, "
@@ -171,7 +170,11 @@ _NO_WORD = re.compile(r"([^\s:][^:\n]*?) not complete after ([\d.]+)s deadline: 
 _MISSING = re.compile(r"^  worker (\d+): \[(.*)\]\s*$")
 _STALL = "mpsync: one or more collectives were submitted by a subset of the workers"
 _NO_REPLY = re.compile(r"mpsync: fault: rank \d+ \(([^)]*)\) on \S+: (?:\w+: )?no reply from "
-                       r"the state server \(rank (\d+)\) to (.*?) within the ([\d.]+)s deadline")
+                       r"the state server \(rank (\d+)\) to (.*?) within the ([\d.]+)s "
+                       r"deadline")
+_NO_ANSWER = re.compile(r"mpsync: fault: rank \d+ \(([^)]*)\) on \S+: (?:\w+: )?no answer from "
+                        r"PS shard (\d+) \(world rank (\d+) on ([^)\s]+)\).*? to (\S+) within "
+                        r"the ([\d.]+)s deadline")
 _SERVER_SILENT = re.compile(r"mpsync server: worker rank\(s\) \[([\d, ]+)\] silent for more "
                             r"than ([\d.]+)s")
 
@@ -217,6 +220,7 @@ class OutputFilter:
         if whole.lstrip().startswith(REPORTED_MARKERS):
             self.reported = True
         if _NO_WORD.search(whole) or _SERVER_SILENT.match(whole) or _NO_REPLY.match(whole) or \
+                _NO_ANSWER.match(whole) or \
                 (self._stall and _MISSING.match(whole)):
             self.faults.append(whole)
         self._stall = whole.startswith(_STALL) or (self._stall and bool(_MISSING.match(whole)))
@@ -281,7 +285,8 @@ def _read_faults(outcome: JobOutcome, faults: Sequence[str], job: Job) -> None:
         return
     worker_rank = {job.role(r): r for r in range(job.placement.ranks)}
     found = None
-    for pattern in ("no word", "missing", "no reply", "server"):
+    host = None
+    for pattern in ("no word", "missing", "no reply", "no answer", "server"):
         for line in faults:
             if pattern == "no word" and (m := _NO_WORD.search(line)):
                 found = (int(m.group(4)), f"went silent: the other workers waited for it in "
@@ -294,6 +299,11 @@ def _read_faults(outcome: JobOutcome, faults: Sequence[str], job: Job) -> None:
             elif pattern == "no reply" and (m := _NO_REPLY.match(line)):
                 found = (int(m.group(2)), f"went silent: {m.group(1)} had no reply from it "
                                           f"to {m.group(3)} within the {m.group(4)} s deadline")
+            elif pattern == "no answer" and (m := _NO_ANSWER.match(line)):
+                found = (int(m.group(3)), f"went silent: {m.group(1)} had no answer from it "
+                                          f"(PS shard {m.group(2)}) to {m.group(5)} within "
+                                          f"the {m.group(6)} s deadline")
+                host = m.group(4)
             elif pattern == "server" and (m := _SERVER_SILENT.match(line)):
                 found = (int(m.group(1).split(",")[0]), f"went silent: the state server heard "
                                                         f"nothing from it for {m.group(2)} s")
@@ -305,7 +315,7 @@ def _read_faults(outcome: JobOutcome, faults: Sequence[str], job: Job) -> None:
         return
     outcome.rank, outcome.reason, outcome.silent = found[0], found[1], True
     outcome.role = job.role(outcome.rank)
-    outcome.host = _host_of(job, outcome.rank)
+    outcome.host = host or _host_of(job, outcome.rank)
 
 
 def _host_of(job: Job, rank: int) -> str | None:
