@@ -23,7 +23,10 @@ What each policy needs from the shards follows from that order:
   after every worker has pulled (reset) -- so every shard is at exactly the round's model
   when anyone reads it, and the sharded PS computes what the single store and the ring do.
 * ElasticBSP (ZipLine §6.2.5): a barrier pull waits until every worker's barrier push is in on
-  every shard; within a superstep pushes and pulls are ASP, on each shard as they arrive.
+  every shard, and every pull of one barrier reads, on each shard, the weights that its first
+  pull found there (a fast worker pushes again as soon as its own barrier pull is back), so
+  every worker restarts the superstep from the same weights; within a superstep pushes and
+  pulls are ASP, on each shard as they arrive.
 
 Placement: each shard server is a thread on a worker rank, one per node by default (the
 node's lowest worker rank), beside the workers.  Threads rather than ranks of their own: the
