@@ -66,6 +66,7 @@ def run(func):
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         resumed = _attach_commits(state)
+        finished = False   # a failing job does not wait for its last commit's manifest
         try:
             while True:
                 state.sync()
@@ -74,17 +75,20 @@ def run(func):
                     state.on_reset()
                     resumed = False
                 try:
-                    return func(state, *args, **kwargs)
+                    result = func(state, *args, **kwargs)
+                    finished = True
+                    return result
                 except CollectiveTimeout:
                     raise   # a worker is gone: the job ends and is restarted from disk
                 except HorovodInternalError:
                     state.restore()
                     resumed = True
                 except HostsUpdatedInterrupt:
-                    _close_commits(state)
+                    finished = True
+                    _close_commits(state, wait=True)
                     raise SystemExit(RESTART_EXIT_CODE) from None
         finally:
-            _close_commits(state)
+            _close_commits(state, wait=finished)
     return wrapper
 
 
@@ -111,7 +115,7 @@ def _attach_commits(state: State) -> bool:
     return found is not None
 
 
-def _close_commits(state: State) -> None:
+def _close_commits(state: State, wait: bool) -> None:
     store, state._store = state._store, None
     if store is not None:
-        store.close(timeout=store.report_timeout)
+        store.close(timeout=store.report_timeout if wait else 0.0)
