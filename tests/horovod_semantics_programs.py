@@ -159,6 +159,39 @@ def gradients(r, n):
     _close(x.grad, n * torch.cat([_w(k, counts[k]) for k in range(n)]), "reducescatter grad")
 
 
+def optimizer_over_a_set(r, n, ps, members):
+    """BSP on the ring averages a process set's gradients over the set (Horovod's
+    DistributedOptimizer(process_set=)); every other policy refuses, naming itself."""
+    model = torch.nn.Linear(2, 1)
+    make = lambda: mps.DistributedOptimizer(  # noqa: E731
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        process_set=ps)
+    if mps.config().policy != "bsp":
+        _raises(ValueError, make, "policy=")
+        return
+    if r not in members:
+        _raises(ValueError, make, "not a member")
+        return
+    mps.broadcast_parameters(model.state_dict(), root_rank=members[0], process_set=ps)
+    w0 = model.weight.detach().clone()
+    opt = make()
+    for step in range(3):
+        opt.zero_grad()
+        x = _x(10 * r + step, 4, 2).float()
+        model(x).sum().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert all(torch.equal(flat, o) for o in mps.allgather_object(flat, process_set=ps))
+    assert not torch.equal(model.weight.detach(), w0)
+    # One step by hand: the gradient averaged over the members only.
+    opt.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.detach().clone()
+    opt.step()
+    _close(model.weight.detach().double(), (before - 0.1).double(), "set-averaged step")
+    opt.synchronize()
+
+
 def variants(r, n):
     h = mps.allgather_async(torch.full((r + 1,), float(r)))
     assert mps.synchronize(h).tolist() == [float(k) for k in range(n) for _ in range(k + 1)]
@@ -176,6 +209,9 @@ def variants(r, n):
     t = torch.sparse_coo_tensor([[r, 0]], [1.0, 2.0], (n, )).coalesce()
     got = mps.synchronize(mps.sparse_allreduce_async(t, name="sp", op=mps.Sum))
     assert got.is_sparse and got.to_dense().tolist() == [2.0 * n + 1] + [1.0] * (n - 1)
+    handle = mps.sparse_allreduce_async(t, name="sp", op=mps.Average)  # Horovod's callable
+    want = torch.tensor([2.0 * n + 1] + [1.0] * (n - 1), dtype=torch.float64) / n
+    _close(handle().to_dense().double(), want, "sparse average")
 
 
 def process_sets(r, n):
@@ -199,9 +235,7 @@ def process_sets(r, n):
         mps.barrier(process_set=ps)
     else:
         _raises(ValueError, lambda: mps.allreduce(torch.ones(1), process_set=ps), "not a member")
-    model = torch.nn.Linear(2, 1)
-    _raises(ValueError, lambda: mps.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), process_set=ps), "policy=")
+    optimizer_over_a_set(r, n, ps, members)
     _usable(n)
     assert mps.remove_process_set(ps) and not mps.remove_process_set(ps)
     assert mps.global_process_set.process_set_id == 0
@@ -266,6 +300,16 @@ def sparse_and_early(r, n, early):
         want[k] += 1.0 / n
         want[4] += 1.0 / n
     _close(emb.weight.grad.to_dense().double(), want.double(), "sparse grad")
+    # sparse_as_dense: a dense allreduce, then sparse again for SparseAdam (Horovod's).
+    emb2 = torch.nn.Embedding(5, 3, sparse=True)
+    dense_opt = mps.DistributedOptimizer(torch.optim.SparseAdam(emb2.parameters(), lr=0.1),
+                                         named_parameters=emb2.named_parameters(),
+                                         sparse_as_dense=True)
+    dense_opt.zero_grad()
+    emb2(torch.tensor([r, 4])).sum().backward()
+    dense_opt.step()
+    assert emb2.weight.grad.is_sparse
+    _close(emb2.weight.grad.to_dense().double(), want.double(), "sparse-as-dense grad")
     model, dopt = early
     mps.broadcast_parameters(model.state_dict(), root_rank=0)
     for _ in range(2):

@@ -98,3 +98,14 @@ def test_named_collectives_in_any_order_after_errors_late_and_fused():
         for part in parts:
             assert f"PART-OK {part} rank={r}" in run.rank_out(r), run.report()
     assert "worker 1: ['late']" in run.rank_err(0), run.report()
+
+
+def test_the_suite_runner_counts_a_test_passed_only_where_every_rank_passed(tmp_path):
+    from horovod_suite import outcomes
+
+    case = '<testcase classname="T" name="{}">{}</testcase>'
+    for rank, body in ((0, ["", "", "<skipped/>"]), (1, ["", "<failure/>", "<skipped/>"])):
+        cases = "".join(case.format(n, b) for n, b in zip(("a", "b", "c"), body))
+        (tmp_path / f"rank{rank}.xml").write_text(f"<testsuites><testsuite>{cases}"
+                                                  f"</testsuite></testsuites>")
+    assert outcomes(tmp_path) == {"a": "passed", "b": "failed", "c": "skipped"}

@@ -12,10 +12,16 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
   script that sets them to None each step): pack and unpack copies included;
 * ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
 * ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer;
-* ``user_ms``: a script's ``mps.allreduce`` of one float32 tensor of that size (the record
-  exchange that checks shapes, dtypes and ops across the workers, then ``Iallreduce`` of a
-  copy); ``user_unchecked_ms``: the same without the record exchange; ``check_overhead``:
-  their ratio (what Horovod-style error checking costs).
+* ``user_ms``: a script's ``mps.allreduce`` of one float32 tensor of that size (named
+  negotiation: the request to member 0 and its answer with every worker's record, checked
+  for shapes, dtypes and ops, then ``Iallreduce`` of a copy); ``user_unchecked_ms``: the
+  same without negotiation; ``check_overhead``: their ratio and ``negotiation_us`` their
+  difference (what Horovod-style matching by name and error checking cost per collective);
+* ``fused_ms`` / ``unfused_ms`` (sizes up to 4 MB): the size split into 32 named async
+  allreduces submitted together, with tensor fusion (one buffer for those ready together)
+  and without; ``fusion_gain``: unfused / fused;
+* ``server_thread_ms``: ``user_ms`` with member 0's coordinator on a polling thread of its
+  own, as it would run inside the co-located state server (the alternative coordinator).
 
 ``--fp16`` adds ``Compression.fp16`` columns: ``horovod_fp16_ms`` (Horovod's own
 ``hvd.allreduce(t, compression=hvd.Compression.fp16)``), ``mpsync_fp16_ms`` (``mps.allreduce``
@@ -135,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
             row["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
         if row.get("user_unchecked_ms"):
             row["check_overhead"] = row["user_ms"] / row["user_unchecked_ms"]
+            row["negotiation_us"] = 1e3 * (row["user_ms"] - row["user_unchecked_ms"])
+        if row.get("fused_ms"):
+            row["fusion_gain"] = row["unfused_ms"] / row["fused_ms"]
         if row.get("ps_ms"):
             row["ps_vs_ring"] = row["ps_ms"] / row["mpsync_ms"]
         if row.get("horovod_fp16_ms"):
@@ -171,7 +180,8 @@ def _print_table(table: list[dict]) -> None:
             "ps_wire_bytes",
             "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
             "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
-            "fp16_vs_fp32_bytes", "user_ms", "user_unchecked_ms", "check_overhead"]
+            "fp16_vs_fp32_bytes", "user_ms", "user_unchecked_ms", "check_overhead",
+            "negotiation_us", "server_thread_ms", "fused_ms", "unfused_ms", "fusion_gain"]
     cols = [c for c in cols if any(c in r for r in table)]
     print("  ".join(f"{c:>17}" for c in cols))
     for r in table:
@@ -234,6 +244,7 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
             rows[nbytes].update(timed(world, {"mpsync_mpi_fp16_ms": lambda: start_allreduce(
                 ops, t, Average, 1.0, 1.0, Compression.fp16, "fp16").wait()}, max_repeats, budget))
         del buf, arr
+    _fusion_rows(world, rows, sizes, max_repeats, budget)
 
     import horovod.torch as hvd
 
@@ -267,6 +278,66 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
             print("ROW " + json.dumps(rows[nbytes]), flush=True)
         del raw, buf, copy_buf
     hvd.shutdown()
+
+
+FUSION_TENSORS = 32
+
+
+def _fusion_rows(world, rows, sizes, max_repeats, budget) -> None:
+    """Tensor fusion: ``FUSION_TENSORS`` named async allreduces splitting each size, submitted
+    together and then synchronized, with fusion (``fused_ms``: member 0 answers the ones
+    that became ready together as one buffer) and without (``unfused_ms``: one data step
+    each); the negotiation is the same in both."""
+    import torch
+
+    from mpsync.torch._moves import start_allreduce
+    from mpsync.torch.mpi_ops import Sum, UserOps
+
+    fused, unfused = UserOps(world.Dup(), 600.0), UserOps(world.Dup(), 600.0, fusion_bytes=0)
+    threaded = UserOps(world.Dup(), 600.0)
+    stop = _coordinate_on_a_thread(threaded)
+
+    def burst(ops, parts):
+        handles = [start_allreduce(ops, t, Sum, 1.0, 1.0, None, f"part.{i}")
+                   for i, t in enumerate(parts)]
+        for h in handles:
+            h.wait()
+
+    for nbytes in sizes:
+        if nbytes > 4 << 20:
+            continue  # fusion is for many small tensors
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        rows[nbytes].update(timed(world, {"server_thread_ms": lambda: start_allreduce(
+            threaded, t, Sum, 1.0, 1.0, None, "one").wait()}, max_repeats, budget))
+        each = max(1, nbytes // 4 // FUSION_TENSORS)
+        parts = [torch.ones(each, dtype=torch.float32) for _ in range(FUSION_TENSORS)]
+        rows[nbytes].update(timed(world, {
+            "fused_ms": lambda: burst(fused, parts),
+            "unfused_ms": lambda: burst(unfused, parts),
+        }, max_repeats, budget))
+    stop()
+
+
+def _coordinate_on_a_thread(ops):
+    """Member 0's coordinator on a thread of its own that polls, as the co-located state
+    server's loop would run it: what choosing the server as coordinator would cost (a
+    hand-off between threads of rank 0 for every answer) against the inline coordinator.
+    Returns the function that stops it."""
+    import threading
+
+    coordinator, ops.coordinator = ops.coordinator, None
+    if coordinator is None:
+        return lambda: None
+    done = threading.Event()
+
+    def loop():
+        while not done.is_set():
+            coordinator.step()
+            time.sleep(5e-5)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return lambda: (done.set(), thread.join())
 
 
 def _ps_child(sizes, max_repeats, budget) -> None:

@@ -263,6 +263,7 @@ class UserOps:
         self._waiting: dict[str, _Op] = {}  # submitted, not yet answered
         self._unnamed = 0                  # unnamed collectives submitted
         self._running: list[_Op] = []      # abandoned ops whose data step still runs
+        self.background: list = []         # a joined worker's parts in others' collectives
         self.execs = 0                     # data steps started: the same count on every member
         self.exchanges = 0                 # requests sent by this member
         self.joined = None                 # a joined worker's answerer (joining)
@@ -341,6 +342,8 @@ class UserOps:
                 self.all_joined = int(parts[0][1])
         if self._running:
             self._running = [op for op in self._running if not op.poll()]
+        if self.background:
+            self.background = [test for test in self.background if not test()]
         return busy
 
     def _execute(self, parts: list) -> None:
@@ -353,8 +356,9 @@ class UserOps:
             op = self._waiting.pop(local, None)
             if op is None:  # a joined worker, or a name this worker withdrew in the meantime
                 self.execs += 1
-                if self.joined is not None:
-                    self.joined(records)
+                test = self.joined(records) if self.joined is not None else None
+                if test is not None:
+                    self.background.append(test)
                 continue
             if op.abandoned:
                 self._running.append(op)

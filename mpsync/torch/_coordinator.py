@@ -129,13 +129,14 @@ class Coordinator(_Sender):
                     self._execute(ready)
                     ready = []
                     self._broadcast([[neg.ALL_JOINED, last]])
-        # Answer once a burst of requests has been read (or after a cycle): names that became
-        # ready together may share a buffer, as in a Horovod cycle.
-        if ready and (not requests or now - self._ready_since > _CYCLE_S):
-            self._execute(ready)
-            ready = []
+        # Answer at once when no other name is waiting; otherwise gather what becomes ready
+        # for up to a cycle, so that names submitted together share a buffer (Horovod's
+        # cycle) while a lone collective pays no wait.
         if ready and not self._ready:
             self._ready_since = now
+        if ready and (not self.table.waiting or now - self._ready_since > _CYCLE_S):
+            self._execute(ready)
+            ready = []
         self._ready = ready
         if now >= self._next_stall_check:
             self._next_stall_check = now + min(1.0, self.stall_after / 4)

@@ -255,33 +255,23 @@ def check_reducescatter(tensor: torch.Tensor, op: int) -> Exception | None:
 
 
 # -- a joined member's part -------------------------------------------------------------------
-def take_part_joined(ops: UserOps, records: np.ndarray) -> None:
-    """Do a joined member's part of the collective the active members described (blocking,
-    with the deadline): zeros into a reduction, no rows into an allgather, a receiver of a
-    broadcast, a barrier."""
+def take_part_joined(ops: UserOps, records: np.ndarray):
+    """Start a joined member's part of the collective the active members described: zeros
+    into an allreduce, a barrier (Horovod answers the other kinds with an error while a worker
+    has joined).  Returns its ``test`` (None: nothing to do); the caller polls it, so a joined
+    worker keeps answering everything else meanwhile (its optimizers' aggregations)."""
     F = meta.Field
     active = records[records[:, F.KIND] != meta.JOINED]
     ref = active[0]
     kind = int(ref[F.KIND])
-    what = f"{meta.KIND_NAMES[kind]} (joined)"
-    if kind in (meta.ALLREDUCE, meta.REDUCESCATTER):
+    if kind == meta.ALLREDUCE:
         from mpsync.torch._collectives import DTYPES
 
         dtype = DTYPES[int(ref[F.DTYPE])]
         zeros = torch.zeros(int(ref[F.NBYTES]) // torch.empty((), dtype=dtype).element_size(),
                             dtype=dtype)
-        test = _reduce_started(ops, zeros, int(ref[F.OP]))
-    elif kind == meta.ALLGATHER:
-        counts = _rows(records) * records[:, F.ROW_BYTES]
-        test = _allgatherv(ops, np.empty(0, dtype=np.uint8),
-                           np.empty(int(counts.sum()), dtype=np.uint8), counts)
-    elif kind == meta.BROADCAST:
-        scratch = np.empty(int(ref[F.NBYTES]), dtype=np.uint8)
-        test = ops.comm.Ibcast(scratch, root=int(ref[F.ROOT])).Test
-    elif kind == meta.BARRIER:
-        test = ops.comm.Ibarrier().Test
-    else:
-        return
-    from mpsync.torch._collectives import wait_while_stepping
-
-    wait_while_stepping(test, deadline=ops.deadline, what=what)
+        started = _reduce_started(ops, zeros, int(ref[F.OP]))
+        return lambda: started() and zeros is not None  # the buffer lives until it is done
+    if kind == meta.BARRIER:
+        return ops.comm.Ibarrier().Test
+    return None

@@ -34,16 +34,15 @@ class JoinService:
         ops.joined = self._take_part
         ops.channel.join()
 
-    def _take_part(self, records) -> None:
-        if self.ops.check(records) is None:
-            take_part_joined(self.ops, records)
+    def _take_part(self, records):
+        return take_part_joined(self.ops, records) if self.ops.check(records) is None else None
 
     def poll(self) -> bool:
         """Answer what member 0 has sent; True if it did something."""
         if self.last is not None:
             return False
         busy = self.ops.advance()
-        if self.ops.all_joined is not None:
+        if self.ops.all_joined is not None and not self.ops.background:
             self.last = self.ops.all_joined
             self.ops.joined = None
             self.ops.all_joined = None

@@ -35,7 +35,7 @@ __all__ = [
     "poll", "synchronize", "allgather_object", "barrier", "join",
     "is_initialized", "local_size", "cross_rank", "cross_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-    "ccl_built", "cuda_built", "rocm_built", "UserOps", "reduce_op",
+    "ccl_built", "cuda_built", "rocm_built", "UserOps", "reduce_op", "SparseHandle",
 ]
 
 
@@ -133,13 +133,22 @@ def start_sparse_allreduce(ops, tensor, op: int, name):
     return _Group([idx, val], combine)
 
 
+class SparseHandle(int):
+    """What :func:`sparse_allreduce_async` returns: called, it waits and returns the sparse
+    result, as Horovod's function does; it is also a handle for ``poll`` / ``synchronize``."""
+
+    def __call__(self):
+        return synchronize(self)
+
+
 def sparse_allreduce_async(tensor, name, op, process_set=None):
     """Horovod's sparse path: the indices and values of a sparse COO ``tensor`` are
     allgathered (so the result stays sparse, duplicates summed when coalesced); ``op=Average``
-    divides the values by the number of workers.  Returns a handle for ``synchronize``."""
+    divides the values by the number of workers.  Returns a callable that waits and returns
+    the result (Horovod's), usable as a handle too."""
     ops = user_ops("sparse_allreduce_async", process_set)
-    return _keep(ops, start_sparse_allreduce(ops, tensor, reduce_op(None, op),
-                                             name_of(name) or "sparse"))
+    return SparseHandle(_keep(ops, start_sparse_allreduce(ops, tensor, reduce_op(None, op),
+                                                          name_of(name) or "sparse")))
 
 
 # -- data movement ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from mpsync.torch._moves import sum_half_
+from mpsync.torch._moves import start_allreduce, sum_half_
 from mpsync.torch.compression import WireSum
 from mpsync.torch.fusion import group_by_dtype
 from mpsync.torch.strategies import Strategy, make_strategy
@@ -86,6 +86,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._strategy: Strategy | None = None
         self._leader = None  # the DistributedOptimizer whose rounds this one follows
         self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
+        self._set_ops = None  # a process set's collectives, when it aggregates over one
         # Horovod lets a script build its optimizer before init(): the policy's strategy is
         # then made at the first use (every worker gets there in the same order).
         self._pending = dict(named=named, compression=compression, op=op,
@@ -100,27 +101,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from mpsync.torch.process_sets import is_whole_world
 
         args, self._pending = self._pending, None
-        if not is_whole_world(args["process_set"]):
-            raise ValueError(f"DistributedOptimizer(process_set={args['process_set']}): "
-                             f"policy={ctx.config.policy!r} decides its rounds at the state "
-                             f"server for every worker, so aggregating over a subset would "
-                             f"leave the others' rounds unmatched; use the global process set "
-                             f"(process sets work for the script's own collectives)")
+        set_ops = None if is_whole_world(args["process_set"]) else \
+            _set_ops(ctx, args["process_set"])
         op = _check_horovod_keywords(ctx.config, args["compression"],
                                      self.backward_passes_per_step, args["op"],
                                      args["predivide"])
         self._buffers = group_by_dtype(args["named"])
         self._counters = ctx.counters
         backend = ctx.data_backend or ctx.backend
+        client, rank = ctx.client, ctx.worker_rank
+        if set_ops is not None:
+            backend, client, rank = set_ops.aggregator, None, set_ops.rank
+        self._set_ops = set_ops
         self._strategy = make_strategy(
-            ctx.config, self.optimizer, self._buffers, backend, ctx.client, ctx.counters,
-            worker_rank=ctx.worker_rank)
+            ctx.config, self.optimizer, self._buffers, backend, client, ctx.counters,
+            worker_rank=rank)
         if op != Average and not self._strategy.aggregates_gradients:
             raise ValueError(f"op=Sum has no meaning under policy={ctx.config.policy!r} on "
                              f"topology={ctx.config.topology!r}: it aggregates model updates, "
                              f"which are averaged by definition; use op=Average")
-        self._follow_leader(ctx)
-        peers = None if args["internal"] else ctx.peers
+        if set_ops is None:
+            self._follow_leader(ctx)
+        peers = None if args["internal"] else (set_ops or ctx.peers)
         self._strategy.peers = peers
         self._strategy.op_sum = op == Sum
         self._sparse_ops = peers if peers is not None else ctx.user_ops
@@ -147,6 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # steps through the sparse allreduce, never through the strategy
         leaders = [o for o in ctx.optimizers
                    if o._strategy is not None and o._strategy.leader is None and
+                   o._set_ops is None and
                    not (o._sparse_only and o._strategy.aggregates_gradients)]
         if not leaders:
             return
@@ -246,7 +249,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not any(g.is_sparse for g in grads):
             return
-        if self.sparse_as_dense:
+        if self.sparse_as_dense and not self._sparse_only:
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None and p.grad.is_sparse:
@@ -274,7 +277,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not strategy.skip_aggregation:
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None:
+                    if p.grad is None:
+                        continue
+                    if self.sparse_as_dense:  # Horovod: a dense allreduce, sparse again
+                        dense = start_allreduce(self._sparse_ops, p.grad.to_dense(), op, 1.0,
+                                                1.0, None, None).wait()
+                        p.grad = dense.to_sparse()
+                    else:
                         p.grad = start_sparse_allreduce(self._sparse_ops, p.grad, op,
                                                         None).wait()
         self.optimizer.step()
@@ -339,6 +348,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, strategy={type(self._strategy).__name__})"
+
+
+def _set_ops(ctx, process_set):
+    """The collectives of ``process_set`` for a DistributedOptimizer over it.  Gradient
+    averaging (BSP on the ring) synchronizes every step by definition, so the set's members
+    average over their own communicator without asking the state server; every other policy
+    decides its rounds at the server for all the workers together (local steps, staleness
+    bounds, model deltas or a parameter server), which a subset cannot follow."""
+    from mpsync.torch.process_sets import ops_of
+    from mpsync.torch.strategies import GradientAveraging, spec_of
+
+    cls = spec_of(ctx.config).strategy_class(ctx.config.topology)
+    if not (isinstance(cls, type) and issubclass(cls, GradientAveraging)):
+        raise ValueError(f"DistributedOptimizer(process_set={process_set}): "
+                         f"policy={ctx.config.policy!r} on topology={ctx.config.topology!r} "
+                         f"decides its rounds at the state server for every worker, so "
+                         f"aggregating over a subset would leave the others' rounds "
+                         f"unmatched; use policy='bsp' on the ring, or the global process set "
+                         f"(process sets work for the script's own collectives)")
+    return ops_of(process_set, "DistributedOptimizer")
 
 
 def _check_passes(passes) -> None:

@@ -115,8 +115,13 @@ def add_process_set(process_set) -> ProcessSet:
     ps.process_set_id = ctx.next_process_set_id
     ops = None
     if member:
+        from mpsync.torch.backends import MPIAggregator
+
         ops = UserOps(sub, ctx.config.deadline, None, ctx.user_ops.idle, ranks=ps.ranks,
                       world_ranks=[ctx.world_ranks[w] for w in ps.ranks])
+        # A DistributedOptimizer over this set aggregates here (BSP; see optimizer).
+        ops.aggregator = MPIAggregator(sub.Dup(), deadline=ctx.config.deadline,
+                                       thread_min_bytes=None)
     registry[ps.process_set_id] = (ps, ops)
     return ps
 
@@ -133,6 +138,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     ops = entry[1]
     if ops is not None:
+        ops.aggregator.comm.Free()
         ops.free()
     return True
 
