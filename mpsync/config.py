@@ -149,7 +149,9 @@ class SyncConfig:
         _int_at_least("staleness_low", self.staleness_low, 0)
         _int_at_least("staleness_high", self.staleness_high, 0)
         if self.staleness_low > self.staleness_high:
-            raise ConfigError(f"staleness range: s_L={self.staleness_low} > s_U={self.staleness_high}")
+            raise ConfigError(f"staleness range: s_L={self.staleness_low} > "
+                              f"s_U={self.staleness_high}; give s_L <= s_U (e.g. "
+                              f"--staleness-range 3,15)")
         _int_at_least("lookahead", self.lookahead, 1, what="lookahead R")
         if not self.epsilon > 0:
             raise ConfigError(f"epsilon (ESync global learning rate) must be > 0, got {self.epsilon}")
@@ -251,7 +253,8 @@ def parse_float_list(name: str, text: str, length: int | None = None) -> list[fl
     if not values:
         raise ConfigError(f"{name}: empty list")
     if length is not None and len(values) != length:
-        raise ConfigError(f"{name}: {len(values)} values for {length} workers ({text!r})")
+        raise ConfigError(f"{name}: {len(values)} values for {length} workers ({text!r}); "
+                          f"give one per worker")
     return values
 
 

@@ -87,7 +87,8 @@ def test_bare_simulate_takes_trains_defaults():
 def test_compare_runs_two_workers_into_a_fresh_folder(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     res = run_with_deadline([sys.executable, "-m", "mpsync.cli", "compare", "--np", "2",
-                             "--policies", "bsp", "--time-budget", "3", "--json"], 300,
+                             "--policies", "bsp", "--time-budget", "3", "--json",
+                             "--train-args", "--deadline 60"], 300,
                             env=env, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     [out] = list((tmp_path / "runs").iterdir())

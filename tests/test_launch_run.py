@@ -23,8 +23,10 @@ SCRIPT = """
 import os, signal, sys
 from mpi4py import MPI
 world = MPI.COMM_WORLD
-print(f"RANK {world.Get_rank()} OF {world.Get_size()} SERVER={os.environ.get('MPSYNC_SERVER')}",
-      flush=True)
+# one write per line: unbuffered, print's text and newline would be two, interleaved by mpirun
+sys.stdout.write(f"RANK {world.Get_rank()} OF {world.Get_size()} "
+                 f"SERVER={os.environ.get('MPSYNC_SERVER')}\n")
+sys.stdout.flush()
 world.Barrier()
 if len(sys.argv) > 1 and world.Get_rank() == int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -60,8 +62,9 @@ def test_a_worker_killed_with_sigkill_is_named_in_one_block(tmp_path):
 
 
 def test_mpsync_train_np_runs_from_any_directory_and_prints_its_summary(tmp_path):
-    res = mpsync("train", "--np", "2", "--time-budget", "3", "--no-progress",
-                 cwd=tmp_path, timeout=150)
+    # --deadline: a loaded CI machine can take longer than the default to start the server
+    res = mpsync("train", "--np", "2", "--time-budget", "3", "--no-progress", "--deadline", "60",
+                 cwd=tmp_path, timeout=240)
     assert res.returncode == 0, res.stderr
     assert "final accuracy" in res.stdout + res.stderr
     assert not any(tmp_path.iterdir())   # nothing written without --out
