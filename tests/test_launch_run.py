@@ -19,7 +19,7 @@ pytestmark = pytest.mark.mpi
 REPO = Path(__file__).resolve().parent.parent
 
 # A user's script: mpi4py only, so the test measures the launcher, not torch's start-up.
-SCRIPT = """
+SCRIPT = r"""
 import os, signal, sys
 from mpi4py import MPI
 world = MPI.COMM_WORLD
