@@ -77,7 +77,7 @@ def test_mpsync_train_np_runs_from_any_directory_and_prints_its_summary(tmp_path
 def test_a_stopped_worker_ends_the_job_with_one_block_naming_it(policy, topology, tmp_path):
     res = mpsync("train", "--np", "2", "--policy", policy, "--topology", topology,
                  "--time-budget", "5", "--no-progress", "--stop-at-step", "10",
-                 "--silent-timeout", "5", "--deadline", "45", cwd=tmp_path, timeout=400)
+                 "--silent-timeout", "5", "--deadline", "30", cwd=tmp_path, timeout=400)
     assert res.returncode not in (0, None), res.stderr
     blocks = re.findall(r"^mpsync train: the job failed: .*$", res.stderr, flags=re.M)
     assert len(blocks) == 1 and blocks[0].startswith(
