@@ -327,3 +327,30 @@ def late_payload() -> None:
         req.Wait()
         others.Barrier()
     client.shutdown()
+
+
+def late_server() -> None:
+    """The server starts ``late`` seconds after its workers, past their per-decision
+    ``deadline`` but within ``startup_timeout``: every worker registers and takes its steps
+    (args: late=S deadline=S startup=S)."""
+    o = program_args()
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    rank = world.Get_rank()
+    late, deadline = float(o.get("late", "3")), float(o.get("deadline", "1"))
+    cfg = SyncConfig.from_options(env={}, policy="bsp", topology="ring", deadline=deadline,
+                                  startup_timeout=float(o.get("startup", "30")))
+    if rank == 0:
+        time.sleep(late)   # a slow start: imports and compiling on a busy node
+        StateServer(control, cfg).serve()
+        return
+    started = time.perf_counter()
+    client = SyncClient(control, cfg)
+    waited = time.perf_counter() - started
+    for k in range(1, 4):
+        assert client.step(k, 0.001).sync
+        client.reset(k, 0.0)
+    # The steady deadline is back once registered: the start-up allowance was for the start.
+    assert client.deadline == deadline, client.deadline
+    client.shutdown()
+    print(f"REGISTERED rank={rank} waited={waited:.2f}", flush=True)

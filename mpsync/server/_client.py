@@ -172,7 +172,16 @@ class SyncClient:
             self._fast = _fastpath.ClientPath(comm, server_rank, both)
             self._query, self._query_args = self._fast.call, self._fast.args
             self._fast_decision = self._fast.decision
-        self._call(W.REGISTER, "register")
+        # The first reply comes only once the server has started (imports, its rules compiled
+        # or loaded from cache), which on a busy node takes longer than a decision may: the
+        # server allows a worker ``startup_timeout`` to register, and the worker allows the
+        # server as much, as the broadcasts after model construction do.
+        steady = self.deadline
+        self.deadline = max(steady, float(getattr(config, "startup_timeout", steady)))
+        try:
+            self._call(W.REGISTER, "register")
+        finally:
+            self.deadline = steady
         self.wait_s = 0.0        # the server's start-up is not waiting for decisions
         self.last_rtt = 0.0      # nor a round trip
 
