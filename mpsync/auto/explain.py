@@ -34,7 +34,8 @@ def comparison_table(out) -> str:
     fixed = {p: r for p, r in rows.items() if p != "auto" and r.get("time_to_target_s")}
     lines = ["| policy | reached | time to target, median (runs) |", "|---|---|---|"]
     for p, r in rows.items():
-        runs = ", ".join(f"{t:.1f}" for t in r.get("time_to_target_runs_s") or [])
+        runs = ", ".join("-" if t is None else f"{t:.1f}"
+                         for t in r.get("time_to_target_runs_s") or [])
         median = r.get("time_to_target_s")
         lines.append(f"| {p} | {r.get('reached')}/{r.get('repeats')} | "
                      f"{'-' if median is None else f'{median:.1f} s'} ({runs}) |")
