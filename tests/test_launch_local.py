@@ -59,6 +59,8 @@ def test_slurm_allocation_is_left_to_mpirun_oversubscribed_only_beyond_its_tasks
     ({}, False), ({"OMPI_COMM_WORLD_SIZE": "4"}, True), ({"PMIX_RANK": "0"}, True),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, False),          # an sbatch script
     ({"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "5"}, True),   # srun -n 5
+    # the environment a child inherits from a process that ran MPI_Init alone (a singleton)
+    ({"OMPI_MCA_ess": "singleton", "PMIX_RANK": "0"}, False),
 ])
 def test_a_process_knows_whether_it_is_already_a_rank(env, expected):
     assert launched_rank(env) is expected

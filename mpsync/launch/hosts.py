@@ -31,6 +31,10 @@ def launched_rank(environ: Mapping[str, str] | None = None) -> bool:
     """True when this process is already a rank of a job (under ``mpirun``, ``srun`` of several
     tasks, horovodrun): mpsync then runs in place instead of starting ``mpirun`` itself."""
     env = os.environ if environ is None else environ
+    if env.get("OMPI_MCA_ess") == "singleton" and "OMPI_COMM_WORLD_SIZE" not in env:
+        # A child of a process that called MPI_Init on its own (a singleton: a script or a
+        # test runner that imported mpi4py) inherits its PMIX_RANK=0, yet is no rank of a job.
+        return False
     if any(name in env for name in _RANK_VARIABLES):
         return True
     # srun starting several tasks: every task is a rank (one task is a plain process).
