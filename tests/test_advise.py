@@ -33,8 +33,9 @@ def test_equal_speeds_on_a_fast_link_leave_bsp_first(capsys):
                          "150K")
     best = ranking[0]["predicted_time_to_target_s"]
     assert _time(ranking, "bsp/ring") <= 1.01 * best
-    assert _time(ranking, "ebsp/ring") >= 1.05 * best
-    assert _time(ranking, "asp/ps") >= 1.05 * best
+    # local steps (ElasticBSP's monitoring iterations) and stale pushes (ASP) buy nothing here
+    assert _time(ranking, "ebsp/ring") > 1.01 * _time(ranking, "bsp/ring")
+    assert _time(ranking, "asp/ps") > 1.01 * _time(ranking, "bsp/ring")
 
 
 def test_a_straggler_behind_a_slow_link_puts_elasticbsp_first(capsys):
