@@ -354,16 +354,6 @@ def test_a_push_header_waiting_for_its_payload_does_not_stop_the_server(tmp_path
     assert len(dropped) == 1 and "rank 2" in dropped[0] and "push" in dropped[0], stats["log"]
 
 
-def test_a_server_slower_to_start_than_the_deadline_still_registers_its_workers():
-    """A worker's first call waits for the server's start-up (``startup_timeout``), not for a
-    decision (``deadline``): a server that starts 3 s late serves workers whose deadline is 1 s."""
-    run = run_mpi("server_fault_programs:late_server", np=3, timeout=90,
-                  args=["late=3", "deadline=1", "startup=30"])
-    for rank in (1, 2):
-        waited = re.search(r"REGISTERED rank=%d waited=([\d.]+)" % rank, run.rank_out(rank))
-        assert waited and float(waited.group(1)) >= 2.5, run.report()
-
-
 def test_colocated_server_thread_on_a_training_rank(tmp_path):
     out = tmp_path / "colocated.json"
     run_mpi("server_programs:policy_run", np=3, timeout=120,
