@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from mpsync import policies
 from mpsync.config import ConfigError
 
 __all__ = ["add_arguments", "main", "measurements_from_args", "format_ranking", "model_bytes"]
@@ -166,7 +167,8 @@ def format_ranking(ranked, top: int = 0) -> str:
         if len(ranked) > 1:
             lines.append(f"  {ranked[1].predicted_time_to_target_s / t:.2f}x faster than the "
                          f"runner-up, {ranked[1].candidate.label}")
-        bsp = [r for r in ranked if r.candidate.policy == "bsp" and not r.candidate.settings
+        bsp = [r for r in ranked if policies.is_baseline(r.candidate.policy)
+               and not r.candidate.settings
                and r.candidate.wire == "fp32"]
         if bsp and bsp[0] is not best:
             lines.append(f"  {bsp[0].predicted_time_to_target_s / t:.2f}x faster than "
