@@ -70,10 +70,14 @@ def test_mpsync_train_np_runs_from_any_directory_and_prints_its_summary(tmp_path
     assert not any(tmp_path.iterdir())   # nothing written without --out
 
 
-# One multi-rank run per topology: the fault is noticed by the topology's own machinery (the
-# state server's silence check on the ring; on the PS the server lets the others go on and the
-# end-of-run gather's deadline names the worker), which no policy changes.
-@pytest.mark.parametrize("policy, topology", [("esync", "ring"), ("ssp", "ps")])
+# Every policy on each topology it runs on: the fault is noticed by the topology's own machinery
+# (the state server's silence check on the ring; on the PS the server lets the others go on and
+# the end-of-run gather's deadline names the worker), and each policy waits in its own places.
+@pytest.mark.parametrize("policy, topology", [
+    ("bsp", "ring"), ("ebsp", "ring"), ("esync", "ring"), ("osp", "ring"), ("auto", "ring"),
+    ("bsp", "ps"), ("asp", "ps"), ("ssp", "ps"), ("dssp", "ps"), ("ebsp", "ps"),
+    ("esync", "ps"),
+])
 def test_a_stopped_worker_ends_the_job_with_one_block_naming_it(policy, topology, tmp_path):
     res = mpsync("train", "--np", "2", "--policy", policy, "--topology", topology,
                  "--time-budget", "5", "--no-progress", "--stop-at-step", "10",

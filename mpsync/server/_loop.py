@@ -403,6 +403,14 @@ class StateServer(MessageHandlers):
             # Workers told SYNC wait in the collective for the silent one and fall silent too;
             # the cause is a worker that was told to compute and never reported back.
             cause = [w for w in silent if not t.in_sync[w]] or list(silent)
+            if len(cause) == len(silent) > 1 and \
+                    (now - t.last_heard[silent]).min() < \
+                    self.config.silent_timeout + self.config.deadline:
+                # Every silent worker may be inside a collective that needs no server round
+                # (BSP's, OSP's), waiting for one of the others: the server cannot tell which
+                # one stopped, while each waiting worker's collective deadline names the one
+                # it waits for.  Leave the naming to them; abort here only if none does.
+                return
             waiting = [self.ranks[w] for w in silent if w not in cause]
             ranks = [self.ranks[w] for w in cause]
             also = f" (rank(s) {waiting} are waiting for them)" if waiting else ""
