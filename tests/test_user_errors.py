@@ -57,7 +57,7 @@ def mistakes(tmp):
          f"--hostfile {tmp / 'nohosts'}: cannot read it"),
         ("resuming from a folder that is not there",
          [*train, "--out", str(tmp / "o"), "--resume", str(tmp / "nothing")], {},
-         f"--resume {tmp / 'nothing'}: no such directory"),
+         f"--resume {tmp / 'nothing'}: no such file or directory"),
         ("zero parameter-server shards", [*train, "--policy", "ssp", "--ps-shards", "0"], {},
          "ps_shards (--ps-shards, MPSYNC_PS_SHARDS) must be 'auto' or an integer >= 1"),
         ("MPSYNC_PS_SHARDS that is no count", [*train, "--policy", "ssp"],

@@ -144,7 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="checkpoint every K rounds into OUT/checkpoints (ps: every K pushes of "
                         "each worker, which is then also when the workers agree to stop)")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
+    g.add_argument("--resume", default=None, metavar="DIR|FILE",
+                   help="continue from a run's newest checkpoint (its --out DIR) or from one "
+                        "checkpoint file")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true",
                    help="write metrics and trace only; plot later (mpsync.apps.report.plot_run)")
@@ -228,9 +230,9 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
     if args.out:
         check_output_dir("--out", args.out)
-    if args.resume and not os.path.isdir(args.resume):
-        raise ConfigError(f"--resume {args.resume}: no such directory; give the --out "
-                          f"directory of the run to continue")
+    if args.resume and not os.path.exists(args.resume):
+        raise ConfigError(f"--resume {args.resume}: no such file or directory; give the --out "
+                          f"directory of the run to continue, or one of its checkpoint files")
     if workers is not None:
         if workers < 1:
             raise ConfigError(f"need at least 1 worker, got {workers}")
