@@ -92,7 +92,9 @@ def mistakes(tmp):
 def run_cli(argv, env, monkeypatch, capsys):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv("MPSYNC_DEBUG", raising=False)
+    # Set (not deleted) so that the teardown restores the variable's absence: ``--debug`` writes
+    # MPSYNC_DEBUG=1 into os.environ for the ranks it starts, and it must not outlive the test.
+    monkeypatch.setenv("MPSYNC_DEBUG", "0")
     try:
         rc = cli.main(list(argv))
     except SystemExit as e:   # argparse's own errors exit here
@@ -127,7 +129,6 @@ def test_debug_shows_the_traceback_of_a_user_error(monkeypatch, capsys):
     last = err.rstrip().splitlines()[-1]
     assert rc == 2 and "Traceback" in err and last.startswith(
         "mpsync train: error: unknown policy 'nonsense'; choose one of: bsp, asp,"), err
-    monkeypatch.delenv("MPSYNC_DEBUG", raising=False)
 
 
 def test_a_bug_keeps_its_traceback_and_says_it_is_one(monkeypatch, capsys):

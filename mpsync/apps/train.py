@@ -54,7 +54,7 @@ from mpsync.apps.train_checkpoints import reshard
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
-    plugins_from_env, print_user_error, setting_from_env
+    plugins_from_env, print_user_error, refuse_unsettled, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
 from mpsync.launch.hosts import launched_rank
@@ -202,6 +202,7 @@ def build_config(args) -> SyncConfig:
 def validate(args, workers: int | None) -> SyncConfig:
     """Every check that needs no communicator (run before launch and on every rank)."""
     config = build_config(args)
+    refuse_unsettled(config)   # before any rank starts
     if (args.epochs is None) == (args.time_budget is None):
         raise ConfigError("give exactly one of --epochs N or --time-budget S")
     if args.epochs is not None and not args.epochs > 0:

@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 
-from mpsync.config import ConfigError, SyncConfig, debug_enabled
+from mpsync.config import ConfigError, SyncConfig, debug_enabled, refuse_unsettled
 
 __all__ = ["config_of", "join", "serve_dedicated", "write_outputs", "install_abort_hooks",
            "check_same_config", "Joined", "refuse"]
@@ -31,7 +31,9 @@ def config_of(policy=None, topology=None, backend=None, server=None,
     given = {k: v for k, v in (("policy", policy), ("topology", topology),
                                ("backend", backend), ("server", server)) if v is not None}
     try:
-        return SyncConfig.from_options(**given, **policy_options)
+        config = SyncConfig.from_options(**given, **policy_options)
+        refuse_unsettled(config)
+        return config
     except ConfigError:
         # Uncaught by the script, it ends the job as one line (a script may catch it).
         sys.excepthook = _user_error_hook(sys.excepthook)
@@ -79,6 +81,7 @@ class Joined:
     def __init__(self, control, workers, world_ranks, dedicated):
         self.control, self.workers = control, workers
         self.world_ranks, self.dedicated = world_ranks, dedicated
+
 
 
 def join(world, config: SyncConfig, server_rank: int = 0) -> Joined:

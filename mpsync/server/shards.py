@@ -102,7 +102,7 @@ class ShardClient:
         self.bytes_received = 0
         self._acks = np.zeros((len(self.hosts), 2), dtype=np.int64)
         self._one = np.zeros(1, dtype=np.int64)
-        self._pull_req = np.zeros(1, dtype=np.int64)
+        self._pull_barrier = np.zeros(1, dtype=np.int64)  # an ElasticBSP barrier, or 0
         self._wire_buf: np.ndarray | None = None
         self._lost: set[int] = set()    # shards that missed a deadline
 
@@ -186,10 +186,10 @@ class ShardClient:
         self._check_lost("pull")
         wire = self._on_wire(out)
         tag = PULL + wire_code(wire.dtype)
-        self._pull_req[0] = barrier
+        self._pull_barrier[0] = barrier
         recvs = [self.replies.Irecv([wire[a:b], MPI.BYTE], source=h, tag=DATA)
                  for (a, b), h in zip(self.bounds, self.hosts)]
-        sends = [self.comm.Isend([self._pull_req, MPI.INT64_T], dest=h, tag=tag)
+        sends = [self.comm.Isend([self._pull_barrier, MPI.INT64_T], dest=h, tag=tag)
                  for h in self.hosts]
         self._wait(recvs + sends, "pull", list(range(self.count)) * 2)
         self.bytes_received += wire.nbytes
