@@ -118,6 +118,9 @@ class SyncConfig:
     # auto: a fixed plan of switches instead of its own decisions, "ROUND:POLICY,..." (after
     # aggregation round ROUND, run POLICY): replays a decision log, tests the switch itself.
     auto_plan: str = ""
+    # auto: host the parameter server's shards beside the ring (idle threads until a switch),
+    # so that auto can switch to ASP, SSP and DSSP on the PS and back; off: the ring only.
+    auto_ps: bool = True
     # Modules that register policies of their own (comma-separated, ``MPSYNC_PLUGINS``),
     # imported on every rank by validate() before the policy name is looked up.
     plugins: str = ""
@@ -168,7 +171,10 @@ class SyncConfig:
             raise ConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
         self.ps_shards = parse_ps_shards(self.ps_shards)
         _check_ps_optimizer(self.ps_optimizer, self.topology, self.choice.spec)
-        parse_auto_plan(self.auto_plan)
+        plan = parse_auto_plan(self.auto_plan)
+        if not self.auto_ps and any(n in policies.AUTO_PS_SWITCHABLE for _, n in plan):
+            raise ConfigError(f"auto_plan {self.auto_plan!r} switches to the parameter server, "
+                              f"but auto_ps is off; set auto_ps=True (MPSYNC_AUTO_PS=1)")
         if not self.comm_delay >= 0:
             raise ConfigError(f"comm_delay must be >= 0 seconds, got {self.comm_delay}")
         if not self.comm_bandwidth >= 0:
@@ -219,9 +225,10 @@ def parse_auto_plan(text: str) -> list[tuple[int, str]]:
     plan = []
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         rnd, sep, name = part.partition(":")
-        if not sep or not rnd.strip().isdigit() or name.strip() not in policies.AUTO_SWITCHABLE:
+        known = policies.AUTO_SWITCHABLE + policies.AUTO_PS_SWITCHABLE
+        if not sep or not rnd.strip().isdigit() or name.strip() not in known:
             raise ConfigError(f"auto_plan: {part!r} is not ROUND:POLICY with POLICY one of "
-                              f"{', '.join(policies.AUTO_SWITCHABLE)} (e.g. '5:esync,12:bsp')")
+                              f"{', '.join(known)} (e.g. '5:esync,12:asp')")
         plan.append((int(rnd), name.strip()))
     if [r for r, _ in plan] != sorted({r for r, _ in plan}):
         raise ConfigError(f"auto_plan: rounds must increase, got {text!r}")

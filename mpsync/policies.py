@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 __all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE", "AUTO", "AUTO_SWITCHABLE",
-           "FAST_PATH_KINDS", "SIMULATION_MODELS", "register", "unregister", "get", "names",
+           "FAST_PATH_KINDS", "SIMULATION_MODELS", "AUTO_PS_SWITCHABLE", "AUTO_TARGETS",
+           "auto_code", "auto_target", "hosts_shards", "register", "unregister", "get", "names",
            "specs", "choose", "baseline", "is_baseline", "default_topology", "load_plugins",
            "resolve", "policy_table", "fidelity_table"]
 
@@ -35,6 +36,12 @@ BASELINE = "bsp"
 # mpsync.torch.switching.
 AUTO = "auto"
 AUTO_SWITCHABLE = ("bsp", "esync", "ebsp")
+# ... and on the parameter server its job hosts beside the ring (``auto_ps``): codes
+# 1 + len(AUTO_SWITCHABLE) + index.
+AUTO_PS_SWITCHABLE = ("asp", "ssp", "dssp")
+# Every (policy, topology) a live ``auto`` run can run, indexed by code - 1.
+AUTO_TARGETS = tuple((n, "ring") for n in AUTO_SWITCHABLE) + \
+    tuple((n, "ps") for n in AUTO_PS_SWITCHABLE)
 
 # Rule families the compiled serve path implements (server/_fastpath.py):
 # "tables"      the step's reply follows from the shared tables alone (the base Policy.on_step);
@@ -285,6 +292,22 @@ def resolve(ref: str):
         raise PolicyError(f"cannot load {ref!r}: {e}") from e
 
 
+def auto_code(name: str, topology: str) -> int:
+    """The code a SYNC reply carries for ``auto`` to run ``name`` on ``topology`` next."""
+    return 1 + AUTO_TARGETS.index((name, topology))
+
+
+def auto_target(code: int) -> tuple[str, str]:
+    """``(policy, topology)`` of an ``auto`` code (:func:`auto_code`)."""
+    return AUTO_TARGETS[code - 1]
+
+
+def hosts_shards(config) -> bool:
+    """Does this job run the parameter server's shards: on the PS topology, and under
+    ``auto`` with ``auto_ps`` (idle while the ring runs, loaded at a switch to the PS)."""
+    return config.topology == "ps" or (config.policy == AUTO and bool(config.auto_ps))
+
+
 def load_plugins(modules: str | None) -> None:
     """Import each module of a comma-separated list (each registers its policies)."""
     for module in (m.strip() for m in (modules or "").split(",")):
@@ -457,4 +480,5 @@ register(
                       "(BSP, ESync, ElasticBSP) and decides again when the cluster changes",
     paper="its candidates' papers", server="mpsync.auto.serving:AutoPolicy",
     strategies={"ring": "mpsync.torch.switching:Switching"},
-    options=("lookahead", "zipline_variant", "epsilon", "esync_slack", "auto_plan"))
+    options=("lookahead", "zipline_variant", "epsilon", "esync_slack", "staleness",
+             "staleness_low", "staleness_high", "auto_plan", "auto_ps"))

@@ -29,7 +29,9 @@ def planned_switches() -> None:
     with plain SGD (momentum 0, ε = 1) every policy moves the model by the mean over workers of
     the updates each applied (BSP: the mean gradient step; ESync and ElasticBSP: the mean
     delta of the local steps), so the final model must be w0 plus the mean of every update any
-    worker applied, none lost at a switch, none counted twice."""
+    worker applied, none lost at a switch, none counted twice.  On the parameter server (ASP,
+    SSP, DSSP apply each worker's update as it is) the model moves by the sum of the updates
+    instead: the reference is w0 + the mean of the ring's updates + the sum of the PS's."""
     a = _args()
     rounds, lr, momentum = int(a["rounds"]), 0.05, float(a.get("momentum", 0))
     mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
@@ -40,29 +42,33 @@ def planned_switches() -> None:
                                                    momentum=momentum),
                                    named_parameters=model.named_parameters())
     me = mps.rank()
-    applied = torch.zeros_like(w0)
-    after_round, policy_of_round, step = {}, {}, 0
+    applied = {"ring": torch.zeros_like(w0), "ps": torch.zeros_like(w0)}
+    after_round, policy_of_round, topology_of_round, step = {}, {}, {}, 0
     while opt.strategy.round < rounds:
         x, y = _data(8, seed=1000 * me + step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         time.sleep(0.03 if me == 0 else 0.01)
-        applied -= lr * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        before, policy = opt.strategy.round, opt.strategy.policy
+        applied[opt.strategy.topology] -= lr * torch.cat([p.grad.reshape(-1)
+                                                          for p in model.parameters()])
+        before, policy, topology = opt.strategy.round, opt.strategy.policy, \
+            opt.strategy.topology
         opt.step()
         step += 1
         if opt.strategy.round > before:
             after_round[opt.strategy.round] = _digest(_flat(model))
             policy_of_round[opt.strategy.round] = policy
+            topology_of_round[opt.strategy.round] = topology
     server = mps.stats()["server"] if me == 0 else None
     opt.synchronize()
-    mean_applied = mps.allreduce(applied)
+    moved = mps.allreduce(applied["ring"]) + mps.allreduce(applied["ps"], op=mps.Sum)
     mps.shutdown()
     final = _flat(model)
-    err = float((final - (w0 + mean_applied)).abs().max() / mean_applied.abs().max())
+    err = float((final - (w0 + moved)).abs().max() / moved.abs().max())
     state = (server or {}).get("policy_state") or {}
     _result(rank=me, steps=step, rel_err=err, digest=_digest(final),
             after_round=after_round, policy_of_round=policy_of_round,
+            topology_of_round=topology_of_round,
             switches=opt.strategy.switches, timeline=state.get("policy_timeline"),
             decisions=state.get("decisions"))
 

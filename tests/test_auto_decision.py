@@ -217,7 +217,8 @@ def test_the_server_policy_measures_decides_in_its_helper_and_switches_after_one
         assert second.switch and "worker 3" in second.trigger, second.as_dict()
         after = pol.switch_after
         rounds(after - int(pol.t.round.max()), slowed)
-        new_code = 1 + policies.AUTO_SWITCHABLE.index(second.chosen.split("/")[0])
+        name, topology = second.chosen.split(" ")[0].split("/")
+        new_code = policies.auto_code(name, topology)
         assert codes[after] == {new_code} and codes[after - 1] == {1}
         assert pol.describe()["policy_timeline"][-1]["policy"] == second.chosen.split("/")[0]
         assert pol.describe()["ranker"] == "process"

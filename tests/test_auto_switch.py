@@ -67,3 +67,37 @@ def test_momentum_is_carried_into_bsp_so_its_rounds_stay_identical():
     assert len(bsp_rounds) >= 9
     for k in rounds[0]:
         assert len({x[k] for x in rounds}) == 1, (k, res[1]["policy_of_round"][k])
+
+
+# Across topologies (the job hosts the PS's shards): ring -> PS after a BSP round, an
+# ElasticBSP barrier and an ESync round; PS -> ring to each ring policy; PS -> PS.
+CROSS_PLAN = "3:asp,6:bsp,9:ebsp,12:ssp,15:esync,18:dssp,21:asp,24:ebsp"
+CROSS_KINDS = {("bsp", "asp"), ("asp", "bsp"), ("bsp", "ebsp"), ("ebsp", "ssp"),
+               ("ssp", "esync"), ("esync", "dssp"), ("dssp", "asp"), ("asp", "ebsp")}
+
+
+def test_switches_across_topologies_keep_every_update_and_equal_weights():
+    run = run_mpi("auto_programs:planned_switches", np=4, timeout=240,
+                  args=[f"plan={CROSS_PLAN}", "rounds=30", "momentum=0"])
+    res = run.results()
+    assert sorted(res) == [1, 2, 3], run.report()
+    server = res[1]
+    timeline = [(t["policy"], t.get("topology", "ring")) for t in server["timeline"]]
+    assert {(a[0], b[0]) for a, b in zip(timeline, timeline[1:])} == CROSS_KINDS, timeline
+    # Each worker switched its strategy at every change of topology (and on the ring), to
+    # the same policy after the same round, from bitwise identical weights.
+    switches = [[(s["to"], s["to_topology"], s["round"], s["weights_sha256"])
+                 for s in r["switches"]] for r in res.values()]
+    assert len({tuple(s) for s in switches}) == 1, switches
+    assert [(s[0], s[1]) for s in switches[0]] == \
+        [b for a, b in zip(timeline, timeline[1:]) if "ring" in (a[1], b[1])]
+    for r in res.values():
+        # Every update any worker applied is in the model, none twice.
+        assert r["rel_err"] <= 1e-9, r["rel_err"]
+    assert len({r["digest"] for r in res.values()}) == 1
+    rounds = [r["after_round"] for r in res.values()]
+    ring_rounds = [k for k, t in res[1]["topology_of_round"].items() if t == "ring"]
+    assert len(ring_rounds) >= 12
+    for k in ring_rounds:
+        # After every ring round the replicas are bitwise equal (PS rounds are each worker's).
+        assert len({x[k] for x in rounds}) == 1, (k, res[1]["policy_of_round"][k])

@@ -59,9 +59,11 @@ class Candidate:
 
     @property
     def switchable(self) -> bool:
-        """Can a live ring job switch to it (same topology, the configuration's settings)?"""
-        return (self.policy in SWITCHABLE and self.topology == "ring" and not self.settings
-                and self.wire == "fp32")
+        """Can a live ``auto`` job switch to it (a ring policy with the configuration's
+        settings; with ``auto_ps``, a PS policy with its staleness bound of choice)?"""
+        if (self.policy, self.topology) not in policies.AUTO_TARGETS or self.wire != "fp32":
+            return False
+        return self.topology == "ps" or not self.settings
 
     def config(self, base=None):
         from mpsync.config import SyncConfig

@@ -17,6 +17,11 @@ the server's one ``WorkerTable``, and meanwhile:
   worker switches after the same round.  Each worker's messages go to the old policy until its
   reset of that round, then to a fresh instance of the new one (its own state starts as at the
   start of a run: ElasticBSP's monitoring phase, ESync's capability test).
+* across topologies (``auto_ps``: the job hosts the PS's shards beside the ring): to ASP, SSP
+  or DSSP after a ring round as above, the push counts its staleness rules read starting
+  from 0 at the switch; from them to the ring through a round made for the purpose
+  (``gathering``).  Between two PS policies the new rules take over at once, the push
+  counts starting from 0 (the workers' strategy and the shards' weights stay).
 
 Everything it decided, on what, and why, is in ``describe()``: ``decisions`` and
 ``policy_timeline`` reach ``metrics.json`` at the top level (the policy's ``metrics``).
@@ -28,14 +33,16 @@ import dataclasses
 import time
 
 from mpsync.auto.decider import Decider, DecisionRecord
+from mpsync.auto.gathering import Gathering
 from mpsync.auto.measurements import Window
 from mpsync.auto.ranking import Candidate, Ranked
 from mpsync.config import parse_auto_plan
-from mpsync.policies import AUTO_SWITCHABLE
+from mpsync import policies
+from mpsync.policies import AUTO_PS_SWITCHABLE, AUTO_SWITCHABLE, auto_code, auto_target
 from mpsync.server.policies import Policy
 from mpsync.server.wire import SYNC
 
-__all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS"]
+__all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS", "live_candidates"]
 
 CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the queries' clock)
 RANK_EVERY_S = 2.0       # and at most this often ranked again
@@ -46,14 +53,39 @@ _SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipli
              "epsilon", "esync_slack")
 
 
+def live_candidates(config) -> list[Candidate]:
+    """What a live run can switch to: the ring's policies with the run's settings, and with
+    ``auto_ps`` ASP, SSP (its bound at 1, 3 and 8 besides the run's) and DSSP on the PS."""
+    out = [Candidate(name, "ring") for name in AUTO_SWITCHABLE]
+    if config.auto_ps:
+        for name in AUTO_PS_SWITCHABLE:
+            if policies.get(name).reads("staleness"):
+                out += [Candidate(name, "ps", (("staleness", s),))
+                        for s in sorted({1, 3, 8, int(config.staleness)})]
+            else:
+                out.append(Candidate(name, "ps"))
+    return out
+
+
+def _planned(candidates, name: str, config) -> Candidate:
+    """The candidate a plan's ``name`` stands for (the run's own settings)."""
+    topology = "ring" if name in AUTO_SWITCHABLE else "ps"
+    return next(c for c in candidates if (c.policy, c.topology) == (name, topology) and
+                dict(c.settings).get("staleness", config.staleness) == config.staleness)
+
+
 class AutoPolicy(Policy):
     holds_steps = True   # served by the Python loop: the compiled one knows one rule family
 
     def __init__(self, table, config):
         super().__init__(table, config)
-        self.candidates = [Candidate(name, "ring") for name in AUTO_SWITCHABLE]
-        self.running, self.code = self._fresh(0), 1
+        self.candidates = live_candidates(config)
+        self.topologies = ("ring", "ps") if config.auto_ps else ("ring",)
+        self.running, self.code = self._fresh(self.candidates[0]), 1
+        self.running_candidate = self.candidates[0]
         self.next, self.next_code, self.switch_after = None, 0, None
+        self.next_candidate = None
+        self.gathering: Gathering | None = None   # a switch from the PS to the ring
         self.window = Window(table.n, WINDOW_REPORTS)
         self.decider = Decider(self.candidates[0])
         self.sync_sent = 0          # the highest round any SYNC was sent for
@@ -69,23 +101,24 @@ class AutoPolicy(Policy):
         self.plan = parse_auto_plan(config.auto_plan)
         self.planned = bool(self.plan)
 
-    def _fresh(self, index: int) -> Policy:
-        config = dataclasses.replace(self.config, policy=AUTO_SWITCHABLE[index],
-                                     esync_delayed_ack=False).validate()
+    def _fresh(self, candidate: Candidate) -> Policy:
+        config = dataclasses.replace(self.config, policy=candidate.policy,
+                                     topology=candidate.topology, esync_delayed_ack=False,
+                                     **dict(candidate.settings)).validate()
         return config.resolved().spec.server_class()(self.t, config)
 
     def warm_up(self):
         # Every candidate's kernels now, not at the switch while the workers wait; the
         # helper's simulator too (its first ranking loads the compiled engines).
-        for i in range(len(AUTO_SWITCHABLE)):
-            self._fresh(i).warm_up()
+        for candidate in self.candidates:
+            self._fresh(candidate).warm_up()
         if self.planned:
             return
         from mpsync.auto.helper import Ranker
         from mpsync.auto.measurements import Measurements
 
         self.ranker = Ranker()
-        self._ask(Measurements(compute_s=(0.05,) * self.t.n, topologies=("ring",)),
+        self._ask(Measurements(compute_s=(0.05,) * self.t.n, topologies=self.topologies),
                   "warm-up", 0.0)
 
     # -- routing ---------------------------------------------------------------------------------
@@ -93,6 +126,23 @@ class AutoPolicy(Policy):
         if self.switch_after is not None and self.t.round[w] >= self.switch_after:
             return self.next, self.next_code
         return self.running, self.code
+
+    def _gathered(self, w: int, decision):
+        """A step under a switch from the PS (``gathering``): held until every running
+        worker is, then SYNC with the ring policy's code; None: held."""
+        g = self.gathering
+        if g.cancelled:
+            self.gathering, self.next, self.next_code = None, None, 0
+            self.decider.current = self.running_candidate
+            return decision
+        if g.released[w]:   # switching, or past the switch
+            return decision
+        g.hold(w)
+        if not g.ready(w):
+            return None
+        self.switch_after = g.round
+        self.sync_sent = max(self.sync_sent, g.round)
+        return decision[0], 0, self.next_code
 
     def _tag(self, w: int, decision, now: float):
         if decision is None:
@@ -114,6 +164,8 @@ class AutoPolicy(Policy):
             self.window.add_compute(w, compute)
         policy, _ = self._policy_of(w)
         decision = self._tag(w, policy.on_step(w, k, compute, now), now)
+        if self.gathering is not None and decision is not None:
+            decision = self._gathered(w, decision)
         self._think(now)
         self.queries += 1
         self.overhead_s += time.perf_counter() - start
@@ -121,7 +173,19 @@ class AutoPolicy(Policy):
 
     def decide_held(self, w, k, now):
         policy, _ = self._policy_of(w)
-        return self._tag(w, policy.decide_held(w, k, now), now)
+        decision = self._tag(w, policy.decide_held(w, k, now), now)
+        if self.gathering is not None and decision is not None:
+            decision = self._gathered(w, decision)
+        return decision
+
+    def on_push(self, w, now):
+        self._policy_of(w)[0].on_push(w, now)
+
+    def may_pull(self, w):
+        g = self.gathering
+        if g is not None and g.switching(w):
+            return g.may_pull(w)
+        return self._policy_of(w)[0].may_pull(w)
 
     def on_reset(self, w, round_, now):
         switching = self.switch_after is not None and round_ >= self.switch_after
@@ -136,7 +200,9 @@ class AutoPolicy(Policy):
 
     def _commit(self, now: float) -> None:
         self.running, self.code = self.next, self.next_code
-        self.timeline.append({"policy": AUTO_SWITCHABLE[self.code - 1],
+        self.running_candidate, self.gathering = self.next_candidate, None
+        self.timeline.append({"policy": auto_target(self.code)[0],
+                              "topology": auto_target(self.code)[1],
                               "after_round": int(self.switch_after),
                               "at_s": round(now - (self.t0 or now), 3)})
         self.next, self.next_code, self.switch_after = None, 0, None
@@ -166,12 +232,12 @@ class AutoPolicy(Policy):
             if answer is not None:
                 self._answered(answer, now)
             return
-        if self.switch_after is not None or now < self.next_check:
+        if self.switch_after is not None or self.gathering is not None or now < self.next_check:
             return
         self.next_check = now + CHECK_EVERY_S
         if now - self.t0 < WARM_UP_S or not self.window.ready(MIN_REPORTS):
             return
-        m = self.window.measurements(topologies=("ring",), source="live reports")
+        m = self.window.measurements(topologies=self.topologies, source="live reports")
         trigger = self.decider.wants_ranking(m)
         if trigger is not None:
             self._ask(m, trigger, now)
@@ -193,36 +259,55 @@ class AutoPolicy(Policy):
                             ranking_wall_s=round(answer.get("wall_s", 0.0), 3),
                             ranker=self.ranker.mode)
         if record.switch:
-            self._schedule(AUTO_SWITCHABLE.index(record.chosen.split("/")[0]))
+            self._schedule(next(c for c in self.candidates if c.label == record.chosen), now)
             record.switch_after_round = self.switch_after
 
     def _follow_plan(self, now: float) -> None:
-        if not self.plan or self.switch_after is not None:
+        if not self.plan or self.switch_after is not None or self.gathering is not None:
             return
         after, name = self.plan[0]
-        if name == AUTO_SWITCHABLE[self.code - 1]:
+        if name == auto_target(self.code)[0]:
             self.plan.pop(0)
             return
         if self.sync_sent + 1 < after:
             return
         self.plan.pop(0)
-        self._schedule(AUTO_SWITCHABLE.index(name))
+        chosen = _planned(self.candidates, name, self.config)
+        self._schedule(chosen, now)
         self.decider.records.append(DecisionRecord(
             at_s=now - self.t0, trigger="auto_plan", measurements={}, ranking=[],
-            previous=self.decider.current.label, chosen=f"{name}/ring", switch=True,
+            previous=self.decider.current.label, chosen=chosen.label, switch=True,
             reason=f"the plan says {name} after round {after}",
             switch_after_round=self.switch_after))
-        self.decider.current = Candidate(name, "ring")
+        self.decider.current = chosen
 
-    def _schedule(self, index: int) -> None:
-        """Switch to candidate ``index`` after the first round no SYNC was sent for yet."""
-        self.next, self.next_code = self._fresh(index), index + 1
-        self.switch_after = self.sync_sent + 1
+    def _schedule(self, candidate: Candidate, now: float) -> None:
+        """Switch to ``candidate``: from the ring, after the first round no SYNC was sent for
+        yet; from the PS to the ring, through a ``Gathering`` (the switch round is known at
+        its release); between PS policies, at once."""
+        new, code = self._fresh(candidate), auto_code(candidate.policy, candidate.topology)
+        leaving = auto_target(self.code)[1]
+        if candidate.topology == "ps":
+            # The staleness rules count pushes from the switch on (none is in flight: the
+            # ring pushes nothing, and a PS policy's count starts again).
+            self.t.pushes[:] = 0
+            self.t.push_table[:] = 0.0
+        if leaving == "ps" and candidate.topology == "ps":
+            self.running, self.code, self.running_candidate = new, code, candidate
+            self.timeline.append({"policy": candidate.policy, "topology": "ps",
+                                  "after_round": int(self.sync_sent),
+                                  "at_s": round(now - (self.t0 or now), 3)})
+            return
+        self.next, self.next_code, self.next_candidate = new, code, candidate
+        if leaving == "ps":
+            self.gathering = Gathering(self.t)
+        else:
+            self.switch_after = self.sync_sent + 1
 
     # -- what it says about itself -----------------------------------------------------------------
     def describe(self):
         decisions = [r.as_dict() for r in self.decider.records]
-        return {"running": AUTO_SWITCHABLE[self.code - 1], "decisions": decisions,
+        return {"running": auto_target(self.code)[0], "decisions": decisions,
                 "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
                 "problems": self.problems,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),

@@ -415,11 +415,13 @@ class SyncClient:
                               0.0 if loss is None else float(loss), count=imp.size, flag=flag)
         return header, np.concatenate([imp, sizes])
 
-    def ps_init(self, flat: np.ndarray) -> None:
+    def ps_init(self, flat: np.ndarray, replace: bool = False) -> None:
         """The initial weights (sharded: to every shard first, then the state server learns
-        that the model is there)."""
+        that the model is there).  ``replace``: the shards' weights are replaced if they have
+        some (``auto`` switching to the PS again)."""
         if self.shards is not None:
-            self.shards.init(np.ascontiguousarray(flat))
+            flat = np.ascontiguousarray(flat)
+            (self.shards.load if replace else self.shards.init)(flat)
             self._call(W.PS_INIT, "ps_init", header=self._header(count=0))
             return
         data = np.ascontiguousarray(flat, dtype=np.float64)

@@ -13,6 +13,7 @@ import json
 import numpy as np
 from mpi4py import MPI
 
+from mpsync import policies
 from mpsync.server import rules, wire as W
 
 __all__ = ["MessageHandlers"]
@@ -89,8 +90,8 @@ class MessageHandlers:
         data = self._payload(src, w, W.PS_INIT, msg, now, int(msg[W.COUNT]), "ps_init")
         if data is None:
             return
-        if self.config.topology != "ps":
-            return self._reject(src, W.PS_INIT, "ps_init on topology='ring'")
+        if not policies.hosts_shards(self.config):
+            return self._reject(src, W.PS_INIT, "ps_init on topology='ring' (and no auto_ps)")
         self.weights.init(data)
         self._send_reply(src, msg[W.SEQ], version=self.weights.version)
 

@@ -17,7 +17,7 @@ from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates
 from mpsync.server.weights import WeightStore
 
-__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code"]
+__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD"]
 
 
 # Wire dtype codes (a tag's offset).
@@ -28,6 +28,8 @@ INIT, PUSH, PULL, BYE, WATCH = 300, 310, 320, 350, 360
 ACK, DATA, HEARD = 330, 340, 370
 # The server-side optimizer's settings (float64, ``OptimizerSettings.to_array``), ACKed.
 OPT = 380
+# The weights to serve from now on, replacing the shard's (``auto`` switching to the PS).
+LOAD = 390
 OK, REFUSED = 0, 1
 # What a shard knows of a worker (the second row of a HEARD reply).
 UNHEARD, HEARD_FROM, GONE = 0, 1, 2
@@ -142,7 +144,7 @@ class ShardServer:
         if self.state[src] == UNHEARD:
             self.state[src] = HEARD_FROM
         kind, code = tag - tag % 10, tag % 10
-        if kind in (INIT, PUSH) and code < len(WIRE_DTYPES):
+        if kind in (INIT, PUSH, LOAD) and code < len(WIRE_DTYPES):
             status = self._take(kind, WIRE_DTYPES[code], payload, src)
             self._ack[:] = (self.store.version, status)
             self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
@@ -179,14 +181,17 @@ class ShardServer:
                  f"{self.worker_names[src]}; the shard serves on")
 
     def _take(self, kind: int, dtype: np.dtype, payload: np.ndarray, src: int) -> int:
-        """Check an INIT or PUSH payload, then store or apply it; ``OK`` or ``REFUSED``."""
-        what = "initial weights" if kind == INIT else "push"
+        """Check an INIT, LOAD or PUSH payload, then store or apply it; ``OK`` or
+        ``REFUSED``."""
+        what = {INIT: "initial weights", LOAD: "weights to load"}.get(kind, "push")
         if payload.nbytes % dtype.itemsize:
             self._refuse(src, what, f"{payload.nbytes} bytes is not a whole number of "
                                     f"{dtype} elements ({dtype.itemsize} bytes each)")
             return REFUSED
         data = payload.view(dtype)
-        if kind == INIT:
+        if kind == LOAD and self.store.ready:
+            return self._load(data, src)
+        if kind in (INIT, LOAD):
             if self.store.ready:
                 return OK     # the first worker's wins (every worker starts from one model)
             self.store.init(data)
@@ -198,6 +203,17 @@ class ShardServer:
         if problem:
             self._refuse(src, what, problem)
             return REFUSED
+        return OK
+
+    def _load(self, data: np.ndarray, src: int) -> int:
+        """Replace the weights (same length; any float dtype, stored in the store's)."""
+        if data.size != self.store.size:
+            self._refuse(src, "weights to load", f"{data.size} elements, the shard holds "
+                                                 f"{self.store.size}")
+            return REFUSED
+        if self._reading(self.store.weights):
+            self.store.detach()
+        np.copyto(self.store.weights, data, casting="unsafe")
         return OK
 
     def apply_push(self, update: np.ndarray) -> str | None:

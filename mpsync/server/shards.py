@@ -68,8 +68,8 @@ from mpsync.config import ConfigError
 from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates
 from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
-from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, OK, OPT, PULL,
-                                        PUSH, SLEEP_MAX_S, SLEEP_MIN_S, UNHEARD, WATCH,
+from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD, OK, OPT,
+                                        PULL, PUSH, SLEEP_MAX_S, SLEEP_MIN_S, UNHEARD, WATCH,
                                         WIRE_DTYPES, ShardServer, ShardThread, wire_code)
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
@@ -129,6 +129,11 @@ class ShardClient:
     def init(self, flat: np.ndarray) -> None:
         """The initial weights, in the store's dtype (the first worker's wins on each shard)."""
         self._send_slices(INIT, flat, flat, "ps_init")
+
+    def load(self, flat: np.ndarray) -> None:
+        """Replace the weights on every shard (or set them first): ``auto`` switching to the
+        PS from the ring, whose workers all hold ``flat``."""
+        self._send_slices(LOAD, flat, flat, "load")
 
     def push(self, delta: np.ndarray) -> None:
         """Apply ``delta`` on every shard; returns once every shard has applied its slice.

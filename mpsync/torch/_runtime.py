@@ -18,6 +18,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 
+from mpsync import policies
 from mpsync.config import ConfigError, SyncConfig
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
@@ -139,7 +140,7 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     node.Free()
     cross.Free()
     _start_backend(ctx)
-    if config.topology == "ps":
+    if policies.hosts_shards(config):
         from mpsync.server.shards import start_shards
 
         ctx.shards, ctx.shard_thread, ctx.shard_layout = start_shards(
@@ -204,6 +205,12 @@ def shutdown() -> None:
         opt.synchronize_model()
         opt.close()
     if ctx.shards is not None:
+        if ctx.config.topology != "ps":
+            # Shards hosted beside the ring (auto): the workers may not have spoken to them
+            # for longer than the deadline.  Each tells every shard it is here (a liveness
+            # check is a message), and waits for all to have, before the goodbyes.
+            ctx.shards.silent_workers()
+            ctx.backend.barrier("the PS shards' shutdown")
         ctx.shards.close()
         if ctx.shard_thread is not None:
             # Until every worker is done with this shard; one silent for longer than the

@@ -83,6 +83,24 @@ class ParameterServer(LocalStepsThenAggregate):
             self.client.ps_init(self._base)
         self._pull()
 
+    def adopt_replicas(self) -> None:
+        """Start from the weights every worker holds (``auto`` switching from the ring after
+        a round every worker took part in, so they are bitwise equal): worker 0 loads them
+        onto the shards, and every worker waits for that before its first push (a push must
+        not reach a shard before the weights it applies to).  Nothing is pulled: the shards
+        now hold exactly what each worker holds."""
+        self._base = _stored(self.buf.pack_params()).numpy().copy()
+        shards = self.client.shards
+        shards.layout(self._base.size)
+        shards.wire = self._wire_dtype()
+        if self.worker_rank == 0:
+            self.client.ps_init(self._base, replace=True)
+        # A liveness check is a message: every shard hears from this worker now, not from
+        # before the ring ran (others' waits would take it for silent).
+        shards.silent_workers()
+        self.backend.barrier("the parameter server loaded at a switch from the ring")
+        self.version = 0
+
     def _pull(self, final: bool = False) -> None:
         t0 = time.perf_counter()
         self.version = self.client.pull(self._base, self.iteration, final=final)

@@ -18,7 +18,23 @@ Nothing is lost at the switch: the round that ends one policy aggregates every u
 under it, and the next strategy starts from its result with the same iteration and round
 numbers (the server's tables go on counting), the same fusion buffers, counters and wire.
 The gradients leave the fusion buffer when a local-step strategy takes over (BSP binds them
-into it).  Each switch is recorded in ``switches`` (iteration, round, from, to, and a digest of
+into it).
+
+Across topologies (``auto_ps``: the job hosts the parameter server's shards, idle while the
+ring runs):
+
+* ring -> PS (ASP, SSP, DSSP), after a ring round as above: worker 0 loads the weights every
+  worker holds onto the shards, every worker waits for that, then pushes its deltas from
+  them (``ParameterServer.adopt_replicas``).  Each worker keeps its own optimizer state (the
+  PS runs the script's optimizer on every worker, ``ps_optimizer='worker'``).
+* PS -> ring, through the round the server makes for it (``mpsync.auto.gathering``): every
+  worker pushes what it had not, pulls once every push is in (the same weights on every
+  worker), and the ring starts from them, its rounds numbered from the highest any worker
+  reached (one reset tells the server).  Going to BSP, the optimizer states are averaged and
+  made equal as above.
+* PS -> PS: the workers' strategy and the shards' weights stay; the server's rules change.
+
+Each switch is recorded in ``switches`` (iteration, round, from, to, and a digest of
 the weights: every worker's must be equal).
 """
 
@@ -30,7 +46,7 @@ import time
 
 import torch
 
-from mpsync.policies import AUTO_SWITCHABLE
+from mpsync.policies import AUTO_TARGETS, auto_target, hosts_shards
 from mpsync.torch.strategy_base import Strategy, spec_of
 
 __all__ = ["Switching", "weights_digest"]
@@ -62,7 +78,12 @@ class Switching(Strategy):
                              client=client, counters=counters, config=config, switches=[],
                              _carried=dict(wire=None, op_sum=False, peers=None,
                                            skip_aggregation=False))
-        self.__dict__["inner"] = self._make(AUTO_SWITCHABLE[0], None)
+        if hosts_shards(config) and len(buffers) != 1:
+            raise ValueError(f"policy='auto' with auto_ps needs all parameters in one dtype "
+                             f"(the parameter server's flat model), got "
+                             f"{[str(b.dtype) for b in buffers]}; set auto_ps=False "
+                             f"(MPSYNC_AUTO_PS=0) to switch on the ring only")
+        self.__dict__["inner"] = self._make(1, None)
 
     # -- the running strategy's state, read and written through ---------------------------------
     def __getattr__(self, name):
@@ -85,19 +106,27 @@ class Switching(Strategy):
     @property
     def policy(self) -> str:
         """The policy running now."""
-        return AUTO_SWITCHABLE[self.inner.code - 1]
+        return auto_target(self.inner.code)[0]
+
+    @property
+    def topology(self) -> str:
+        """Where it runs now: ``ring`` or ``ps``."""
+        return auto_target(self.inner.code)[1]
 
     # -- switching ------------------------------------------------------------------------------
-    def _make(self, policy: str, previous: Strategy | None) -> Strategy:
-        config = dataclasses.replace(self.config, policy=policy, esync_delayed_ack=False)
+    def _make(self, code: int, previous: Strategy | None) -> Strategy:
+        policy, topology = auto_target(code)
+        config = dataclasses.replace(self.config, policy=policy, topology=topology,
+                                     esync_delayed_ack=False)
         config.validate()
-        cls = spec_of(config).strategy_class("ring")
+        cls = spec_of(config).strategy_class(topology)
         for buf in self.buffers:
             # A strategy lays out its header before gradient averaging binds the gradients.
             self._unbind_grads(buf)
         inner = cls.from_config(config, self.optimizer, self.buffers, self.backend,
-                                self.client, self.counters)
-        inner.code = 1 + AUTO_SWITCHABLE.index(policy)
+                                self.client, self.counters,
+                                worker_rank=self.backend.rank if self.backend else 0)
+        inner.code = code
         for name, value in self._carried.items():
             setattr(inner, name, value)
         if previous is not None:
@@ -119,18 +148,43 @@ class Switching(Strategy):
         old = self.inner
         if not old.switch_pending():
             return False
-        policy = AUTO_SWITCHABLE[old.last_decision.extra - 1]
-        new = self._make(policy, old)
+        code = old.last_decision.extra
+        if not 0 < code <= len(AUTO_TARGETS):
+            raise RuntimeError(f"policy auto: the server named policy code {code}, which this "
+                               f"worker does not know (server and workers of one version?)")
+        (was, leaving), (policy, topology) = auto_target(old.code), auto_target(code)
+        if leaving == topology == "ps":
+            # The server's rules changed (its timeline records it; a worker told after a
+            # later switch never hears of it); pushes, pulls and the shards' weights stay.
+            old.code = code
+            return False
+        new = self._make(code, old)
+        if leaving == "ps" and topology == "ring":
+            self._start_rounds_together(new)
+        if topology == "ps" and leaving == "ring":
+            new.adopt_replicas()
         if not old.aggregates_every_step and new.aggregates_every_step:
             self._average_optimizer_state(min(old.last_active))
-        self.switches.append({"iteration": old.iteration, "round": old.round,
-                              "from": AUTO_SWITCHABLE[old.code - 1], "to": policy,
+        self.switches.append({"iteration": old.iteration, "round": new.round,
+                              "from": was, "to": policy, "from_topology": leaving,
+                              "to_topology": topology,
                               "weights_sha256": weights_digest(self.buffers),
                               "at_clock": time.time()})
         now = time.perf_counter()
         self.counters.event("switch", now, now)
         self.__dict__["inner"] = new
         return True
+
+    def _start_rounds_together(self, new: Strategy) -> None:
+        """The ring's rounds after the PS's: numbered from the highest round any worker
+        reached (each counted its own pulls), which the server took as the switch round."""
+        rounds = torch.zeros(new.n_workers, dtype=torch.float64)
+        rounds[new.me] = new.round
+        self.backend.allreduce_sum_(rounds, "rounds at the switch to the ring")
+        common = int(rounds.max())
+        if common != new.round and self.client is not None:
+            new.round = common
+            new.reset(0.0)
 
     def _average_optimizer_state(self, root: int) -> None:
         """The optimizer states drifted apart during local steps: average every floating
@@ -169,6 +223,9 @@ class Switching(Strategy):
                 inner._test_capability(inner._pace())
 
     def synchronize(self) -> None:
+        if self.topology == "ps":
+            # Its own final push and pull; no switch is told during a PS join.
+            return self.inner.synchronize()
         self.join()
         inner = self.inner
         inner._broadcast_model(min(inner.last_active))
