@@ -80,6 +80,9 @@ def mistakes(tmp):
         ("simulate zero workers", ["simulate", "--workers", "0"], {}, "--workers must be >= 1"),
         ("simulate an unknown policy", ["simulate", "--policies", "nonsense"], {},
          "unknown policy 'nonsense' in --policies"),
+        ("simulate auto", ["simulate", "--policies", "bsp,auto"], {},
+         "--policies auto: auto chooses among the others as a run goes; to see what it would "
+         "choose, run mpsync advise"),
         ("simulate an upside-down staleness range", ["simulate", "--policies", "dssp",
                                                      "--staleness-range", "9,2"], {},
          "s_L=9 > s_U=2"),

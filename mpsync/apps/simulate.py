@@ -61,9 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speeds", default="lognormal:0.3",
                    help="lognormal:SIGMA | groups:1x256,1.5x128,3x128 | trace:metrics.json | "
                         "const; ';'-separated list for a sweep")
-    p.add_argument("--policies", default=",".join(registry.names()),
+    # Every registered policy but auto, which runs the others (mpsync advise ranks them).
+    simulated = [n for n in registry.names() if n != registry.AUTO]
+    p.add_argument("--policies", default=",".join(simulated),
                    help=f"comma list (default: every registered policy, "
-                        f"{', '.join(registry.names())})")
+                        f"{', '.join(simulated)}; auto: see mpsync advise)")
     p.add_argument("--iterations", type=int, default=None,
                    help="stop after workers x ITERATIONS iterations in total (default 1000)")
     p.add_argument("--duration", type=float, default=None,
@@ -166,6 +168,10 @@ def run_rows(args, log=None) -> list[dict]:
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
+        if p == registry.AUTO:
+            raise ConfigError("--policies auto: auto chooses among the others as a run goes; "
+                              "to see what it would choose, run mpsync advise (or simulate "
+                              "the policies it chooses among)")
         if p not in registry.names():
             raise ConfigError(f"unknown policy {p!r} in --policies; choose from "
                               f"{', '.join(registry.names())}")

@@ -272,7 +272,10 @@ class Worker:
         e = {"wall_s": at, "samples": int(global_samples), "accuracy": acc, "loss": loss,
              "wall_clock": time.time()}
         self.evals.append(e)
-        self.eval_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.eval_s += took
+        if self.opt is not None:   # worker 0's evaluations are not its compute (its speed)
+            self.opt.exclude_from_compute(took)
         if self.args.stop_at_target and acc >= self.args.target_acc:
             self.reached_target = True
         return e
@@ -353,6 +356,7 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         "evals": [{k: v for k, v in ev.items() if k != "wall_clock"} for ev in w.evals],
         "workers": {str(i): g for i, g in enumerate(gathered)},
         "wall_s": final_wall,
+        "eval_s": round(w.eval_s, 4),   # worker 0's evaluations, excluded from wall_s
         # What ended training: "target" (--stop-at-target), "budget" or "epochs".
         "stop_reason": w.stop_reason,
         # When training began (worker 0's first evaluation), seconds since the epoch: what a

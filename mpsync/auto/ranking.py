@@ -148,14 +148,15 @@ def _cost(m: Measurements, c: Candidate):
 
 
 def predict(m: Measurements, c: Candidate, *, base=None, seed: int = 0,
-            horizon: int = HORIZON_ITERATIONS) -> Ranked:
-    """Simulate one candidate on ``m`` and predict its time to the target."""
+            horizon: int = HORIZON_ITERATIONS, engine: str = "auto") -> Ranked:
+    """Simulate one candidate on ``m`` and predict its time to the target (``engine``: the
+    simulator's; "exact" needs no compiled kernel when Numba's JIT is off, ``helper``)."""
     from mpsync.simulate import SpeedModel, simulate
 
     t0 = time.process_time()
     speeds = SpeedModel(list(m.compute_s), jitter=m.jitter, seed=seed)
     row = simulate(c.config(base), speeds, _cost(m, c), iterations=horizon,
-                   batch_size=m.batch_size)
+                   batch_size=m.batch_size, engine=engine)
     rate = row.get("samples_per_s") or 0.0
     spec = policies.get(c.policy)
     eff, why = efficiency(row, c.topology == "ps" and not spec.ps_average, m.compute_s)
@@ -168,11 +169,12 @@ def predict(m: Measurements, c: Candidate, *, base=None, seed: int = 0,
 
 
 def rank_candidates(measurements: Measurements, candidates=None, *, base=None,
-                    horizon: int = HORIZON_ITERATIONS) -> list[Ranked]:
+                    horizon: int = HORIZON_ITERATIONS, engine: str = "auto") -> list[Ranked]:
     """Every candidate (None: :func:`default_candidates` on ``measurements.topologies``)
     predicted on ``measurements``, best (shortest predicted time to target) first.  ``base``:
     the run's configuration, whose settings the candidates keep unless they sweep them."""
     if candidates is None:
         candidates = default_candidates(measurements.topologies)
-    ranked = [predict(measurements, c, base=base, horizon=horizon) for c in candidates]
+    ranked = [predict(measurements, c, base=base, horizon=horizon, engine=engine)
+              for c in candidates]
     return sorted(ranked, key=lambda r: (r.predicted_time_to_target_s, r.candidate.label))

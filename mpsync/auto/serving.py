@@ -109,7 +109,7 @@ class AutoPolicy(Policy):
 
     def warm_up(self):
         # Every candidate's kernels now, not at the switch while the workers wait; the
-        # helper's simulator too (its first ranking loads the compiled engines).
+        # helper's imports too (it ranks with the uncompiled exact engine: helper).
         for candidate in self.candidates:
             self._fresh(candidate).warm_up()
         if self.planned:
@@ -117,9 +117,9 @@ class AutoPolicy(Policy):
         from mpsync.auto.helper import Ranker
         from mpsync.auto.measurements import Measurements
 
-        self.ranker = Ranker()
-        self._ask(Measurements(compute_s=(0.05,) * self.t.n, topologies=self.topologies),
-                  "warm-up", 0.0)
+        warm = Measurements(compute_s=(0.05,) * self.t.n, topologies=self.topologies)
+        self.ranker = Ranker(self.t.n, warm_up_request=self._request(warm))
+        self._ask(warm, "warm-up", 0.0)
 
     # -- routing ---------------------------------------------------------------------------------
     def _policy_of(self, w: int):
@@ -218,11 +218,14 @@ class AutoPolicy(Policy):
         self.running.on_rejoin(w)
 
     # -- deciding --------------------------------------------------------------------------------
+    def _request(self, m) -> dict:
+        return {"measurements": m.as_dict(),
+                "candidates": [c.as_dict() for c in self.candidates],
+                "base": {k: getattr(self.config, k) for k in _SETTINGS}}
+
     def _ask(self, m, trigger: str, now: float) -> None:
         self.asked = (trigger, m, now)
-        self.ranker.submit({"measurements": m.as_dict(),
-                            "candidates": [c.as_dict() for c in self.candidates],
-                            "base": {k: getattr(self.config, k) for k in _SETTINGS}})
+        self.ranker.submit(self._request(m))
 
     def _think(self, now: float) -> None:
         if self.planned:
@@ -257,7 +260,7 @@ class AutoPolicy(Policy):
                                      cost_s=answer.get("cpu_s", 0.0))
         record.extra.update(answered_after_s=round(now - asked_at, 3),
                             ranking_wall_s=round(answer.get("wall_s", 0.0), 3),
-                            ranker=self.ranker.mode)
+                            ranker=self.ranker.mode, engine=answer.get("engine"))
         if record.switch:
             self._schedule(next(c for c in self.candidates if c.label == record.chosen), now)
             record.switch_after_round = self.switch_after

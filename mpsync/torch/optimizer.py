@@ -291,6 +291,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._counters.iterations += 1
         return loss
 
+    def exclude_from_compute(self, seconds: float) -> None:
+        """``seconds`` the training loop spent since the last step on something other than
+        this step's work (an evaluation, a checkpoint): not counted as the next step's compute,
+        which the state server reads as this worker's speed."""
+        self._last_step_end += max(0.0, seconds)
+
     def synchronize(self) -> None:
         """See the class doc: gradients before ``step()``, the model after it."""
         if self._passes > 0:
