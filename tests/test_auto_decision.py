@@ -37,13 +37,13 @@ def _time(ranked, label: str) -> float:
 
 
 def test_three_clusters_three_choices_each_the_one_it_calls_for():
-    # Equal speeds, an aggregation of 2 ms against 50 ms iterations: nothing waits, so every
-    # policy has BSP's samples/s and local steps or stale reads only cost progress.  BSP stays.
+    # Equal speeds, an aggregation of 2 ms against 50 ms iterations: nothing waits, so no
+    # policy gains more than the few percent of aggregations it saves.  BSP stays.
     equal = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.002,
                                      topologies=("ring",))
     r1, ranked = _choose(equal, RING)
     assert not r1.switch and r1.chosen == "bsp/ring", r1.reason
-    assert _time(ranked, "ebsp/ring") > _time(ranked, "bsp/ring")
+    assert _time(ranked, "bsp/ring") < 1.1 * min(r.predicted_time_to_target_s for r in ranked)
     # The same workers behind a slow link (200 ms per aggregation): ElasticBSP's supersteps
     # aggregate once per monitoring phase + barrier instead of every iteration (and ESync, with
     # nobody faster than anybody, is BSP): it halves the time.
@@ -52,14 +52,15 @@ def test_three_clusters_three_choices_each_the_one_it_calls_for():
     r2, ranked = _choose(slow_link, RING)
     assert r2.switch and r2.chosen == "ebsp/ring", r2.reason
     assert _time(ranked, "bsp/ring") > 1.5 * _time(ranked, "ebsp/ring")
-    # One worker 20x slower, every topology: anything synchronous waits for it; local-step
-    # rounds leave the fast ones ~20 local steps each; ASP's pushes never wait and the
-    # straggler's stale updates are 1/61 of all updates.
-    straggler = Measurements.from_speeds([1, 1, 1, 20], iter_time=0.05, aggregation_s=0.002)
-    r3, ranked = _choose(straggler)
-    assert r3.switch and r3.chosen == "asp/ps", r3.reason
-    runner_up = sorted(r.predicted_time_to_target_s for r in ranked)[1]
-    assert runner_up > 1.2 * _time(ranked, "asp/ps")
+    # One worker 20x slower: anything synchronous waits for it.  ESync's rounds let the fast
+    # ones take 13 local steps while it computes one (efficiency 0.89); ElasticBSP's supersteps
+    # give them about 41 (0.71); BSP waits.
+    straggler = Measurements.from_speeds([1, 1, 1, 20], iter_time=0.05, aggregation_s=0.002,
+                                         topologies=("ring",))
+    r3, ranked = _choose(straggler, RING)
+    assert r3.switch and r3.chosen == "esync/ring", r3.reason
+    assert _time(ranked, "ebsp/ring") > 1.1 * _time(ranked, "esync/ring")
+    assert _time(ranked, "bsp/ring") > 5 * _time(ranked, "esync/ring")
     assert len({r1.chosen, r2.chosen, r3.chosen}) == 3
     # Each decision explains itself: inputs, every candidate's prediction, the reason.
     for r in (r1, r2, r3):
@@ -136,11 +137,13 @@ def test_hysteresis_needs_a_clear_gain():
     m = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.05, aggregation_s=0.002,
                                  topologies=("ring",))
     ranked = rank_candidates(m, RING)
-    # From ElasticBSP, BSP is predicted faster, but only by a few percent here: stay.
-    assert ranked[0].candidate.policy == "bsp"
-    d = Decider(Candidate("ebsp", "ring"))
-    record = d.decide(ranked, m, 1.0, "test")
-    assert not record.switch and "stay" in record.reason
+    # Equal speeds: ElasticBSP saves a few aggregations of 2 ms, a few percent, and the
+    # others are within that of it.  From any of them: stay.
+    best = ranked[0].predicted_time_to_target_s
+    assert all(r.predicted_time_to_target_s < 1.1 * best for r in ranked)
+    for current in RING:
+        record = Decider(current).decide(ranked, m, 1.0, "test")
+        assert not record.switch and record.chosen == current.label, record.reason
 
 
 def test_measurements_from_a_finished_run_and_back():
