@@ -255,3 +255,36 @@ def test_the_first_ranking_waits_for_no_compiler(tmp_path, monkeypatch):
     compiled = {r.candidate.label: r.predicted_time_to_target_s for r in rank_candidates(m, RING)}
     assert {r["candidate"]: r["predicted_time_to_target_s"] for r in answer["ranked"]} == \
         pytest.approx(compiled, abs=2e-3)
+
+
+def test_a_switch_measured_worse_is_switched_back_and_not_chosen_again():
+    """Predict, switch, then confirm by measured progress: the new policy's measured rate
+    times its efficiency against the policy it left; worse by more than the switch margin
+    sends it back, and the refuted candidate is not chosen again until the cluster changes."""
+    m = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.15, aggregation_s=0.003,
+                                 topologies=("ring",))
+    ranked = rank_candidates(m, RING)
+    bsp = next(r.candidate for r in ranked if r.candidate.policy == "bsp")
+    d = Decider(bsp)
+    first = d.decide(ranked, m, 2.0, d.wants_ranking(m))
+    assert first.switch and first.chosen == ranked[0].candidate.label
+    chosen = d.current
+    # Measured: BSP ran 10 iterations/s; the new policy, 2.5x as fast predicted, ran 20.
+    ok = d.confirm_switch(bsp, 10.0, 20.0, 7.0, 4.0)
+    assert not ok.switch and ok.trigger == "confirmation" and "confirmed" in ok.reason
+    assert d.current == chosen
+    # Another run of the same: the new policy measured at 8 iterations/s: back to BSP.
+    d = Decider(bsp)
+    d.decide(ranked, m, 2.0, d.wants_ranking(m))
+    back = d.confirm_switch(bsp, 10.0, 8.0, 7.0, 4.0)
+    assert back.switch and back.chosen == "bsp/ring" and d.current == bsp, back.reason
+    assert back.measurements["iterations_per_s"] == 8.0 and "back to bsp/ring" in back.reason
+    # The same measurements ranked again: the refuted one is passed over (the runner-up
+    # may be chosen if it is predicted clearly faster than BSP)...
+    again = d.decide(ranked, m, 12.0, "test")
+    assert again.chosen != chosen.label
+    # ... until the cluster changes.
+    slowed = Measurements.from_speeds([1, 1, 4, 8], iter_time=0.15, aggregation_s=0.003,
+                                      topologies=("ring",))
+    assert d.wants_ranking(slowed) is None and d.wants_ranking(slowed)
+    assert not d.refuted

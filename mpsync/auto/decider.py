@@ -7,6 +7,13 @@ checks, so one slow window is not a change), and switches only when the best can
 predicted at least ``min_gain`` faster than the policy running, and not sooner than
 ``min_dwell_s`` after the last switch.  On a steady cluster it therefore decides once and
 switches at most once; what it decided, on what, and why, is in ``records``.
+
+A switch is a prediction until measured: after it, :meth:`Decider.confirm_switch` sets the progress
+per second measured under the new policy (its measured samples per second times the
+efficiency the ranking gave it) beside the same figure measured under the policy it left,
+and switches back when the new one measured more than ``min_gain`` worse.  A candidate
+refuted so is not chosen again until the cluster changes.  Nothing is thrown away: both
+figures come from training the job does anyway.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class Decider:
         self.records: list[DecisionRecord] = []
         self.last_switch_s = float("-inf")
         self._seen = 0                   # consecutive checks that saw a change
+        self.refuted: set[str] = set()   # switched to, measured worse: not again on this basis
 
     @property
     def switches(self) -> int:
@@ -74,6 +82,7 @@ class Decider:
         if self._seen < self.confirm:
             return None
         self._seen = 0
+        self.refuted.clear()
         return f"cluster changed: {change}"
 
     def decide(self, ranked: list[Ranked], m: Measurements, now_s: float, trigger: str,
@@ -81,6 +90,8 @@ class Decider:
         """Choose among ``ranked`` (best first); the record says whether it switches."""
         if not ranked:
             raise ValueError("decide: no candidates were ranked")
+        ranked = [r for r in ranked if r.candidate.label not in self.refuted
+                  or r.candidate == self.current] or ranked
         best = ranked[0]
         here = next((r for r in ranked if r.candidate == self.current), None)
         chosen, switch = self.current, False
@@ -112,5 +123,40 @@ class Decider:
         self.basis = m
         if switch:
             self.current = chosen
+            self.last_switch_s = now_s
+        return record
+
+    def confirm_switch(self, left: Candidate, left_rate: float, rate: float, now_s: float,
+                measured_s: float) -> DecisionRecord:
+        """The last switch (from ``left``) measured: the job's iterations per second (every
+        worker's, the same batch each) under ``left`` before it and under the running policy
+        for ``measured_s`` seconds since.  Progress per second is that times each one's
+        efficiency in the ranking that switched; the record switches back when the new
+        policy's is more than ``min_gain`` below the left one's."""
+        switched = next((r for r in reversed(self.records) if r.switch), None)
+        eff = {} if switched is None else {r["candidate"]: r["efficiency"]
+                                           for r in switched.ranking}
+        now_p = rate * eff.get(self.current.label, 1.0)
+        left_p = left_rate * eff.get(left.label, 1.0)
+        gain = now_p / left_p - 1.0 if left_p > 0 else 0.0
+        measured = {"left": left.label, "left_iterations_per_s": round(left_rate, 2),
+                    "iterations_per_s": round(rate, 2), "measured_s": round(measured_s, 2),
+                    "left_progress_per_s": round(left_p, 1), "progress_per_s": round(now_p, 1)}
+        back = gain < -self.min_gain
+        if back:
+            reason = (f"measured {self.current.label} {-gain:.0%} slower in progress per second "
+                      f"than {left.label} ({now_p:.1f} vs {left_p:.1f} iterations/s x efficiency "
+                      f"over {measured_s:.1f}s): back to {left.label}")
+            self.refuted.add(self.current.label)
+        else:
+            reason = (f"measured {self.current.label} at {gain:+.0%} progress per second against "
+                      f"{left.label} ({now_p:.1f} vs {left_p:.1f}): confirmed")
+        record = DecisionRecord(at_s=now_s, trigger="confirmation", measurements=measured,
+                                ranking=[], previous=self.current.label,
+                                chosen=left.label if back else self.current.label,
+                                switch=back, reason=reason)
+        self.records.append(record)
+        if back:
+            self.current = left
             self.last_switch_s = now_s
         return record

@@ -4,7 +4,9 @@
 policy with ``repeat*/metrics.json``).  The table sets auto's median time to target beside
 the best fixed policy's of the same comparison (the ratio the acceptance of ``auto`` is
 about) and lists, per auto run, what it chose and when: each decision that switched (the
-server's clock from its first report) and each switch's round and training wall time.
+server's clock from its first report) and each switch's round and training wall time; and
+checks the efficiency model: each policy's measured samples to the target against BSP's,
+beside the efficiency auto predicted for it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["comparison_table", "main"]
+__all__ = ["comparison_table", "efficiency_check", "main"]
 
 
 def _runs(out: Path, policy: str) -> list[dict]:
@@ -24,6 +26,43 @@ def _runs(out: Path, policy: str) -> list[dict]:
     if not runs and one.exists():
         runs.append(json.loads(one.read_text()) | {"_dir": "."})
     return runs
+
+
+def _samples_to_target(m: dict) -> float | None:
+    target = (m.get("config") or {}).get("target_acc")
+    return next((float(e["samples"]) for e in m.get("evals") or ()
+                 if target is not None and e.get("accuracy", 0) >= target), None)
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return None if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+
+def efficiency_check(out) -> str:
+    """Markdown: each policy's measured progress per sample (BSP's median samples to the
+    target over its own) beside the efficiency auto's first ranking gave it."""
+    out = Path(out)
+    summary = json.loads((out / "compare.json").read_text())
+    samples = {r["policy"]: _median(_samples_to_target(m) for m in _runs(out, r["policy"]))
+               for r in summary["rows"]}
+    predicted = {}
+    for m in _runs(out, "auto"):
+        ranked = next((d["ranking"] for d in m.get("decisions") or () if d.get("ranking")), [])
+        for r in ranked:
+            if r["settings"] == [] and r.get("wire", "fp32") == "fp32":
+                predicted.setdefault(r["policy"], []).append(r["efficiency"])
+    base = samples.get("bsp")
+    lines = ["| policy | samples to target, median | measured progress per sample (BSP = 1) "
+             "| auto's predicted efficiency |", "|---|---|---|---|"]
+    for p, n in samples.items():
+        if p == "auto":
+            continue
+        eff = f"{base / n:.2f}" if base and n else "-"
+        pred = predicted.get(p)
+        lines.append(f"| {p} | {'-' if n is None else f'{n:.0f}'} | {eff} | "
+                     f"{'-' if not pred else f'{_median(pred):.2f}'} |")
+    return "\n".join(lines)
 
 
 def comparison_table(out) -> str:
@@ -67,6 +106,8 @@ def main(argv=None) -> int:
         return 2
     try:
         print(comparison_table(argv[0]))
+        print()
+        print(efficiency_check(argv[0]))
     except (OSError, ValueError, KeyError) as e:
         print(f"mpsync.auto.explain: cannot read {argv[0]}: {e}", file=sys.stderr)
         return 1

@@ -47,8 +47,10 @@ __all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS", "live_cand
 CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the queries' clock)
 RANK_EVERY_S = 2.0       # and at most this often ranked again
 WARM_UP_S = 1.0          # measured under the starting policy at least this long
-MIN_REPORTS = 3          # ... and until every worker has reported this often
-WINDOW_REPORTS = 5       # the window of compute times per worker (medians over it)
+CONFIRM_AFTER_S = 4.0    # a switch's progress is measured this long before it is confirmed
+MIN_REPORTS = 2          # ... and until every worker has reported this often
+WINDOW_REPORTS = 3       # the window of compute times per worker (medians over it: one
+                         # hiccup is no change; a straggler is seen after two reports)
 _SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipline_variant",
              "epsilon", "esync_slack")
 
@@ -96,6 +98,10 @@ class AutoPolicy(Policy):
         self.asked = None           # (trigger, measurements, when) of the ranking in flight
         self.timeline = [{"policy": AUTO_SWITCHABLE[0], "after_round": 0, "at_s": 0.0}]
         self.overhead_s, self.queries = 0.0, 0
+        # Measured progress: iterations reported, from when the running policy began; the
+        # policy a switch left and its rate, until the new one's is measured (_confirm).
+        self.steps_done, self.period_start, self.left = 0, None, None
+        self._left_candidate, self._confirm_next = None, False
         self.problems: list[str] = []
         # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
         self.plan = parse_auto_plan(config.auto_plan)
@@ -162,6 +168,7 @@ class AutoPolicy(Policy):
             self.t0 = now
         if k > 0:
             self.window.add_compute(w, compute)
+            self.steps_done += 1
         policy, _ = self._policy_of(w)
         decision = self._tag(w, policy.on_step(w, k, compute, now), now)
         if self.gathering is not None and decision is not None:
@@ -206,6 +213,28 @@ class AutoPolicy(Policy):
                               "after_round": int(self.switch_after),
                               "at_s": round(now - (self.t0 or now), 3)})
         self.next, self.next_code, self.switch_after = None, 0, None
+        self._began(now)
+
+    def _began(self, now: float) -> None:
+        """A switch took effect: the policy left is measured until now, the new one from now
+        (``Decider.confirm_switch`` compares them after ``CONFIRM_AFTER_S``)."""
+        t, steps = self.period_start or (self.t0 or now, 0)
+        rate = (self.steps_done - steps) / max(now - t, 1e-9)
+        self.left = (self._left_candidate, rate) if self._confirm_next else None
+        self.period_start = (now, self.steps_done)
+
+    def _confirm(self, now: float) -> None:
+        if self.left is None or now - self.period_start[0] < CONFIRM_AFTER_S:
+            return
+        t, steps = self.period_start
+        (left, left_rate), self.left = self.left, None
+        if left is None:
+            return
+        record = self.decider.confirm_switch(left, left_rate, (self.steps_done - steps) / (now - t),
+                                      now - self.t0, now - t)
+        if record.switch:
+            self._schedule(left, now, confirm=False)   # a switch back is not raced again
+            record.switch_after_round = self.switch_after
 
     def on_membership_change(self):
         self.running.on_membership_change()
@@ -238,10 +267,15 @@ class AutoPolicy(Policy):
         if self.switch_after is not None or self.gathering is not None or now < self.next_check:
             return
         self.next_check = now + CHECK_EVERY_S
+        self._confirm(now)
+        if self.switch_after is not None or self.gathering is not None:
+            return
         if now - self.t0 < WARM_UP_S or not self.window.ready(MIN_REPORTS):
             return
         m = self.window.measurements(topologies=self.topologies, source="live reports")
         trigger = self.decider.wants_ranking(m)
+        if trigger is not None and trigger != "first measurement":
+            self.left = None     # the cluster changed: the rates before and after compare not
         if trigger is not None:
             self._ask(m, trigger, now)
             self.next_check = now + RANK_EVERY_S
@@ -284,7 +318,7 @@ class AutoPolicy(Policy):
             switch_after_round=self.switch_after))
         self.decider.current = chosen
 
-    def _schedule(self, candidate: Candidate, now: float) -> None:
+    def _schedule(self, candidate: Candidate, now: float, confirm: bool = True) -> None:
         """Switch to ``candidate``: from the ring, after the first round no SYNC was sent for
         yet; from the PS to the ring, through a ``Gathering`` (the switch round is known at
         its release); between PS policies, at once."""
@@ -295,11 +329,13 @@ class AutoPolicy(Policy):
             # ring pushes nothing, and a PS policy's count starts again).
             self.t.pushes[:] = 0
             self.t.push_table[:] = 0.0
+        self._left_candidate, self._confirm_next = self.running_candidate, confirm
         if leaving == "ps" and candidate.topology == "ps":
             self.running, self.code, self.running_candidate = new, code, candidate
             self.timeline.append({"policy": candidate.policy, "topology": "ps",
                                   "after_round": int(self.sync_sent),
                                   "at_s": round(now - (self.t0 or now), 3)})
+            self._began(now)
             return
         self.next, self.next_code, self.next_candidate = new, code, candidate
         if leaving == "ps":
