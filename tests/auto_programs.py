@@ -73,5 +73,27 @@ def planned_switches() -> None:
             decisions=state.get("decisions"))
 
 
+def stopped_in_gathering() -> None:
+    """``auto`` on the PS (plan: ASP after round 2, BSP after round 5): worker 1 stops (falls
+    silent, its process alive) at its first step on the PS, so the round the server makes to
+    leave the PS can never gather everyone.  The job must end, naming it, not hang."""
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
+             auto_plan="2:asp,5:bsp", deadline=20, silent_timeout=3)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    me = mps.rank()
+    for step in range(400):
+        if me == 1 and opt.strategy.topology == "ps":
+            print("STOPPED", flush=True)
+            time.sleep(600)
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.01)
+        opt.step()
+    _result(rank=me, finished=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

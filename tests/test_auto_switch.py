@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpi_harness import run_mpi
+from mpi_harness import REPO, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -101,3 +101,47 @@ def test_switches_across_topologies_keep_every_update_and_equal_weights():
     for k in ring_rounds:
         # After every ring round the replicas are bitwise equal (PS rounds are each worker's).
         assert len({x[k] for x in rounds}) == 1, (k, res[1]["policy_of_round"][k])
+
+
+def test_optimizer_states_are_made_equal_when_the_ps_hands_over_to_bsp():
+    """Each worker runs its own optimizer on the PS (momentum drifts apart); after the switch
+    to BSP the states are averaged and made equal, or the BSP rounds would drift apart."""
+    res = run_mpi("auto_programs:planned_switches", np=4, timeout=180,
+                  args=["plan=3:asp,6:bsp", "rounds=14", "momentum=0.9"]).results()
+    assert [(s["from"], s["to"]) for s in res[1]["switches"]] == [("bsp", "asp"),
+                                                                   ("asp", "bsp")]
+    rounds = [r["after_round"] for r in res.values()]
+    bsp_after = [k for k, p in res[1]["policy_of_round"].items()
+                 if p == "bsp" and int(k) > res[1]["switches"][1]["round"]]
+    assert len(bsp_after) >= 5
+    for k in bsp_after:
+        assert len({x[k] for x in rounds}) == 1, k
+
+
+def test_a_worker_stopped_on_the_ps_ends_the_job_instead_of_hanging_the_switch_back():
+    run = run_mpi("auto_programs:stopped_in_gathering", np=4, timeout=120, check=False)
+    assert not run.timed_out and run.returncode != 0, run.report()
+    assert "STOPPED" in run.stdout + str(run.ranks), run.report()
+    assert "worker rank(s) [2] silent" in run.stderr + str(run.ranks), run.report()
+
+
+def test_mpsync_train_under_auto_crosses_topologies_and_ends_cleanly(tmp_path):
+    """``mpsync train`` decides when to stop by the ring's rule on the ring and by the PS's
+    on the PS (where each worker counts its own rounds, so a stop check at round boundaries
+    would pair different rounds and straddle the switch back to the ring)."""
+    import json
+    import os
+    import sys
+
+    from mpsync.launch import run_with_deadline
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), MPSYNC_AUTO_PLAN="3:asp,30:bsp")
+    env.pop("MPSYNC_DEBUG", None)
+    res = run_with_deadline([sys.executable, "-m", "mpsync.cli", "train", "--np", "3",
+                             "--policy", "auto", "--time-budget", "8", "--slowdown", "1,1,8",
+                             "--no-progress", "--no-plots", "--deadline", "60",
+                             "--out", str(tmp_path / "run")], 300, env=env, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    timeline = [(t["policy"], t.get("topology", "ring")) for t in metrics["policy_timeline"]]
+    assert timeline == [("bsp", "ring"), ("asp", "ps"), ("bsp", "ring")], timeline

@@ -54,7 +54,7 @@ from mpsync.apps.train_checkpoints import reshard
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
-    plugins_from_env, print_user_error, refuse_unsettled, setting_from_env
+    parse_bool, plugins_from_env, print_user_error, refuse_unsettled, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
 from mpsync.launch.hosts import launched_rank
@@ -101,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"topology ps: who runs the optimizer, each worker (pushing the delta "
                         f"of its step) or the shards (workers push gradients; SGD or Adam) "
                         f"(default: $MPSYNC_PS_OPTIMIZER or {d.ps_optimizer})")
+    g.add_argument("--no-auto-ps", action="store_true", default=None,
+                   help="policy auto: switch on the ring only, hosting no parameter-server "
+                        "shards (default: $MPSYNC_AUTO_PS or on: ASP, SSP and DSSP on the PS "
+                        "are among its choices)")
     g.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
                    help="modules that register policies of their own, imported on every rank "
                         "(default: $MPSYNC_PLUGINS)")
@@ -182,6 +186,11 @@ def build_config(args) -> SyncConfig:
                                 else args.ps_shards),
                   "ps_optimizer": (setting_from_env("ps_optimizer") if args.ps_optimizer is None
                                    else args.ps_optimizer)}
+    auto_ps = setting_from_env("auto_ps") if not getattr(args, "no_auto_ps", None) else False
+    opts["auto_ps"] = auto_ps if isinstance(auto_ps, bool) else parse_bool("MPSYNC_AUTO_PS",
+                                                                           auto_ps)
+    # auto: a fixed plan of switches replaces its decisions (a decision log replayed)
+    opts["auto_plan"] = setting_from_env("auto_plan")
     if args.staleness is not None:
         opts["staleness"] = args.staleness
     if args.staleness_range is not None:

@@ -14,6 +14,12 @@ does):
   round, so the run ends at the first round after the evaluation that reached it.
 * :class:`PsCheckpointStop`: at checkpoint rounds (every K pushes of each worker), worker 0
   decides for all, the target being one more reason.
+* :class:`AutoStop`: ``auto`` with the PS's shards (``auto_ps``) runs :class:`RingStop`'s
+  rule while it runs the ring and :class:`PsStop`'s while it runs the PS, where each worker
+  counts its own rounds (a collective at round boundaries would pair different rounds, and a
+  worker waiting in it could straddle the switch back to the ring, where BSP's workers never
+  take part in each other's collectives).  Checkpoints (``--checkpoint-every``) are written in
+  the ring's phases only.
 * :class:`PsStop`: no common rounds; each worker stops on its own clock, or when the server's
   count of samples reaches the epochs asked for, or, with ``--stop-at-target``, when worker 0
   says so: a non-blocking broadcast from worker 0 (:class:`StopSignal`) that the others test
@@ -25,9 +31,11 @@ Each rule's ``reason`` is, once it returned True, why the run stopped: ``"target
 
 from __future__ import annotations
 
+from mpsync import policies
 from mpsync.apps.train_checkpoints import ps_checkpoint, write_checkpoint
 
-__all__ = ["make_stop", "RingStop", "PsCheckpointStop", "PsStop", "StopSignal", "REASONS"]
+__all__ = ["make_stop", "RingStop", "AutoStop", "PsCheckpointStop", "PsStop", "StopSignal",
+           "REASONS"]
 
 REASONS = ("target", "budget", "epochs")
 
@@ -36,7 +44,7 @@ def make_stop(w):
     """The stop rule of worker ``w``'s run (a collective over the workers with
     ``--stop-at-target`` on the PS without checkpoints: call it on every worker)."""
     if w.config.topology == "ring":
-        return RingStop(w)
+        return AutoStop(w) if policies.hosts_shards(w.config) else RingStop(w)
     return PsCheckpointStop(w) if w.args.checkpoint_every else PsStop(w)
 
 
@@ -87,6 +95,26 @@ class RingStop:
 
     def close(self) -> None:
         """Nothing outstanding: every decision was a completed collective."""
+
+
+class AutoStop:
+    """``auto`` over both topologies: the ring's rule in its ring phases, the PS's in its PS
+    phases (module doc).  Every worker switches topology after the same step, so all of them
+    apply the same rule to each step."""
+
+    def __init__(self, w):
+        self.w = w
+        self.reason: str | None = None
+        self.ring, self.ps = RingStop(w), PsStop(w)
+
+    def after_step(self, round_before: int) -> bool:
+        rule = self.ps if self.w.opt.strategy.topology == "ps" else self.ring
+        done = rule.after_step(round_before)
+        self.reason = rule.reason if done else None
+        return done
+
+    def close(self) -> None:
+        self.ps.close()
 
 
 class PsCheckpointStop:

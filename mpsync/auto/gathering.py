@@ -28,8 +28,9 @@ __all__ = ["Gathering"]
 class Gathering:
     """The rendezvous of one switch from the PS to the ring, over ``table``."""
 
-    def __init__(self, table):
+    def __init__(self, table, now: float = 0.0):
         self.t = table
+        self.started, self.released_at = now, None
         self.held = np.zeros(table.n, dtype=bool)
         self.released = np.zeros(table.n, dtype=bool)
         self.push_target = np.zeros(table.n, dtype=np.int64)
@@ -43,7 +44,7 @@ class Gathering:
     def hold(self, w: int) -> None:
         self.held[w] = True
 
-    def ready(self, w: int) -> bool:
+    def ready(self, w: int, now: float = 0.0) -> bool:
         """May held worker ``w`` be answered (every running worker is held, or was)?"""
         t = self.t
         if self.round is None:
@@ -51,6 +52,7 @@ class Gathering:
             if not running.any() or not (self.held | ~running).all():
                 return False
             self.round = int(t.round[running].max()) + 1
+            self.released_at = now
         if not self.released[w]:
             self.released[w] = True
             self.push_target[w] = t.pushes[w] + 1
@@ -59,6 +61,12 @@ class Gathering:
     def switching(self, w: int) -> bool:
         """Is ``w`` between its release and its reset of round R?"""
         return bool(self.released[w]) and int(self.t.round[w]) < (self.round or 0)
+
+    @property
+    def held_s(self) -> float | None:
+        """From the switch's decision to its release: how long the first workers held waited
+        for the last."""
+        return None if self.released_at is None else self.released_at - self.started
 
     def may_pull(self, w: int) -> bool:
         """The switch's pull: once every released worker's switch push is in."""

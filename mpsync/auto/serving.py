@@ -133,7 +133,7 @@ class AutoPolicy(Policy):
             return self.next, self.next_code
         return self.running, self.code
 
-    def _gathered(self, w: int, decision):
+    def _gathered(self, w: int, decision, now: float):
         """A step under a switch from the PS (``gathering``): held until every running
         worker is, then SYNC with the ring policy's code; None: held."""
         g = self.gathering
@@ -144,7 +144,7 @@ class AutoPolicy(Policy):
         if g.released[w]:   # switching, or past the switch
             return decision
         g.hold(w)
-        if not g.ready(w):
+        if not g.ready(w, now):
             return None
         self.switch_after = g.round
         self.sync_sent = max(self.sync_sent, g.round)
@@ -172,7 +172,7 @@ class AutoPolicy(Policy):
         policy, _ = self._policy_of(w)
         decision = self._tag(w, policy.on_step(w, k, compute, now), now)
         if self.gathering is not None and decision is not None:
-            decision = self._gathered(w, decision)
+            decision = self._gathered(w, decision, now)
         self._think(now)
         self.queries += 1
         self.overhead_s += time.perf_counter() - start
@@ -182,7 +182,7 @@ class AutoPolicy(Policy):
         policy, _ = self._policy_of(w)
         decision = self._tag(w, policy.decide_held(w, k, now), now)
         if self.gathering is not None and decision is not None:
-            decision = self._gathered(w, decision)
+            decision = self._gathered(w, decision, now)
         return decision
 
     def on_push(self, w, now):
@@ -207,11 +207,14 @@ class AutoPolicy(Policy):
 
     def _commit(self, now: float) -> None:
         self.running, self.code = self.next, self.next_code
+        held = self.gathering.held_s if self.gathering is not None else None
         self.running_candidate, self.gathering = self.next_candidate, None
-        self.timeline.append({"policy": auto_target(self.code)[0],
-                              "topology": auto_target(self.code)[1],
-                              "after_round": int(self.switch_after),
-                              "at_s": round(now - (self.t0 or now), 3)})
+        entry = {"policy": auto_target(self.code)[0], "topology": auto_target(self.code)[1],
+                 "after_round": int(self.switch_after),
+                 "at_s": round(now - (self.t0 or now), 3)}
+        if held is not None:   # from the PS: the round made for the switch held this long
+            entry["gathering_s"] = round(held, 4)
+        self.timeline.append(entry)
         self.next, self.next_code, self.switch_after = None, 0, None
         self._began(now)
 
@@ -339,7 +342,7 @@ class AutoPolicy(Policy):
             return
         self.next, self.next_code, self.next_candidate = new, code, candidate
         if leaving == "ps":
-            self.gathering = Gathering(self.t)
+            self.gathering = Gathering(self.t, now)
         else:
             self.switch_after = self.sync_sent + 1
 

@@ -153,6 +153,7 @@ class Switching(Strategy):
             raise RuntimeError(f"policy auto: the server named policy code {code}, which this "
                                f"worker does not know (server and workers of one version?)")
         (was, leaving), (policy, topology) = auto_target(old.code), auto_target(code)
+        t0 = time.perf_counter()
         if leaving == topology == "ps":
             # The server's rules changed (its timeline records it; a worker told after a
             # later switch never hears of it); pushes, pulls and the shards' weights stay.
@@ -165,13 +166,14 @@ class Switching(Strategy):
             new.adopt_replicas()
         if not old.aggregates_every_step and new.aggregates_every_step:
             self._average_optimizer_state(min(old.last_active))
+        took = time.perf_counter() - t0    # (the digest below is bookkeeping, not the switch)
         self.switches.append({"iteration": old.iteration, "round": new.round,
                               "from": was, "to": policy, "from_topology": leaving,
                               "to_topology": topology,
                               "weights_sha256": weights_digest(self.buffers),
-                              "at_clock": time.time()})
-        now = time.perf_counter()
-        self.counters.event("switch", now, now)
+                              "at_clock": time.time(),
+                              "took_s": round(took, 5)})
+        self.counters.event("switch", t0, t0 + took)
         self.__dict__["inner"] = new
         return True
 
