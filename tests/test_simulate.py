@@ -104,6 +104,22 @@ def test_fast_engine_equals_the_event_engine(policy, spec):
         assert fast["messages_per_s"] == pytest.approx(exact["messages_per_s"], rel=1e-9)
 
 
+def test_fast_asp_equals_the_event_engine_when_push_counts_spread_past_the_histogram():
+    # a 10x speed gap: the push counts spread over more values than the fast engine's first
+    # histogram holds (1,024), so it runs again with a larger one and must still match
+    config = _config("asp")
+    cost = CostModel(model_bytes=1e6, query=2e-4)
+    fast, exact = (simulate(config, parse_speeds("groups:1x2,10x2", 4, seed=2), cost,
+                            iterations=1500, engine=engine) for engine in ("fast", "exact"))
+    spread = fast["iterations_per_worker"]["max"] - fast["iterations_per_worker"]["min"]
+    assert spread > 1024
+    assert fast["engine"] == "fast"
+    assert fast["iterations_per_worker"] == exact["iterations_per_worker"]
+    assert fast["sim_time_s"] == pytest.approx(exact["sim_time_s"], rel=1e-12)
+    assert fast["staleness"]["hist"] == exact["staleness"]["hist"]
+    assert fast["messages_per_s"] == pytest.approx(exact["messages_per_s"], rel=1e-9)
+
+
 @pytest.mark.parametrize("until", [{"iterations": 40}, {"duration": 30.0}])
 def test_fast_bsp_on_the_ps_holds_a_step_until_every_worker_pulled_the_round(until):
     # 100 MB through one PS link, 10 ms iterations: a fast worker's next report comes in while

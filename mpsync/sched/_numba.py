@@ -82,10 +82,20 @@ def _register_locators() -> None:
 _register_locators()
 
 
-def jit(func=None, *, inline: bool = False):
+def jit(func=None, *, inline: bool = False, refcount: bool = True):
     """Compile ``func`` in nopython mode with the on-disk cache enabled.  ``@jit(inline=True)``
     also inlines it into every compiled caller (Numba IR inlining): for the small helpers of
-    a loop that runs once per event, where a call each time costs measurably."""
+    a loop that runs once per event, where a call each time costs measurably.
+
+    ``refcount=False`` compiles ``func`` without Numba's reference counting (its ``_nrt``
+    option): for an event loop over arrays its caller allocated.  Numba counts a reference
+    each time an array is taken out of a tuple or handed to an inlined helper, an atomic
+    increment and decrement its pruning cannot remove inside a loop with branches; in the
+    simulator's loops those were 35-70 % of the time.  Such a function cannot allocate
+    (Numba refuses to compile an array creation in it); the jitted functions it calls keep
+    their counting."""
     if func is None:
-        return lambda f: jit(f, inline=inline)
+        return lambda f: jit(f, inline=inline, refcount=refcount)
+    if not refcount:
+        return numba.njit(cache=True, nogil=True, _nrt=False)(func)
     return numba.njit(cache=True, nogil=True, inline="always" if inline else "never")(func)

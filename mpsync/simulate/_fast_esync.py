@@ -33,7 +33,7 @@ from mpsync.sched._numba import jit
 from mpsync.server import rules
 from mpsync.server.wire import LOCAL, SYNC
 from mpsync.simulate._fast_ps import Speed, _iteration_time
-from mpsync.simulate._index import new_argmax_tree, new_counts, tree_set, tree_top
+from mpsync.simulate._index import count_up, new_argmax_tree, new_counts, tree_set, tree_top
 from mpsync.simulate._queue import HEAP_KIND, new_queue, pop, push
 
 __all__ = ["run_esync", "ESyncIndex", "new_index"]
@@ -87,9 +87,10 @@ def _record(es, ix, w, k, c, now):
     if (es.capability[w] > 0.0) != (c > 0.0):
         ix.bounds[2] += 1 if c > 0.0 else -1
     es.k[w] = k
-    es.capability[w] = c
     es.last_finish[w] = now
-    tree_set(ix.tree, es.capability, w)
+    if es.capability[w] != c:   # with steady speeds mostly the same: the tree stands
+        es.capability[w] = c
+        tree_set(ix.tree, es.capability, w)
 
 
 @jit(inline=True)
@@ -121,20 +122,12 @@ def _capability_test(es, ix, w, c, now):
 
 @jit(inline=True)
 def _new_round(es, ix, w, now):
-    """``rules.esync_new_round`` (itself), with w's round moved in the index (a histogram by
-    round modulo its length: the rounds in the tables span far fewer)."""
+    """``rules.esync_new_round`` (itself), with w's round moved in the index."""
     old = es.rounds[w]
     rules.esync_new_round(es, w, now)
-    count = ix.round_count
-    cap = count.shape[0]
-    count[old % cap] -= 1
-    count[(old + 1) % cap] += 1
-    if old + 1 > ix.bounds[1]:
-        ix.bounds[1] = old + 1
-        if ix.bounds[1] - ix.bounds[0] >= cap:
-            raise ValueError("rounds spread wider than the index holds")
-    while count[ix.bounds[0] % cap] == 0:
-        ix.bounds[0] += 1
+    _, lo, hi, _ = count_up(ix.round_count, old, ix.bounds[0], ix.bounds[1])
+    ix.bounds[0] = lo
+    ix.bounds[1] = hi
 
 
 class _State(NamedTuple):
@@ -267,7 +260,7 @@ def _retry_held(st, es, ix, t, half, q):
     st.count[_HELD] = keep
 
 
-@jit
+@jit(refcount=False)
 def _loop(run, speed, es, ix, st, res, q):
     np.random.seed(run.seed)
     n = speed.base.shape[0]

@@ -37,7 +37,7 @@ import numpy as np
 from mpsync import policies, sched
 from mpsync.server import rules
 from mpsync.sched._numba import jit
-from mpsync.simulate._index import count_up, new_counts
+from mpsync.simulate._index import HistogramFull, count_up, new_counts
 from mpsync.simulate._queue import HEAP_KIND, new_queue, pop, push
 
 __all__ = ["run_ps", "PSRun", "PSOut", "Speed"]
@@ -86,6 +86,33 @@ class PSOut(NamedTuple):
     rounds: np.ndarray
     stale_hist: np.ndarray
     totals: np.ndarray
+
+
+class _Work(NamedTuple):
+    """The loop's own arrays, allocated before it runs (it is compiled without reference
+    counting, so it allocates nothing): per worker push count, last two push times, DSSP's
+    extra iterations and hold, the open phase and its start, when the last report and reset
+    reach the server (no event stands for them), the round each reset told the server (BSP);
+    the held pulls and steps; the histograms of push counts and of rounds."""
+    pushes: np.ndarray
+    table: np.ndarray
+    r_extra: np.ndarray
+    dssp_held: np.ndarray
+    start: np.ndarray
+    phase: np.ndarray
+    arrives: np.ndarray
+    srv_round: np.ndarray
+    held: np.ndarray
+    steps: np.ndarray
+    count: np.ndarray
+    round_count: np.ndarray
+
+
+def _new_work(n: int, capacity: int) -> _Work:
+    return _Work(np.zeros(n, np.int64), np.zeros((n, 2)), np.zeros(n, np.int64),
+                 np.zeros(n, np.bool_), np.zeros(n), np.zeros(n, np.int64),
+                 np.full((n, 2), -np.inf), np.zeros(n, np.int64), np.empty(n, np.int64),
+                 np.empty(n, np.int64), new_counts(n, capacity), new_counts(n, capacity))
 
 
 @jit(inline=True)
@@ -234,34 +261,25 @@ def _close_phases(t_end, book):
             time_[w, phase[w]] += t_end - start[w]
 
 
-@jit
-def _loop(run, speed, res, q):
+@jit(refcount=False)
+def _loop(run, speed, res, q, wk):
     """Fill ``res`` (a :class:`PSOut`) with the run ``run`` (a :class:`PSRun`) of workers
-    ``speed`` (a :class:`Speed`), events in ``q`` (an ``EventQueue``).  Per event: an
+    ``speed`` (a :class:`Speed`), events in ``q`` (an ``EventQueue``), working in ``wk`` (a
+    :class:`_Work` as ``_new_work`` makes it).  Per event: an
     iteration done (the step report goes out), the report at the server (answered SYNC, or
     held: BSP), the reply in (the push goes to the shards), the push at the server, the pull
     request (answered or held), the reset at the server."""
     np.random.seed(run.seed)
     n = speed.base.shape[0]
     half = run.query / 2.0
-    pushes = np.zeros(n, dtype=np.int64)
-    table = np.zeros((n, 2), dtype=np.float64)
-    r_extra = np.zeros(n, dtype=np.int64)
-    dssp_held = np.zeros(n, dtype=np.bool_)
-    start = np.zeros(n)                       # when the current phase began
-    phase = np.zeros(n, dtype=np.int64)
-    # without an event: when each worker's last step report and reset reach the server
-    arrives = np.full((n, 2), -np.inf)
-    book = (start, phase, res.time, res.rounds, arrives)
-    count = new_counts(n)                     # workers per push count
+    pushes, table, r_extra, dssp_held = wk.pushes, wk.table, wk.r_extra, wk.dssp_held
+    arrives, srv_round = wk.arrives, wk.srv_round
+    book = (wk.start, wk.phase, res.time, res.rounds, arrives)
+    count, round_count = wk.count, wk.round_count
     lo, hi = 0, 0                             # min(pushes), max(pushes)
-    held = np.empty(n, dtype=np.int64)        # pulls held by the staleness rule
-    n_held = 0
-    srv_round = np.zeros(n, dtype=np.int64)   # BSP: the round each reset told the server
-    round_count = new_counts(n)
+    held, n_held = wk.held, 0                 # pulls held by the staleness rule
     round_lo, round_hi = 0, 0
-    steps = np.empty(n, dtype=np.int64)       # BSP: steps held until the round is pulled
-    n_steps = 0
+    steps, n_steps = wk.steps, 0              # BSP: steps held until the round is pulled
     server_free = 0.0
     messages = 0
     total = 0
@@ -339,7 +357,8 @@ def _loop(run, speed, res, q):
     if run.kind != BSP:
         # reports and resets counted when sent that reach the server after the end; the
         # report of the iteration that reached the target is never handled
-        messages -= np.sum(arrives > t_end)
+        for v in range(n):
+            messages -= (arrives[v, 0] > t_end) + (arrives[v, 1] > t_end)
         if run.total_target > 0 and total >= run.total_target and arrives[w, 0] <= t_end:
             messages -= 1
     res.totals[0] = t_end
@@ -363,11 +382,17 @@ def run_ps(config, speeds, cost, rec, *, iterations=None, duration=None):
                 worker_link=float(cost.worker_link()), shared=bool(cost.shared_link),
                 total_target=0 if iterations is None else n * iterations,
                 duration=0.0 if duration is None else float(duration), seed=int(speeds.seed))
-    res = PSOut(time=np.zeros((n, 3)), iters=np.zeros(n, dtype=np.int64),
-                rounds=np.zeros(n, dtype=np.int64), stale_hist=np.zeros(4096, dtype=np.int64),
-                totals=np.zeros(3))
-    _loop(run, Speed(speeds.base, sched_t, sched_f, float(speeds.jitter)), res,
-          new_queue(n))
+    speed = Speed(speeds.base, sched_t, sched_f, float(speeds.jitter))
+    capacity = 1024
+    while True:     # ASP's push counts may spread far: a larger histogram, the same run
+        res = PSOut(time=np.zeros((n, 3)), iters=np.zeros(n, dtype=np.int64),
+                    rounds=np.zeros(n, dtype=np.int64),
+                    stale_hist=np.zeros(4096, dtype=np.int64), totals=np.zeros(3))
+        try:
+            _loop(run, speed, res, new_queue(n), _new_work(n, capacity))
+            break
+        except HistogramFull:
+            capacity *= 16
     rec.time[:, :3] = res.time
     rec.iters[:] = res.iters
     rec.total_iterations = int(res.iters.sum())

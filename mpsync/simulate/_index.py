@@ -17,32 +17,42 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
-__all__ = ["new_counts", "count_up", "new_argmax_tree", "tree_set", "tree_top"]
+__all__ = ["new_counts", "count_up", "HistogramFull", "new_argmax_tree", "tree_set", "tree_top"]
+
+
+class HistogramFull(ValueError):
+    """The counts in a histogram of :func:`new_counts` spread over more values than it holds;
+    the caller starts again with a larger one."""
 
 
 @jit
-def new_counts(n):
-    """The histogram of n counts that all start at 0."""
-    count = np.zeros(1024, dtype=np.int64)
+def new_counts(n, capacity=1024):
+    """The histogram of n counts that all start at 0, for counts that span at most
+    ``capacity`` (a power of two) consecutive values at any time: indexed modulo
+    ``capacity``."""
+    if capacity < 1 or capacity & (capacity - 1):
+        raise ValueError("the histogram's capacity must be a power of two")
+    count = np.zeros(capacity, dtype=np.int64)
     count[0] = n
     return count
 
 
 @jit(inline=True)
 def count_up(count, old, lo, hi):
-    """A count went from ``old`` to ``old + 1``: move it in the histogram ``count`` (grown
-    when needed) and keep min (``lo``) and max (``hi``) of the counts without a scan; returns
-    (count, lo, hi, whether the minimum rose)."""
-    if old + 1 >= count.shape[0]:
-        bigger = np.zeros(2 * count.shape[0], dtype=np.int64)
-        bigger[:count.shape[0]] = count
-        count = bigger
-    count[old] -= 1
-    count[old + 1] += 1
+    """A count went from ``old`` to ``old + 1``: move it in the histogram ``count`` and keep
+    min (``lo``) and max (``hi``) of the counts without a scan; returns (count, lo, hi,
+    whether the minimum rose).  The histogram is indexed modulo its length, so it never
+    grows (the compiled loops do not allocate); :class:`HistogramFull` when the counts would
+    span more values than it holds."""
+    mask = count.shape[0] - 1
+    count[old & mask] -= 1
+    count[(old + 1) & mask] += 1
     if old + 1 > hi:
         hi = old + 1
+        if hi - lo > mask:
+            raise HistogramFull("the counts spread wider than the histogram holds")
     raised = False
-    while count[lo] == 0:
+    while count[lo & mask] == 0:
         lo += 1
         raised = True
     return count, lo, hi, raised
