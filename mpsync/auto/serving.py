@@ -48,7 +48,7 @@ CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the quer
 RANK_EVERY_S = 2.0       # and at most this often ranked again
 WARM_UP_S = 1.0          # measured under the starting policy at least this long
 CONFIRM_AFTER_S = 4.0    # a switch's progress is measured this long before it is confirmed
-MIN_REPORTS = 2          # ... and until every worker has reported this often
+MIN_REPORTS = 3          # ... and until every worker has reported this often
 WINDOW_REPORTS = 3       # the window of compute times per worker (medians over it: one
                          # hiccup is no change; a straggler is seen after two reports)
 _SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipline_variant",
@@ -166,8 +166,9 @@ class AutoPolicy(Policy):
         start = time.perf_counter()
         if self.t0 is None:
             self.t0 = now
-        if k > 0:
+        if k > 1:    # the first step's compute holds the start-up (model, data, first pass)
             self.window.add_compute(w, compute)
+        if k > 0:
             self.steps_done += 1
         policy, _ = self._policy_of(w)
         decision = self._tag(w, policy.on_step(w, k, compute, now), now)
@@ -277,8 +278,9 @@ class AutoPolicy(Policy):
             return
         m = self.window.measurements(topologies=self.topologies, source="live reports")
         trigger = self.decider.wants_ranking(m)
-        if trigger is not None and trigger != "first measurement":
-            self.left = None     # the cluster changed: the rates before and after compare not
+        if trigger is not None and "compute" in trigger or "workers" in (trigger or ""):
+            self.left = None     # a worker's speed changed: the rates before and after compare
+            #                      not (an aggregation that changed may be the switch's doing)
         if trigger is not None:
             self._ask(m, trigger, now)
             self.next_check = now + RANK_EVERY_S
