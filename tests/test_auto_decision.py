@@ -288,3 +288,37 @@ def test_a_switch_measured_worse_is_switched_back_and_not_chosen_again():
                                       topologies=("ring",))
     assert d.wants_ranking(slowed) is None and d.wants_ranking(slowed)
     assert not d.refuted
+
+
+def test_a_large_job_hands_the_ranking_to_compiled_engines_once_they_are_ready():
+    from mpsync.auto.helper import PURE_UP_TO_WORKERS, Ranker
+
+    n = PURE_UP_TO_WORKERS + 1
+    m = Measurements.from_speeds(([1, 2] * n)[:n], iter_time=0.1, aggregation_s=0.003,
+                                 topologies=("ring",))
+    ring = [c for c in RING if c.policy != "ebsp"]   # (ElasticBSP's engines agree to 0.3%)
+    request = {"measurements": m.as_dict(), "candidates": [c.as_dict() for c in ring]}
+    ranker = Ranker(n, warm_up_request=request)
+
+    def answer():
+        deadline = time.monotonic() + 300
+        while (a := ranker.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a is not None and "error" not in a, a
+        return a
+
+    try:
+        assert ranker.compiled is not None
+        first = answer() if ranker.submit(request) is None else None
+        deadline = time.monotonic() + 300
+        while not ranker.compiled_ready and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ranker.compiled_ready and ranker.mode == "process (compiled engines)"
+        ranker.submit(request)
+        second = answer()
+    finally:
+        ranker.close()
+    assert second["engine"] == "auto" and ranker.compile_s > 0
+    times = [{r["candidate"]: r["predicted_time_to_target_s"] for r in a["ranked"]}
+             for a in (first, second)]
+    assert times[0] == pytest.approx(times[1], abs=2e-3) and len(times[0]) == 2

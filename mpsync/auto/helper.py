@@ -10,8 +10,9 @@ No decision waits for a compiler.  The simulator's fast engines and the server r
 engine drives are Numba kernels; in a fresh clone their on-disk cache is cold and compiling
 them took 36 s (idle machine) to 66 s (loaded) before the first ranking could run, with the
 job on BSP meanwhile.  The first helper therefore runs the exact engine with Numba's JIT off
-(``NUMBA_DISABLE_JIT=1``: the same rules as plain Python, the same results): 3 candidates x
-120 iterations x 4 workers take 0.03-0.05 s, 64 workers 0.8 s, 256 workers 6 s.  Above
+(``NUMBA_DISABLE_JIT=1``: the same rules as plain Python, the same results): the ring's 3
+candidates x 120 iterations x 4 workers take 0.03-0.05 s, 64 workers 0.8 s; the parameter
+server's 5 (event loops in Python) 1.5 s at 4 workers, 4 s at 16, 68 s at 64.  Above
 ``PURE_UP_TO_WORKERS`` a second helper compiles the kernels from the job's start and takes over
 once its first (warm-up) ranking has answered; until then the pure one answers.
 """
@@ -28,9 +29,9 @@ import time
 
 __all__ = ["Ranker", "rank_request", "main", "PURE_UP_TO_WORKERS"]
 
-# Up to this many workers the uncompiled exact engine ranks the live candidates in under a
-# second (see the module doc): no compiled helper is started at all.
-PURE_UP_TO_WORKERS = 64
+# Up to this many workers the uncompiled exact engine ranks the live candidates in seconds
+# (see the module doc): no compiled helper is started at all.
+PURE_UP_TO_WORKERS = 16
 _COMPILE_WARM_UP = "compile-warm-up"
 
 
