@@ -224,7 +224,9 @@ class AutoPolicy(Policy):
         (``Decider.confirm_switch`` compares them after ``CONFIRM_AFTER_S``)."""
         t, steps = self.period_start or (self.t0 or now, 0)
         rate = (self.steps_done - steps) / max(now - t, 1e-9)
-        self.left = (self._left_candidate, rate) if self._confirm_next else None
+        # (Under a second of the policy left is too little to measure it by.)
+        measured = self._confirm_next and now - t >= 1.0 and self.steps_done > steps
+        self.left = (self._left_candidate, rate) if measured else None
         self.period_start = (now, self.steps_done)
 
     def _confirm(self, now: float) -> None:
@@ -278,9 +280,11 @@ class AutoPolicy(Policy):
             return
         m = self.window.measurements(topologies=self.topologies, source="live reports")
         trigger = self.decider.wants_ranking(m)
-        if trigger is not None and "compute" in trigger or "workers" in (trigger or ""):
-            self.left = None     # a worker's speed changed: the rates before and after compare
-            #                      not (an aggregation that changed may be the switch's doing)
+        if trigger is not None and ("compute" in trigger or "workers" in trigger):
+            # A worker's speed changed: the rates before and after a switch compare not (an
+            # aggregation that changed may be the switch's doing); the running policy's rate
+            # is measured again from now, on the cluster as it is.
+            self.left, self.period_start = None, (now, self.steps_done)
         if trigger is not None:
             self._ask(m, trigger, now)
             self.next_check = now + RANK_EVERY_S
