@@ -10,17 +10,53 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpi_harness import REPO, run_mpi
 from mpsync.config import ConfigError, SyncConfig
 from mpsync.server.shard_plan import (SINGLE_HOST_SHARDS, place_shards, plan_layout,
                                       resolve_shard_count, shard_bounds)
+from mpsync.server.weights import all_finite
 
 PROGRAMS = str(Path(__file__).resolve().parent / "ps_programs.py")
 
 
 # -- the layout (pure) -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_finiteness_check_of_pushes_finds_every_nan_and_inf(dtype):
+    # float16 is checked on its exponent bits, not by numpy's isfinite (which converts)
+    values = np.linspace(-65504, 65504, 4099).astype(dtype)
+    values[:3] = (6e-8, -6e-8, 0.0)   # subnormals and zero are finite
+    assert all_finite(values) and all_finite(values[:0])
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 2048, 4098):
+            spoiled = values.copy()
+            spoiled[at] = bad
+            assert not all_finite(spoiled), (bad, at)
+            assert not all_finite(spoiled[at:at + 1])
+
+
+def test_torch_converts_to_and_from_a_float16_wire_as_numpy_does():
+    # A worker's shard client and shard convert with torch (numpy's float16 is software):
+    # the same bits, subnormals, overflow to inf and NaN included.
+    from mpsync.torch._runtime import torch_cast
+    from mpsync.server.weights import numpy_cast
+
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(5000) * 10.0 ** rng.integers(-9, 6, 5000)).astype(np.float32)
+    values[:4] = (65519.0, 65520.0, np.nan, -np.inf)
+    halves = [np.empty(values.size, np.float16) for _ in range(2)]
+    with np.errstate(over="ignore"):   # 65520 becomes inf: that is the point
+        for cast, half in zip((numpy_cast, torch_cast), halves):
+            cast(half, values)
+    assert np.array_equal(halves[0].view(np.uint16), halves[1].view(np.uint16))
+    back = [np.empty(values.size, np.float32) for _ in range(2)]
+    for cast, out in zip((numpy_cast, torch_cast), back):
+        cast(out, halves[0])
+    assert np.array_equal(back[0], back[1], equal_nan=True)
+
+
 def test_shards_are_contiguous_and_balanced_to_one_element():
     for numel in (1, 2, 7, 100, 1001):
         for count in range(1, min(numel, 9) + 1):

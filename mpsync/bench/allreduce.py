@@ -34,15 +34,14 @@ fp16 on the mpi backend: alltoall + allgather of the halves, next to ``mpi_ms``)
 MLP, raw and over an emulated 2 Gbit/s link (OSP's target: faster when communication shows).
 
 A second job (skip it with ``--no-ps``) with one extra rank as a dedicated state server times
-the PS topology's exchange (``SyncClient.push`` of the delta + ``pull`` of the weights over
-the shard servers, policy asp, float32) at the same sizes (``ps_ms``), next to the ring's
-``mpsync_ms`` (ring vs PS), with the data bytes one worker's exchange moved, counted message
-by message (``ps_wire_bytes``: its push out, its pull in), beside the analytic minima per
-worker of a push and a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce
-(``ring_min_bytes`` = 2(n-1)/n·B sent, as much received).  Its baseline, after it in the same
-job: ``ps_raw_ms``, a plain mpi4py program sending the same slices between the same ranks
-(each slice to the rank hosting its shard and back, a thread there answering with blocking
-receives), and ``ps_vs_raw`` = ``ps_ms`` / ``ps_raw_ms``.
+the PS topology's exchange (:mod:`mpsync.bench.ps_exchange`): ``ps_ms`` (``SyncClient.push``
+of the delta + ``pull`` of the weights over the shard servers, policy asp, float32) at the same
+sizes, next to the ring's ``mpsync_ms`` (ring vs PS); ``ps_shard_ms``, the shard exchange
+without the state server's round trips; their baseline ``ps_raw_ms``, a plain mpi4py program
+sending the same slices between the same ranks with blocking receivers, in the same job
+(``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of idling (``*_paced_ms``); and the
+data bytes one worker's exchange moved (``ps_wire_bytes``) beside the analytic minima
+(``ps_min_bytes``, ``ring_min_bytes``).
 
 ``--json`` prints only the list of rows, one per size, with the keys above (``ps_ms`` and
 ``ps_vs_ring`` when the PS job ran; ``np`` and the ratios ``mpsync_vs_horovod``,
@@ -176,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(table: list[dict]) -> None:
     cols = ["bytes", "mpsync_ms", "horovod_ms", "mpsync_vs_horovod", "mpsync_copy_ms",
             "mpsync_mpi_ms", "mpi_ms",
-            "mpsync_mpi_vs_mpi", "ps_ms", "ps_raw_ms", "ps_vs_raw", "ps_vs_ring", "ps_shards",
+            "mpsync_mpi_vs_mpi", "ps_ms", "ps_shard_ms", "ps_raw_ms", "ps_vs_raw",
+            "ps_shard_vs_raw", "ps_paced_ms", "ps_shard_paced_ms", "ps_raw_paced_ms",
+            "ps_paced_vs_raw", "ps_shard_paced_vs_raw", "ps_vs_ring", "ps_shards",
             "ps_wire_bytes",
             "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
             "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
@@ -340,123 +341,6 @@ def _coordinate_on_a_thread(ops):
     return lambda: (done.set(), thread.join())
 
 
-def _ps_child(sizes, max_repeats, budget) -> None:
-    """The sharded PS's push + pull of a float32 model of each size (``auto`` shards), and
-    the data bytes each worker's exchange moved, counted message by message, beside the
-    analytic minima: 2·B for a push and a pull, 2(n-1)/n·B for a ring allreduce."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from mpsync.config import SyncConfig
-    from mpsync.server import StateServer, SyncClient
-    from mpsync.server.shards import start_shards
-
-    world = MPI.COMM_WORLD
-    control = world.Dup()
-    is_worker = world.Get_rank() != 0
-    workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
-    for nbytes in sizes:
-        config = SyncConfig(policy=_ps_policy(), topology="ps", deadline=600.0).validate()
-        if not is_worker:
-            StateServer(control, config, server_rank=0).serve()
-            world.Barrier()  # no worker may reach the next size's server before it exists
-            continue
-        shards, thread, layout = start_shards(workers, config,
-                                              list(range(1, world.Get_size())), log=_quiet)
-        client = SyncClient(control, config, server_rank=0, shards=shards)
-        n = max(layout.count, nbytes // 4)
-        weights = np.zeros(n, dtype=np.float32)
-        if workers.Get_rank() == 0:
-            client.ps_init(weights)
-        delta = np.full(n, 1e-6, dtype=np.float32)
-        it = [0]
-
-        def exchange():
-            it[0] += 1
-            client.push(delta, it[0])
-            client.pull(weights, it[0])
-
-        client.pull(weights, 0)
-        moved = shards.bytes_sent + shards.bytes_received
-        ms = timed(workers, {"ps_ms": exchange}, max_repeats, budget)["ps_ms"]
-        per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / it[0]
-        shards.close()
-        if thread is not None:
-            thread.join()
-        client.shutdown()
-        raw_ms = _raw_slices_ms(workers, layout.hosts, n, max_repeats, budget)
-        if workers.Get_rank() == 0:
-            size = workers.Get_size()
-            print("ROW " + json.dumps({
-                "bytes": nbytes, "ps_ms": ms, "ps_raw_ms": raw_ms, "ps_vs_raw": ms / raw_ms,
-                "ps_shards": layout.count,
-                "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
-                "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size}), flush=True)
-        world.Barrier()
-
-
-def _raw_slices_ms(workers, hosts, n: int, max_repeats: int, budget: float) -> float:
-    """The PS exchange's baseline, in the same job: a plain mpi4py program moving the same
-    data between the same ranks -- each worker sends every shard's slice of ``n`` float32 to
-    the rank hosting it and gets the slice back, and on each such rank a thread answers with
-    a blocking ``Probe``/``Recv``/``Send`` (no control plane, no polling, no acks)."""
-    import threading
-
-    import numpy as np
-    from mpi4py import MPI
-
-    from mpsync.server.shard_plan import shard_bounds
-
-    slice_tag, stop_tag = 1, 2
-    comm, replies = workers.Dup(), workers.Dup()   # the echo probes requests only
-    me, size = comm.Get_rank(), comm.Get_size()
-
-    def echo():
-        status, buf, left = MPI.Status(), np.empty(0, dtype=np.uint8), size
-        while left:
-            comm.Probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            src, tag, count = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
-            if buf.size < count:
-                buf = np.empty(count, dtype=np.uint8)
-            comm.Recv([buf[:count], MPI.BYTE], source=src, tag=tag)
-            if tag == stop_tag:
-                left -= 1
-            else:
-                replies.Send([buf[:count], MPI.BYTE], dest=src, tag=slice_tag)
-
-    thread = threading.Thread(target=echo, daemon=True) if me in hosts else None
-    if thread is not None:
-        thread.start()
-    bounds = shard_bounds(n, len(hosts))
-    out, back = np.full(n, 1e-6, dtype=np.float32), np.empty(n, dtype=np.float32)
-
-    def exchange():
-        reqs = [replies.Irecv([back[a:b], MPI.FLOAT], source=h, tag=slice_tag)
-                for (a, b), h in zip(bounds, hosts)]
-        reqs += [comm.Isend([out[a:b], MPI.FLOAT], dest=h, tag=slice_tag)
-                 for (a, b), h in zip(bounds, hosts)]
-        MPI.Request.Waitall(reqs)
-
-    ms = timed(replies, {"raw": exchange}, max_repeats, budget)["raw"]
-    for h in hosts:
-        comm.Send([np.zeros(1, dtype=np.uint8), MPI.BYTE], dest=h, tag=stop_tag)
-    if thread is not None:
-        thread.join()
-    comm.Free()
-    replies.Free()
-    return ms
-
-
-def _quiet(_text: str) -> None:
-    """The shard layout line: the benchmark prints its rows only."""
-
-
-def _ps_policy() -> str:
-    """A PS policy whose server applies each push as it arrives and never holds a pull (the
-    first registered policy whose own topology is the PS: ASP), so push+pull is transport."""
-    return next(s.name for s in registry.specs() if s.default_topology == "ps")
-
-
 def _every_step_policies() -> list[str]:
     """The ring policies whose strategies aggregate at every step (BSP's gradient averaging
     and OSP's two-stage sync): their step times compare directly."""
@@ -531,7 +415,9 @@ def _child_main(argv: list[str]) -> None:
         _ring_child(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point,
                     fp16=a.fp16)
         return
-    fn = {"ps": _ps_child, "two_stage": _osp_child}[a.child]
+    from mpsync.bench.ps_exchange import ps_child
+
+    fn = {"ps": ps_child, "two_stage": _osp_child}[a.child]
     fn(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point)
 
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates
-from mpsync.server.weights import WeightStore
+from mpsync.server.weights import WeightStore, numpy_cast
 
 __all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD"]
 
@@ -71,11 +71,12 @@ class ShardServer:
 
     def __init__(self, comm, replies, index: int, n_workers: int, scale: float, *,
                  deadline: float = 20.0, startup: float = 120.0, worker_names=None, log=None,
-                 updates: ServerUpdates | None = None):
+                 updates: ServerUpdates | None = None, cast=numpy_cast):
         self.comm = comm
         self.replies = replies
         self.index = index
-        self.store = WeightStore(scale)
+        self.cast = cast   # between the store's dtype and a wire's (``weights.numpy_cast``)
+        self.store = WeightStore(scale, cast)
         # ps_optimizer='server': pushes are gradients for this shard's optimizer
         self.updates = updates
         self.deadline = float(deadline)
@@ -279,7 +280,7 @@ class ShardServer:
             if out is None:
                 out = np.empty(weights.size, dtype=WIRE_DTYPES[code])
                 self._wire_bufs = [b for b in self._wire_bufs if self._reading(b)] + [out]
-            np.copyto(out, weights, casting="unsafe")
+            self.cast(out, weights)
             weights = out
         request = self.replies.Isend([weights, MPI.BYTE], dest=src, tag=DATA)
         if request.Test():

@@ -71,6 +71,7 @@ from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
 from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD, OK, OPT,
                                         PULL, PUSH, SLEEP_MAX_S, SLEEP_MIN_S, UNHEARD, WATCH,
                                         WIRE_DTYPES, ShardServer, ShardThread, wire_code)
+from mpsync.server.weights import all_finite, numpy_cast
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
 
@@ -83,11 +84,12 @@ class ShardClient:
     how they name worker w.  The layout is fixed by the first call, from the model's size.
     Every wait has ``deadline``: a shard that does not answer raises ``DeadlineExceeded``
     naming it, and is not asked again (a late answer would be taken for the next one's).
-    ``wire``: the dtype on the wire (None: the model's own; float16 under Compression.fp16).
+    ``wire``: the dtype on the wire (None: the model's own; float16 under Compression.fp16),
+    converted to and from by ``cast`` (``weights.numpy_cast``).
     """
 
     def __init__(self, comm, replies, hosts, names, deadline: float, worker_names=None,
-                 startup: float = 120.0):
+                 startup: float = 120.0, cast=numpy_cast):
         self.comm = comm
         self.replies = replies
         self.hosts = tuple(int(h) for h in hosts)
@@ -97,6 +99,7 @@ class ShardClient:
         self.deadline = float(deadline)
         self.startup = max(float(startup), self.deadline)   # for a worker never heard from
         self.wire = None
+        self.cast = cast
         self.bounds: tuple[tuple[int, int], ...] | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -143,9 +146,9 @@ class ShardClient:
         float16 wire turns a delta above 65504 into inf)."""
         wire = self._on_wire(delta)
         if wire is not delta:
-            np.copyto(wire, delta, casting="unsafe")
-        if not np.all(np.isfinite(wire)):
-            if np.all(np.isfinite(delta)):
+            self.cast(wire, delta)
+        if not all_finite(wire):
+            if all_finite(delta):
                 big = float(np.max(np.abs(delta)))
                 raise FloatingPointError(
                     f"push with a value of magnitude {big:.4g}, more than {wire.dtype} can "
@@ -199,7 +202,7 @@ class ShardClient:
         self._wait(recvs + sends, "pull", list(range(self.count)) * 2)
         self.bytes_received += wire.nbytes
         if wire is not out:
-            np.copyto(out, wire, casting="unsafe")
+            self.cast(out, wire)
 
     def silent_workers(self) -> list[tuple[int, float]]:
         """Ask every shard how long since it heard from each worker: ``(worker, seconds)``
@@ -265,11 +268,12 @@ class ShardClient:
                 sleep = min(2 * sleep, SLEEP_MAX_S)
 
 
-def start_shards(workers, config, world_ranks, *, log=None):
+def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     """Collective over the workers' communicator ``workers``: plan the shards from the
     workers' host names (:func:`~mpsync.server.shard_plan.plan_layout`), start this rank's
     shard thread if it hosts one, and return ``(ShardClient, ShardThread | None, layout)``.
-    ``world_ranks[w]``: worker w's rank in the job, for messages."""
+    ``world_ranks[w]``: worker w's rank in the job, for messages; ``cast``: how the client
+    and the shard convert to and from a wire dtype (``weights.numpy_cast``)."""
     from mpsync import policies
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -293,11 +297,12 @@ def start_shards(workers, config, world_ranks, *, log=None):
                                          spec.ps_update_scale(config, n),
                                          deadline=config.deadline,
                                          startup=config.startup_timeout,
-                                         worker_names=worker_names, log=log, updates=updates))
+                                         worker_names=worker_names, log=log, updates=updates,
+                                         cast=cast))
     if me == 0:
         (log or (lambda t: print(t, file=sys.stderr, flush=True)))(
             f"mpsync: parameter server in {layout.count} shard(s) over {layout.nodes} "
             f"node(s): {'; '.join(labels)}")
     client = ShardClient(requests, replies, layout.hosts, labels, config.deadline,
-                         worker_names=worker_names, startup=config.startup_timeout)
+                         worker_names=worker_names, startup=config.startup_timeout, cast=cast)
     return client, thread, layout

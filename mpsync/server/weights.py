@@ -14,7 +14,27 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WeightStore"]
+__all__ = ["WeightStore", "all_finite", "numpy_cast"]
+
+
+def numpy_cast(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` between float dtypes (rounding to nearest).  The default; numpy
+    converts float16 in software (10-270 ms per million values here, subnormals the slowest),
+    so a worker passes torch's conversion (``mpsync.torch``), two orders of magnitude faster."""
+    np.copyto(dst, src, casting="unsafe")
+
+# float16's exponent field: all ones is inf or NaN.  numpy's isfinite on float16 converts
+# every value to float32 first (60x slower than this bit test on a 4 MB slice).
+_F16_EXPONENT = 0x7C00
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether every value is finite: what a shard checks on every push and a worker checks
+    on the bytes it is about to send."""
+    if values.dtype == np.float16:
+        bits = np.bitwise_and(values.view(np.uint16), _F16_EXPONENT)
+        return values.size == 0 or int(bits.max()) != _F16_EXPONENT
+    return bool(np.all(np.isfinite(values)))
 
 
 class WeightStore:
@@ -30,11 +50,12 @@ class WeightStore:
     update of another floating dtype (float16 on the wire) is applied in the store's dtype.
     """
 
-    def __init__(self, scale: float = 1.0):
+    def __init__(self, scale: float = 1.0, cast=numpy_cast):
         self.weights: np.ndarray | None = None
         self.version = 0
         self.scale = float(scale)
         self.remote = False
+        self.cast = cast   # an update in another dtype (a float16 wire) into the store's
         self._scratch: np.ndarray | None = None
 
     @property
@@ -72,15 +93,18 @@ class WeightStore:
             return None
         if self.weights is None or update.shape != self.weights.shape:
             return "push before ps_init or of the wrong length"
-        if not np.all(np.isfinite(update)):
+        if not all_finite(update):
             return "push with NaN or inf"
-        if self.scale == 1.0:
-            self.weights += update
-        else:
+        if update.dtype != self.weights.dtype or self.scale != 1.0:
             if self._scratch is None:
                 self._scratch = np.empty_like(self.weights)
-            np.multiply(update, self.scale, out=self._scratch)
-            self.weights += self._scratch
+            if update.dtype != self.weights.dtype:
+                self.cast(self._scratch, update)
+                update = self._scratch
+            if self.scale != 1.0:
+                np.multiply(update, self.scale, out=self._scratch)
+                update = self._scratch
+        self.weights += update
         self.version += 1
         return None
 

@@ -1,0 +1,179 @@
+"""The PS job of ``mpsync bench allreduce``: the sharded parameter server's push + pull against
+a plain mpi4py program moving the same slices between the same ranks, in one ``mpirun`` job
+(rank 0 the dedicated state server, the others workers, ``auto`` shards on worker ranks).
+
+Per model size, float32, policy asp (its server never holds a pull, so the exchange is
+transport), each the median over repeats of the slowest worker's time:
+
+* ``ps_ms``: ``SyncClient.push`` of a delta + ``pull`` of the weights, what a training
+  iteration runs: every shard's slice out and applied (acknowledged), the push counted by
+  the state server, the pull granted by it, every shard's slice back;
+* ``ps_shard_ms``: the shard exchange alone (``ShardClient.push`` + ``pull``), without the
+  two state-server round trips: what the shards add to the wire;
+* ``ps_raw_ms``: the baseline, after them in the same job: each worker sends every shard's
+  slice to the rank hosting it and gets a slice back, answered there by a thread with
+  blocking ``Probe``/``Recv``/``Send`` (no control plane, no apply, no acks);
+* ``*_paced_ms``: the same three, each call after ``PACE_S`` without any message (as
+  between a training job's iterations, where a shard or server that sleeps while idle has
+  to wake up for the push).
+
+Ratios: ``ps_vs_raw``, ``ps_shard_vs_raw`` and their paced forms.  With the data bytes one
+worker's exchange moved, counted message by message (``ps_wire_bytes``), beside the analytic
+minima per worker of a push and a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce
+(``ring_min_bytes`` = 2(n-1)/n·B).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+
+from mpsync import policies as registry
+from mpsync.bench._timing import timed
+
+__all__ = ["ps_child", "PACE_S"]
+
+PACE_S = 0.02   # idle time before each paced exchange (an iteration's compute)
+
+
+def ps_child(sizes, max_repeats, budget) -> None:
+    """The rank side of the PS job; rank 0 of the workers prints one ``ROW`` per size."""
+    from mpi4py import MPI
+
+    from mpsync.config import SyncConfig
+    from mpsync.server import StateServer, SyncClient
+    from mpsync.server.shards import start_shards
+
+    world = MPI.COMM_WORLD
+    control = world.Dup()
+    is_worker = world.Get_rank() != 0
+    workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
+    for nbytes in sizes:
+        config = SyncConfig(policy=_ps_policy(), topology="ps", deadline=600.0).validate()
+        if not is_worker:
+            StateServer(control, config, server_rank=0).serve()
+            world.Barrier()  # no worker may reach the next size's server before it exists
+            continue
+        shards, thread, layout = start_shards(workers, config,
+                                              list(range(1, world.Get_size())), log=_quiet)
+        client = SyncClient(control, config, server_rank=0, shards=shards)
+        n = max(layout.count, nbytes // 4)
+        weights = np.zeros(n, dtype=np.float32)
+        if workers.Get_rank() == 0:
+            client.ps_init(weights)
+        delta = np.full(n, 1e-6, dtype=np.float32)
+        it = [0]
+
+        def exchange():
+            it[0] += 1
+            client.push(delta, it[0])
+            client.pull(weights, it[0])
+
+        def shard_exchange():
+            shards.push(delta)
+            shards.pull(weights)
+
+        client.pull(weights, 0)
+        moved, calls = shards.bytes_sent + shards.bytes_received, it[0]
+        row = timed(workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange},
+                    max_repeats, budget)
+        per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / (2 * (it[0] - calls))
+        # One loop each: every worker then pushes once per PACE_S and a bit, as in training.
+        row.update(paced(workers, {"ps_paced_ms": exchange}, max_repeats, budget))
+        row.update(paced(workers, {"ps_shard_paced_ms": shard_exchange}, max_repeats, budget))
+        shards.close()
+        if thread is not None:
+            thread.join()
+        client.shutdown()
+        row.update(_raw_slices(workers, layout.hosts, n, max_repeats, budget))
+        if workers.Get_rank() == 0:
+            size = workers.Get_size()
+            row.update({"bytes": nbytes, "ps_shards": layout.count,
+                        "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
+                        "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size})
+            for subject in ("ps", "ps_shard"):
+                row[f"{subject}_vs_raw"] = row[f"{subject}_ms"] / row["ps_raw_ms"]
+                row[f"{subject}_paced_vs_raw"] = (row[f"{subject}_paced_ms"]
+                                                  / row["ps_raw_paced_ms"])
+            print("ROW " + json.dumps(row), flush=True)
+        world.Barrier()
+
+
+def paced(comm, methods: dict, max_repeats: int, budget: float) -> dict:
+    """Like :func:`~mpsync.bench._timing.timed`, each call after ``PACE_S`` of idling (every
+    rank sleeps after the barrier, then times the call): ``{name: median ms}``."""
+    from mpi4py import MPI
+
+    names = list(methods)
+    repeats = comm.bcast(int(min(max_repeats, max(3, budget / (len(names) * PACE_S * 1.5)))),
+                         root=0)
+    times = np.zeros((len(names), repeats))
+    for i in range(repeats):
+        for j, name in enumerate(names):
+            comm.Barrier()
+            time.sleep(PACE_S)
+            t0 = time.perf_counter()
+            methods[name]()
+            times[j, i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}
+
+
+def _raw_slices(workers, hosts, n: int, max_repeats: int, budget: float) -> dict:
+    """The PS exchange's baseline (module doc): ``ps_raw_ms`` and ``ps_raw_paced_ms``."""
+    from mpi4py import MPI
+
+    from mpsync.server.shard_plan import shard_bounds
+
+    slice_tag, stop_tag = 1, 2
+    comm, replies = workers.Dup(), workers.Dup()   # the echo probes requests only
+    me, size = comm.Get_rank(), comm.Get_size()
+
+    def echo():
+        status, buf, left = MPI.Status(), np.empty(0, dtype=np.uint8), size
+        while left:
+            comm.Probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            src, tag, count = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+            if buf.size < count:
+                buf = np.empty(count, dtype=np.uint8)
+            comm.Recv([buf[:count], MPI.BYTE], source=src, tag=tag)
+            if tag == stop_tag:
+                left -= 1
+            else:
+                replies.Send([buf[:count], MPI.BYTE], dest=src, tag=slice_tag)
+
+    thread = threading.Thread(target=echo, daemon=True) if me in hosts else None
+    if thread is not None:
+        thread.start()
+    bounds = shard_bounds(n, len(hosts))
+    out, back = np.full(n, 1e-6, dtype=np.float32), np.empty(n, dtype=np.float32)
+
+    def exchange():
+        reqs = [replies.Irecv([back[a:b], MPI.FLOAT], source=h, tag=slice_tag)
+                for (a, b), h in zip(bounds, hosts)]
+        reqs += [comm.Isend([out[a:b], MPI.FLOAT], dest=h, tag=slice_tag)
+                 for (a, b), h in zip(bounds, hosts)]
+        MPI.Request.Waitall(reqs)
+
+    row = timed(replies, {"ps_raw_ms": exchange}, max_repeats, budget)
+    row.update(paced(replies, {"ps_raw_paced_ms": exchange}, max_repeats, budget))
+    for h in hosts:
+        comm.Send([np.zeros(1, dtype=np.uint8), MPI.BYTE], dest=h, tag=stop_tag)
+    if thread is not None:
+        thread.join()
+    comm.Free()
+    replies.Free()
+    return row
+
+
+def _quiet(_text: str) -> None:
+    """The shard layout line: the benchmark prints its rows only."""
+
+
+def _ps_policy() -> str:
+    """A PS policy whose server applies each push as it arrives and never holds a pull (the
+    first registered policy whose own topology is the PS: ASP), so push+pull is transport."""
+    return next(s.name for s in registry.specs() if s.default_topology == "ps")
