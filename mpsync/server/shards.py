@@ -277,9 +277,10 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     from mpsync import policies
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ConfigError("topology='ps' runs its shard servers as threads of worker ranks and "
-                          "needs MPI_THREAD_MULTIPLE; this MPI provides level "
-                          f"{MPI.Query_thread()}")
+        raise ConfigError("topology='ps' (and policy='auto' with auto_ps) runs its shard "
+                          "servers as threads of worker ranks and needs MPI_THREAD_MULTIPLE; "
+                          f"this MPI provides level {MPI.Query_thread()} (auto: set "
+                          f"auto_ps=False to switch on the ring only)")
     names = workers.allgather(MPI.Get_processor_name())
     layout: ShardLayout = plan_layout(config.ps_shards, names)
     requests, replies = workers.Dup(), workers.Dup()
