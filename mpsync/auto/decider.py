@@ -53,7 +53,8 @@ class DecisionRecord:
 
 class Decider:
     def __init__(self, current: Candidate, *, min_gain: float = 0.10,
-                 change_tolerance: float = 0.3, confirm: int = 2, min_dwell_s: float = 3.0):
+                 change_tolerance: float = 0.3, confirm: int = 2, min_dwell_s: float = 3.0,
+                 explore: bool = False):
         self.current = current
         self.min_gain = min_gain
         self.change_tolerance = change_tolerance
@@ -64,6 +65,10 @@ class Decider:
         self.last_switch_s = float("-inf")
         self._seen = 0                   # consecutive checks that saw a change
         self.refuted: set[str] = set()   # switched to, measured worse: not again on this basis
+        # Once, from the starting policy: a candidate predicted faster by less than min_gain
+        # (within the model's uncertainty) is tried, and kept only if confirm_switch's
+        # measured progress does not refute it.  The slice trains the job: nothing is lost.
+        self.explore = explore
 
     @property
     def switches(self) -> int:
@@ -103,7 +108,14 @@ class Decider:
             reason = f"{self.current.label} is not a candidate; {best.candidate.label} ranks first"
         else:
             gain = here.predicted_time_to_target_s / best.predicted_time_to_target_s - 1.0
-            if gain < self.min_gain:
+            if gain < self.min_gain and self.explore and gain > 0 and not self.switches:
+                self.explore = False
+                chosen, switch = best.candidate, True
+                reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
+                          f"{self.current.label}, within the model's uncertainty "
+                          f"({self.min_gain:.0%}): tried, kept unless its measured progress "
+                          f"is worse")
+            elif gain < self.min_gain:
                 reason = (f"{best.candidate.label} predicted only {gain:.0%} faster than "
                           f"{self.current.label} (a switch needs {self.min_gain:.0%}): stay")
             elif now_s - self.last_switch_s < self.min_dwell_s:

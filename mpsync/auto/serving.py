@@ -89,7 +89,7 @@ class AutoPolicy(Policy):
         self.next_candidate = None
         self.gathering: Gathering | None = None   # a switch from the PS to the ring
         self.window = Window(table.n, WINDOW_REPORTS)
-        self.decider = Decider(self.candidates[0])
+        self.decider = Decider(self.candidates[0], explore=True)
         self.sync_sent = 0          # the highest round any SYNC was sent for
         self.sync_at: dict[int, float] = {}
         self.t0 = None
