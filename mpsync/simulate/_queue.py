@@ -60,44 +60,30 @@ def new_queue(workers: int) -> EventQueue:
 
 
 @jit(inline=True)
-def _heap_push(q, t, key):
-    ht, hk = q.heap_t, q.heap_key
-    i = q.counters[_SIZE]
-    q.counters[_SIZE] = i + 1
-    while i > 0:
-        parent = (i - 1) >> 1
-        if ht[parent] < t or (ht[parent] == t and hk[parent] < key):
-            break
-        ht[i] = ht[parent]
-        hk[i] = hk[parent]
-        i = parent
-    ht[i] = t
-    hk[i] = key
+def _before(t, key, t2, key2):
+    """Whether the heap entry (t, key) comes before (t2, key2): earlier, or at the same time
+    scheduled first (keys are unique)."""
+    return t < t2 or (t == t2 and key < key2)
 
 
 @jit(inline=True)
-def _heap_pop(q):
-    """The top's key, removed (its time is ``heap_t[0]`` before the call)."""
-    ht, hk = q.heap_t, q.heap_key
-    top = hk[0]
-    n = q.counters[_SIZE] - 1
-    q.counters[_SIZE] = n
-    t, key = ht[n], hk[n]
-    i = 0
-    while True:
+def _place(ht, hk, i, n, t, key):
+    """Put the entry (t, key) into the hole ``i`` of the heap of ``n`` entries: entries that
+    must come after it move down into the hole, towards the root (a new leaf) or from below
+    (the last leaf put at the root)."""
+    while i > 0 and _before(t, key, ht[(i - 1) >> 1], hk[(i - 1) >> 1]):
+        ht[i], hk[i] = ht[(i - 1) >> 1], hk[(i - 1) >> 1]
+        i = (i - 1) >> 1
+    while 2 * i + 1 < n:
         c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and (ht[c + 1] < ht[c] or (ht[c + 1] == ht[c] and hk[c + 1] < hk[c])):
+        if c + 1 < n and _before(ht[c + 1], hk[c + 1], ht[c], hk[c]):
             c += 1
-        if t < ht[c] or (t == ht[c] and key < hk[c]):
+        if not _before(ht[c], hk[c], t, key):
             break
-        ht[i] = ht[c]
-        hk[i] = hk[c]
+        ht[i], hk[i] = ht[c], hk[c]
         i = c
     ht[i] = t
     hk[i] = key
-    return top
 
 
 @jit(inline=True)
@@ -106,7 +92,9 @@ def push(q, kind, t, w):
     scheduled for ``t``."""
     if kind == HEAP_KIND:
         q.counters[_SEQ] += 1
-        _heap_push(q, t, (q.counters[_SEQ] << 20) | w)
+        size = q.counters[_SIZE] + 1
+        q.counters[_SIZE] = size
+        _place(q.heap_t, q.heap_key, size - 1, size, t, (q.counters[_SEQ] << 20) | w)
         return
     i = q.head[kind] + q.size[kind]
     if i >= q.fifo_t.shape[1]:
@@ -132,7 +120,11 @@ def pop(q):
     if best_k < 0:
         return best_t, best_k, 0
     if best_k == HEAP_KIND:
-        return best_t, best_k, _heap_pop(q) & 0xFFFFF
+        w = q.heap_key[0] & 0xFFFFF
+        size = q.counters[_SIZE] - 1
+        q.counters[_SIZE] = size
+        _place(q.heap_t, q.heap_key, 0, size, q.heap_t[size], q.heap_key[size])
+        return best_t, best_k, w
     i = q.head[best_k]
     w = q.fifo_w[best_k, i]
     i += 1
