@@ -1,0 +1,59 @@
+"""The round ``auto`` makes to leave the parameter server (``mpsync.auto.gathering``), on the
+server's own ``WorkerTable``, without MPI: every worker held before any is released, the
+switch round above every worker's, each switch pull granted only once every worker's switch
+push is in, and a worker's last push before the release calling the switch off."""
+
+from __future__ import annotations
+
+from mpsync.auto.gathering import Gathering
+from mpsync.server.policies import WorkerTable
+
+
+def _table(rounds):
+    t = WorkerTable(len(rounds))
+    t.round[:] = rounds
+    t.pushes[:] = rounds
+    return t
+
+
+def test_nobody_is_released_before_everyone_is_held_and_the_round_is_above_all():
+    t = _table([7, 3, 5])
+    g = Gathering(t, now=10.0)
+    g.hold(0)
+    assert not g.ready(0, 10.1)
+    g.hold(2)
+    assert not g.ready(2, 10.2) and not g.ready(0, 10.2)
+    g.hold(1)
+    assert g.ready(1, 10.5) and g.ready(0, 10.5) and g.ready(2, 10.5)
+    assert g.round == 8 and abs(g.held_s - 0.5) < 1e-12
+    assert all(g.switching(w) for w in range(3))
+
+
+def test_a_switch_pull_waits_for_every_workers_switch_push():
+    t = _table([4, 4, 2])
+    g = Gathering(t)
+    for w in range(3):
+        g.hold(w)
+    assert all(g.ready(w) for w in range(3))
+    t.pushes[0] += 1
+    assert not g.may_pull(0)
+    t.pushes[2] += 1
+    assert not g.may_pull(2)
+    t.pushes[1] += 1
+    assert g.may_pull(0) and g.may_pull(1) and g.may_pull(2)
+    t.round[:] = g.round           # each reset round R: past the switch
+    assert not any(g.switching(w) for w in range(3))
+
+
+def test_a_worker_that_joined_calls_the_switch_off_and_one_taken_out_is_not_waited_for():
+    t = _table([3, 3, 3])
+    g = Gathering(t)
+    g.hold(0)
+    t.final_pushed[1] = True       # worker 1 sent its last push: it will not step again
+    assert g.cancelled
+    t2 = _table([3, 3, 3])
+    g2 = Gathering(t2)
+    g2.hold(0)
+    g2.hold(1)
+    t2.removed[2] = True           # taken out (the PS's rule): not waited for
+    assert g2.ready(0) and g2.ready(1) and g2.round == 4
