@@ -191,6 +191,7 @@ def test_the_server_policy_measures_decides_in_its_helper_and_switches_after_one
 
     pol = make_policy(SyncConfig(policy="auto").validate(), 4)
     pol.decider.explore = False   # (this driver runs BSP rounds only; exploring: below)
+    pol.start = None              # (measured under BSP, not ESync)
     pol.warm_up()
     clock, k, codes = 0.0, 0, {}
 

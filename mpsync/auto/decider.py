@@ -65,7 +65,7 @@ class Decider:
         self.last_switch_s = float("-inf")
         self._seen = 0                   # consecutive checks that saw a change
         self.refuted: set[str] = set()   # switched to, measured worse: not again on this basis
-        # Once, from the starting policy: a candidate predicted faster by less than min_gain
+        # At the first decision: a candidate predicted faster by less than min_gain
         # (within the model's uncertainty) is tried, and kept only if confirm_switch's
         # measured progress does not refute it.  The slice trains the job: nothing is lost.
         self.explore = explore
@@ -108,8 +108,7 @@ class Decider:
             reason = f"{self.current.label} is not a candidate; {best.candidate.label} ranks first"
         else:
             gain = here.predicted_time_to_target_s / best.predicted_time_to_target_s - 1.0
-            if gain < self.min_gain and self.explore and gain > 0 and not self.switches:
-                self.explore = False
+            if gain < self.min_gain and self.explore and gain > 0:
                 chosen, switch = best.candidate, True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty "
@@ -127,6 +126,7 @@ class Decider:
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label} ({best.predicted_time_to_target_s:.1f}s vs "
                           f"{here.predicted_time_to_target_s:.1f}s to target)")
+        self.explore = False          # (only ever at the first decision)
         record = DecisionRecord(at_s=now_s, trigger=trigger, measurements=m.as_dict(),
                                 ranking=[r.as_dict() for r in ranked],
                                 previous=self.current.label, chosen=chosen.label,
