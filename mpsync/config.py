@@ -25,7 +25,7 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
-    "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled", "refuse_unsettled",
+    "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled",
     "check_output_dir", "PS_OPTIMIZERS", "parse_staleness_range", "print_user_error",
 ]
 
@@ -341,20 +341,6 @@ def parse_bool(name: str, text: str) -> bool:
         return False
     raise ConfigError(f"{name}={text!r} is not a boolean; set it to 1 or 0 (true/false, "
                       f"yes/no, on/off), or unset it")
-
-
-def refuse_unsettled(config: SyncConfig) -> None:
-    """What a run may not do yet although its settings are valid (the simulator still models
-    it): the shards' optimizer once per round on the merged pushes (BSP's) was seen to give,
-    in one run of two to four, a model 0.23 away from single-process Adam (a pull racing the
-    round's step on some shard), so a job refuses it until that is ordered."""
-    if config.topology == "ps" and config.ps_optimizer == "server" and \
-            policies.get(config.policy).ps_average:
-        raise ConfigError(f"ps_optimizer='server' with policy={config.policy!r} (one optimizer "
-                          f"step per round on the merged pushes) is not available yet: a pull "
-                          f"can race the round's step on a shard; use ps_optimizer='worker' "
-                          f"(the default), or a policy whose shards step every push (asp, ssp, "
-                          f"dssp, ebsp)")
 
 
 def debug_enabled(environ=None) -> bool:

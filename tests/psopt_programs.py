@@ -37,11 +37,38 @@ def _reference_adam(workers: int) -> torch.Tensor:
     return _flat(model)
 
 
+def _after_a_push(limit_s: float = 60.0) -> None:
+    """Wait until the state server has counted a push (it counts one once every shard has
+    taken its slice)."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if any(w["pushes"] for w in mps.stats()["server"]["workers"].values()):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"no push counted within {limit_s:g}s")
+
+
+def _save_cut(opt, model, path: str) -> None:
+    """Between two rounds, with every worker held: worker 0 saves what a checkpoint keeps of
+    the PS (the global model, the shards' optimizer state)."""
+    mps.worker_comm().Barrier()
+    if mps.rank() == 0:
+        opt.strategy.pull_global()
+        torch.save({"model": model.state_dict(),
+                    "shards": opt.strategy.server_optimizer_state()}, path)
+    mps.worker_comm().Barrier()
+
+
 def bsp_adam() -> None:
     """BSP on the PS with Adam (float64) and workers of unequal, jittery speeds, the learning
     rate lowered half-way (the new settings reach the shards with the next push); with the
     server's optimizer the model after 20 rounds is single-process Adam on the concatenated
-    batch, with the workers' own optimizers it is the mean of per-worker Adam steps."""
+    batch, with the workers' own optimizers it is the mean of per-worker Adam steps.
+    ``start_late=1``: every worker but worker 0 takes its first step (which pulls the
+    starting weights) only after worker 0's first push is on every shard.
+    ``save=PATH``: after round 10 worker 0 writes the global model and the shards' optimizer
+    state to PATH, as a checkpoint does; ``resume=PATH``: start from such a file at round 10
+    (the shards continue its optimizer state) and run the remaining rounds."""
     a = _args()
     mps.init(policy="bsp", topology="ps", backend="mpi", server="dedicated", deadline=60,
              ps_shards=int(a.get("ps_shards", 3)), ps_optimizer=a["ps_optimizer"])
@@ -50,7 +77,18 @@ def bsp_adam() -> None:
                                    named_parameters=model.named_parameters())
     n, me = mps.size(), mps.rank()
     jitter = torch.Generator().manual_seed(7 + me)
-    for step in range(STEPS):
+    start_late = a.get("start_late") == "1"
+    first = 0
+    if a.get("resume"):
+        saved = torch.load(a["resume"], weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.param_groups[0]["lr"] = LR_LATER
+        first = STEPS // 2
+        if me == 0:
+            opt.strategy.restore_server_optimizer(saved["shards"])
+    for step in range(first, STEPS):
+        if step == STEPS // 2 and a.get("save"):
+            _save_cut(opt, model, a["save"])
         if step == STEPS // 2:
             opt.param_groups[0]["lr"] = LR_LATER
         x, y = _data(n * BATCH, seed=100 + step)
@@ -59,6 +97,8 @@ def bsp_adam() -> None:
                                           y[me * BATCH:(me + 1) * BATCH]).backward()
         # a fast worker's next push races a slow worker's pull of the round
         time.sleep(0.002 * me + 0.01 * float(torch.rand(1, generator=jitter)))
+        if step == 0 and me > 0 and start_late:
+            _after_a_push()
         opt.step()
     local = mps.stats()["local"]
     state = sum(len(s) for s in opt.state.values())   # the worker's own Adam state
@@ -67,7 +107,7 @@ def bsp_adam() -> None:
     ref = _reference_adam(n)
     print("RESULT " + json.dumps({
         "rank": me, "rounds": local["rounds"], "iterations": local["iterations"],
-        "digest": _digest(final), "worker_state": state,
+        "digest": _digest(final), "worker_state": state, "final": final.tolist(),
         "vs_adam": float((final - ref).abs().max() / ref.abs().max())}),
         flush=True)
 

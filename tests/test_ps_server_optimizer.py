@@ -1,20 +1,41 @@
-"""The parameter server running the optimizer (``ps_optimizer='server'``) on real ranks.
-
-BSP's way (one step per round on the merged pushes) is refused by a job for now: with Adam,
-float64, 3 workers and 3 shards, one run in two to four ended 0.23 (relative) away from
-single-process Adam on the concatenated batch, where it must be within 1e-9 -- a pull racing
-the round's step on a shard.  ``psopt_programs.bsp_adam`` reproduces it once the refusal in
-``mpsync.config.refuse_unsettled`` is lifted.  The shards' optimizer itself is checked against
-torch.optim in tests/test_shard_optimizer.py."""
+"""The parameter server running the optimizer (``ps_optimizer='server'``) on real ranks: BSP
+with Adam is single-process Adam on the concatenated batch, to 1e-9 in float64 over 20 steps
+(learning rate changed half-way), the workers never run their own Adam, and a run resumed
+half-way from the global model and the shards' optimizer state (what a checkpoint keeps)
+goes on to the same model.  (That the workers' own Adam steps, averaged, are not that model
+-- the departure [ps-worker-optimizer] -- is shown in one process by
+tests/test_shard_optimizer.py.)"""
 
 from __future__ import annotations
 
+import numpy as np
 from mpi_harness import run_mpi
 
 
-def test_bsp_with_the_servers_optimizer_is_refused_by_the_job_in_one_line():
-    run = run_mpi("psopt_programs:bsp_adam", np=4, timeout=180, check=False,
-                  args=["ps_optimizer=server", "ps_shards=3"])
-    assert run.returncode not in (0, None) and not run.timed_out, run.report()
-    said = "".join(run.rank_err(r) for r in run.ranks)
-    assert "ps_optimizer='server' with policy='bsp'" in said and "race" in said, run.report()
+def _check(run) -> dict:
+    res = run.results()
+    assert sorted(res) == [1, 2, 3], run.report()
+    for r in res.values():
+        assert r["vs_adam"] <= 1e-9, r
+        assert r["worker_state"] == 0, r     # the workers never ran their Adam
+    assert len({r["digest"] for r in res.values()}) == 1, res   # one model on every worker
+    return res[1]
+
+
+def test_bsp_with_adam_on_the_server_is_adam_on_the_concatenated_batch(tmp_path):
+    # start_late: workers 1 and 2 read the starting weights only after worker 0's first push
+    # is on every shard, which must wait for their pushes in its round instead of being
+    # stepped on alone (before the shards counted rounds per worker, this ended 0.23-0.34
+    # away from single-process Adam).
+    cut = tmp_path / "cut.pt"
+    whole = _check(run_mpi("psopt_programs:bsp_adam", np=4, timeout=180,
+                           args=["ps_optimizer=server", "ps_shards=3", "start_late=1",
+                                 f"save={cut}"]))
+    assert whole["iterations"] == 20 == whole["rounds"], whole
+    resumed = _check(run_mpi("psopt_programs:bsp_adam", np=4, timeout=180,
+                             args=["ps_optimizer=server", "ps_shards=2", f"resume={cut}"]))
+    assert resumed["iterations"] == 10 == resumed["rounds"], resumed
+    # Adam's moments and step count went on (restarted from zero, the model ends 0.07 away);
+    # the last bits may differ with the order in which a round's pushes were summed.
+    a, b = np.array(whole["final"]), np.array(resumed["final"])
+    assert np.abs(a - b).max() <= 1e-12 * np.abs(a).max(), (a, b)

@@ -1,14 +1,16 @@
 """The shards' optimizer (mpsync.server.shard_optimizer) against torch.optim on the same numbers,
 in one process: SGD (momentum, dampening, Nesterov, weight decay), Adam (weight decay,
 amsgrad), AdamW; a round's merge-then-step against one step on the mean gradient; settings
-taken from torch param groups, their wire form, and what is refused."""
+taken from torch param groups, their wire form, and what is refused; BSP's rounds counted per
+worker; a checkpoint's state saved and restored."""
 
 import numpy as np
 import pytest
 import torch
 
 from mpsync.server.shard_optimizer import (OptimizerSettings, ShardOptimizer,
-                                           UnsupportedOptimizer, settings_from_group)
+                                           UnsupportedOptimizer, pack_state,
+                                           settings_from_group)
 
 CASES = [
     (torch.optim.SGD, {"lr": 0.1}),
@@ -136,25 +138,70 @@ def test_server_updates_step_per_push_or_once_per_round_and_refuse_what_they_can
     settings = OptimizerSettings(kind="sgd", lr=0.5, momentum=0.9)
     w = np.ones(4)
     per_push = ServerUpdates(per_round=False)
-    assert per_push.take(w, np.ones(4)) == "a gradient before the optimizer's settings"
+    assert per_push.take(w, np.ones(4), 0) == "a gradient before the optimizer's settings"
     assert per_push.configure(settings.to_array()[:3]) is not None   # malformed: refused
     assert per_push.configure(settings.to_array()) is None
-    assert per_push.take(w, np.ones(3)) == "push before ps_init or of the wrong length"
-    assert per_push.take(w, np.array([1.0, np.nan, 0, 0])) == "push with NaN or inf"
+    assert per_push.take(w, np.ones(3), 0) == "push before ps_init or of the wrong length"
+    assert per_push.take(w, np.array([1.0, np.nan, 0, 0]), 0) == "push with NaN or inf"
     np.testing.assert_array_equal(w, np.ones(4))         # nothing refused moved the weights
-    assert per_push.take(w, np.ones(4)) is None
+    assert per_push.take(w, np.ones(4), 0) is None
     np.testing.assert_allclose(w, 0.5)                    # stepped on arrival
-    assert not per_push.settle(w)
+    assert not per_push.settle(w, 0)
 
     rounds = ServerUpdates(per_round=True)
     rounds.configure(settings.to_array())
     w = np.ones(4)
-    assert rounds.take(w, np.full(4, 1.0)) is None and rounds.take(w, np.full(4, 3.0)) is None
+    assert rounds.take(w, np.full(4, 1.0), 0) is None and rounds.take(w, np.full(4, 3.0), 1) is None
     np.testing.assert_array_equal(w, np.ones(4))         # merged, not yet stepped
-    assert rounds.pending and rounds.settle(w)
+    assert rounds.pending and rounds.settle(w, 0) == 1
     np.testing.assert_allclose(w, 1 - 0.5 * 2.0)         # one step on the mean, 2
-    assert not rounds.pending and not rounds.settle(w)
+    assert not rounds.pending and not rounds.settle(w, 1)
     assert rounds.configure(OptimizerSettings(kind="adam").to_array()) is not None
+
+
+def _adam_rounds(*rounds_of_pushes, w0=1.0):
+    """The weights after single-process Adam on each round's mean gradient."""
+    opt, w = ShardOptimizer(OptimizerSettings(kind="adam", lr=0.1), 3), np.full(3, w0)
+    for pushes in rounds_of_pushes:
+        opt.step(w, np.mean(pushes, axis=0))
+    return w
+
+
+def test_a_pull_reads_its_own_round_whatever_the_other_workers_pushed_since():
+    """The orders the state server does not rule out: a worker's first pull after the
+    others' first pushes, a joined worker's last pull after the others' next pushes, a push
+    of a worker taken out and back after its round was stepped on."""
+    from mpsync.server.shard_optimizer import ServerUpdates
+
+    g = {w: np.full(3, float(w + 1)) for w in range(3)}
+    rounds = ServerUpdates(per_round=True)
+    rounds.configure(OptimizerSettings(kind="adam", lr=0.1).to_array())
+    w = np.ones(3)
+    rounds.take(w, g[0], 0)                  # worker 0's round-1 push ...
+    assert not rounds.due(1) and rounds.settle(w, 1) == 0
+    np.testing.assert_array_equal(w, 1.0)    # ... is not read by worker 1's first pull
+    rounds.take(w, g[1], 1)
+    rounds.take(w, g[2], 2)
+    assert rounds.due(2) and rounds.settle(w, 2) == 1      # round 1: one step on all three
+    np.testing.assert_array_equal(w, _adam_rounds([g[0], g[1], g[2]]))
+    assert rounds.settle(w, 0) == 0          # the round's other pulls read the same weights
+
+    # worker 2 joins after round 1; worker 0 pushes round 2 before worker 2's last pull
+    rounds.take(w, g[0], 0)
+    assert not rounds.due(2) and rounds.settle(w, 2) == 0
+    rounds.take(w, g[1], 1)
+    assert rounds.settle(w, 1) == 1          # round 2: workers 0 and 1
+    expected = _adam_rounds([g[0], g[1], g[2]], [g[0], g[1]])
+    np.testing.assert_array_equal(w, expected)
+
+    # worker 2 comes back: its push joins the open round (3), not its own stepped round 2
+    rounds.take(w, g[0], 0)
+    rounds.take(w, g[2], 2)
+    assert rounds.optimizer.pending_rounds == (3,)
+    rounds.take(w, g[1], 1)
+    assert rounds.settle(w, None) == 1       # every push is in: every round merged
+    np.testing.assert_array_equal(w, _adam_rounds([g[0], g[1], g[2]], [g[0], g[1]],
+                                                  [g[0], g[2], g[1]]))
 
 
 def test_param_groups_must_agree_for_the_shards():
@@ -212,3 +259,48 @@ def test_the_mean_of_per_worker_adam_steps_is_not_an_adam_step_on_the_mean_gradi
             steps.append(w)
         gap = np.abs(np.mean(steps, axis=0) - w_server).max() / np.abs(w_server).max()
         assert (gap > 1e-3) if differs else (gap < 1e-14), (kind, gap)
+
+
+@pytest.mark.parametrize("per_round", [False, True])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_saved_state_restored_on_fresh_shards_continues_bitwise(per_round, kind):
+    """A checkpoint's optimizer state, split over other shard ranges than it was saved from,
+    continues exactly where the uninterrupted run goes."""
+    from mpsync.server.shard_optimizer import ServerUpdates, unpack_state
+
+    rng = np.random.default_rng(3)
+    settings = OptimizerSettings(kind=kind, lr=0.05, momentum=0.9 if kind == "sgd" else 0.0,
+                                 amsgrad=kind == "adam").to_array()
+    grads = rng.normal(size=(6, 2, 10)).astype(np.float32)   # 6 rounds of 2 workers' pushes
+
+    def run(updates, w, rounds):
+        for pushes in rounds:
+            for worker, g in enumerate(pushes):
+                assert updates.take(w, g, worker) is None
+            updates.settle(w)
+
+    whole, w_whole = ServerUpdates(per_round), np.ones(10, np.float32)
+    whole.configure(settings)
+    run(whole, w_whole, grads)
+
+    first, w = ServerUpdates(per_round), np.ones(10, np.float32)
+    first.configure(settings)
+    run(first, w, grads[:3])
+    kind_saved, steps, saved = unpack_state(first.save(w), np.float32, 10)
+    assert (kind_saved, steps) == (kind, 3 if per_round else 6)
+    for lo, hi in ((0, 4), (4, 10)):          # two shards of another layout
+        again = ServerUpdates(per_round)
+        assert again.restore(pack_state(kind, steps, {n: a[lo:hi] for n, a in saved.items()},
+                                        hi - lo, np.float32), np.float32) is None
+        again.configure(settings)
+        part = w[lo:hi].copy()
+        run(again, part, grads[3:, :, lo:hi])
+        np.testing.assert_array_equal(part, w_whole[lo:hi])
+        for name, array in whole.optimizer.export().items():
+            np.testing.assert_array_equal(again.optimizer.export()[name], array[lo:hi])
+    assert again.restore(first.save(w), np.float32) is not None   # after a push: refused
+    wrong = ServerUpdates(per_round)
+    wrong.restore(pack_state(kind, steps, {n: a[:4] for n, a in saved.items()}, 4, np.float32),
+                  np.float32)
+    wrong.configure(OptimizerSettings(kind="adamw" if kind == "adam" else "adam").to_array())
+    assert "restored is" in wrong.take(np.ones(4, np.float32), grads[3, 0, :4], 0)

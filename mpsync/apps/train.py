@@ -27,7 +27,9 @@ Checkpoints (``--checkpoint-every K``) are consistent cuts, written by worker 0 
 Server state: at either cut every worker has made the same number of pushes (ps) or rounds
 (ring), so the staleness clocks of SSP/DSSP and the round counters, which a resumed server
 starts at zero for every worker, have the same gaps (none) as at the cut; the global weights
-are the checkpoint's model, which worker 0 sends in ``ps_init`` on resume.  The rest is soft
+are the checkpoint's model, which worker 0 sends in ``ps_init`` on resume, and with
+``--ps-optimizer server`` the shards' optimizer state (momentum or Adam's moments and step
+count) is in the checkpoint too and goes back to the shards before it.  The rest is soft
 state the server re-learns: ElasticBSP's and ESync's iteration times (within the first round:
 ElasticBSP's monitoring phase, ESync's first reports), DSSP's push-interval table, and the
 server's statistics (``server_stats.json`` of a resumed run covers the resumed part).  Updates
@@ -54,7 +56,7 @@ from mpsync.apps.train_checkpoints import reshard
 from mpsync.apps.trainer import train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
-    parse_bool, plugins_from_env, print_user_error, refuse_unsettled, setting_from_env
+    parse_bool, plugins_from_env, print_user_error, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
 from mpsync.launch.hosts import launched_rank
@@ -211,7 +213,6 @@ def build_config(args) -> SyncConfig:
 def validate(args, workers: int | None) -> SyncConfig:
     """Every check that needs no communicator (run before launch and on every rank)."""
     config = build_config(args)
-    refuse_unsettled(config)   # before any rank starts
     if (args.epochs is None) == (args.time_budget is None):
         raise ConfigError("give exactly one of --epochs N or --time-budget S")
     if args.epochs is not None and not args.epochs > 0:

@@ -124,9 +124,14 @@ def ps_checkpoint(mps, opt, out, model, me, n, mine: dict, time_up: bool, target
         if not stop:
             version = opt.strategy.pull_global()
             # ps_version: the updates this server applied, counted from the start of this run
-            # (a resumed run's server counts from zero again).
+            # (a resumed run's server counts from zero again); optimizer: the shards' own
+            # (ps_optimizer='server'), which a resumed run continues.
+            server = {"ps_version": version}
+            shards_state = opt.strategy.server_optimizer_state()
+            if shards_state is not None:
+                server["optimizer"] = shards_state
             write_checkpoint(out, model, gathered, n, wall(), evals, round_, step, config,
-                             server={"ps_version": version})
+                             server=server)
         decision = torch.tensor([total, int(stop)], dtype=torch.int64)
     agreed = mps.allreduce(decision, average=False, name="checkpoint decision")
     return bool(agreed[1] > 0), int(agreed[0])

@@ -150,6 +150,9 @@ class Worker:
         self._restore_or_seed()
         self.opt = mps.DistributedOptimizer(self.inner,
                                             named_parameters=self.model.named_parameters())
+        shards_state = (self.resume or {}).get("server", {}).get("optimizer")
+        if shards_state is not None and self.me == 0 and self.config.ps_optimizer == "server":
+            self.opt.strategy.restore_server_optimizer(shards_state)
         mps.broadcast_parameters(self.model.state_dict(), root_rank=0)
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.per_epoch = self.shard.batches_per_epoch(args.batch_size)

@@ -85,8 +85,8 @@ def measure(model_bytes: int, shards: int, workers: int, budget: float) -> dict:
     w_sgd, w_adam, w_round = weights.copy(), weights.copy(), weights.copy()
 
     def round_of_pushes():
-        for _ in range(workers):
-            rounds.take(w_round, grad)
+        for w in range(workers):
+            rounds.take(w_round, grad, w)
         rounds.settle(w_round)
 
     param = torch.nn.Parameter(torch.from_numpy(rng.normal(size=n_model).astype(np.float32)))
@@ -96,8 +96,8 @@ def measure(model_bytes: int, shards: int, workers: int, budget: float) -> dict:
     ms = _median_ms({
         "shard_add_delta": lambda: add.apply(grad),
         "shard_add_scaled_delta": lambda: average.apply(grad),
-        "shard_sgd_momentum_step": lambda: sgd.take(w_sgd, grad),
-        "shard_adam_step": lambda: adam.take(w_adam, grad),
+        "shard_sgd_momentum_step": lambda: sgd.take(w_sgd, grad, 0),
+        "shard_adam_step": lambda: adam.take(w_adam, grad, 0),
         "shard_adam_round": round_of_pushes,
         "worker_torch_sgd_momentum_step": torch_sgd.step,
         "worker_torch_adam_step": torch_adam.step,

@@ -450,8 +450,8 @@ class SyncClient:
         allows: the state server grants the pull, then every shard sends its slice.
         ``final``: the last pull of training, after every worker's last push (nobody will
         push again, so no staleness rule can be waited for).  Returns the model version
-        (updates applied so far).  ``barrier`` > 0 (sharded): the pull at that barrier
-        (``ShardClient.pull``)."""
+        (updates applied so far).  ``barrier`` (sharded): > 0, the pull at that barrier;
+        ``ALL_PUSHES_IN``, after every worker's last push (``ShardClient.pull``)."""
         if not out.flags.c_contiguous or (self.shards is None and out.dtype != np.float64):
             raise ValueError("pull needs a contiguous array (float64 without shards)")
         count = 0 if self.shards is not None else out.size

@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 
-from mpsync.config import ConfigError, SyncConfig, debug_enabled, refuse_unsettled
+from mpsync.config import ConfigError, SyncConfig, debug_enabled
 
 __all__ = ["config_of", "join", "serve_dedicated", "write_outputs", "install_abort_hooks",
            "check_same_config", "Joined", "refuse"]
@@ -31,9 +31,7 @@ def config_of(policy=None, topology=None, backend=None, server=None,
     given = {k: v for k, v in (("policy", policy), ("topology", topology),
                                ("backend", backend), ("server", server)) if v is not None}
     try:
-        config = SyncConfig.from_options(**given, **policy_options)
-        refuse_unsettled(config)
-        return config
+        return SyncConfig.from_options(**given, **policy_options)
     except ConfigError:
         # Uncaught by the script, it ends the job as one line (a script may catch it).
         sys.excepthook = _user_error_hook(sys.excepthook)

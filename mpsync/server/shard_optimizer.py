@@ -35,10 +35,17 @@ from typing import Mapping
 import numpy as np
 
 __all__ = ["OptimizerSettings", "ShardOptimizer", "ServerUpdates", "KINDS",
-           "settings_from_group", "settings_of", "UnsupportedOptimizer"]
+           "settings_from_group", "settings_of", "UnsupportedOptimizer", "STATE_BUFFERS",
+           "pack_state", "unpack_state"]
 
 # The optimizers a shard can run, by the lower-cased name of the torch class they mirror.
 KINDS = ("sgd", "adam", "adamw")
+# The state a checkpoint keeps, by name: SGD's momentum buffer or Adam's first moment, Adam's
+# second moment, amsgrad's maximum of it (``ShardOptimizer`` attributes ``_<name>``).
+STATE_BUFFERS = ("momentum", "second", "max_second")
+# A packed state starts with 4 int64: the kind's index in KINDS (-1: no state), the steps
+# taken, which of STATE_BUFFERS follow (bit i), and 0.
+_STATE_HEADER = 4
 
 
 class UnsupportedOptimizer(ValueError):
@@ -163,8 +170,9 @@ class ShardOptimizer:
         self.size = int(size)
         self.dtype = np.dtype(dtype)
         self.steps = 0                 # Adam's t (bias correction); SGD counts too
-        self.merged = 0                # pushes in the pending sum
-        self._pending: np.ndarray | None = None
+        # round -> [sum of its pushes, how many]: the rounds merged and not yet stepped on
+        self._pending: dict[int, list] = {}
+        self._spare: list[np.ndarray] = []         # sums of rounds stepped on, for reuse
         self._momentum: np.ndarray | None = None   # SGD's buffer / Adam's first moment
         self._second: np.ndarray | None = None     # Adam's second moment
         self._max_second: np.ndarray | None = None  # amsgrad
@@ -190,27 +198,39 @@ class ShardOptimizer:
         if array.shape != (self.size,):
             raise ValueError(f"{what} of {array.size} elements for a range of {self.size}")
 
-    def merge(self, grad: np.ndarray) -> None:
-        """Add one push to the round's pending sum (in the weights' dtype)."""
-        self._check(grad, "gradient")
-        pending = self._buffer("_pending")
-        if self.merged == 0:
-            np.copyto(pending, grad, casting="unsafe")
-        else:
-            pending += grad
-        self.merged += 1
+    @property
+    def merged(self) -> int:
+        """Pushes merged and not yet stepped on, over every pending round."""
+        return sum(count for _, count in self._pending.values())
 
-    def flush(self, weights: np.ndarray) -> bool:
-        """One step on the mean of the pushes merged since the last flush; False (and the
-        weights untouched) if none was."""
-        if self.merged == 0:
-            return False
-        pending = self._pending
-        if self.merged > 1:
-            pending *= 1.0 / self.merged
-        self.merged = 0
-        self._step(weights, pending)
-        return True
+    @property
+    def pending_rounds(self) -> tuple[int, ...]:
+        return tuple(sorted(self._pending))
+
+    def merge(self, grad: np.ndarray, round_: int = 0) -> None:
+        """Add one push to the pending sum of round ``round_`` (in the weights' dtype)."""
+        self._check(grad, "gradient")
+        entry = self._pending.get(round_)
+        if entry is None:
+            total = self._spare.pop() if self._spare else np.empty(self.size, self.dtype)
+            np.copyto(total, grad, casting="unsafe")
+            self._pending[round_] = [total, 1]
+        else:
+            entry[0] += grad
+            entry[1] += 1
+
+    def flush(self, weights: np.ndarray, through: int | None = None) -> int:
+        """One step on the mean of each pending round's pushes, oldest round first, for the
+        rounds up to ``through`` (None: all); how many steps it took (0: the weights are
+        untouched)."""
+        due = [r for r in sorted(self._pending) if through is None or r <= through]
+        for r in due:
+            total, count = self._pending.pop(r)
+            if count > 1:
+                total *= 1.0 / count
+            self._step(weights, total)
+            self._spare.append(total)
+        return len(due)
 
     def step(self, weights: np.ndarray, grad: np.ndarray) -> None:
         """One optimizer step of ``weights`` (in place) with ``grad`` (any float dtype; not
@@ -284,10 +304,71 @@ class ShardOptimizer:
         t *= s.lr / (1.0 - s.beta1 ** self.steps)
         w -= t
 
+    def export(self) -> dict[str, np.ndarray]:
+        """The state that outlives a checkpoint, by ``STATE_BUFFERS`` name (the buffers the
+        optimizer has made so far; not copies)."""
+        return {name: getattr(self, "_" + name) for name in STATE_BUFFERS
+                if getattr(self, "_" + name) is not None}
+
+    def load(self, steps: int, buffers: Mapping[str, np.ndarray]) -> None:
+        """Continue from an exported state: ``steps`` taken, ``buffers`` copied in."""
+        for name, array in buffers.items():
+            if name not in STATE_BUFFERS:
+                raise ValueError(f"unknown optimizer state {name!r}")
+            self._check(array, name)
+            np.copyto(self._buffer("_" + name), array, casting="unsafe")
+        self.steps = int(steps)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held (the pending sum and scratch included)."""
-        return sum(b.nbytes for b in (self._pending, self._momentum, self._second,
-                                      self._max_second, self._g, self._t) if b is not None)
+        held = [self._momentum, self._second, self._max_second, self._g, self._t]
+        held += [total for total, _ in self._pending.values()] + self._spare
+        return sum(b.nbytes for b in held if b is not None)
+
+
+def pack_state(kind: str | None, steps: int, buffers: Mapping[str, np.ndarray], size: int,
+               dtype) -> np.ndarray:
+    """One range's optimizer state as bytes (how it travels between a shard and a worker):
+    the header, then each buffer present in ``STATE_BUFFERS`` order, ``size`` elements of
+    ``dtype`` each.  ``kind`` None: no state (the header alone)."""
+    dtype = np.dtype(dtype)
+    names = [n for n in STATE_BUFFERS if n in buffers] if kind is not None else []
+    header = np.array([KINDS.index(kind) if kind is not None else -1, int(steps),
+                       sum(1 << STATE_BUFFERS.index(n) for n in names), 0], dtype=np.int64)
+    out = np.empty(header.nbytes + len(names) * size * dtype.itemsize, dtype=np.uint8)
+    out[:header.nbytes] = header.view(np.uint8)
+    for i, name in enumerate(names):
+        start = header.nbytes + i * size * dtype.itemsize
+        np.copyto(out[start:start + size * dtype.itemsize].view(dtype), buffers[name],
+                  casting="unsafe")
+    return out
+
+
+def unpack_state(packed: np.ndarray, dtype, size: int | None = None):
+    """The inverse of :func:`pack_state`: ``(kind or None, steps, {name: array})``, the arrays
+    views of ``packed`` (``size`` None: as long as the bytes say; given, ``packed`` may be
+    longer: a receive buffer's unused end); a ``ValueError`` says what does not fit."""
+    dtype = np.dtype(dtype)
+    packed = np.asarray(packed).view(np.uint8)
+    if packed.nbytes < 8 * _STATE_HEADER:
+        raise ValueError(f"optimizer state of {packed.nbytes} bytes, less than its header")
+    code, steps, present, _ = (int(v) for v in packed[:8 * _STATE_HEADER].view(np.int64))
+    if code == -1:
+        return None, 0, {}
+    if not 0 <= code < len(KINDS) or steps < 0 or present >> len(STATE_BUFFERS):
+        raise ValueError(f"optimizer state with a malformed header ({code}, {steps}, "
+                         f"{present})")
+    names = [n for i, n in enumerate(STATE_BUFFERS) if present >> i & 1]
+    given = size is not None
+    if not given:
+        body = packed.nbytes - 8 * _STATE_HEADER
+        size = body // (len(names) * dtype.itemsize) if names else 0
+    expected = 8 * _STATE_HEADER + len(names) * size * dtype.itemsize
+    if packed.nbytes != expected and not (given and packed.nbytes > expected):
+        raise ValueError(f"optimizer state of {packed.nbytes} bytes for a range of {size} "
+                         f"{dtype} elements ({expected} expected)")
+    body = packed[8 * _STATE_HEADER:expected].view(dtype)
+    return KINDS[code], steps, {n: body[i * size:(i + 1) * size] for i, n in enumerate(names)}
 
 
 class ServerUpdates:
@@ -295,12 +376,24 @@ class ServerUpdates:
     each pushed gradient stepped (``per_round`` False) or merged until the round's weights are
     read (``per_round``: :meth:`settle` before a pull is served).  The shard's weights array is
     passed in; the shard counts the versions.  Every method returns None or why it refused,
-    in which case the weights are as they were."""
+    in which case the weights are as they were.
+
+    Rounds (``per_round``): a worker pushes once per round, so its n-th push belongs to round
+    n, and its pull after that push reads the weights of round n: :meth:`settle` steps on
+    the rounds up to the puller's own, never on a later one.  The state server orders a
+    round's pulls after every worker's push of it, but not a worker's first pull (it has no
+    round before it) after the others' first pushes, nor a joined worker's last pull after
+    the others' next pushes: such a push is merged into its own round and waits for it.  A
+    worker's push never joins a round already stepped on (one that was taken out and came
+    back): it goes to the oldest open round."""
 
     def __init__(self, per_round: bool):
         self.per_round = bool(per_round)
         self.settings: OptimizerSettings | None = None
         self.optimizer: ShardOptimizer | None = None
+        self.round_of: dict[int, int] = {}   # worker -> the round of its latest push
+        self.stepped = 0                     # rounds stepped on so far
+        self._restored = None                # (kind, steps, buffers) for the first push
 
     def configure(self, wire: np.ndarray) -> str | None:
         """Settings as :meth:`OptimizerSettings.to_array` sent them (float64)."""
@@ -313,7 +406,9 @@ class ServerUpdates:
         self.settings = settings
         return None
 
-    def take(self, weights: np.ndarray, grad: np.ndarray) -> str | None:
+    def take(self, weights: np.ndarray, grad: np.ndarray, worker: int) -> str | None:
+        """Worker ``worker``'s pushed gradient for this range: stepped on, or merged into
+        its round."""
         if self.settings is None:
             return "a gradient before the optimizer's settings"
         if weights is None or grad.shape != weights.shape:
@@ -321,9 +416,13 @@ class ServerUpdates:
         if not np.all(np.isfinite(grad)):
             return "push with NaN or inf"
         if self.optimizer is None:
-            self.optimizer = ShardOptimizer(self.settings, weights.size, weights.dtype)
+            problem = self._start(weights)
+            if problem:
+                return problem
         if self.per_round:
-            self.optimizer.merge(grad)
+            round_ = max(self.round_of.get(worker, 0), self.stepped) + 1
+            self.round_of[worker] = round_
+            self.optimizer.merge(grad, round_)
         else:
             self.optimizer.step(weights, grad)
         return None
@@ -331,8 +430,62 @@ class ServerUpdates:
     @property
     def pending(self) -> bool:
         """Pushes merged and not yet stepped on (a round whose weights nobody read yet)."""
-        return self.optimizer is not None and self.optimizer.merged > 0
+        return self.optimizer is not None and bool(self.optimizer.pending_rounds)
 
-    def settle(self, weights: np.ndarray) -> bool:
-        """Before weights are read: the round's step on its merged pushes, if one is due."""
-        return self.pending and self.optimizer.flush(weights)
+    def _due(self, worker: int | None) -> list[int]:
+        if self.optimizer is None:
+            return []
+        through = None if worker is None else self.round_of.get(worker, 0)
+        return [r for r in self.optimizer.pending_rounds if through is None or r <= through]
+
+    def due(self, worker: int | None = None) -> bool:
+        """Would :meth:`settle` step (change the weights) before ``worker`` reads them?"""
+        return bool(self._due(worker))
+
+    def settle(self, weights: np.ndarray, worker: int | None = None) -> int:
+        """Before ``worker`` reads the weights: the steps of the rounds up to its latest push
+        (``None``: of every round merged, when every worker's pushes are in); how many."""
+        due = self._due(worker)
+        if due:
+            self.optimizer.flush(weights, due[-1])
+            self.stepped = max(self.stepped, due[-1])
+        return len(due)
+
+    def _start(self, weights: np.ndarray) -> str | None:
+        """The optimizer, at the first push: from the restored state if there is one."""
+        optimizer = ShardOptimizer(self.settings, weights.size, weights.dtype)
+        if self._restored is not None:
+            kind, steps, buffers = self._restored
+            if kind != self.settings.kind:
+                return (f"the optimizer state restored is {kind}'s, but the workers run "
+                        f"{self.settings.kind}")
+            try:
+                optimizer.load(steps, buffers)
+            except ValueError as e:
+                return f"the optimizer state restored does not fit this range: {e}"
+            self._restored = None
+        self.optimizer = optimizer
+        return None
+
+    def save(self, weights: np.ndarray) -> np.ndarray:
+        """The optimizer's state, packed (:func:`pack_state`), for a checkpoint taken when
+        every worker's pushes are in: every round merged is stepped on first."""
+        if self.optimizer is None:
+            kind, steps, buffers = self._restored or (None, 0, {})
+            return pack_state(kind, steps, buffers, weights.size, weights.dtype)
+        self.settle(weights)
+        return pack_state(self.settings.kind, self.optimizer.steps, self.optimizer.export(),
+                          weights.size, weights.dtype)
+
+    def restore(self, packed: np.ndarray, dtype) -> str | None:
+        """A saved state (:meth:`save`, its arrays in ``dtype``) to continue from, before the
+        first push (the weights may not be there yet; the sizes are checked at that push)."""
+        if self.optimizer is not None:
+            return "optimizer state after the first push (it must come before any)"
+        try:
+            kind, steps, buffers = unpack_state(packed, dtype)
+        except ValueError as e:
+            return str(e)
+        self._restored = (None if kind is None else
+                          (kind, steps, {n: a.copy() for n, a in buffers.items()}))
+        return None

@@ -14,10 +14,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.server._client import DeadlineExceeded
-from mpsync.server.shard_optimizer import ServerUpdates
+from mpsync.server.shard_optimizer import ServerUpdates, pack_state
 from mpsync.server.weights import WeightStore, numpy_cast
 
-__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD"]
+__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD", "ALL_PUSHES_IN"]
 
 
 # Wire dtype codes (a tag's offset).
@@ -30,7 +30,13 @@ ACK, DATA, HEARD = 330, 340, 370
 OPT = 380
 # The weights to serve from now on, replacing the shard's (``auto`` switching to the PS).
 LOAD = 390
+# A checkpoint's optimizer state (``shard_optimizer.pack_state``): asked for with SAVE,
+# answered as STATE; given with RESTORE + the wire code of its arrays' dtype, ACKed.
+SAVE, STATE, RESTORE = 400, 410, 420
 OK, REFUSED = 0, 1
+# A pull's barrier field: every worker's pushes are in (the last pull of training, a
+# checkpoint's), so a shard stepping once per round steps on every round it merged.
+ALL_PUSHES_IN = -1
 # What a shard knows of a worker (the second row of a HEARD reply).
 UNHEARD, HEARD_FROM, GONE = 0, 1, 2
 SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
@@ -157,6 +163,10 @@ class ShardServer:
                 self._serve_pull(src, code, barrier)
         elif tag == OPT:
             self._configure(src, payload)
+        elif tag == SAVE:
+            self._save(src)
+        elif kind == RESTORE and code < len(WIRE_DTYPES):
+            self._restore(src, payload, WIRE_DTYPES[code])
         elif tag == BYE:
             self.state[src] = GONE
         elif tag == WATCH:
@@ -200,7 +210,7 @@ class ShardServer:
                 self._serve_pull(*waiting)
             self._waiting_pulls.clear()
             return OK
-        problem = self.apply_push(data)
+        problem = self.apply_push(data, src)
         if problem:
             self._refuse(src, what, problem)
             return REFUSED
@@ -217,15 +227,16 @@ class ShardServer:
         np.copyto(self.store.weights, data, casting="unsafe")
         return OK
 
-    def apply_push(self, update: np.ndarray) -> str | None:
-        """A worker's slice of an update (in the wire's dtype, whole elements) into this
-        shard's range: added (the workers run the optimizer) or stepped on / merged by the
-        shard's optimizer; None, or why it was refused (the range is then unchanged)."""
+    def apply_push(self, update: np.ndarray, src: int = 0) -> str | None:
+        """Worker ``src``'s slice of an update (in the wire's dtype, whole elements) into this
+        shard's range: added (the workers run the optimizer) or stepped on / merged into its
+        round by the shard's optimizer; None, or why it was refused (the range is then
+        unchanged)."""
         if self._reading(self.store.weights):
             self.store.detach()   # a pull's reply or a barrier still reads the current buffer
         if self.updates is None:
             return self.store.apply(update)
-        problem = self.updates.take(self.store.weights, update)
+        problem = self.updates.take(self.store.weights, update, src)
         if problem is None:
             self.store.version += 1
         return problem
@@ -240,6 +251,25 @@ class ShardServer:
             problem = self.updates.configure(payload.view(np.float64))
         if problem:
             self._refuse(src, "optimizer settings", problem)
+        self._ack[:] = (self.store.version, REFUSED if problem else OK)
+        self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
+
+    def _save(self, src: int) -> None:
+        """The optimizer's state for a checkpoint (the header alone if it has none)."""
+        if self.updates is None or not self.store.ready:
+            state = pack_state(None, 0, {}, 0, np.float64)
+        else:
+            if self._reading(self.store.weights) and self.updates.due(None):
+                self.store.detach()
+            state = self.updates.save(self.store.weights)
+        self._reply(src, state, STATE)
+
+    def _restore(self, src: int, payload: np.ndarray, dtype: np.dtype) -> None:
+        """A checkpoint's optimizer state to continue from, ACKed ``OK`` or ``REFUSED``."""
+        problem = ("optimizer state, but the workers run the optimizer" if self.updates is None
+                   else self.updates.restore(payload, dtype))
+        if problem:
+            self._refuse(src, "optimizer state", problem)
         self._ack[:] = (self.store.version, REFUSED if problem else OK)
         self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
 
@@ -268,11 +298,14 @@ class ShardServer:
         return self._barrier_weights if epoch == self._barrier_epoch else self.store.weights
 
     def _serve_pull(self, src: int, code: int, barrier: int = 0) -> None:
-        """Send this shard's weights to ``src`` (at ``barrier`` > 0: that barrier's)."""
-        if self.updates is not None and self.updates.pending:
+        """Send this shard's weights to ``src`` (at ``barrier`` > 0: that barrier's).  With
+        the optimizer once per round: after the steps of the rounds up to ``src``'s latest
+        push, or of every round merged (``ALL_PUSHES_IN``)."""
+        reader = None if barrier == ALL_PUSHES_IN else src
+        if self.updates is not None and self.updates.due(reader):
             if self._reading(self.store.weights):
                 self.store.detach()
-            self.updates.settle(self.store.weights)   # a round's step before its first read
+            self.updates.settle(self.store.weights, reader)
         weights = self._at_barrier(barrier) if barrier > 0 else self.store.weights
         if WIRE_DTYPES[code] != weights.dtype:
             out = next((b for b in self._wire_bufs if b.dtype == WIRE_DTYPES[code]
@@ -282,11 +315,15 @@ class ShardServer:
                 self._wire_bufs = [b for b in self._wire_bufs if self._reading(b)] + [out]
             self.cast(out, weights)
             weights = out
-        request = self.replies.Isend([weights, MPI.BYTE], dest=src, tag=DATA)
+        self._reply(src, weights, DATA)
+
+    def _reply(self, src: int, buf: np.ndarray, tag: int) -> None:
+        """Send ``buf`` without blocking the shard (``_progress_replies`` completes it)."""
+        request = self.replies.Isend([buf, MPI.BYTE], dest=src, tag=tag)
         if request.Test():
-            self.bytes_sent += weights.nbytes
+            self.bytes_sent += buf.nbytes
         else:
-            self._sending.append(_Reply(request, src, weights, time.monotonic()))
+            self._sending.append(_Reply(request, src, buf, time.monotonic()))
 
     def _progress_replies(self) -> None:
         """Complete the pull replies in flight; cancel one its worker has not taken within

@@ -66,11 +66,12 @@ from mpi4py import MPI
 
 from mpsync.config import ConfigError
 from mpsync.server._client import DeadlineExceeded
-from mpsync.server.shard_optimizer import ServerUpdates
+from mpsync.server.shard_optimizer import ServerUpdates, pack_state, unpack_state
 from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
 from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD, OK, OPT,
-                                        PULL, PUSH, SLEEP_MAX_S, SLEEP_MIN_S, UNHEARD, WATCH,
-                                        WIRE_DTYPES, ShardServer, ShardThread, wire_code)
+                                        PULL, PUSH, RESTORE, SAVE, SLEEP_MAX_S, SLEEP_MIN_S,
+                                        STATE, UNHEARD, WATCH, WIRE_DTYPES, ShardServer,
+                                        ShardThread, wire_code)
 from mpsync.server.weights import all_finite, numpy_cast
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
@@ -172,6 +173,50 @@ class ShardClient:
             raise RuntimeError(f"optimizer settings refused by {', '.join(refused)} (see its "
                                f"log line)")
 
+    def optimizer_state(self, dtype) -> dict | None:
+        """The shards' optimizer state over the whole flat model, for a checkpoint taken when
+        every worker's pushes are in: ``{"kind", "steps", <buffer name>: flat array}``, or
+        None where the shards have none (the workers run the optimizer, or nothing was
+        pushed yet)."""
+        self._check_lost("saving the optimizer state")
+        dtype = np.dtype(dtype)
+        bufs = [np.empty(8 * 4 + 3 * (b - a) * dtype.itemsize, dtype=np.uint8)
+                for a, b in self.bounds]
+        recvs = [self.replies.Irecv([buf, MPI.BYTE], source=h, tag=STATE)
+                 for buf, h in zip(bufs, self.hosts)]
+        sends = [self.comm.Isend([self._one, MPI.INT64_T], dest=h, tag=SAVE)
+                 for h in self.hosts]
+        self._wait(recvs + sends, "saving the optimizer state", list(range(self.count)) * 2)
+        parts = [unpack_state(buf, dtype, b - a) for (a, b), buf in zip(self.bounds, bufs)]
+        kinds = {(kind, steps, tuple(buffers)) for kind, steps, buffers in parts}
+        if len(kinds) != 1:
+            raise RuntimeError(f"the shards' optimizer states disagree (kind, steps, "
+                               f"buffers): {sorted(kinds, key=str)}")
+        kind, steps, names = kinds.pop()
+        if kind is None:
+            return None
+        return {"kind": kind, "steps": steps,
+                **{n: np.concatenate([p[2][n] for p in parts]) for n in names}}
+
+    def restore_optimizer(self, state: dict) -> None:
+        """Continue from a checkpoint's optimizer state (:meth:`optimizer_state`); before the
+        first push of the run."""
+        self._check_lost("restoring the optimizer state")
+        names = [n for n in state if n not in ("kind", "steps")]
+        dtype = np.asarray(state[names[0]]).dtype if names else np.dtype(np.float64)
+        packed = [pack_state(state["kind"], state["steps"],
+                             {n: np.asarray(state[n])[a:b] for n in names}, b - a, dtype)
+                  for a, b in self.bounds]
+        acks = [self.replies.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
+                for k, h in enumerate(self.hosts)]
+        sends = [self.comm.Isend([p, MPI.BYTE], dest=h, tag=RESTORE + wire_code(dtype))
+                 for p, h in zip(packed, self.hosts)]
+        self._wait(acks + sends, "restoring the optimizer state", list(range(self.count)) * 2)
+        refused = [self.names[k] for k in range(self.count) if self._acks[k, 1] != OK]
+        if refused:
+            raise RuntimeError(f"the optimizer state was refused by {', '.join(refused)} "
+                               f"(see its log line)")
+
     def _send_slices(self, kind: int, flat: np.ndarray, wire: np.ndarray, what: str) -> None:
         self.layout(flat.size)
         self._check_lost(what)
@@ -189,7 +234,9 @@ class ShardClient:
     def pull(self, out: np.ndarray, barrier: int = 0) -> None:
         """Every shard's slice into ``out`` (contiguous, the store's dtype).  ``barrier`` > 0:
         the pull at the ``barrier``-th barrier (ElasticBSP), which reads on every shard the
-        weights that the barrier's first pull found there (``ShardServer._at_barrier``)."""
+        weights that the barrier's first pull found there (``ShardServer._at_barrier``);
+        ``ALL_PUSHES_IN``: every worker's pushes are in, a shard stepping once per round
+        steps on every round it merged (else on the rounds up to this worker's last push)."""
         self.layout(out.size)
         self._check_lost("pull")
         wire = self._on_wire(out)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from mpsync.server.shard_optimizer import settings_of
+from mpsync.server.shard_server import ALL_PUSHES_IN
 from mpsync.torch.strategies import LocalStepsThenAggregate, spec_of
 
 __all__ = ["ParameterServer", "ElasticSuperstep"]
@@ -66,6 +67,7 @@ class ParameterServer(LocalStepsThenAggregate):
         self.server_optimizer = getattr(self.config, "ps_optimizer", "worker") == "server"
         self._fresh_gradient = False
         self._sent_settings: np.ndarray | None = None
+        self._shards_state: dict | None = None   # a checkpoint's, for the shards at start
 
     @classmethod
     def from_config(cls, config, *args, worker_rank: int = 0):
@@ -80,6 +82,10 @@ class ParameterServer(LocalStepsThenAggregate):
             shards.layout(self._base.size)   # every worker: too many shards fails here
             shards.wire = self._wire_dtype()
         if self.worker_rank == 0:
+            if self._shards_state is not None:
+                # Before the weights: every other worker pushes only after ps_init.
+                shards.restore_optimizer(self._shards_state)
+                self._shards_state = None
             self.client.ps_init(self._base)
         self._pull()
 
@@ -101,9 +107,11 @@ class ParameterServer(LocalStepsThenAggregate):
         self.backend.barrier("the parameter server loaded at a switch from the ring")
         self.version = 0
 
-    def _pull(self, final: bool = False) -> None:
+    def _pull(self, final: bool = False, all_in: bool = False) -> None:
+        """``all_in``: every worker's pushes are in (no round is still being merged)."""
         t0 = time.perf_counter()
-        self.version = self.client.pull(self._base, self.iteration, final=final)
+        self.version = self.client.pull(self._base, self.iteration, final=final,
+                                        barrier=ALL_PUSHES_IN if all_in else 0)
         self.buf.flat.copy_(torch.from_numpy(self._base))
         self.buf.unpack_to_params()
         self.counters.aggregation_s += time.perf_counter() - t0
@@ -129,8 +137,31 @@ class ParameterServer(LocalStepsThenAggregate):
         cut.  The pull skips the staleness rule (the ``final`` flag): with every push in, no
         rule has anything left to wait for, and a checkpoint must not depend on one."""
         self._start()
-        self._pull(final=True)
+        self._pull(final=True, all_in=True)
         return self.version
+
+    def server_optimizer_state(self) -> dict | None:
+        """ps_optimizer='server': the shards' optimizer state over the whole model (kind,
+        steps, moments), for a checkpoint taken right after :meth:`pull_global` (every push
+        in); None where the workers run the optimizer or nothing was pushed yet."""
+        if not self.server_optimizer or self.client.shards is None:
+            return None
+        self._start()
+        return self.client.shards.optimizer_state(self._base.dtype)
+
+    def restore_server_optimizer(self, state: dict) -> None:
+        """Continue the shards' optimizer from a checkpoint's :meth:`server_optimizer_state`
+        (worker 0, before the first step; the shards get it with the initial weights)."""
+        if not self.server_optimizer:
+            raise ValueError("a server-side optimizer state to restore, but this run has "
+                             "ps_optimizer='worker'")
+        kind = settings_of(type(self.optimizer).__name__, self.optimizer.param_groups).kind
+        if state["kind"] != kind:
+            raise ValueError(f"the checkpoint's server-side optimizer is {state['kind']}, this "
+                             f"run's is {kind}: resume with the optimizer it was written with")
+        if self._base is not None:
+            raise RuntimeError("restore_server_optimizer after the first step")
+        self._shards_state = state
 
     def _wire_dtype(self):
         """The dtype pushes and pulls travel in: what the optimizer's compressor makes of
@@ -257,7 +288,7 @@ class ParameterServer(LocalStepsThenAggregate):
         t0 = time.perf_counter()
         self.client.push(self._delta_into_base(), self.iteration, final=True)
         self.backend.barrier("final push")
-        self._pull(final=True)  # every push is in: no staleness rule left to wait for
+        self._pull(final=True, all_in=True)  # every push is in: no staleness rule to wait for
         self._broadcast_model()
         self._aggregated(t0, self._base.nbytes)
         self.settled = True
