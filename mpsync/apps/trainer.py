@@ -419,8 +419,9 @@ def _print_summary(m: dict) -> None:
     for d in m.get("decisions") or ():
         print(f"  auto at {d['at_s']:.1f}s ({d['trigger']}): {d['reason']}")
     for s in m.get("switches") or ():
-        print(f"  auto switched {s['from']} -> {s['to']} after round {s['round']} "
-              f"(wall {s['wall_s']:.1f}s)")
+        print(f"  auto switched {s['from']}/{s.get('from_topology', 'ring')} -> "
+              f"{s['to']}/{s.get('to_topology', 'ring')} after round {s['round']} "
+              f"(wall {s['wall_s']:.1f}s, the switch took {s.get('took_s', 0) * 1e3:.1f} ms)")
     print("  worker  iterations  samples  compute_s  wait_s  aggregation_s  bytes_sent")
     for w, s in m["workers"].items():
         print(f"  {w:>6}  {s['iterations']:>10}  {s['samples']:>7}  {s['compute_s']:>9.1f}  "
