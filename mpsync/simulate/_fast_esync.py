@@ -81,7 +81,7 @@ def new_index(es) -> ESyncIndex:
                       np.array([0, 0, int(np.sum(es.capability > 0.0))], np.int64))
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _record(es, ix, w, k, c, now):
     """Alg. 2 line 3 (and Alg. 1's capability test): w's record is (k, c, t_e = now)."""
     if (es.capability[w] > 0.0) != (c > 0.0):
@@ -93,7 +93,7 @@ def _record(es, ix, w, k, c, now):
         tree_set(ix.tree, es.capability, w)
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _step(es, ix, w, compute, now, eps):
     """``rules.esync_step`` over every worker (not in delayed-ACK mode), with the lowest round
     and the slowest device from the index."""
@@ -112,7 +112,7 @@ def _step(es, ix, w, compute, now, eps):
     return SYNC
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _capability_test(es, ix, w, c, now):
     """``rules.esync_capability_test`` over every worker: HOLD until every capability is
     known."""
@@ -120,7 +120,7 @@ def _capability_test(es, ix, w, c, now):
     return LOCAL if ix.bounds[2] == es.k.shape[0] else rules.HOLD
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _new_round(es, ix, w, now):
     """``rules.esync_new_round`` (itself), with w's round moved in the index."""
     old = es.rounds[w]
@@ -162,14 +162,14 @@ def _new_state(n):
                   np.zeros(1))
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _phase(st, res, w, p, t):
     res.time[w, st.phase_of[w]] += t - st.since[w]
     st.phase_of[w] = p
     st.since[w] = t
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _start(st, res, w, t, speed, q):
     c = _iteration_time(speed, w, t)
     st.last_c[w] = c
@@ -177,7 +177,7 @@ def _start(st, res, w, t, speed, q):
     push(q, _DONE, t + c, w)
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _on_done(st, res, w, t, half, q):
     """An iteration ended: the report goes out (Alg. 1 line 3: the first is the capability
     test, k = 0)."""
@@ -191,7 +191,7 @@ def _on_done(st, res, w, t, half, q):
     push(q, _SRV_STEP, t + half, w)
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _on_step(st, es, ix, w, t, run, q):
     """The server's answer to a report, by the server's rules (held: HOLD)."""
     st.count[_MESSAGES] += 1
@@ -208,7 +208,7 @@ def _on_step(st, es, ix, w, t, run, q):
         push(q, _REPLY, t + run.query / 2.0, w)
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _on_reply(st, res, w, t, run, speed, q):
     """A reply reached the worker: the test's (report the same iteration as k = 1), LOCAL (the
     next iteration) or SYNC (into the collective, which runs once everyone is in)."""
@@ -233,7 +233,7 @@ def _on_reply(st, res, w, t, run, speed, q):
             st.enter_max[0] = 0.0
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _on_aggregated(st, res, w, t, half, speed, q):
     """The collective ended: the reset goes out and the next iteration starts."""
     res.rounds[w] += 1
@@ -243,7 +243,7 @@ def _on_aggregated(st, res, w, t, half, speed, q):
     st.since_round[w] = 0
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _retry_held(st, es, ix, t, half, q):
     """After each server message the held capability tests are decided again (each retry
     records the test again at ``t``, as the server's ``decide_held`` does)."""

@@ -22,8 +22,8 @@ helpers and the policy objects with the same random and adversarial pushes and r
 same decisions, and run both engines on the same seeded cases and require identical iteration
 counts and times.
 
-``_loop`` is the dispatch over the six event kinds; each step it takes is a small helper
-compiled into it (``jit(inline=True)``), so naming the steps adds no function call per event.
+``_loop`` is the dispatch over the six event kinds; each step it takes is a small helper, and
+the loop and its helpers are compiled without reference counting (``jit(refcount=False)``).
 What it is told and what it fills are named tuples (:class:`PSRun`, :class:`Speed`,
 :class:`PSOut`), which Numba passes as they are.
 """
@@ -115,7 +115,7 @@ def _new_work(n: int, capacity: int) -> _Work:
                  np.empty(n, np.int64), new_counts(n, capacity), new_counts(n, capacity))
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _iteration_time(speed, w, t):
     """One iteration of ``w`` starting at ``t`` (a :class:`Speed`)."""
     c = speed.base[w]
@@ -127,7 +127,7 @@ def _iteration_time(speed, w, t):
     return c
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _transfer(t, server_free, service, run):
     """A push or pull started at ``t`` that costs each shard ``service``: when it is done,
     and when the shards are free again (transfers queue at them when ``run.shared``, else each
@@ -138,7 +138,7 @@ def _transfer(t, server_free, service, run):
     return t + service, server_free
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _book(book, w, t, next_phase):
     """``w``'s open phase (0 compute, 1 waiting for the server, 2 aggregating) ends at ``t``
     and ``next_phase`` begins."""
@@ -148,7 +148,7 @@ def _book(book, w, t, next_phase):
     phase[w] = next_phase
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _record_push(w, t, pushes, table):
     """Count ``w``'s push at ``t`` and keep its last two push times (the table the DSSP
     controller reads); returns its push count before this one."""
@@ -159,7 +159,7 @@ def _record_push(w, t, pushes, table):
     return old
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
     """DSSP at ``w``'s push (Alg. 1): will its next pull be held?  Lines 3-9 (an extra
     iteration left, or within s_L) in O(1); a fastest worker beyond s_L asks the controller
@@ -179,7 +179,7 @@ def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
         dssp_held[w] = not ok
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _may_pull(kind, pushes_w, lo, s, s_low, held_by_dssp):
     """The staleness rule at a pull request of a worker with ``pushes_w`` pushes, ``lo`` the
     slowest's."""
@@ -190,7 +190,7 @@ def _may_pull(kind, pushes_w, lo, s, s_low, held_by_dssp):
     return (not held_by_dssp) or sched.within_staleness(pushes_w, lo, s_low)
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _resume(w, t, gap, server_free, run, book, stale_hist, q, speed):
     """The pull of ``w`` answered at ``t`` with staleness ``gap``: the weights come back from
     the shards, the reset goes to the server and the next iteration starts (its end is the
@@ -212,7 +212,7 @@ def _resume(w, t, gap, server_free, run, book, stale_hist, q, speed):
     return server_free
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, server_free, run, book,
                   stale_hist, q, speed):
     """The minimum push count rose: answer every held pull now within ``bound`` of it (SSP's
@@ -232,7 +232,7 @@ def _release_held(held, n_held, bound, pushes, lo, dssp_held, t, server_free, ru
     return keep, server_free
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _release_steps(steps, n_steps, srv_round, lo, t, half, q):
     """BSP on the PS: the last reset of a round is in, so every held step whose round every
     worker has now pulled is answered SYNC, in the order they were held; returns how many
@@ -248,7 +248,7 @@ def _release_steps(steps, n_steps, srv_round, lo, t, half, q):
     return keep
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _close_phases(t_end, book):
     """Book each worker's open phase up to ``t_end``; weights still on the way back at
     ``t_end`` do not count as a round."""

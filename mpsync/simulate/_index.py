@@ -37,7 +37,7 @@ def new_counts(n, capacity=1024):
     return count
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def count_up(count, old, lo, hi):
     """A count went from ``old`` to ``old + 1``: move it in the histogram ``count`` and keep
     min (``lo``) and max (``hi``) of the counts without a scan; returns (count, lo, hi,
@@ -72,7 +72,7 @@ def new_argmax_tree(values: np.ndarray) -> np.ndarray:
     return tree
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _winner(values, a, b):
     """The left index unless the right one's value is strictly larger (the left subtree holds
     the lower indices, so ties go to the lowest index, as ``sched.esync_slowest``)."""
@@ -83,7 +83,7 @@ def _winner(values, a, b):
     return a
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def tree_set(tree, values, i):
     """``values[i]`` has changed: replay the matches on its path to the root."""
     node = (tree.shape[0] // 2 + i) // 2
@@ -92,7 +92,7 @@ def tree_set(tree, values, i):
         node //= 2
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def tree_top(tree):
     """The index of the largest value (lowest among equals)."""
     return tree[1]

@@ -59,14 +59,14 @@ def new_queue(workers: int) -> EventQueue:
                       np.zeros(cap), np.zeros(cap, np.int64), np.zeros(2, np.int64))
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _before(t, key, t2, key2):
     """Whether the heap entry (t, key) comes before (t2, key2): earlier, or at the same time
     scheduled first (keys are unique)."""
     return t < t2 or (t == t2 and key < key2)
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def _place(ht, hk, i, n, t, key):
     """Put the entry (t, key) into the hole ``i`` of the heap of ``n`` entries: entries that
     must come after it move down into the hole, towards the root (a new leaf) or from below
@@ -86,7 +86,7 @@ def _place(ht, hk, i, n, t, key):
     hk[i] = key
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def push(q, kind, t, w):
     """Event ``kind`` of worker ``w`` at ``t``, after every event of that kind already
     scheduled for ``t``."""
@@ -104,7 +104,7 @@ def push(q, kind, t, w):
     q.size[kind] += 1
 
 
-@jit(inline=True)
+@jit(refcount=False)
 def pop(q):
     """The next event ``(time, kind, worker)``, removed; kind -1 when there is none."""
     best_k = -1
