@@ -326,15 +326,20 @@ def test_a_large_job_hands_the_ranking_to_compiled_engines_once_they_are_ready()
     assert times[0] == pytest.approx(times[1], abs=2e-3) and len(times[0]) == 2
 
 
-def test_within_the_models_uncertainty_the_runner_up_is_tried_once_and_kept_if_measured_no_worse():
+def test_within_the_models_uncertainty_the_best_is_tried_once_and_kept_if_measured_no_worse():
     # Equal speeds on a loaded machine (each iteration's time spread 10%): ESync's rounds wait
-    # for nobody's hiccup, a percent or two ahead of BSP.
-    equal = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.4, aggregation_s=0.01,
+    # for nobody's hiccup, a percent ahead of BSP: a tie, not tried.
+    tie = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.4, aggregation_s=0.01,
+                                   jitter=0.1, topologies=("ring",))
+    ranked = rank_candidates(tie, RING)
+    bsp = Candidate("bsp", "ring")
+    assert not Decider(bsp, explore=True).decide(ranked, tie, 2.0, "first measurement").switch
+    # One worker 30% slower: ElasticBSP predicted ahead by a few percent, within the 10%.
+    equal = Measurements.from_speeds([1, 1, 1, 1.3], iter_time=0.4, aggregation_s=0.01,
                                      jitter=0.1, topologies=("ring",))
     ranked = rank_candidates(equal, RING)
-    bsp = Candidate("bsp", "ring")
     gain = _time(ranked, "bsp/ring") / ranked[0].predicted_time_to_target_s - 1
-    assert ranked[0].candidate != bsp and 0 < gain < 0.1      # ahead, but within the 10%
+    assert ranked[0].candidate != bsp and 0.02 < gain < 0.1   # ahead, but within the 10%
     assert not Decider(bsp).decide(ranked, equal, 2.0, "first measurement").switch
     d = Decider(bsp, explore=True)
     tried = d.decide(ranked, equal, 2.0, "first measurement")

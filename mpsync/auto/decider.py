@@ -65,9 +65,10 @@ class Decider:
         self.last_switch_s = float("-inf")
         self._seen = 0                   # consecutive checks that saw a change
         self.refuted: set[str] = set()   # switched to, measured worse: not again on this basis
-        # At the first decision: a candidate predicted faster by less than min_gain
-        # (within the model's uncertainty) is tried, and kept only if confirm_switch's
-        # measured progress does not refute it.  The slice trains the job: nothing is lost.
+        # At the first decision: a candidate predicted faster by less than min_gain (within
+        # the model's uncertainty; but by a fifth of it at least: a tie is no reason to pay a
+        # switch) is tried, and kept only if confirm_switch's measured progress does not
+        # refute it.  The slice trains the job: nothing is lost.
         self.explore = explore
 
     @property
@@ -108,7 +109,7 @@ class Decider:
             reason = f"{self.current.label} is not a candidate; {best.candidate.label} ranks first"
         else:
             gain = here.predicted_time_to_target_s / best.predicted_time_to_target_s - 1.0
-            if gain < self.min_gain and self.explore and gain > 0:
+            if gain < self.min_gain and self.explore and gain >= self.min_gain / 5:
                 chosen, switch = best.candidate, True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty "
