@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 __all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE", "AUTO", "AUTO_SWITCHABLE",
-           "FAST_PATH_KINDS", "SIMULATION_MODELS", "AUTO_PS_SWITCHABLE", "AUTO_TARGETS",
+           "AUTO_MEASURING", "FAST_PATH_KINDS", "SIMULATION_MODELS", "AUTO_PS_SWITCHABLE", "AUTO_TARGETS",
            "auto_code", "auto_target", "hosts_shards", "register", "unregister", "get", "names",
            "specs", "choose", "baseline", "is_baseline", "default_topology", "load_plugins",
            "resolve", "policy_table", "fidelity_table"]
@@ -36,6 +36,9 @@ BASELINE = "bsp"
 # mpsync.torch.switching.
 AUTO = "auto"
 AUTO_SWITCHABLE = ("bsp", "esync", "ebsp")
+# The ring policy auto runs while it measures: with equal speeds it is BSP, with stragglers
+# its fast workers step instead of waiting (mpsync.auto.serving).
+AUTO_MEASURING = "esync"
 # ... and on the parameter server its job hosts beside the ring (``auto_ps``): codes
 # 1 + len(AUTO_SWITCHABLE) + index.
 AUTO_PS_SWITCHABLE = ("asp", "ssp", "dssp")

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from mpsync import policies
+
 __all__ = ["comparison_table", "efficiency_check", "main"]
 
 
@@ -52,11 +54,11 @@ def efficiency_check(out) -> str:
         for r in ranked:
             if r["settings"] == [] and r.get("wire", "fp32") == "fp32":
                 predicted.setdefault(r["policy"], []).append(r["efficiency"])
-    base = samples.get("bsp")
+    base = next((n for p, n in samples.items() if policies.is_baseline(p)), None)
     lines = ["| policy | samples to target, median | measured progress per sample (BSP = 1) "
              "| auto's predicted efficiency |", "|---|---|---|---|"]
     for p, n in samples.items():
-        if p == "auto":
+        if p == policies.AUTO:
             continue
         eff = f"{base / n:.2f}" if base and n else "-"
         pred = predicted.get(p)
