@@ -407,8 +407,10 @@ def _child_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", choices=("ring", "ps", "two_stage"))
     p.add_argument("--sizes")
-    p.add_argument("--max-repeats", type=int)
-    p.add_argument("--seconds-per-point", type=float)
+    # The parent's defaults, so that a job started by hand (bench/psopt/README.md) runs as
+    # the parent's does.
+    p.add_argument("--max-repeats", type=int, default=100)
+    p.add_argument("--seconds-per-point", type=float, default=2.0)
     p.add_argument("--fp16", action="store_true")
     a = p.parse_args(argv)
     if a.child == "ring":
