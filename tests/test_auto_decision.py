@@ -19,10 +19,12 @@ from mpsync.auto import (
     default_candidates,
     rank_candidates,
 )
-from mpsync.auto.efficiency import staleness_efficiency
+from mpsync.auto.efficiency import PS_FULL_UPDATE_GAIN, excess_staleness, ps_efficiency
+from mpsync.auto.ranking import staleness_bound
 
 REPO = Path(__file__).resolve().parent.parent
 RING = default_candidates(("ring",), switchable_only=True)
+LIVE = default_candidates(("ring", "ps"), switchable_only=True)   # with auto_ps
 
 
 def _choose(m: Measurements, candidates=None, start: str = "bsp/ring"):
@@ -78,16 +80,52 @@ def test_stragglers_leave_bsp_for_a_local_step_policy():
 
 
 def test_efficiency_is_not_throughput_alone():
-    """ASP would win on samples/s wherever anybody waits; staleness costs it (n - 1 updates
-    stale on average, the straggler's much staler) and grows with the cluster."""
-    eff4, stale4 = staleness_efficiency([0.05] * 4)
-    eff64, stale64 = staleness_efficiency([0.05] * 64)
-    assert stale4 == pytest.approx(3) and stale64 == pytest.approx(63)
-    assert eff64 < 0.5 < eff4 < 1
+    """The parameter server applies every update in full (a gain per sample over the ring's
+    average of n); staleness costs only beyond n - 1, which a worker far behind the others
+    adds: nothing at equal rates, most with one slow worker among many."""
+    assert excess_staleness([1.0] * 4) == (pytest.approx(0), pytest.approx(3))
+    x4, worst4 = excess_staleness([1, 1, 0.5, 0.25])        # the 1,1,2,4 stragglers
+    assert worst4 == pytest.approx(10) and 0.8 < x4 < 1.0
+    x64, worst64 = excess_staleness([1.0] * 63 + [0.25])
+    assert x64 > 0.5 and worst64 == pytest.approx(63 * 4)
+    assert ps_efficiency([1.0] * 4)[0] == pytest.approx(PS_FULL_UPDATE_GAIN)
+    assert PS_FULL_UPDATE_GAIN > 1
+    assert ps_efficiency([1, 1, 0.5, 0.25])[0] < 0.85
+    # On the 1,1,2,4 stragglers ASP wins on samples/s and loses on efficiency; SSP's bound
+    # (applied by the simulator) holds every worker to the slowest's rate: no excess staleness,
+    # the full gain, at BSP's throughput.
     m = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.05, aggregation_s=0.002)
-    ranked = {r.candidate.label: r for r in rank_candidates(m)}
-    assert ranked["asp/ps"].samples_per_s > ranked["esync/ring"].samples_per_s
-    assert ranked["asp/ps"].efficiency < ranked["esync/ring"].efficiency
+    ranked = {r.candidate.label: r for r in rank_candidates(m, LIVE)}
+    asp, ssp = ranked["asp/ps"], ranked["ssp/ps (staleness=3)"]
+    assert asp.samples_per_s > ranked["esync/ring"].samples_per_s
+    assert asp.efficiency < ranked["esync/ring"].efficiency
+    assert asp.efficiency < 0.85 < 1.15 < ssp.efficiency
+    assert ssp.samples_per_s < 1.2 * ranked["bsp/ring"].samples_per_s
+
+
+def test_with_the_parameter_server_each_cluster_gets_the_policy_it_calls_for():
+    """The live candidates with ``auto_ps``, on the clusters the comparisons measured: SSP on
+    the PS at equal speeds on a fast link (there it needed 0.64x BSP's samples), ElasticBSP
+    with stragglers (ASP's straggler updates are ten updates stale), ElasticBSP where a slow
+    link makes the PS's pushes and pulls the bottleneck."""
+    equal = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.4, aggregation_s=0.002)
+    r1, ranked = _choose(equal, LIVE, start="esync/ring")
+    assert r1.switch and r1.chosen.startswith("ssp/ps"), r1.reason
+    # ASP predicts the same here (equal rates: no staleness beyond n - 1): a tie, broken for
+    # the bounded policy.
+    assert _time(ranked, "asp/ps") == pytest.approx(_time(ranked, r1.chosen), rel=0.01)
+    assert staleness_bound(ranked[0].candidate) < staleness_bound(Candidate("asp", "ps"))
+    assert _time(ranked, "bsp/ring") > 1.15 * _time(ranked, r1.chosen)
+    stragglers = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.15, aggregation_s=0.004)
+    r2, ranked = _choose(stragglers, LIVE, start="esync/ring")
+    assert r2.switch and r2.chosen == "ebsp/ring", r2.reason
+    assert _time(ranked, "asp/ps") > 1.1 * _time(ranked, "ebsp/ring")
+    slow_link = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.1, aggregation_s=0.138)
+    r3, ranked = _choose(slow_link, LIVE, start="esync/ring")
+    assert r3.switch and r3.chosen == "ebsp/ring", r3.reason
+    assert all(_time(ranked, c.label) > 1.2 * _time(ranked, "ebsp/ring")
+               for c in LIVE if c.topology == "ps")
+    assert len({r1.chosen, r2.chosen}) == 2 and r3.chosen != r1.chosen
 
 
 def test_a_change_in_measured_speeds_makes_it_decide_again():
@@ -189,8 +227,10 @@ def test_the_server_policy_measures_decides_in_its_helper_and_switches_after_one
     from mpsync.server.policies import make_policy
     from mpsync.server.wire import SYNC
 
-    pol = make_policy(SyncConfig(policy="auto").validate(), 4)
-    pol.decider.explore = False   # (this driver runs BSP rounds only; exploring: below)
+    # (this driver runs ring rounds only: no parameter server, whose SSP would win at equal
+    # speeds; exploring: below)
+    pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
+    pol.decider.explore = False
     pol.start = None              # (measured under BSP, not ESync)
     pol.warm_up()
     clock, k, codes = 0.0, 0, {}

@@ -1,68 +1,125 @@
-"""Statistical efficiency: how much of a sample's progress a policy keeps.
+"""Statistical efficiency: a policy's progress per sample relative to BSP's.
 
 Throughput alone would always pick the policy that waits least (ASP, or local steps without
 end).  ``auto`` multiplies each candidate's simulated samples per second by a statistical
-efficiency in (0, 1], the progress per sample relative to BSP's (Pollux, OSDI 2021, calls the
-product goodput), from two things the simulation of the candidate measures:
+efficiency, its progress per sample relative to BSP's (Pollux, OSDI 2021, calls the product
+goodput), from what the simulation of the candidate measured:
 
-* staleness: an update computed on weights ``s`` updates old moves the model less usefully
-  (DSSP §I.A on ASP's and SSP's stale reads).  Where the parameter server applies each update
-  as it arrives (the registry's policies without ``ps_average``: ASP, SSP, DSSP, ElasticBSP
-  within a superstep) worker w's update is ``s_w = sum_{v != w} r_v / r_w`` updates old, with
-  ``r`` the iteration rates (1 / compute time): the average over updates is n - 1 whatever the
-  speeds, but a slow worker's updates are the stalest.  Efficiency: the rate-weighted mean of
-  ``1 / (1 + STALENESS_COST * s_w)``.  (The simulator's staleness figure is another thing:
-  how far a worker ran ahead of the slowest, which grows with the run under ASP.)
+* updates applied in full, on arrival (the registry's policies on the parameter server without
+  ``ps_average``: ASP, SSP, DSSP, ElasticBSP within a superstep).  Two effects:
+
+  - the gain: the PS applies each worker's update as it is (the final model is w0 + the *sum*
+    of the updates) where the ring averages n of them into one step, so per sample it takes n
+    times the ring's steps at the same learning rate: faster progress per sample early on.
+    ``PS_FULL_UPDATE_GAIN``.
+  - the cost of staleness *beyond* n - 1.  Worker w's update is ``s_w = sum_{v != w} r_v / r_w``
+    updates old, ``r`` the workers' iteration rates *in the simulation of the candidate* (each
+    worker's iterations over the simulated time: SSP's and DSSP's bounds, which the simulator
+    applies, hold the fast workers back to the slowest's rate, so ``s_w`` is n - 1 for all;
+    ASP lets a 4x straggler's updates be 10 updates old against 1.75 for the fast ones).  The
+    update-weighted mean of ``s_w`` is n - 1 whatever the rates; what hurts is a worker far
+    behind the others: ``excess = sum_w (r_w / R) max(0, s_w - (n - 1))``.  Efficiency:
+    ``PS_FULL_UPDATE_GAIN / (1 + PS_EXCESS_STALENESS_COST * excess)``.
+
 * local steps: averaging the deltas of ``k`` local steps (ESync Eq. 6-8, local SGD between
   ElasticBSP barriers) drifts the replicas apart; ``1 / (1 + LOCAL_STEP_COST * (k - 1))`` with
   ``k`` the mean local steps per round of the simulation.
 
-The two costs are fitted to progress *measured* per sample: the samples each run of mpsync's
-own comparisons had trained on when worker 0's evaluation first reached the target
-(digits, 4 workers; bench/compare with slowdown 1,1,2,4 and 50 ms iterations, the 4-node
-1gbit comparison, equal speeds at 400 ms), relative to BSP's in the same comparison.  Per
-sample, ASP kept 0.71 of BSP's progress (12,200 samples to 0.9 against 8,700: with the
-stragglers' rates that is 0.16 per update of staleness); the local-step policies kept 0.89-1.26
-(ElasticBSP with 5-11 local steps per round 0.89-0.93 with stragglers, 0.78 and 1.26 with equal
-speeds; ESync with about 2.5 local steps 1.22): a least-squares fit of 1/efficiency - 1 on the
-extra local steps gives 0.01 per step.  The runs' spread is 20-30%, so both figures are
-uncertain by about that much; ``mpsync.auto.explain`` sets each comparison's measured samples
-to target beside the efficiencies auto predicted, so every new comparison checks the fit.
-They grow with the cluster (staleness with n, local steps with the speed spread and R),
-which is where they decide.
+How the constants were fitted.  Measured progress per sample: BSP's median samples to the
+target (worker 0's first evaluation at or above it) over the policy's, in the same comparison
+(``python -m mpsync.auto.explain OUT`` prints it).  The parameter server's two constants by
+least squares on eff = G / (1 + C x) over 15 measurements, each row's excess ``x`` computed as
+``rank_candidates`` does (SSP at its default bound 3, DSSP at 3-15, 120 iterations per worker)
+on that comparison's BSP runs (``Measurements.from_metrics``), averaged over its 2 repeats:
+
+  ==========================================================  ======  =====  ========  ======
+  comparison (digits, 4 workers, target 0.9)                   policy  x      measured  fitted
+  ==========================================================  ======  =====  ========  ======
+  slowdown 1,1,2,4, 50 ms iterations                           ASP     0.85   0.71      0.78
+  (the same)                                                   SSP     0.03   1.11      1.20
+  (the same)                                                   DSSP    0.05   1.01      1.18
+  slowdown 1,1,2,4, 0.15 s (two comparisons)                   ASP     0.85   0.85 0.68  0.78
+  (the same)                                                   SSP     0.03   1.15 1.12  1.20
+  equal speeds, 0.4 s                                          ASP     0.01   1.17      1.21
+  (the same)                                                   SSP     0.01   1.58      1.21
+  1,1,1,1 -> 1,1,1,4 after 10 s, 0.35 s                         ASP     0.55   0.84      0.90
+  (the same)                                                   SSP     0.03   1.12      1.20
+  the same at 0.2 s                                            ASP     0.34   0.93      1.00
+  (the same)                                                   SSP     0.03   1.28      1.20
+  4 nodes at 1gbit, wide MLP, slowdown 1,1,2,4, 0.1 s          ASP     0.53   1.16      0.90
+  (the same)                                                   SSP     0.03   1.23      1.20
+  ==========================================================  ======  =====  ========  ======
+
+gives G = 1.22 and C = 0.67 (root-mean-square residual 0.14; the largest: SSP at equal
+speeds, 1.58 measured, and ASP at 1gbit, 1.16, both above the fit, DSSP 0.17 below it; the
+spread between repeats of one policy is 20-30% in samples to target).  The late straggler's
+``x`` comes from BSP's compute over the whole run (the straggler for part of it).  ASP and SSP
+predict the same at equal speeds (SSP measured more there, and in every row); the ranking
+breaks such ties for the bounded policy (``ranking.TIE_TOLERANCE``).  ``LOCAL_STEP_COST``: a
+least-squares fit of 1/efficiency - 1 on the extra local steps of ElasticBSP and ESync in the
+first comparisons (0.78-1.26 measured per sample): 0.01 per step.
+
+Fitted on 4 workers, the digits MLP and the wide MLP, lr 0.05 with momentum 0.9 only: the gain
+of full updates grows with n and with the learning rate until it turns into divergence, and
+none of that is validated here.  Every new comparison checks the model:
+``python -m mpsync.auto.explain OUT`` sets each policy's measured progress per sample beside
+the efficiency auto predicted for it; and a live switch is confirmed on measured throughput
+(``Decider.confirm_switch``).
 """
 
 from __future__ import annotations
 
-__all__ = ["STALENESS_COST", "LOCAL_STEP_COST", "efficiency", "staleness_efficiency"]
+__all__ = ["PS_FULL_UPDATE_GAIN", "PS_EXCESS_STALENESS_COST", "LOCAL_STEP_COST",
+           "efficiency", "excess_staleness", "ps_efficiency"]
 
-STALENESS_COST = 0.16
+PS_FULL_UPDATE_GAIN = 1.22
+PS_EXCESS_STALENESS_COST = 0.67
 LOCAL_STEP_COST = 0.01
 _FLOOR = 0.05
 
 
-def staleness_efficiency(compute_s) -> tuple[float, float]:
-    """(efficiency, mean staleness) of updates applied on arrival by workers of these
-    compute times (module doc)."""
-    rates = [1.0 / c for c in compute_s]
-    total = sum(rates)
-    eff = mean = 0.0
+def excess_staleness(rates) -> tuple[float, float]:
+    """(the update-weighted mean staleness beyond n - 1, the stalest worker's staleness) of
+    updates applied on arrival from workers iterating at ``rates`` (module doc)."""
+    rates = [float(r) for r in rates if r > 0]
+    n, total = len(rates), sum(rates)
+    if n < 2:
+        return 0.0, 0.0
+    excess = worst = 0.0
     for r in rates:
         s = (total - r) / r
-        eff += r / total / (1.0 + STALENESS_COST * s)
-        mean += r / total * s
-    return eff, mean
+        excess += r / total * max(0.0, s - (n - 1))
+        worst = max(worst, s)
+    return excess, worst
+
+
+def ps_efficiency(rates) -> tuple[float, float, float]:
+    """(efficiency, excess staleness, stalest worker's staleness) of a parameter server that
+    applies every update in full on arrival, workers iterating at ``rates``."""
+    excess, worst = excess_staleness(rates)
+    return PS_FULL_UPDATE_GAIN / (1.0 + PS_EXCESS_STALENESS_COST * excess), excess, worst
+
+
+def _rates(row: dict, compute_s) -> list[float]:
+    """Each worker's iterations per simulated second (the candidate's own rates: a bound
+    the simulator applied shows), or 1 / compute time where the row has no counts."""
+    each, t = row.get("iterations_each"), row.get("sim_time_s")
+    if each and t:
+        return [i / t for i in each]
+    return [1.0 / c for c in compute_s]
 
 
 def efficiency(row: dict, stale_reads: bool, compute_s) -> tuple[float, str]:
-    """(efficiency in (0, 1], the reason in words) of one simulated candidate: ``row`` from
-    ``mpsync.simulate.simulate``; ``stale_reads``: the parameter server applies updates as
-    they arrive; ``compute_s``: the workers' iteration times."""
+    """(efficiency > 0, the reason in words) of one simulated candidate: ``row`` from
+    ``mpsync.simulate.simulate``; ``stale_reads``: the parameter server applies updates in
+    full as they arrive; ``compute_s``: the workers' iteration times."""
     eff, why = 1.0, []
     if stale_reads and len(compute_s) > 1:
-        e, s = staleness_efficiency(compute_s)
+        e, excess, worst = ps_efficiency(_rates(row, compute_s))
         eff *= e
-        why.append(f"updates {s:.1f} updates stale on average")
+        why.append(f"every update applied in full (x{PS_FULL_UPDATE_GAIN:.2f}), "
+                   f"staleness {excess:.2f} beyond n - 1 on average "
+                   f"(stalest worker {worst:.1f})")
     local = (row.get("local_steps_per_round") or {}).get("mean") or 1.0
     if local > 1:
         eff /= 1.0 + LOCAL_STEP_COST * (local - 1.0)

@@ -6,7 +6,9 @@ the best fixed policy's of the same comparison (the ratio the acceptance of ``au
 about) and lists, per auto run, what it chose and when: each decision that switched (the
 server's clock from its first report) and each switch's round and training wall time; and
 checks the efficiency model: each policy's measured samples to the target against BSP's,
-beside the efficiency auto predicted for it.
+beside the efficiency auto's run predicted for it and the one the model in this checkout
+predicts from the comparison's BSP runs (``rank_candidates`` on each one's ``metrics.json``:
+the check of a model changed since the comparison ran).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 from pathlib import Path
 
 from mpsync import policies
+from mpsync.auto.measurements import Measurements
+from mpsync.auto.ranking import Candidate, rank_candidates
 
 __all__ = ["comparison_table", "efficiency_check", "main"]
 
@@ -41,13 +45,32 @@ def _median(xs):
     return None if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
 
 
+def _model_now(out: Path, rows: list[dict]) -> dict:
+    """Per policy, the median efficiency this checkout's model predicts on the comparison's
+    BSP runs, for the topology each policy ran on."""
+    base = next((r["policy"] for r in rows if policies.is_baseline(r["policy"])), None)
+    topology = {}
+    for r in rows:
+        run = next(iter(_runs(out, r["policy"])), None)
+        if run and r["policy"] != policies.AUTO:
+            topology[r["policy"]] = (run.get("config") or {}).get("topology") or "ring"
+    candidates = [Candidate(p, t) for p, t in topology.items()]
+    found: dict = {}
+    for run in _runs(out, base) if base else ():
+        for r in rank_candidates(Measurements.from_metrics(run), candidates, engine="exact"):
+            found.setdefault(r.candidate.policy, []).append(r.efficiency)
+    return {p: _median(e) for p, e in found.items()}
+
+
 def efficiency_check(out) -> str:
     """Markdown: each policy's measured progress per sample (BSP's median samples to the
-    target over its own) beside the efficiency auto's first ranking gave it."""
+    target over its own) beside the efficiency auto's first ranking gave it and the one the
+    model predicts now."""
     out = Path(out)
     summary = json.loads((out / "compare.json").read_text())
     samples = {r["policy"]: _median(_samples_to_target(m) for m in _runs(out, r["policy"]))
                for r in summary["rows"]}
+    now = _model_now(out, summary["rows"])
     predicted = {}
     for m in _runs(out, "auto"):
         ranked = next((d["ranking"] for d in m.get("decisions") or () if d.get("ranking")), [])
@@ -56,14 +79,16 @@ def efficiency_check(out) -> str:
                 predicted.setdefault(r["policy"], []).append(r["efficiency"])
     base = next((n for p, n in samples.items() if policies.is_baseline(p)), None)
     lines = ["| policy | samples to target, median | measured progress per sample (BSP = 1) "
-             "| auto's predicted efficiency |", "|---|---|---|---|"]
+             "| auto's predicted efficiency (in its run) | the model's now |",
+             "|---|---|---|---|---|"]
     for p, n in samples.items():
         if p == policies.AUTO:
             continue
         eff = f"{base / n:.2f}" if base and n else "-"
         pred = predicted.get(p)
         lines.append(f"| {p} | {'-' if n is None else f'{n:.0f}'} | {eff} | "
-                     f"{'-' if not pred else f'{_median(pred):.2f}'} |")
+                     f"{'-' if not pred else f'{_median(pred):.2f}'} | "
+                     f"{'-' if now.get(p) is None else f'{now[p]:.2f}'} |")
     return "\n".join(lines)
 
 

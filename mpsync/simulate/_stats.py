@@ -148,6 +148,9 @@ class Recorder:
             "rounds": rounds,
             "iterations_per_worker": {"min": int(self.iters.min()),
                                       "max": int(self.iters.max())},
+            # each worker's own count: its rate over the run (how stale its updates are
+            # where the PS applies them on arrival: mpsync.auto.efficiency)
+            "iterations_each": [int(i) for i in self.iters],
             "staleness": distribution(self.stale_hist) if self.ps else None,
             "local_steps_per_round": distribution(self.local_hist),
             "decisions_per_s": queries / T if T > 0 else None,
