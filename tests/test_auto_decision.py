@@ -210,6 +210,25 @@ def test_the_live_window_reads_medians():
     assert m.compute_s == pytest.approx((0.1, 0.2)) and m.aggregation_s == pytest.approx(0.01)
 
 
+def test_two_reports_that_agree_are_enough_two_that_differ_are_not():
+    w = Window(2, size=3)
+    for t in (0.10, 0.11):
+        w.add_compute(0, t)
+        w.add_compute(1, 4 * t)
+    assert not w.ready(3) and w.ready(3, early=2, agree=0.2)
+    w.add_compute(1, 0.9)                 # worker 1's third report: counted as it is
+    assert w.ready(3, early=2, agree=0.2)
+    hiccup = Window(2, size=3)
+    for t in (0.10, 0.30):                # one scheduler hiccup among two: wait for a third
+        hiccup.add_compute(0, t)
+        hiccup.add_compute(1, 0.1)
+    assert not hiccup.ready(3, early=2, agree=0.2)
+    hiccup.add_compute(0, 0.1)
+    assert hiccup.ready(3, early=2, agree=0.2)
+    assert hiccup.measurements().compute_s == pytest.approx((0.1, 0.1))
+    assert not Window(2, size=3).ready(3, early=2, agree=0.2)
+
+
 def test_ranking_is_fast_enough_to_run_while_training():
     m = Measurements.from_speeds([1, 1, 2, 4], iter_time=0.05)
     rank_candidates(m, RING)                       # compiled engines loaded

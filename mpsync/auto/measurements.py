@@ -187,9 +187,22 @@ class Window:
             self.aggregation[self.agg_count % self.size] = seconds
             self.agg_count += 1
 
-    def ready(self, reports: int) -> bool:
-        """Every worker has reported at least ``reports`` compute times."""
-        return bool(np.all(self.count >= reports))
+    def ready(self, reports: int, *, early: int | None = None, agree: float = 0.0) -> bool:
+        """Every worker has reported at least ``reports`` compute times; or, with ``early``,
+        at least ``early`` that agree within ``agree`` (largest / smallest <= 1 + agree)
+        where it has fewer than ``reports``.  Sound for the median of 3 from 2 that agree:
+        the median of {a, b, c} lies in [min(a, b), max(a, b)] whatever c is, so the two's
+        median (their mean) differs from the one a third report would give by at most half
+        their spread."""
+        if np.all(self.count >= reports):
+            return True
+        if early is None or not np.all(self.count >= early):
+            return False
+        for w in np.flatnonzero(self.count < reports):
+            seen = self.compute[w][np.isfinite(self.compute[w])]
+            if seen.size < early or seen.max() > (1.0 + agree) * seen.min():
+                return False
+        return True
 
     def clear(self) -> None:
         """Forget what was measured (after a switch: waiting patterns change)."""

@@ -50,7 +50,9 @@ RANK_EVERY_S = 2.0       # and at most this often ranked again
 WARM_UP_S = 1.0          # measured under the starting policy at least this long
 START = policies.AUTO_MEASURING   # the ring policy auto runs while it measures (AutoPolicy.start)
 CONFIRM_AFTER_S = 4.0    # a switch's progress is measured this long before it is confirmed
-MIN_REPORTS = 3          # ... and until every worker has reported this often
+MIN_REPORTS = 3          # ... and until every worker has reported this often,
+EARLY_REPORTS = 2        # or this often where its reports agree within EARLY_AGREEMENT
+EARLY_AGREEMENT = 0.2    # (their median is then within 10% of the one a third would give)
 WINDOW_REPORTS = 3       # the window of compute times per worker (medians over it: one
                          # hiccup is no change; a straggler is seen after two reports)
 _SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipline_variant",
@@ -293,7 +295,8 @@ class AutoPolicy(Policy):
         self._confirm(now)
         if self.switch_after is not None or self.gathering is not None:
             return
-        if now - self.t0 < WARM_UP_S or not self.window.ready(MIN_REPORTS):
+        if now - self.t0 < WARM_UP_S or not self.window.ready(
+                MIN_REPORTS, early=EARLY_REPORTS, agree=EARLY_AGREEMENT):
             return
         m = self.window.measurements(topologies=self.topologies, source="live reports")
         trigger = self.decider.wants_ranking(m)
