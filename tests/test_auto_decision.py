@@ -110,7 +110,7 @@ def test_with_the_parameter_server_each_cluster_gets_the_policy_it_calls_for():
     link makes the PS's pushes and pulls the bottleneck."""
     equal = Measurements.from_speeds([1, 1, 1, 1], iter_time=0.4, aggregation_s=0.002)
     r1, ranked = _choose(equal, LIVE, start="esync/ring")
-    assert r1.switch and r1.chosen.startswith("ssp/ps"), r1.reason
+    assert r1.switch and r1.chosen == "ssp/ps (staleness=3)", r1.reason
     # ASP predicts the same here (equal rates: no staleness beyond n - 1): a tie, broken for
     # the bounded policy.
     assert _time(ranked, "asp/ps") == pytest.approx(_time(ranked, r1.chosen), rel=0.01)

@@ -9,10 +9,12 @@ it in a process of its own (``serving``); ``mpsync advise`` and tests call it di
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 from mpsync import policies
+from mpsync.config import SyncConfig
 from mpsync.policies import AUTO_SWITCHABLE
 from mpsync.auto.efficiency import efficiency
 from mpsync.auto.measurements import Measurements
@@ -30,10 +32,13 @@ HORIZON_ITERATIONS = 120
 # its configuration's).
 _STALENESS = (1, 3, 8)
 # Predictions this close to the best are a tie within the model (its residuals are 15%): among
-# them the candidate whose updates can be least stale goes first (``staleness_bound``).  At
-# equal speeds ASP, SSP and DSSP on the PS predict the same; SSP kept more progress per sample
-# than ASP in every comparison the model was fitted on (1.11-1.58 of BSP's against 0.68-1.17),
-# and its bound holds when a worker falls behind, where ASP's staleness grows unbounded.
+# them the ring goes first (no switch to the PS for nothing), then SSP at the run's own bound
+# (default 3: the one the comparisons measured), then other bounds, tightest first, then the
+# unbounded (``_tie_order``).  At equal speeds ASP, SSP and DSSP on the PS predict the same;
+# SSP kept more progress per sample than ASP in every comparison the model was fitted on (1.11-1.58
+# of BSP's against 0.68-1.17), and its bound holds when a worker falls behind, where ASP's
+# staleness grows unbounded.  SSP at bound 1 is not measured in a comparison; in single runs
+# at equal speeds it diverged twice in five, bound 3 in none of five.
 TIE_TOLERANCE = 0.01
 
 
@@ -188,11 +193,18 @@ def staleness_bound(c: Candidate, base=None) -> float:
     return float("inf")
 
 
+def _tie_order(bound: float, own: float) -> tuple:
+    """Bounded before unbounded; none (the ring) and the run's own bound before others;
+    then the tighter bound."""
+    return (math.isinf(bound), bound not in (0.0, own), bound)
+
+
 def rank_candidates(measurements: Measurements, candidates=None, *, base=None,
                     horizon: int = HORIZON_ITERATIONS, engine: str = "auto") -> list[Ranked]:
     """Every candidate (None: :func:`default_candidates` on ``measurements.topologies``)
     predicted on ``measurements``, best (shortest predicted time to target) first, those within
-    ``TIE_TOLERANCE`` of the best ordered by their ``staleness_bound`` first.  ``base``:
+    ``TIE_TOLERANCE`` of the best ordered by their ``staleness_bound`` first (``_tie_order``).
+    ``base``:
     the run's configuration, whose settings the candidates keep unless they sweep them."""
     if candidates is None:
         candidates = default_candidates(measurements.topologies)
@@ -203,6 +215,7 @@ def rank_candidates(measurements: Measurements, candidates=None, *, base=None,
         return ranked
     tie = ranked[0].predicted_time_to_target_s * (1.0 + TIE_TOLERANCE)
     tied = [r for r in ranked if r.predicted_time_to_target_s <= tie]
-    tied.sort(key=lambda r: (staleness_bound(r.candidate, base), r.predicted_time_to_target_s,
-                             r.candidate.label))
+    own = float(SyncConfig.staleness if base is None else base.staleness)
+    tied.sort(key=lambda r: _tie_order(staleness_bound(r.candidate, base), own)
+              + (r.predicted_time_to_target_s, r.candidate.label))
     return tied + ranked[len(tied):]
