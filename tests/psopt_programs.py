@@ -1,5 +1,6 @@
-"""Rank programs for tests/test_ps_server_optimizer.py: the parameter server running the
-optimizer (``ps_optimizer='server'``) on real ranks.  Each prints one ``RESULT {...}`` line per
+"""Rank programs for tests/test_ps_server_optimizer.py and tests/test_ps_first_pull.py: BSP
+rounds on the parameter server, the optimizer run by the shards (``ps_optimizer='server'``) or
+by the workers (``'worker'``), and every worker's starting weights, on real ranks.  Each prints one ``RESULT {...}`` line per
 worker rank (run through ``run_mpi("psopt_programs:NAME", ...)``)."""
 
 from __future__ import annotations
@@ -22,11 +23,18 @@ def _adam(params):
     return torch.optim.Adam(params, lr=LR, betas=(0.9, 0.99), weight_decay=DECAY)
 
 
-def _reference_adam(workers: int) -> torch.Tensor:
-    """Single-process Adam on the concatenated batch of every worker, with the same
-    learning-rate change half-way."""
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=DECAY)
+
+
+_OPTIMIZERS = {"adam": _adam, "sgd": _sgd}
+
+
+def _reference(make_optimizer, workers: int) -> torch.Tensor:
+    """Single-process training with ``make_optimizer`` (Adam, SGD with momentum) on the
+    concatenated batch of every worker, with the same learning-rate change half-way."""
     model = _model()
-    opt = _adam(model.parameters())
+    opt = make_optimizer(model.parameters())
     for step in range(STEPS):
         if step == STEPS // 2:
             opt.param_groups[0]["lr"] = LR_LATER
@@ -37,15 +45,32 @@ def _reference_adam(workers: int) -> torch.Tensor:
     return _flat(model)
 
 
-def _after_a_push(limit_s: float = 60.0) -> None:
+def _after_a_push(limit_s: float = 2.0) -> bool:
     """Wait until the state server has counted a push (it counts one once every shard has
-    taken its slice)."""
+    taken its slice), or ``limit_s``; whether one came.  Bounded and never raising: the
+    workers wait for each other's first pull before anyone pushes, so the push this waits
+    for comes only if that wait is missing."""
     end = time.monotonic() + limit_s
     while time.monotonic() < end:
         if any(w["pushes"] for w in mps.stats()["server"]["workers"].values()):
-            return
+            return True
         time.sleep(0.01)
-    raise TimeoutError(f"no push counted within {limit_s:g}s")
+    return False
+
+
+def _record_first_pull(strategy) -> dict:
+    """``{"digest": ...}`` of the weights this worker's first pull read (its starting
+    weights), filled in when that pull returns."""
+    seen: dict = {}
+    pull = strategy._pull
+
+    def recorded(*args, **kw):
+        out = pull(*args, **kw)
+        seen.setdefault("digest", _digest(torch.from_numpy(strategy._base.copy())))
+        return out
+
+    strategy._pull = recorded
+    return seen
 
 
 def _save_cut(opt, model, path: str) -> None:
@@ -59,29 +84,38 @@ def _save_cut(opt, model, path: str) -> None:
     mps.worker_comm().Barrier()
 
 
-def bsp_adam() -> None:
-    """BSP on the PS with Adam (float64) and workers of unequal, jittery speeds, the learning
-    rate lowered half-way (the new settings reach the shards with the next push); with the
-    server's optimizer the model after 20 rounds is single-process Adam on the concatenated
-    batch, with the workers' own optimizers it is the mean of per-worker Adam steps.
+def ps_rounds() -> None:
+    """``policy`` (default bsp) on the PS with ``optimizer`` (adam or sgd: with momentum and
+    weight decay; float64) and workers of unequal, jittery speeds, the learning rate lowered
+    half-way (with the server's optimizer the new settings reach the shards with the next
+    push).  Under BSP the model after 20 rounds is single-process training on the
+    concatenated batch -- with the server's optimizer for both, with the workers' own only for
+    SGD (for Adam it is the mean of per-worker Adam steps).
     ``start_late=1``: every worker but worker 0 takes its first step (which pulls the
-    starting weights) only after worker 0's first push is on every shard.
+    starting weights) only after worker 0's first push is on every shard, or 2 s if that push
+    never comes (it must not: no worker pushes before every worker has pulled).
     ``save=PATH``: after round 10 worker 0 writes the global model and the shards' optimizer
     state to PATH, as a checkpoint does; ``resume=PATH``: start from such a file at round 10
     (the shards continue its optimizer state) and run the remaining rounds."""
     a = _args()
-    mps.init(policy="bsp", topology="ps", backend="mpi", server="dedicated", deadline=60,
+    policy = a.get("policy", "bsp")
+    mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
              ps_shards=int(a.get("ps_shards", 3)), ps_optimizer=a["ps_optimizer"])
+    make_optimizer = _OPTIMIZERS[a.get("optimizer", "adam")]
     model = _model()
-    opt = mps.DistributedOptimizer(_adam(model.parameters()),
+    start = _digest(_flat(model))
+    opt = mps.DistributedOptimizer(make_optimizer(model.parameters()),
                                    named_parameters=model.named_parameters())
+    first_pull = _record_first_pull(opt.strategy)
     n, me = mps.size(), mps.rank()
     jitter = torch.Generator().manual_seed(7 + me)
     start_late = a.get("start_late") == "1"
+    pushed_before_start = None
     first = 0
     if a.get("resume"):
         saved = torch.load(a["resume"], weights_only=False)
         model.load_state_dict(saved["model"])
+        start = _digest(_flat(model))
         opt.param_groups[0]["lr"] = LR_LATER
         first = STEPS // 2
         if me == 0:
@@ -97,18 +131,22 @@ def bsp_adam() -> None:
                                           y[me * BATCH:(me + 1) * BATCH]).backward()
         # a fast worker's next push races a slow worker's pull of the round
         time.sleep(0.002 * me + 0.01 * float(torch.rand(1, generator=jitter)))
-        if step == 0 and me > 0 and start_late:
-            _after_a_push()
+        if step == first and me > 0 and start_late:
+            pushed_before_start = _after_a_push()
         opt.step()
+    if policy != "bsp":
+        opt.synchronize()   # workers end at different iterations between barriers or rounds
     local = mps.stats()["local"]
-    state = sum(len(s) for s in opt.state.values())   # the worker's own Adam state
+    state = sum(len(s) for s in opt.state.values())   # the worker's own optimizer state
     mps.shutdown()
     final = _flat(model)
-    ref = _reference_adam(n)
+    ref = _reference(make_optimizer, n)
     print("RESULT " + json.dumps({
         "rank": me, "rounds": local["rounds"], "iterations": local["iterations"],
         "digest": _digest(final), "worker_state": state, "final": final.tolist(),
-        "vs_adam": float((final - ref).abs().max() / ref.abs().max())}),
+        "start": start, "first_pull": first_pull.get("digest"),
+        "pushed_before_start": pushed_before_start,
+        "vs_reference": float((final - ref).abs().max() / ref.abs().max())}),
         flush=True)
 
 

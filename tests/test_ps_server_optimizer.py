@@ -16,23 +16,25 @@ def _check(run) -> dict:
     res = run.results()
     assert sorted(res) == [1, 2, 3], run.report()
     for r in res.values():
-        assert r["vs_adam"] <= 1e-9, r
+        assert r["vs_reference"] <= 1e-9, r
         assert r["worker_state"] == 0, r     # the workers never ran their Adam
+        assert not r["pushed_before_start"], r
     assert len({r["digest"] for r in res.values()}) == 1, res   # one model on every worker
     return res[1]
 
 
 def test_bsp_with_adam_on_the_server_is_adam_on_the_concatenated_batch(tmp_path):
-    # start_late: workers 1 and 2 read the starting weights only after worker 0's first push
-    # is on every shard, which must wait for their pushes in its round instead of being
-    # stepped on alone (before the shards counted rounds per worker, this ended 0.23-0.34
+    # start_late: workers 1 and 2 wait (2 s at most) for worker 0's first push before their
+    # first pull; it must not come (every worker pulls the starting weights before anyone
+    # pushes), and were it to, the shards must wait for their pushes in its round instead
+    # of stepping on it alone (before they counted rounds per worker, this ended 0.23-0.34
     # away from single-process Adam).
     cut = tmp_path / "cut.pt"
-    whole = _check(run_mpi("psopt_programs:bsp_adam", np=4, timeout=180,
+    whole = _check(run_mpi("psopt_programs:ps_rounds", np=4, timeout=180,
                            args=["ps_optimizer=server", "ps_shards=3", "start_late=1",
                                  f"save={cut}"]))
     assert whole["iterations"] == 20 == whole["rounds"], whole
-    resumed = _check(run_mpi("psopt_programs:bsp_adam", np=4, timeout=180,
+    resumed = _check(run_mpi("psopt_programs:ps_rounds", np=4, timeout=180,
                              args=["ps_optimizer=server", "ps_shards=2", f"resume={cut}"]))
     assert resumed["iterations"] == 10 == resumed["rounds"], resumed
     # Adam's moments and step count went on (restarted from zero, the model ends 0.07 away);

@@ -161,7 +161,8 @@ class Aggregator:
         self.broadcast_(buf, root, what, deadline)
         return buf.numpy().tobytes()
 
-    def barrier(self, what: str = "barrier") -> None:
+    def barrier(self, what: str = "barrier", deadline: float | None = None) -> None:
+        """Every worker reaches it; ``deadline``: seconds, default the aggregator's."""
         raise NotImplementedError
 
 
@@ -240,10 +241,10 @@ class MPIAggregator(Aggregator):
         Pending(req.Test, lambda: None, label, seq, self).wait(deadline)
         return flat
 
-    def barrier(self, what="barrier"):
+    def barrier(self, what="barrier", deadline=None):
         label, seq = self._next(what)
         req = self.comm.Ibarrier()
-        Pending(req.Test, lambda: None, label, seq, self).wait()
+        Pending(req.Test, lambda: None, label, seq, self).wait(deadline)
 
 
 class HorovodAggregator(Aggregator):
@@ -288,11 +289,11 @@ class HorovodAggregator(Aggregator):
         self._pending(handle, label, seq).wait(deadline)
         return flat
 
-    def barrier(self, what="barrier"):
+    def barrier(self, what="barrier", deadline=None):
         label, seq = self._next(what)
         t = torch.zeros(1)
         handle = self.hvd.allreduce_async_(t, op=self.hvd.Sum, name=f"mpsync.{what}")
-        self._pending(handle, label, seq).wait()
+        self._pending(handle, label, seq).wait(deadline)
 
 
 class EmulatedLink(Aggregator):
@@ -351,8 +352,8 @@ class EmulatedLink(Aggregator):
     def broadcast_(self, flat, root, what="broadcast", deadline=None):
         return self.inner.broadcast_(flat, root, what, deadline)
 
-    def barrier(self, what="barrier"):
-        self.inner.barrier(what)
+    def barrier(self, what="barrier", deadline=None):
+        self.inner.barrier(what, deadline)
 
 
 def gather_bytes(comm, data: bytes, root: int, *, deadline: float, what: str,

@@ -88,6 +88,16 @@ class ParameterServer(LocalStepsThenAggregate):
                 self._shards_state = None
             self.client.ps_init(self._base)
         self._pull()
+        # No worker pushes before every worker has pulled the starting weights.  The state
+        # server orders each round's pushes after the round before's pulls, but a first pull
+        # has no round before it: a worker that starts late would read weights that already
+        # hold a faster worker's first push, and start from another model than the others
+        # (BSP then no longer equals single-process training; ElasticBSP's first superstep
+        # and ESync's first round would not start from one model, ZipLine §6.2.5, ESync
+        # Alg. 1).  Bounded like the broadcasts that start a run: at start-up ranks may
+        # drift apart by more than the per-step deadline.
+        self.backend.barrier("every worker pulled the starting weights",
+                             deadline=max(self.config.deadline, self.config.startup_timeout))
 
     def adopt_replicas(self) -> None:
         """Start from the weights every worker holds (``auto`` switching from the ring after
