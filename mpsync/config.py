@@ -307,6 +307,11 @@ def _check_ps_optimizer(value, topology: str, spec) -> None:
                           f"{', '.join(PS_OPTIMIZERS)}, got {value!r}")
     if value != "server":
         return
+    if spec.name == policies.AUTO:
+        raise ConfigError("ps_optimizer='server' (--ps-optimizer, MPSYNC_PS_OPTIMIZER) cannot "
+                          "run under policy='auto': its workers move between the ring and the "
+                          "parameter server each with its own optimizer state; use "
+                          "ps_optimizer='worker' (the default)")
     if topology != "ps":
         raise ConfigError(f"ps_optimizer='server' runs the optimizer on the parameter server's "
                           f"shards and needs topology='ps' (got {topology!r}); use "

@@ -62,6 +62,10 @@ def mistakes(tmp):
          "ps_shards (--ps-shards, MPSYNC_PS_SHARDS) must be 'auto' or an integer >= 1"),
         ("MPSYNC_PS_SHARDS that is no count", [*train, "--policy", "ssp"],
          {"MPSYNC_PS_SHARDS": "many"}, "got 'many'"),
+        ("the server's optimizer under auto", [*train, "--policy", "auto", "--ps-optimizer",
+                                               "server"], {},
+         "ps_optimizer='server' (--ps-optimizer, MPSYNC_PS_OPTIMIZER) cannot run under "
+         "policy='auto'"),
         ("an unknown server placement", [*train, "--server", "nowhere"], {},
          "unknown server 'nowhere'; choose one of: dedicated, colocated"),
         ("an unknown model", [*train, "--model", "resnet"], {},
