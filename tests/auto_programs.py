@@ -1,4 +1,5 @@
-"""Rank programs for tests/test_auto_switch.py: ``auto``'s switches on real ranks.
+"""Rank programs for tests/test_auto_switch.py and tests/test_auto_ring_only.py: ``auto``'s
+switches on real ranks.
 
 Each program prints one ``RESULT {...}`` JSON line per worker rank (run through
 ``run_mpi("auto_programs:NAME", ...)``).
@@ -93,6 +94,41 @@ def stopped_in_gathering() -> None:
         time.sleep(0.01)
         opt.step()
     _result(rank=me, finished=True)
+
+
+def ring_only() -> None:
+    """``auto`` with ``auto_ps`` (the default) in a job that cannot host the parameter
+    server: run under ``MPI4PY_RC_THREAD_LEVEL=serialized`` (no MPI_THREAD_MULTIPLE), or with
+    ``mixed=1`` a model holding a float64 and a float32 parameter.  It must go on, switching on
+    the ring only (plan: ElasticBSP after round 2, BSP after round 4), and say why."""
+    from mpi4py import MPI
+
+    a = _args()
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
+             auto_plan="2:ebsp,4:bsp", deadline=60)
+    model = _model()
+    if a.get("mixed") == "1":
+        model[-1].bias.data = model[-1].bias.data.to(torch.float32)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    me, step = mps.rank(), 0
+    while opt.strategy.round < 6:
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        out = model[:-1](x)
+        loss = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(out, model[-1].weight, model[-1].bias.to(out.dtype)), y)
+        loss.backward()
+        time.sleep(0.01)
+        opt.step()
+        step += 1
+    opt.synchronize()
+    state = mps.stats()["server"].get("policy_state") or {}
+    mps.shutdown()
+    _result(rank=me, steps=step, thread_level=MPI.Query_thread(), digest=_digest(_flat(model)),
+            ring_only=state.get("ring_only"), timeline=state.get("policy_timeline"),
+            topologies=(state.get("metrics") or {}).get("auto_topologies"),
+            switches=[(s["from"], s["to"]) for s in opt.strategy.switches])
 
 
 if __name__ == "__main__":

@@ -118,6 +118,8 @@ def comparison_table(out) -> str:
         switched = "; ".join(f"{d['at_s']:.1f} s: {d['previous']} -> {d['chosen']} "
                              f"({d['trigger']})" for d in m.get("decisions") or ()
                              if d["switch"]) or "none (stayed on bsp)"
+        if m.get("auto_ring_only"):     # the job could not host the PS: ring candidates only
+            switched = f"ring only ({m['auto_ring_only']}); {switched}"
         switches = "; ".join(f"{s['from']} -> {s['to']} after round {s['round']} at "
                              f"{s['wall_s']:.1f} s" for s in m.get("switches") or ()) or "-"
         ttt = m.get("time_to_target_s")

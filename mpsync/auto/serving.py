@@ -31,6 +31,7 @@ Everything it decided, on what, and why, is in ``describe()``: ``decisions`` and
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from mpsync.auto.decider import Decider, DecisionRecord
@@ -41,6 +42,7 @@ from mpsync.config import parse_auto_plan
 from mpsync import policies
 from mpsync.policies import AUTO_PS_SWITCHABLE, AUTO_SWITCHABLE, auto_code, auto_target
 from mpsync.server.policies import Policy
+from mpsync.server.shard_plan import shards_unavailable
 from mpsync.server.wire import SYNC
 
 __all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS", "live_candidates"]
@@ -107,6 +109,10 @@ class AutoPolicy(Policy):
         self.steps_done, self.period_start, self.left = 0, None, None
         self._left_candidate, self._confirm_next = None, False
         self.problems: list[str] = []
+        # Why auto switches on the ring only although auto_ps was asked for, or None.
+        self.ring_only: str | None = None
+        if not config.auto_ps:
+            self._ring_only(shards_unavailable(_thread_level()))
         # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
         self.plan = parse_auto_plan(config.auto_plan)
         self.planned = bool(self.plan)
@@ -117,6 +123,25 @@ class AutoPolicy(Policy):
         # BSP's waiting would.  None: measure under BSP.
         self.start = None if self.planned else next(
             (c for c in self.candidates if (c.policy, c.topology) == (START, "ring")), None)
+
+    def _ring_only(self, reason: str | None, say: bool = True) -> None:
+        """The job cannot host the parameter server (``reason``; None: nothing to do): its
+        candidates go, and the reason is said once (``say``: here; else the worker did) and
+        kept for ``describe()``."""
+        if reason is None or self.ring_only is not None:
+            return
+        self.ring_only = reason
+        self.candidates = [c for c in self.candidates if c.topology == "ring"]
+        self.topologies = ("ring",)
+        if say:
+            print(f"mpsync: policy auto switches on the ring only: {reason} (auto_ps is off "
+                  f"for this run)", file=sys.stderr, flush=True)
+
+    def worker_ring_only(self, w: int) -> None:
+        """Worker ``w``'s model cannot go on the PS (``SyncClient.ring_only``: it mixes
+        dtypes); before its first step, so before any decision."""
+        self._ring_only(f"worker {w}'s model mixes parameter dtypes, and the parameter server "
+                        f"holds one flat model of one dtype", say=False)
 
     def _fresh(self, candidate: Candidate) -> Policy:
         config = dataclasses.replace(self.config, policy=candidate.policy,
@@ -377,8 +402,18 @@ class AutoPolicy(Policy):
         decisions = [r.as_dict() for r in self.decider.records]
         return {"running": auto_target(self.code)[0], "decisions": decisions,
                 "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
-                "problems": self.problems,
+                "problems": self.problems, "ring_only": self.ring_only,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
                 "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),
-                "metrics": {"decisions": decisions, "policy_timeline": self.timeline}}
+                "metrics": {"decisions": decisions, "policy_timeline": self.timeline,
+                            "auto_topologies": list(self.topologies),
+                            "auto_ring_only": self.ring_only}}
+
+
+def _thread_level() -> int:
+    """The thread level MPI provides on this rank (MPI_THREAD_MULTIPLE where MPI is not
+    initialised: nothing here is in a job, e.g. a simulation)."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() if MPI.Is_initialized() else MPI.THREAD_MULTIPLE

@@ -415,6 +415,12 @@ class SyncClient:
                               0.0 if loss is None else float(loss), count=imp.size, flag=flag)
         return header, np.concatenate([imp, sizes])
 
+    def ring_only(self) -> None:
+        """Policy ``auto``: this worker's model cannot go on the parameter server (it mixes
+        dtypes), so the server drops its PS candidates; sent before the first step, and
+        answered, so no decision is made without it."""
+        self._call(W.REGISTER, "ring only", header=self._header(flag=W.RING_ONLY))
+
     def ps_init(self, flat: np.ndarray, replace: bool = False) -> None:
         """The initial weights (sharded: to every shard first, then the state server learns
         that the model is there).  ``replace``: the shards' weights are replaced if they have

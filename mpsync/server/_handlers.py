@@ -34,6 +34,8 @@ class MessageHandlers:
         self.table.registered[w] = True
         self.table.last_event[w] = now
         self.events.add(now - self.t0, w, "register", 0)
+        if msg[W.FLAG] == W.RING_ONLY and hasattr(self.policy, "worker_ring_only"):
+            self.policy.worker_ring_only(w)
         self._send_reply(src, msg[W.SEQ])
 
     def _on_step(self, src, w, msg, now):

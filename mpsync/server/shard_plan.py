@@ -15,7 +15,7 @@ from typing import NamedTuple
 from mpsync.config import ConfigError
 
 __all__ = ["SINGLE_HOST_SHARDS", "ShardLayout", "resolve_shard_count", "place_shards",
-           "shard_bounds", "plan_layout"]
+           "shard_bounds", "plan_layout", "shards_unavailable"]
 
 # ``auto`` on one host: two shard servers show the sharded protocol (and split the work of
 # applying updates over two processes) without taking more of a small machine.
@@ -85,3 +85,27 @@ def plan_layout(requested, hostnames: list[str]) -> ShardLayout:
     """The shard count and hosts for workers on ``hostnames`` (module doc)."""
     count = resolve_shard_count(requested, hostnames)
     return ShardLayout(place_shards(count, hostnames), len(set(hostnames)))
+
+
+# MPI's thread levels (the standard's order: SINGLE < FUNNELED < SERIALIZED < MULTIPLE).
+_THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
+                  "MPI_THREAD_MULTIPLE")
+
+
+def shards_unavailable(thread_level: int | None = None, dtypes=()) -> str | None:
+    """Why this job cannot host the sharded parameter server, or None.  ``thread_level``: the
+    level MPI provides, 0-3 as ``MPI.Query_thread()`` returns it (``MPI_THREAD_SINGLE`` ..
+    ``MPI_THREAD_MULTIPLE``; None: not checked); ``dtypes``: the model's parameter dtypes, as
+    names.
+
+    A shard server is a thread of a worker rank that calls MPI while its trainer does
+    (MPI_THREAD_MULTIPLE), and it holds the model as one flat vector of one dtype."""
+    if thread_level is not None and thread_level < len(_THREAD_LEVELS) - 1:
+        name = _THREAD_LEVELS[thread_level] if 0 <= thread_level else str(thread_level)
+        return (f"MPI provides {name}, and the parameter server's shard threads need "
+                f"MPI_THREAD_MULTIPLE")
+    kinds = sorted({str(d) for d in dtypes})
+    if len(kinds) > 1:
+        return (f"the model mixes parameter dtypes ({', '.join(kinds)}), and the parameter "
+                f"server holds one flat model of one dtype")
+    return None

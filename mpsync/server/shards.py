@@ -324,10 +324,12 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     from mpsync import policies
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ConfigError("topology='ps' (and policy='auto' with auto_ps) runs its shard "
-                          "servers as threads of worker ranks and needs MPI_THREAD_MULTIPLE; "
-                          f"this MPI provides level {MPI.Query_thread()} (auto: set "
-                          f"auto_ps=False to switch on the ring only)")
+        # (policy='auto' never gets here: it switches on the ring only instead,
+        # mpsync.torch._runtime.ring_only_without_threads)
+        raise ConfigError("topology='ps' runs its shard servers as threads of worker ranks and "
+                          "needs MPI_THREAD_MULTIPLE; this MPI provides level "
+                          f"{MPI.Query_thread()}; run a ring policy, or initialise MPI with "
+                          "MPI_THREAD_MULTIPLE")
     names = workers.allgather(MPI.Get_processor_name())
     layout: ShardLayout = plan_layout(config.ps_shards, names)
     requests, replies = workers.Dup(), workers.Dup()

@@ -52,6 +52,7 @@ LOCAL = 0
 SYNC = 1
 
 # Largest payload a DATA message may announce (float64 elements): 2**31 elements = 16 GiB.
+RING_ONLY = 1        # REGISTER's FLAG: auto must not move this worker to the PS
 MAX_COUNT = 2 ** 31
 # Iteration numbers beyond this are rejected as corrupt (2**53: exact in float64).
 MAX_ITER = 2 ** 53

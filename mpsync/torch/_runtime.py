@@ -14,6 +14,7 @@ user's back):
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from mpsync import policies
 from mpsync.config import ConfigError, SyncConfig
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
+from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch._counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
@@ -122,6 +124,7 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD if comm is None else comm
+    config = ring_only_without_threads(config, MPI.Query_thread())
     joined = job.join(world, config, server_rank)
     control, workers, world_ranks = joined.control, joined.workers, joined.world_ranks
     dedicated, rank = joined.dedicated, world.Get_rank()
@@ -150,6 +153,17 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
     return ctx
+
+
+def ring_only_without_threads(config: SyncConfig, thread_level: int) -> SyncConfig:
+    """``auto`` with ``auto_ps`` where MPI lacks MPI_THREAD_MULTIPLE: no shards are hosted and
+    auto switches on the ring only (``auto_ps`` off) instead of failing the job; the state
+    server, which decides the same on its rank (every rank of a job gets the same thread
+    level from the same MPI), says so once (``AutoPolicy``).  Anything else as it is."""
+    if (config.policy != policies.AUTO or not config.auto_ps
+            or shards_unavailable(thread_level) is None):
+        return config
+    return dataclasses.replace(config, auto_ps=False).validate()
 
 
 def torch_cast(dst, src) -> None:

@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 import time
 
 import torch
 
 from mpsync.policies import AUTO_TARGETS, auto_target, hosts_shards
+from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategy_base import Strategy, spec_of
 
 __all__ = ["Switching", "weights_digest"]
@@ -78,12 +80,23 @@ class Switching(Strategy):
                              client=client, counters=counters, config=config, switches=[],
                              _carried=dict(wire=None, op_sum=False, peers=None,
                                            skip_aggregation=False))
-        if hosts_shards(config) and len(buffers) != 1:
-            raise ValueError(f"policy='auto' with auto_ps needs all parameters in one dtype "
-                             f"(the parameter server's flat model), got "
-                             f"{[str(b.dtype) for b in buffers]}; set auto_ps=False "
-                             f"(MPSYNC_AUTO_PS=0) to switch on the ring only")
+        self.__dict__["ring_only"] = None
+        if hosts_shards(config):
+            self._ring_only_if(shards_unavailable(dtypes=[str(b.dtype) for b in buffers]))
         self.__dict__["inner"] = self._make(1, None)
+
+    def _ring_only_if(self, reason: str | None) -> None:
+        """A model the parameter server cannot hold (``reason``; None: it can): the server's
+        auto drops its PS candidates before the first step, and worker 0 says so once."""
+        if reason is None:
+            return
+        self.__dict__.update(ring_only=reason,
+                             config=dataclasses.replace(self.config, auto_ps=False))
+        if self.client is not None:
+            self.client.ring_only()
+        if self.backend is None or self.backend.rank == 0:
+            print(f"mpsync: policy auto switches on the ring only: {reason} (auto_ps is off "
+                  f"for this run)", file=sys.stderr, flush=True)
 
     # -- the running strategy's state, read and written through ---------------------------------
     def __getattr__(self, name):
