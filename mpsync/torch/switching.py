@@ -26,7 +26,13 @@ ring runs):
 * ring -> PS (ASP, SSP, DSSP), after a ring round as above: worker 0 loads the weights every
   worker holds onto the shards, every worker waits for that, then pushes its deltas from
   them (``ParameterServer.adopt_replicas``).  Each worker keeps its own optimizer state (the
-  PS runs the script's optimizer on every worker, ``ps_optimizer='worker'``).
+  PS runs the script's optimizer on every worker, ``ps_optimizer='worker'``), its velocity
+  divided by n (``share_velocity``): the ring moved the model by the *mean* of the workers'
+  steps, the PS moves it by their *sum*, so n velocities carried whole would make the
+  model's first PS steps n times the ring's last ones, a jump in the step size at the
+  switch that the learning rate was never tuned for.  Divided, the model's velocity is continuous at the switch; it then grows towards the PS's
+  own (each worker's momentum accumulates its own gradients), as in a run on the PS from
+  the start.
 * PS -> ring, through the round the server makes for it (``mpsync.auto.gathering``): every
   worker pushes what it had not, pulls once every push is in (the same weights on every
   worker), and the ring starts from them, its rounds numbered from the highest any worker
@@ -51,10 +57,26 @@ from mpsync.policies import AUTO_TARGETS, auto_target, hosts_shards
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategy_base import Strategy, spec_of
 
-__all__ = ["Switching", "weights_digest"]
+__all__ = ["Switching", "share_velocity", "weights_digest"]
 
 # What the optimizer and the trainer set on a strategy: kept here and given to each new one.
 _CARRIED = ("wire", "op_sum", "peers", "skip_aggregation")
+
+
+# The optimizer states that carry a step's direction from one step to the next: SGD's
+# momentum, Adam's (and AdamW's) first moment.  Second moments are scale-free in the step.
+VELOCITY_STATES = ("momentum_buffer", "exp_avg")
+
+
+def share_velocity(optimizer, n_workers: int) -> None:
+    """Divide every velocity state of ``optimizer`` (``VELOCITY_STATES``) by ``n_workers``:
+    going from averaged steps (the ring) to summed ones (the PS), the model keeps its
+    velocity (module doc)."""
+    for state in optimizer.state.values():
+        for key in VELOCITY_STATES:
+            value = state.get(key)
+            if torch.is_tensor(value) and value.is_floating_point():
+                value.div_(n_workers)
 
 
 def weights_digest(buffers) -> str:
@@ -177,6 +199,7 @@ class Switching(Strategy):
             self._start_rounds_together(new)
         if topology == "ps" and leaving == "ring":
             new.adopt_replicas()
+            share_velocity(self.optimizer, new.n_workers)
         if not old.aggregates_every_step and new.aggregates_every_step:
             self._average_optimizer_state(min(old.last_active))
         took = time.perf_counter() - t0    # (the digest below is bookkeeping, not the switch)
