@@ -95,6 +95,8 @@ class PolicySpec:
     round's merged pushes.  Only for a policy whose workers push every iteration (BSP, ASP,
     SSP, DSSP, ElasticBSP on the PS); one whose workers take local iterations between pushes
     (ESync) needs their own optimizer.
+    ``ps_pull_ungated``: the server never holds a pull on the PS (ASP), so a worker pushes
+    and pulls in one exchange per shard and collects the server's replies later.
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
     the fidelity table of docs/fidelity.md (:func:`fidelity_table`).  Each departure carries
     its key in brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
@@ -113,6 +115,7 @@ class PolicySpec:
     options: tuple[str, ...] = ()
     ps_average: bool = False
     ps_server_optimizer: bool = False
+    ps_pull_ungated: bool = False
     fidelity: Mapping[str, tuple[str, str]] = None
     simulation: Mapping[str, str] | None = None
 
@@ -192,7 +195,7 @@ _REGISTRY: dict[str, PolicySpec] = {}
 def register(name: str, *, description: str, server: str, strategies: Mapping[str, str],
              paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
              ps_average: bool = False, ps_server_optimizer: bool = False,
-             simulation: Mapping[str, str] | None = None,
+             ps_pull_ungated: bool = False, simulation: Mapping[str, str] | None = None,
              fidelity: Mapping[str, tuple[str, str]] | None = None,
              replace: bool = False) -> PolicySpec:
     """Add a policy; returns its entry.
@@ -225,7 +228,7 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
     spec = PolicySpec(name=name, description=description, paper=paper,
                       topologies=tuple(strategies), server=server, strategies=strategies,
                       fast_path=fast_path, options=tuple(options), ps_average=ps_average,
-                      ps_server_optimizer=ps_server_optimizer,
+                      ps_server_optimizer=ps_server_optimizer, ps_pull_ungated=ps_pull_ungated,
                       simulation=dict(simulation) if simulation else None,
                       fidelity=dict(fidelity or {}))
     old = _REGISTRY.get(name)
@@ -376,7 +379,7 @@ register(
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
     server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",
-    ps_server_optimizer=True, simulation={"ps": "no_wait"},
+    ps_server_optimizer=True, ps_pull_ungated=True, simulation={"ps": "no_wait"},
     fidelity={"ps": ("push every iteration, applied on arrival; pull whatever is current",
                      _PS_WORKER_OPTIMIZER)})
 register(

@@ -159,6 +159,80 @@ def malformed_pushes() -> None:
     _result(rank=me, **outcome)
 
 
+def push_pull_refusals() -> None:
+    """2 ranks, a shard on each, float32 model of 8 elements starting at 0; rank 1 pushes and
+    pulls in one exchange (``push_pull``).  A good one reads the weights after its own push
+    from both shards; over a float16 wire, a delta above 65504 is refused before anything is
+    sent; a push of the wrong length (a client laid out for 10 elements) is refused by both
+    shards, which send no weights, so the next good exchange reads its own weights, not a
+    stray reply; update and weights in one buffer are refused.  Each outcome is recorded."""
+    from mpsync.server.shards import ShardClient
+
+    world, client, thread, model = _shards(deadline=5.0, numel=8)
+    me = world.Get_rank()
+    outcome = {}
+    if me == 1:
+        client.push_pull(client.checked_push(np.ones(8, dtype=np.float32)), model)
+        outcome["after_good"] = model.tolist()
+        client.wire = np.float16
+        delta = np.zeros(8, dtype=np.float32)
+        delta[-1] = 70000.0
+        try:
+            client.push_pull(client.checked_push(delta), model)
+            outcome["overflow"] = "accepted"
+        except FloatingPointError:
+            outcome["overflow"] = "refused before sending"
+        client.wire = None
+        wrong = ShardClient(client.comm, client.replies, client.hosts, client.names, 5.0)
+        try:
+            wrong.push_pull(wrong.checked_push(np.ones(10, dtype=np.float32)),
+                            np.zeros(10, dtype=np.float32))
+            outcome["wrong_length"] = "accepted"
+        except RuntimeError as e:
+            outcome["wrong_length"] = str(e)
+        client.push_pull(client.checked_push(np.full(8, 2.0, dtype=np.float32)), model)
+        outcome["after_refusals"] = model.tolist()
+        try:
+            client.push_pull(model, model)
+            outcome["one_buffer"] = "accepted"
+        except ValueError as e:
+            outcome["one_buffer"] = str(e)
+    world.Barrier()
+    client.close()
+    _finish(thread)
+    _result(rank=me, **outcome)
+
+
+def push_while_a_reply_is_read() -> None:
+    """2 ranks, a shard on each, float32 model of ``elements`` zeros.  Rank 1 asks shard 0
+    for its weights and does not take the reply yet (a slice in Open MPI's rendezvous
+    protocol stays in flight, read from the shard's buffer); meanwhile it pushes ones.  The
+    reply, taken afterwards, must hold the weights it was asked for (zeros): the shard adds
+    the push into another buffer; the next pull reads the ones."""
+    from mpsync.server import shards as wire_tags
+
+    n = int(_args().get("elements", 524288))
+    world, client, thread, model = _shards(deadline=10.0, numel=n)
+    outcome = {}
+    if world.Get_rank() == 1:
+        client.layout(n)
+        a, b = client.bounds[0]
+        ask = np.zeros(1, dtype=np.int64)
+        client.comm.Send([ask, MPI.INT64_T], dest=client.hosts[0],
+                         tag=wire_tags.PULL + wire_tags.wire_code(np.float32))
+        time.sleep(0.5)   # the shard has started its reply
+        client.push(np.ones(n, dtype=np.float32))
+        early = np.full(b - a, -1.0, dtype=np.float32)
+        client.replies.Recv([early, MPI.BYTE], source=client.hosts[0], tag=wire_tags.DATA)
+        client.pull(model)
+        outcome = {"early_reply": sorted(set(early.tolist())),
+                   "after_push": sorted(set(model.tolist()))}
+    world.Barrier()
+    client.close()
+    _finish(thread)
+    _result(rank=world.Get_rank(), **outcome)
+
+
 def silent_at_shutdown() -> None:
     """3 ranks, shards on ranks 0 and 1, deadline 2 s.  Rank 2 pushes, then stops for good
     (SIGSTOP) without saying goodbye; ranks 0 and 1 shut their shards down: each must end

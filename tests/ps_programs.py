@@ -65,7 +65,8 @@ def staleness_over_shards() -> None:
     mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
              ps_shards=int(a.get("ps_shards", 3)), staleness=2, staleness_low=1,
              staleness_high=3)
-    bound = 2 if policy == "ssp" else 3
+    bound = {"ssp": 2, "dssp": 3}.get(policy, steps)   # asp: none
+    exchanges = _count_one_exchanges()
     me, n = mps.rank(), mps.size()
     model = torch.nn.Linear(10, 6).double()
     with torch.no_grad():
@@ -92,7 +93,27 @@ def staleness_over_shards() -> None:
         worst_gap = max(worst_gap, gap)
         shards_differ += int(len({tuple(c) for c in counts}) > 1)
     mps.shutdown()
-    _result(rank=me, worst_gap=worst_gap, bound=bound, torn_pulls=shards_differ)
+    final = _decode(_flat_params(model).numpy(), n)
+    if policy == "asp" and np.any(final != steps):
+        raise AssertionError(f"after shutdown the model holds {final.min(axis=0)} to "
+                             f"{final.max(axis=0)} pushes per worker, each made {steps}")
+    _result(rank=me, worst_gap=worst_gap, bound=bound, torn_pulls=shards_differ,
+            one_exchanges=exchanges[0])
+
+
+def _count_one_exchanges() -> list:
+    """Count this worker's ``ShardClient.push_pull`` calls (push and pull in one exchange)."""
+    from mpsync.torch import _runtime
+
+    shards, calls = _runtime.context().shards, [0]
+    exchange = shards.push_pull
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return exchange(*args, **kw)
+
+    shards.push_pull = counted
+    return calls
 
 
 def shard_fault() -> None:

@@ -81,6 +81,24 @@ def test_malformed_pushes_are_refused_and_the_shards_serve_on():
     assert got["after_good_push"] == [2.0] * 8, got
 
 
+def test_a_push_and_pull_in_one_exchange_is_applied_everywhere_or_refused_whole():
+    run = run_mpi("ps_fault_programs:push_pull_refusals", np=2, timeout=90)
+    got = run.results()[1]
+    assert got["after_good"] == [1.0] * 8, got       # its own push, read back from both shards
+    assert got["overflow"] == "refused before sending", got
+    assert re.search(r"push and pull refused by PS shard 0 .*, PS shard 1 ",
+                     got["wrong_length"]), got
+    assert "refused the push of worker 1" in run.rank_out(0), run.report()
+    assert got["after_refusals"] == [3.0] * 8, got   # no stray reply read, nothing applied
+    assert "separate buffers" in got["one_buffer"], got
+
+
+def test_a_pull_reply_in_flight_keeps_its_weights_while_a_push_is_applied():
+    run = run_mpi("ps_fault_programs:push_while_a_reply_is_read", np=2, timeout=90)
+    got = run.results()[1]
+    assert got == {"rank": 1, "early_reply": [0.0], "after_push": [1.0]}, run.report()
+
+
 def test_a_shard_names_a_worker_that_never_says_goodbye_at_shutdown():
     run = run_mpi(FAULT_PROGRAMS, np=3, timeout=60, check=False,
                   args=["silent_at_shutdown"])

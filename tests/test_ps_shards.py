@@ -115,6 +115,17 @@ def test_staleness_bound_holds_on_every_shard_with_a_lagging_shard(policy):
 
 
 @pytest.mark.mpi
+def test_asp_pushes_and_pulls_in_one_exchange_and_every_push_lands_once():
+    # Each pull must hold all of this worker's own pushes on every shard (the program checks
+    # at every step); after shutdown every worker's pushes are in exactly once.
+    run = run_mpi("ps_programs:staleness_over_shards", np=3, timeout=180,
+                  args=["policy=asp", "ps_shards=2", "steps=20"])
+    res = run.results()
+    assert len(res) == 2, run.report()
+    assert all(r["one_exchanges"] == 20 for r in res.values()), res
+
+
+@pytest.mark.mpi
 def test_more_shards_than_parameters_is_a_clear_error_on_every_worker():
     run = run_mpi("ps_programs:bad_shards", np=4, timeout=120, args=["ps_shards=3"],
                   check=False)

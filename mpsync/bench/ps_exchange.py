@@ -5,11 +5,14 @@ a plain mpi4py program moving the same slices between the same ranks, in one ``m
 Per model size, float32, policy asp (its server never holds a pull, so the exchange is
 transport), each the median over repeats of the slowest worker's time:
 
-* ``ps_ms``: ``SyncClient.push`` of a delta + ``pull`` of the weights, what a training
-  iteration runs: every shard's slice out and applied (acknowledged), the push counted by
-  the state server, the pull granted by it, every shard's slice back;
-* ``ps_shard_ms``: the shard exchange alone (``ShardClient.push`` + ``pull``), without the
-  two state-server round trips: what the shards add to the wire;
+* ``ps_ms``: a push of a delta and a pull of the weights, what a training iteration runs
+  (``ParameterServer._push_pull``): under asp ``SyncClient.push_pull``, every shard's slice
+  out, applied and answered with the shard's weights, the state server told of the push and
+  the pull meanwhile (its replies collected at the next call); under a policy whose pulls
+  wait, ``push`` (acknowledged by every shard, then counted by the state server) + ``pull``
+  (granted by it, then every slice back);
+* ``ps_shard_ms``: the shard exchange alone (``ShardClient.push_pull``, or ``push`` +
+  ``pull``), without the state server: what the shards add to the wire;
 * ``ps_raw_ms``: the baseline, after them in the same job: each worker sends every shard's
   slice to the rank hosting it and gets a slice back, answered there by a thread with
   blocking ``Probe``/``Recv``/``Send`` (no control plane, no apply, no acks);
@@ -53,6 +56,7 @@ def ps_child(sizes, max_repeats, budget) -> None:
     workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
     for nbytes in sizes:
         config = SyncConfig(policy=_ps_policy(), topology="ps", deadline=600.0).validate()
+        one_exchange = registry.get(config.policy).ps_pull_ungated
         if not is_worker:
             StateServer(control, config, server_rank=0).serve()
             _idle_barrier(world)  # no worker may reach the next size's server before it exists
@@ -67,14 +71,20 @@ def ps_child(sizes, max_repeats, budget) -> None:
         delta = np.full(n, 1e-6, dtype=np.float32)
         it = [0]
 
-        def exchange():
+        def exchange():   # as ParameterServer._push_pull
             it[0] += 1
-            client.push(delta, it[0])
-            client.pull(weights, it[0])
+            if one_exchange:
+                client.push_pull(delta, weights, it[0])
+            else:
+                client.push(delta, it[0])
+                client.pull(weights, it[0])
 
         def shard_exchange():
-            shards.push(delta)
-            shards.pull(weights)
+            if one_exchange:
+                shards.push_pull(shards.checked_push(delta), weights)
+            else:
+                shards.push(delta)
+                shards.pull(weights)
 
         client.pull(weights, 0)
         moved, calls = shards.bytes_sent + shards.bytes_received, it[0]

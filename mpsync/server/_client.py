@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.server import _fastpath, wire as W
+from mpsync.server._client_ps import ParameterServerCalls
 
 __all__ = ["SyncClient", "Decision", "PendingImportance", "ServerError", "DeadlineExceeded",
            "LOCAL", "SYNC"]
@@ -134,8 +135,9 @@ class PendingImportance:
         return self._out.astype(bool)
 
 
-class SyncClient:
-    """Talks to the state server at ``server_rank`` of ``comm`` (the control communicator)."""
+class SyncClient(ParameterServerCalls):
+    """Talks to the state server at ``server_rank`` of ``comm`` (the control communicator);
+    the parameter server's calls are :class:`ParameterServerCalls`'."""
 
     def __init__(self, comm, config, *, server_rank: int = 0, shards=None):
         self.comm = comm
@@ -155,6 +157,11 @@ class SyncClient:
         self._rep_spec = [self._rep, MPI.DOUBLE]
         self._seq = 0
         self._pending: PendingDecision | None = None
+        # Replies to requests sent without waiting (push_pull), collected before the next
+        # call that waits for a reply: (request, buffer, seq, what).
+        self._later: list = []
+        self._later_bufs = (W.new_msg(), W.new_msg())
+        self._version = 0        # the model version in the latest pull reply collected
         self.iteration = 0
         # Control-plane bytes on this worker's link (headers, replies, their payloads).
         self._control_sent = 0
@@ -237,6 +244,8 @@ class SyncClient:
             sleep = min(2 * sleep, _SLEEP_MAX_S)
 
     def _call(self, tag: int, what: str, *, header=None, data=None, reply_data=None):
+        if self._later:
+            self._collect_later()
         if self._pending is not None:
             # A delayed-ACK query still waiting for READY must not catch this call's reply.
             if not self._pending.request.Test():
@@ -262,6 +271,16 @@ class SyncClient:
         if rdata is not None:
             self._wait(rdata, what + " (payload)")
         return self._rep
+
+    def _collect_later(self) -> None:
+        """Wait for the replies to the requests sent without waiting (``push_pull``)."""
+        later, self._later = self._later, []
+        for request, buf, seq, what in later:
+            self._wait(request, what)
+            self.control_received += _MSG_BYTES
+            if int(buf[W.R_SEQ]) != seq:
+                raise ServerError(f"{what}: reply to request {int(buf[W.R_SEQ])}, expected {seq}")
+            self._version = int(buf[W.R_VERSION])
 
     def _check_reply_to(self, seq: int, what: str) -> None:
         """The reply in the buffer must answer request ``seq``."""
@@ -303,6 +322,8 @@ class SyncClient:
         """Report that local iteration ``iteration`` finished after ``compute_time`` seconds
         and ask what to do next, in one round trip."""
         self.iteration = it = int(iteration)
+        if self._later:
+            self._collect_later()
         if self._fast is None or self._pending is not None:
             self._call(W.STEP, f"step {iteration}", header=self._header(it, compute_time))
             return self._decision()
@@ -420,54 +441,6 @@ class SyncClient:
         dtypes), so the server drops its PS candidates; sent before the first step, and
         answered, so no decision is made without it."""
         self._call(W.REGISTER, "ring only", header=self._header(flag=W.RING_ONLY))
-
-    def ps_init(self, flat: np.ndarray, replace: bool = False) -> None:
-        """The initial weights (sharded: to every shard first, then the state server learns
-        that the model is there).  ``replace``: the shards' weights are replaced if they have
-        some (``auto`` switching to the PS again)."""
-        if self.shards is not None:
-            flat = np.ascontiguousarray(flat)
-            (self.shards.load if replace else self.shards.init)(flat)
-            self._call(W.PS_INIT, "ps_init", header=self._header(count=0))
-            return
-        data = np.ascontiguousarray(flat, dtype=np.float64)
-        self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
-
-    def push(self, delta: np.ndarray, iteration: int, final: bool = False) -> int:
-        """Send an update; the server applies it on arrival.  ``final``: this worker's last
-        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version.
-        Sharded: every shard applies its slice first, and only then is the push counted by
-        the state server, so its staleness rules count updates that are in on every shard."""
-        if self.shards is not None:
-            if delta.size:   # empty: nothing left to apply (the server's optimizer), counted
-                self.shards.push(np.ascontiguousarray(delta))
-            self._call(W.PUSH, f"push {iteration}",
-                       header=self._header(iteration, count=0, flag=int(final)))
-            return int(self._rep[W.R_VERSION])
-        data = np.ascontiguousarray(delta, dtype=np.float64)
-        self._call(W.PUSH, f"push {iteration}",
-                   header=self._header(iteration, count=data.size, flag=int(final)), data=data)
-        return int(self._rep[W.R_VERSION])
-
-    def pull(self, out: np.ndarray, iteration: int, final: bool = False,
-             barrier: int = 0) -> int:
-        """Current global weights into ``out`` (contiguous; float64 from the state server's
-        store, the model's dtype from shards), as soon as the policy's staleness rule
-        allows: the state server grants the pull, then every shard sends its slice.
-        ``final``: the last pull of training, after every worker's last push (nobody will
-        push again, so no staleness rule can be waited for).  Returns the model version
-        (updates applied so far).  ``barrier`` (sharded): > 0, the pull at that barrier;
-        ``ALL_PUSHES_IN``, after every worker's last push (``ShardClient.pull``)."""
-        if not out.flags.c_contiguous or (self.shards is None and out.dtype != np.float64):
-            raise ValueError("pull needs a contiguous array (float64 without shards)")
-        count = 0 if self.shards is not None else out.size
-        self._call(W.PULL, f"pull {iteration}",
-                   header=self._header(iteration, count=count, flag=int(final)),
-                   reply_data=None if self.shards is not None else out)
-        version = int(self._rep[W.R_VERSION])
-        if self.shards is not None:
-            self.shards.pull(out, barrier=barrier)
-        return version
 
     def stats(self) -> dict:
         self._call(W.STATS, "stats")

@@ -17,7 +17,8 @@ from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates, pack_state
 from mpsync.server.weights import WeightStore, numpy_cast
 
-__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD", "ALL_PUSHES_IN"]
+__all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD", "PUSH_PULL",
+           "ALL_PUSHES_IN"]
 
 
 # Wire dtype codes (a tag's offset).
@@ -33,6 +34,9 @@ LOAD = 390
 # A checkpoint's optimizer state (``shard_optimizer.pack_state``): asked for with SAVE,
 # answered as STATE; given with RESTORE + the wire code of its arrays' dtype, ACKed.
 SAVE, STATE, RESTORE = 400, 410, 420
+# A push answered with the shard's weights after it (+ the wire code): ACKed, then, if the
+# push was applied, the slice in that dtype as DATA.  For pulls that need no grant (ASP).
+PUSH_PULL = 430
 OK, REFUSED = 0, 1
 # A pull's barrier field: every worker's pushes are in (the last pull of training, a
 # checkpoint's), so a shard stepping once per round steps on every round it merged.
@@ -104,6 +108,7 @@ class ShardServer:
         # The weights of the latest barrier (ElasticBSP): what every pull at it reads.
         self._barrier_epoch, self._barrier_weights = 0, None
         self._ack = np.zeros(2, dtype=np.int64)
+        self._spares: list[np.ndarray] = []    # weight buffers to add into (_spare)
 
     @property
     def left(self) -> int:
@@ -155,6 +160,12 @@ class ShardServer:
             status = self._take(kind, WIRE_DTYPES[code], payload, src)
             self._ack[:] = (self.store.version, status)
             self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
+        elif kind == PUSH_PULL and code < len(WIRE_DTYPES):
+            status = self._take(PUSH, WIRE_DTYPES[code], payload, src)
+            self._ack[:] = (self.store.version, status)
+            self.replies.Send([self._ack, MPI.INT64_T], dest=src, tag=ACK)
+            if status == OK:
+                self._serve_pull(src, code)
         elif kind == PULL and code < len(WIRE_DTYPES):
             barrier = int(payload.view(np.int64)[0]) if payload.nbytes == 8 else 0
             if not self.store.ready:
@@ -232,14 +243,30 @@ class ShardServer:
         shard's range: added (the workers run the optimizer) or stepped on / merged into its
         round by the shard's optimizer; None, or why it was refused (the range is then
         unchanged)."""
-        if self._reading(self.store.weights):
-            self.store.detach()   # a pull's reply or a barrier still reads the current buffer
+        reading = self._reading(self.store.weights)
         if self.updates is None:
-            return self.store.apply(update)
+            # A pull's reply or a barrier still reads the current buffer: the sum goes to
+            # another one (the add writes it there at the cost of adding in place).
+            return self.store.apply(update, into=self._spare() if reading else None)
+        if reading:
+            self.store.detach()
         problem = self.updates.take(self.store.weights, update, src)
         if problem is None:
             self.store.version += 1
         return problem
+
+    def _spare(self) -> np.ndarray:
+        """A buffer for the weights that nothing reads (no reply in flight or cancelled, no
+        barrier), else a new one; the current weights join the spares (at most 3 kept: one
+        still read lives on in its reply)."""
+        weights, spares = self.store.weights, self._spares
+        free = next((i for i, b in enumerate(spares) if b.size == weights.size
+                     and b.dtype == weights.dtype and not self._reading(b)
+                     and not any(r.buf is b for r in self._abandoned)), None)
+        buf = np.empty_like(weights) if free is None else spares.pop(free)
+        spares.append(weights)
+        del spares[:-3]
+        return buf
 
     def _configure(self, src: int, payload: np.ndarray) -> None:
         """The server-side optimizer's settings, ACKed ``OK`` or ``REFUSED``."""

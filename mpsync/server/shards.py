@@ -13,6 +13,9 @@ Roles (the state server decides, the shards only move bytes):
 
 What each policy needs from the shards follows from that order:
 
+* ASP (DSSP §I.A): no pull waits for any count, so a push and the pull after it are one
+  message each way per shard (``push_pull``), and the worker tells the state server of both
+  while the shards work, collecting its replies later (``SyncClient.push_pull``).
 * SSP / DSSP (DSSP Alg. 1): staleness is decided once, by the state server, over pushes that
   are in on *every* shard, so a granted pull reads, on every shard, at least every update the
   bound requires.  A shard may also hold newer updates of other workers (a pull is not one
@@ -41,13 +44,15 @@ Wire (two ``Dup`` s of the workers' communicator, nothing else on them): request
 replies on the other, so a reply that comes after its worker gave up waiting (its receive
 cancelled at the deadline) can never reach the any-tag probe of a shard thread on that
 worker's rank.  A request's tag says what it is and the dtype of its payload (``INIT``/``PUSH``
-+ code: the slice; ``PULL`` + code: answered with the slice in that dtype as ``DATA``);
-``ACK`` carries ``[version, status]``; ``BYE`` ends a worker's use of the shard; ``WATCH`` asks
-how long since the shard heard from each worker (``HEARD``).  Pushes and pulls go to all
-shards at once (``Isend``/``Irecv``), so a worker's link carries about one model out and one in
-per synchronization.  Under ``Compression.fp16`` both travel as float16: the shards keep the
-master weights in the parameters' dtype and workers compute on a float16 rounding of them,
-as in mixed-precision training; their updates are applied to the master copy.
++ code: the slice; ``PULL`` + code: answered with the slice in that dtype as ``DATA``;
+``PUSH_PULL`` + code: a push, ACKed, then answered with the slice after it as ``DATA``, one
+round trip for ASP's push and pull); ``ACK`` carries ``[version, status]``; ``BYE`` ends a
+worker's use of the shard; ``WATCH`` asks how long since the shard heard from each worker
+(``HEARD``).  Pushes and pulls go to all shards at once (``Isend``/``Irecv``), so a worker's
+link carries about one model out and one in per synchronization.  Under ``Compression.fp16``
+both travel as float16: the shards keep the master weights in the parameters' dtype and
+workers compute on a float16 rounding of them, as in mixed-precision training; their updates
+are applied to the master copy.
 
 Failures: every wait has the run's deadline.  A worker waiting for the others (``join``, a
 shard's shutdown) asks the shards who has been silent for longer than that and names them;
@@ -69,9 +74,9 @@ from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates, pack_state, unpack_state
 from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
 from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD, OK, OPT,
-                                        PULL, PUSH, RESTORE, SAVE, SLEEP_MAX_S, SLEEP_MIN_S,
-                                        STATE, UNHEARD, WATCH, WIRE_DTYPES, ShardServer,
-                                        ShardThread, wire_code)
+                                        PULL, PUSH, PUSH_PULL, RESTORE, SAVE, SLEEP_MAX_S,
+                                        SLEEP_MIN_S, STATE, UNHEARD, WATCH, WIRE_DTYPES,
+                                        ShardServer, ShardThread, wire_code)
 from mpsync.server.weights import all_finite, numpy_cast
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
@@ -108,6 +113,7 @@ class ShardClient:
         self._one = np.zeros(1, dtype=np.int64)
         self._pull_barrier = np.zeros(1, dtype=np.int64)  # an ElasticBSP barrier, or 0
         self._wire_buf: np.ndarray | None = None
+        self._wire_in: np.ndarray | None = None
         self._lost: set[int] = set()    # shards that missed a deadline
 
     @property
@@ -130,6 +136,15 @@ class ShardClient:
             self._wire_buf = np.empty(flat.size, dtype=self.wire)
         return self._wire_buf
 
+    def _on_wire_in(self, out: np.ndarray) -> np.ndarray:
+        """Where a :meth:`push_pull` receives: ``out``, or a wire buffer of its own (the
+        push's may still be in use)."""
+        if self.wire is None or np.dtype(self.wire) == out.dtype:
+            return out
+        if self._wire_in is None or self._wire_in.size != out.size:
+            self._wire_in = np.empty(out.size, dtype=self.wire)
+        return self._wire_in
+
     def init(self, flat: np.ndarray) -> None:
         """The initial weights, in the store's dtype (the first worker's wins on each shard)."""
         self._send_slices(INIT, flat, flat, "ps_init")
@@ -140,11 +155,14 @@ class ShardClient:
         self._send_slices(LOAD, flat, flat, "load")
 
     def push(self, delta: np.ndarray) -> None:
-        """Apply ``delta`` on every shard; returns once every shard has applied its slice.
+        """Apply ``delta`` on every shard; returns once every shard has applied its slice."""
+        self._send_slices(PUSH, delta, self.checked_push(delta), "push")
 
-        What a shard would refuse is refused here, before anything is sent, so that a push
-        is applied on every shard or on none: values that are not finite *on the wire* (a
-        float16 wire turns a delta above 65504 into inf)."""
+    def checked_push(self, delta: np.ndarray) -> np.ndarray:
+        """``delta`` as it goes on the wire (cast into the wire buffer if the wire's dtype
+        differs).  What a shard would refuse is refused here, before anything is sent, so
+        that a push is applied on every shard or on none: values that are not finite *on the
+        wire* (a float16 wire turns a delta above 65504 into inf)."""
         wire = self._on_wire(delta)
         if wire is not delta:
             self.cast(wire, delta)
@@ -158,7 +176,48 @@ class ShardClient:
                     f"was sent any of it")
             raise FloatingPointError("push with NaN or inf: the local model diverged (no shard "
                                      "was sent any of it)")
-        self._send_slices(PUSH, delta, wire, "push")
+        return wire
+
+    def push_pull(self, wire: np.ndarray, out: np.ndarray, meanwhile=None) -> None:
+        """Push ``wire`` (:meth:`checked_push`'s result) and read every shard's weights after
+        applying it into ``out`` (contiguous, the store's dtype, apart from the push's
+        memory): one round trip per shard (``PUSH_PULL``) where :meth:`push` and
+        :meth:`pull` make two.  Only for a pull the state server need not grant (ASP, whose
+        pulls read whatever is current): the pull reads each shard right after this
+        worker's slice, without waiting for any count.  ``meanwhile()`` runs once the slices
+        are on their way (the worker's messages to the state server).  A slice a shard
+        refuses raises, as :meth:`push` does, and no weights are read from that shard."""
+        self.layout(out.size)
+        self._check_lost("push and pull")
+        back = self._on_wire_in(out)
+        if np.shares_memory(wire, back):
+            raise ValueError("push_pull needs the update and the weights in separate buffers")
+        tag = PUSH_PULL + wire_code(wire.dtype)
+        reads = [self.replies.Irecv([back[a:b], MPI.BYTE], source=h, tag=DATA)
+                 for (a, b), h in zip(self.bounds, self.hosts)]
+        acks = [self.replies.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
+                for k, h in enumerate(self.hosts)]
+        sends = [self.comm.Isend([wire[a:b], MPI.BYTE], dest=h, tag=tag)
+                 for (a, b), h in zip(self.bounds, self.hosts)]
+        if meanwhile is not None:
+            meanwhile()
+        shards = list(range(self.count))
+        self._wait(acks + sends, "push and pull", shards * 2)
+        self.bytes_sent += wire.nbytes
+        refused = [k for k in shards if self._acks[k, 1] != OK]
+        for k in refused:       # no weights come from a shard that refused the push
+            reads[k].Cancel()
+            reads[k].Wait()
+        if refused:
+            self._wait([reads[k] for k in shards if k not in refused], "push and pull",
+                       [k for k in shards if k not in refused])
+            raise RuntimeError(f"push and pull refused by "
+                               f"{', '.join(self.names[k] for k in refused)} (see its log "
+                               f"line)")
+        self._wait(reads, "push and pull", shards)
+        self.bytes_received += back.nbytes
+        if back is not out:
+            self.cast(out, back)
 
     def configure(self, settings: np.ndarray) -> None:
         """The server-side optimizer's settings (float64) to every shard; returns once each

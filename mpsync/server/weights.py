@@ -84,8 +84,11 @@ class WeightStore:
         if self.weights is not None:
             self.weights = self.weights.copy()
 
-    def apply(self, update: np.ndarray) -> str | None:
-        """Add ``scale * update``; returns None, or why the update was refused."""
+    def apply(self, update: np.ndarray, into: np.ndarray | None = None) -> str | None:
+        """Add ``scale * update``; returns None, or why the update was refused.  ``into``: a
+        buffer of the weights' size and dtype that becomes the weights, holding the sum (the
+        current buffer is still read, and is left as it was): no copy before the add, as
+        :meth:`detach` would make."""
         if self.remote:
             if update.size:
                 return "push with a payload, but the model is on the shard servers"
@@ -104,7 +107,11 @@ class WeightStore:
             if self.scale != 1.0:
                 np.multiply(update, self.scale, out=self._scratch)
                 update = self._scratch
-        self.weights += update
+        if into is None:
+            self.weights += update
+        else:
+            np.add(self.weights, update, out=into)
+            self.weights = into
         self.version += 1
         return None
 

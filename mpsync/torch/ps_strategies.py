@@ -68,6 +68,11 @@ class ParameterServer(LocalStepsThenAggregate):
         self._fresh_gradient = False
         self._sent_settings: np.ndarray | None = None
         self._shards_state: dict | None = None   # a checkpoint's, for the shards at start
+        # A pull no server rule holds (ASP): push and pull in one exchange per shard, the
+        # push counted meanwhile.  Not under auto (``code``): around a switch another worker
+        # may still run a policy whose pulls wait for this worker's counts.
+        self._one_exchange = (spec_of(self.config).ps_pull_ungated
+                              and getattr(self.client, "shards", None) is not None)
 
     @classmethod
     def from_config(cls, config, *args, worker_rank: int = 0):
@@ -224,13 +229,21 @@ class ParameterServer(LocalStepsThenAggregate):
 
     def _push_pull(self, barrier: int = 0) -> None:
         """Push Δ since the last pull, pull the current weights (as the policy allows;
-        ``barrier`` > 0: the weights of that barrier, ``ShardClient.pull``)."""
-        self.client.push(self._delta_into_base(), self.iteration)
-        if barrier:
-            self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
+        ``barrier`` > 0: the weights of that barrier, ``ShardClient.pull``).  Where the
+        server never holds a pull (ASP) both are one exchange (``SyncClient.push_pull``),
+        its weights received straight into the fusion buffer and copied to the base."""
+        flat, delta = self.buf.flat, self._delta_into_base()
+        if not barrier and self._one_exchange and not self.code and delta.size \
+                and flat.dtype in _NUMPY_FLOATS:
+            self.version = self.client.push_pull(delta, flat.numpy(), self.iteration)
+            np.copyto(self._base, flat.numpy())
         else:
-            self.version = self.client.pull(self._base, self.iteration)
-        self.buf.flat.copy_(torch.from_numpy(self._base))
+            self.client.push(delta, self.iteration)
+            if barrier:
+                self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
+            else:
+                self.version = self.client.pull(self._base, self.iteration)
+            flat.copy_(torch.from_numpy(self._base))
         self.buf.unpack_to_params()
         if self.config.comm_delay > 0:
             # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):

@@ -1,0 +1,91 @@
+"""The parameter-server calls of the worker's state-server client (``SyncClient``): the
+initial weights, push and pull, and ASP's push and pull in one exchange whose state-server
+replies are collected later (the plumbing, ``_call``, ``_header``, ``_wait``, is
+``SyncClient``'s, in :mod:`mpsync.server._client`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpsync.server import wire as W
+
+__all__ = ["ParameterServerCalls"]
+
+_MSG_BYTES = W.MSG_LEN * 8
+
+
+class ParameterServerCalls:
+    """Mixed into ``SyncClient``; ``self.shards`` is the sharded PS's data plane
+    (``shards.ShardClient``) or None (the state server's own store)."""
+
+    def ps_init(self, flat: np.ndarray, replace: bool = False) -> None:
+        """The initial weights (sharded: to every shard first, then the state server learns
+        that the model is there).  ``replace``: the shards' weights are replaced if they have
+        some (``auto`` switching to the PS again)."""
+        if self.shards is not None:
+            flat = np.ascontiguousarray(flat)
+            (self.shards.load if replace else self.shards.init)(flat)
+            self._call(W.PS_INIT, "ps_init", header=self._header(count=0))
+            return
+        data = np.ascontiguousarray(flat, dtype=np.float64)
+        self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
+
+    def push(self, delta: np.ndarray, iteration: int, final: bool = False) -> int:
+        """Send an update; the server applies it on arrival.  ``final``: this worker's last
+        push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version.
+        Sharded: every shard applies its slice first, and only then is the push counted by
+        the state server, so its staleness rules count updates that are in on every shard."""
+        if self.shards is not None:
+            if delta.size:   # empty: nothing left to apply (the server's optimizer), counted
+                self.shards.push(np.ascontiguousarray(delta))
+            self._call(W.PUSH, f"push {iteration}",
+                       header=self._header(iteration, count=0, flag=int(final)))
+            return int(self._rep[W.R_VERSION])
+        data = np.ascontiguousarray(delta, dtype=np.float64)
+        self._call(W.PUSH, f"push {iteration}",
+                   header=self._header(iteration, count=data.size, flag=int(final)), data=data)
+        return int(self._rep[W.R_VERSION])
+
+    def push_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int) -> int:
+        """Sharded PS, a policy whose pulls the state server never holds (ASP): push
+        ``delta`` and read the weights after it into ``out`` in one round trip per shard
+        (``ShardClient.push_pull``).  The state server is told of the push and the pull
+        while the shards work; no decision waits for its count, so its replies are collected
+        before this client's next call that waits for one (missing: ``DeadlineExceeded``
+        there).  Returns the model version of the latest pull reply collected."""
+        wire = self.shards.checked_push(np.ascontiguousarray(delta))   # before any send
+        if self._later:
+            self._collect_later()
+
+        def tell_server():
+            for tag, buf in zip((W.PUSH, W.PULL), self._later_bufs):
+                request = self.comm.Irecv([buf, MPI.DOUBLE], source=self.server, tag=W.REPLY)
+                self.comm.Send(self._header(iteration), dest=self.server, tag=tag)
+                self._later.append((request, buf, self._seq, f"{W.TAG_NAMES[tag]} {iteration}"))
+            self.control_sent += 2 * _MSG_BYTES
+
+        self.shards.push_pull(wire, out, meanwhile=tell_server)
+        return self._version
+
+    def pull(self, out: np.ndarray, iteration: int, final: bool = False,
+             barrier: int = 0) -> int:
+        """Current global weights into ``out`` (contiguous; float64 from the state server's
+        store, the model's dtype from shards), as soon as the policy's staleness rule
+        allows: the state server grants the pull, then every shard sends its slice.
+        ``final``: the last pull of training, after every worker's last push (nobody will
+        push again, so no staleness rule can be waited for).  Returns the model version
+        (updates applied so far).  ``barrier`` (sharded): > 0, the pull at that barrier;
+        ``ALL_PUSHES_IN``, after every worker's last push (``ShardClient.pull``)."""
+        if not out.flags.c_contiguous or (self.shards is None and out.dtype != np.float64):
+            raise ValueError("pull needs a contiguous array (float64 without shards)")
+        count = 0 if self.shards is not None else out.size
+        self._call(W.PULL, f"pull {iteration}",
+                   header=self._header(iteration, count=count, flag=int(final)),
+                   reply_data=None if self.shards is not None else out)
+        version = int(self._rep[W.R_VERSION])
+        if self.shards is not None:
+            self.shards.pull(out, barrier=barrier)
+        return version
+
