@@ -57,6 +57,39 @@ def test_torch_converts_to_and_from_a_float16_wire_as_numpy_does():
     assert np.array_equal(back[0], back[1], equal_nan=True)
 
 
+def test_a_shard_expects_each_workers_next_push_one_interval_after_its_last(monkeypatch):
+    from mpsync.server import shard_server
+
+    shard = shard_server.ShardServer(None, None, 0, 2, 1.0)
+    now = [100.0]
+    monkeypatch.setattr(shard_server.time, "perf_counter", lambda: now[0])
+    shard._expect_next_push(0)                 # a first push: no interval known yet
+    assert shard._next_due == float("inf")
+    now[0] = 100.02
+    shard._expect_next_push(0)
+    now[0] = 100.03
+    shard._expect_next_push(1)
+    now[0] = 100.033
+    shard._expect_next_push(1)                 # worker 1 pushes every 3 ms, worker 0 every 20
+    assert shard._next_due == pytest.approx(100.036)
+    now[0] = 102.0
+    shard._expect_next_push(1)                 # a pause of 2 s is no pace: worker 0's is next
+    assert shard._next_due == pytest.approx(100.04)
+
+
+def test_a_push_added_into_a_spare_buffer_leaves_the_read_one_as_it_was():
+    from mpsync.server.weights import WeightStore
+
+    store = WeightStore()
+    store.init(np.zeros(4, dtype=np.float32))
+    read = store.weights
+    spare = np.full(4, 7.0, dtype=np.float32)
+    assert store.apply(np.ones(4, dtype=np.float32), into=spare) is None
+    assert store.weights is spare and spare.tolist() == [1.0] * 4 and read.tolist() == [0.0] * 4
+    assert store.apply(np.array([1, np.nan, 1, 1], dtype=np.float32), into=read) is not None
+    assert store.weights is spare and read.tolist() == [0.0] * 4   # refused: nothing written
+
+
 def test_shards_are_contiguous_and_balanced_to_one_element():
     for numel in (1, 2, 7, 100, 1001):
         for count in range(1, min(numel, 9) + 1):

@@ -6,6 +6,7 @@ It runs on a thread of its host worker rank (:class:`ShardThread`).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -45,6 +46,11 @@ ALL_PUSHES_IN = -1
 UNHEARD, HEARD_FROM, GONE = 0, 1, 2
 SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
 IDLE_AFTER_S = 0.05
+# Waking up for a push that is due (one push interval after a worker's last): no sleep runs
+# past WAKE_MARGIN_S before it, and the loop polls, yielding the core, until DUE_SLACK_S after
+# it (as the state server's loop does for reports; a sleep overshoots by ~0.1 ms here).
+# Intervals longer than PACE_MAX_S are not paced pushes (a worker in join, a checkpoint).
+WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S = 300e-6, 1e-3, 1.0
 
 
 def wire_code(dtype) -> int:
@@ -69,8 +75,10 @@ class ShardServer:
     ``comm`` carries the requests, ``replies`` the answers; ``scale`` is the policy's update
     factor; ``worker_names[w]`` how log lines name worker w.  One loop: probe, receive, apply
     or serve, reply; between messages it sleeps (20 µs doubling to 1 ms, 4 ms after 50 ms of
-    silence), so an idle shard costs its host little CPU, and it does not sleep while a pull's
-    reply is still in flight.
+    silence), so an idle shard costs its host little CPU, but never past a worker's next push
+    (one push interval after its last): from shortly before then it polls, yielding the core,
+    so a paced push finds the shard awake; it does not sleep while a pull's reply is still in
+    flight.
 
     Nothing a worker sends or fails to take stops the shard: a message it cannot use is
     received, logged and dropped (a push refused that way is answered ``REFUSED``); a pull
@@ -109,6 +117,10 @@ class ShardServer:
         self._barrier_epoch, self._barrier_weights = 0, None
         self._ack = np.zeros(2, dtype=np.int64)
         self._spares: list[np.ndarray] = []    # weight buffers to add into (_spare)
+        # Per worker: its last push (perf_counter) and when its next is due (inf: unknown).
+        self._last_push = [0.0] * n_workers
+        self._push_due = [float("inf")] * n_workers
+        self._next_due = float("inf")
 
     @property
     def left(self) -> int:
@@ -118,19 +130,29 @@ class ShardServer:
     def serve(self) -> dict:
         status = MPI.Status()
         probe = self.comm.Iprobe
-        sleep, last = SLEEP_MIN_S, time.perf_counter()
+        clock, sched_yield = time.perf_counter, os.sched_yield
+        sleep, last = SLEEP_MIN_S, clock()
         while self.left > 0 or self._sending:
             if self._sending:
                 self._progress_replies()
             if probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
-                sleep, last = SLEEP_MIN_S, time.perf_counter()
+                sleep, last = SLEEP_MIN_S, clock()
                 continue
             if self._sending:
                 time.sleep(0)   # a reply in flight: keep it moving, as a blocking Send would
                 continue
-            time.sleep(sleep)
-            idle = time.perf_counter() - last > IDLE_AFTER_S
+            now = clock()
+            ahead = self._next_due - now
+            if ahead <= -DUE_SLACK_S:   # that push is late: the next one due, if any
+                self._next_due = min((d for d in self._push_due if d > now - DUE_SLACK_S),
+                                     default=float("inf"))
+                ahead = self._next_due - now
+            if -DUE_SLACK_S < ahead < WAKE_MARGIN_S:
+                sched_yield()   # a push is due about now: poll for it, others run first
+                continue
+            time.sleep(min(sleep, ahead - WAKE_MARGIN_S) if ahead > 0 else sleep)
+            idle = now - last > IDLE_AFTER_S
             sleep = min(2 * sleep, SLEEP_IDLE_S if idle else SLEEP_MAX_S)
         return self.stats()
 
@@ -156,6 +178,8 @@ class ShardServer:
         if self.state[src] == UNHEARD:
             self.state[src] = HEARD_FROM
         kind, code = tag - tag % 10, tag % 10
+        if kind in (PUSH, PUSH_PULL):
+            self._expect_next_push(src)
         if kind in (INIT, PUSH, LOAD) and code < len(WIRE_DTYPES):
             status = self._take(kind, WIRE_DTYPES[code], payload, src)
             self._ack[:] = (self.store.version, status)
@@ -180,11 +204,20 @@ class ShardServer:
             self._restore(src, payload, WIRE_DTYPES[code])
         elif tag == BYE:
             self.state[src] = GONE
+            self._push_due[src] = float("inf")
+            self._next_due = min(self._push_due)
         elif tag == WATCH:
             self._answer_watch(src)
         else:
             self._drop(src, f"a message with tag {tag} ({nbytes} bytes), which is no "
                             f"request of the parameter server's")
+
+    def _expect_next_push(self, src: int) -> None:
+        """Worker ``src`` pushed now: its next push is due one push interval later."""
+        now = time.perf_counter()
+        interval, self._last_push[src] = now - self._last_push[src], now
+        self._push_due[src] = now + interval if interval < PACE_MAX_S else float("inf")
+        self._next_due = min(self._push_due)
 
     def _receive(self, src: int, tag: int, nbytes: int) -> np.ndarray:
         """The message as bytes (any size: a malformed one is received, then refused)."""
