@@ -202,7 +202,12 @@ class ShardClient:
         if meanwhile is not None:
             meanwhile()
         shards = list(range(self.count))
-        self._wait(acks + sends, "push and pull", shards * 2)
+        try:
+            self._wait(acks + sends, "push and pull", shards * 2)
+        except DeadlineExceeded:
+            for k in self._lost:    # a late slice must not land in ``out`` after this
+                reads[k].Cancel()
+            raise
         self.bytes_sent += wire.nbytes
         refused = [k for k in shards if self._acks[k, 1] != OK]
         for k in refused:       # no weights come from a shard that refused the push
