@@ -57,3 +57,51 @@ def test_a_worker_that_joined_calls_the_switch_off_and_one_taken_out_is_not_wait
     g2.hold(1)
     t2.removed[2] = True           # taken out (the PS's rule): not waited for
     assert g2.ready(0) and g2.ready(1) and g2.round == 4
+
+
+def test_a_pull_the_staleness_bound_holds_does_not_deadlock_the_gathering():
+    """The state server's ``AutoPolicy`` on SSP (bound 1) with worker 2 four times slower,
+    told by its plan to go back to BSP on the ring: the fast workers' pulls wait on the bound
+    for worker 2's pushes while worker 2 is held at its step for the gathering.  Every worker
+    must still be released to the ring (a seen deadlock: the job waited for its deadline)."""
+    from mpsync import policies
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+
+    pol = make_policy(SyncConfig(policy="auto", auto_plan="1:ssp,6:bsp", staleness=1)
+                      .validate(), 3)
+    for w in range(3):
+        pol.on_step(w, 1, 0.01, 0.0)
+    for w in range(3):
+        pol.on_reset(w, 1, 0.0)
+    bsp = policies.auto_code("bsp", "ring")
+    state, k, period, released, saw_bound = ["step"] * 3, [1] * 3, [1, 1, 4], set(), False
+    for tick in range(1, 80):
+        now = 0.01 * tick
+        for w in range(3):
+            if w in released:
+                continue
+            d = None
+            if state[w] == "step" and tick % period[w] == 0:
+                k[w] += 1
+                d = pol.on_step(w, k[w], 0.01 * period[w], now)
+                state[w] = "held" if d is None else "push"
+            elif state[w] == "held":
+                d = pol.decide_held(w, k[w], now)
+                state[w] = "held" if d is None else "push"
+            if state[w] == "push":
+                if d[2] == bsp:       # released to the ring: the switch's own round follows
+                    released.add(w)
+                    continue
+                pol.on_push(w, now)
+                state[w] = "pull"
+            if state[w] == "pull":
+                if pol.may_pull(w):
+                    pol.on_reset(w, int(pol.t.round[w]) + 1, now)
+                    state[w] = "step"
+                else:
+                    saw_bound = True
+        if len(released) == 3:
+            break
+    assert saw_bound, "the scenario never held a pull on the staleness bound"
+    assert released == {0, 1, 2}, (state, pol.t.pushes.tolist(), pol.gathering)

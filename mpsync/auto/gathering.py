@@ -4,7 +4,9 @@ state server.  Pure: it reads and writes the server's ``WorkerTable`` only.
 ASP, SSP and DSSP have no round every worker takes part in, so a switch from the PS to the
 ring makes one (:class:`Gathering`):
 
-1. every worker's next step query is held (its local update is done, not yet pushed);
+1. every worker's next step query is held (its local update is done, not yet pushed); a
+   pull that SSP's or DSSP's bound would hold meanwhile is granted (``AutoPolicy.may_pull``):
+   it waits for a slower worker's push, and that worker is held here until everyone is;
 2. once every running worker is held, each is answered SYNC with the code of the ring policy
    to run next, and the common round ``R`` = 1 + the highest round any worker reset;
 3. each pushes what it has not pushed yet; a pull of the switch is granted only once every

@@ -237,6 +237,13 @@ class AutoPolicy(Policy):
         g = self.gathering
         if g is not None and g.switching(w):
             return g.may_pull(w)
+        if g is not None and g.round is None:
+            # Departure from SSP's and DSSP's bound while the workers gather to leave the
+            # PS: a pull the bound would hold waits for a slower worker's push, and that
+            # worker is (or will be) held at its next step until this one is too, so holding
+            # the pull would deadlock the gathering.  Granted, it reads at most one round
+            # staler than the bound; the ring then starts from one set of weights.
+            return True
         return self._policy_of(w)[0].may_pull(w)
 
     def on_reset(self, w, round_, now):
