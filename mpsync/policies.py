@@ -36,9 +36,9 @@ BASELINE = "bsp"
 # mpsync.torch.switching.
 AUTO = "auto"
 AUTO_SWITCHABLE = ("bsp", "esync", "ebsp")
-# The ring policy auto runs while it measures: with equal speeds it is BSP, with stragglers
-# its fast workers step instead of waiting (mpsync.auto.serving).
-AUTO_MEASURING = "esync"
+# The ring policy auto runs while it measures: between its barriers the fast workers step
+# instead of waiting (mpsync.auto.serving).
+AUTO_MEASURING = "ebsp"
 # ... and on the parameter server its job hosts beside the ring (``auto_ps``): codes
 # 1 + len(AUTO_SWITCHABLE) + index.
 AUTO_PS_SWITCHABLE = ("asp", "ssp", "dssp")
@@ -481,9 +481,10 @@ register(
                  f"(mpsync.torch.two_stage:TwoStageSync)"),
     })
 register(
-    AUTO, description="measures the cluster under BSP, simulates every candidate with the "
-                      "server's rules, runs the one predicted to reach the target first "
-                      "(BSP, ESync, ElasticBSP) and decides again when the cluster changes",
+    AUTO, description="measures the cluster under ElasticBSP, simulates every candidate with "
+                      "the server's rules, runs the one predicted to reach the target first "
+                      "(BSP, ESync, ElasticBSP on the ring; ASP, SSP, DSSP on the parameter "
+                      "server its job hosts) and decides again when the cluster changes",
     paper="its candidates' papers", server="mpsync.auto.serving:AutoPolicy",
     strategies={"ring": "mpsync.torch.switching:Switching"},
     options=("lookahead", "zipline_variant", "epsilon", "esync_slack", "staleness",

@@ -3,7 +3,7 @@
 :class:`AutoPolicy` is what the registry names as ``auto``'s server class, so the server
 never imports the simulator: it gets this decider from the registry like any other policy.  It
 answers every step with the rules of the policy running now (BSP for the first round, then
-ESync while it measures: ``START``), over
+ElasticBSP while it measures: ``START``), over
 the server's one ``WorkerTable``, and meanwhile:
 
 * measures: each worker's compute time per iteration (the reports: ``measurements.Window``),
@@ -116,11 +116,13 @@ class AutoPolicy(Policy):
         # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
         self.plan = parse_auto_plan(config.auto_plan)
         self.planned = bool(self.plan)
-        # What runs while auto measures: ESync, after the workers' first round (they start on
-        # BSP).  With equal speeds ESync is BSP (a round every iteration); with stragglers its
-        # fast workers take local steps instead of waiting, which kept 1.18-1.22 of BSP's
-        # progress per sample in mpsync's comparisons; a wrong first guess costs less than
-        # BSP's waiting would.  None: measure under BSP.
+        # What runs while auto measures: ElasticBSP, after the workers' first round (they
+        # start on BSP).  Its barriers let the fast workers step instead of waiting; a switch
+        # waits for its next barrier (a few iterations: ZipLine's lookahead).  In mpsync's nine
+        # comparisons (bench/auto/README.md) its median time to target was at most 1.06x
+        # ESync's, and 0.73-0.82x in three (stragglers, 1gbit); where it is the one to run
+        # (stragglers, slow links) the decision then needs no switch.  A wrong first guess costs less than BSP's waiting would.
+        # None: measure under BSP.
         self.start = None if self.planned else next(
             (c for c in self.candidates if (c.policy, c.topology) == (START, "ring")), None)
 
@@ -207,7 +209,7 @@ class AutoPolicy(Policy):
                 self.decider.records.append(DecisionRecord(
                     at_s=0.0, trigger="start", measurements={}, ranking=[],
                     previous=self.decider.current.label, chosen=self.start.label, switch=True,
-                    reason=f"{self.start.label} while auto measures (it is BSP at equal speeds)",
+                    reason=f"{self.start.label} while auto measures (its fast workers step, not wait)",
                     switch_after_round=self.switch_after))
                 self.decider.current = self.start
         if k > 1:    # the first step's compute holds the start-up (model, data, first pass)
@@ -238,8 +240,8 @@ class AutoPolicy(Policy):
         if g is not None and g.switching(w):
             return g.may_pull(w)
         if g is not None and g.round is None:
-            # Departure from SSP's and DSSP's bound while the workers gather to leave the
-            # PS: a pull the bound would hold waits for a slower worker's push, and that
+            # SSP's and DSSP's bound is not kept while the workers gather to leave the PS:
+            # a pull the bound would hold waits for a slower worker's push, and that
             # worker is (or will be) held at its next step until this one is too, so holding
             # the pull would deadlock the gathering.  Granted, it reads at most one round
             # staler than the bound; the ring then starts from one set of weights.
