@@ -173,7 +173,7 @@ _NO_REPLY = re.compile(r"mpsync: fault: rank \d+ \(([^)]*)\) on \S+: (?:\w+: )?n
                        r"the state server \(rank (\d+)\) to (.*?) within the ([\d.]+)s "
                        r"deadline")
 _NO_ANSWER = re.compile(r"mpsync: fault: rank \d+ \(([^)]*)\) on \S+: (?:\w+: )?no answer from "
-                        r"PS shard (\d+) \(world rank (\d+) on ([^)\s]+)\).*? to (\S+) within "
+                        r"PS shard (\d+) \(world rank (\d+) on ([^)\s]+)\).*? to (.+?) within "
                         r"the ([\d.]+)s deadline")
 _SERVER_SILENT = re.compile(r"mpsync server: worker rank\(s\) \[([\d, ]+)\] silent for more "
                             r"than ([\d.]+)s")
