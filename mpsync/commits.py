@@ -166,6 +166,10 @@ class BackgroundWriter:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if done:
+            # Idle: the thread returns at once.  Joined, so it is not still ending (and
+            # dropping its last references) while the interpreter finalizes.
+            self._thread.join(1.0)
         return done
 
     def _raise_error(self) -> None:
@@ -188,6 +192,9 @@ class BackgroundWriter:
                 with self._cond:
                     self._error = e
             finally:
+                # The job holds the commit's tensors: not kept while the thread idles (a
+                # daemon thread dropping a tensor at interpreter exit aborts the process).
+                job = None
                 with self._cond:
                     self._busy = False
                     self.written += 1
