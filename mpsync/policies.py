@@ -42,6 +42,9 @@ AUTO_MEASURING = "ebsp"
 # ... and on the parameter server its job hosts beside the ring (``auto_ps``): codes
 # 1 + len(AUTO_SWITCHABLE) + index.
 AUTO_PS_SWITCHABLE = ("asp", "ssp", "dssp")
+# Added to the code of a switch from the PS to the ring that leaves a diverging run: the ring
+# starts from the weights of a few seconds before (mpsync.auto.stability, mpsync.torch.switching).
+AUTO_ROLLBACK = 64
 # Every (policy, topology) a live ``auto`` run can run, indexed by code - 1.
 AUTO_TARGETS = tuple((n, "ring") for n in AUTO_SWITCHABLE) + \
     tuple((n, "ps") for n in AUTO_PS_SWITCHABLE)

@@ -131,5 +131,49 @@ def ring_only() -> None:
             switches=[(s["from"], s["to"]) for s in opt.strategy.switches])
 
 
+def diverging_on_the_ps() -> None:
+    """``auto`` deciding (no plan) at equal speeds, where it moves to the parameter server;
+    each worker reports a converging training loss (``note_progress``, as ``mpsync train``
+    does) until it has run 4 s on the PS, then the loss of a diverged run.  The server must
+    leave the PS for the ring, and the ring restart from the weights the lowest worker held
+    on the PS before the loss rose.  Each worker records the digest of its
+    weights after every step on the PS (``weights_digest``: the switch records' digest)."""
+    import math
+
+    from mpsync.torch.switching import weights_digest
+
+    a = _args()
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=60)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    me, step, t0, on_ps_since = mps.rank(), 0, time.perf_counter(), None
+    on_ps, rolled = [], None
+    budget = float(a.get("budget", "60"))
+    while time.perf_counter() - t0 < budget:
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.02)
+        now = time.perf_counter()
+        diverged = on_ps_since is not None and now - on_ps_since > 4.0
+        opt.strategy.note_progress(1, 2.3 if diverged else 2.3 * math.exp(-(now - t0) / 5.0))
+        opt.step()
+        step += 1
+        if opt.strategy.topology == "ps":
+            on_ps_since = on_ps_since or time.perf_counter()
+            on_ps.append(weights_digest(opt.strategy.buffers))
+        rolled = next((s for s in opt.strategy.switches if "rolled_back_s" in s), None)
+        if rolled is not None and opt.strategy.round >= rolled["round"] + 3:
+            break
+    opt.synchronize()
+    server = mps.stats()["server"]
+    mps.shutdown()
+    state = server.get("policy_state") or {}
+    _result(rank=me, steps=step, on_ps=on_ps, rolled=rolled, digest=_digest(_flat(model)),
+            switches=opt.strategy.switches, decisions=state.get("decisions"),
+            timeline=state.get("policy_timeline"))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -145,3 +145,31 @@ def test_mpsync_train_under_auto_crosses_topologies_and_ends_cleanly(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     timeline = [(t["policy"], t.get("topology", "ring")) for t in metrics["policy_timeline"]]
     assert timeline == [("bsp", "ring"), ("asp", "ps"), ("bsp", "ring")], timeline
+
+
+def test_leaving_a_diverging_ps_restarts_the_ring_from_earlier_weights():
+    """The training loss the workers report rises back to its start 4 s after auto moved them
+    to the parameter server: it goes back to the ring, every worker from the same weights,
+    those the lowest worker held on the PS before the loss rose (its snapshot), and does not
+    choose the PS again."""
+    run = run_mpi("auto_programs:diverging_on_the_ps", np=4, timeout=180)
+    res = run.results()
+    assert sorted(res) == [1, 2, 3], run.report()
+    decisions = res[1]["decisions"]
+    went = [d for d in decisions if d["switch"] and d["chosen"].split(" ")[0].endswith("/ps")]
+    assert went, ("the ranking did not move the equal-speeds job to the PS, which this test "
+                  "needs", [(d["trigger"], d["chosen"]) for d in decisions])
+    back = [d for d in decisions if d["trigger"] == "training loss"]
+    assert len(back) == 1 and back[0]["switch"] and back[0]["chosen"].endswith("/ring"), \
+        decisions
+    assert "asp/ps" in back[0]["reason"] and "ssp/ps" in back[0]["reason"]
+    rolled = [r["rolled"] for r in res.values()]
+    assert all(r is not None for r in rolled), run.report()
+    assert len({(r["round"], r["weights_sha256"]) for r in rolled}) == 1, rolled
+    assert rolled[0]["rolled_back_s"] >= 1.0, rolled[0]
+    # The restart point is weights worker 0 (rank 1) held after one of its PS steps, not the
+    # ones it held last on the PS.
+    assert rolled[0]["weights_sha256"] in res[1]["on_ps"][:-5], rolled[0]
+    assert len({r["digest"] for r in res.values()}) == 1
+    assert not any(d["chosen"].split(" ")[0].endswith("/ps")
+                   for d in decisions[decisions.index(back[0]) + 1:] if d["switch"])

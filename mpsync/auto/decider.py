@@ -65,6 +65,9 @@ class Decider:
         self.last_switch_s = float("-inf")
         self._seen = 0                   # consecutive checks that saw a change
         self.refuted: set[str] = set()   # switched to, measured worse: not again on this basis
+        # Switched to, and the training diverged under it (``stability``): not again in this
+        # run (a learning rate too large for it stays so whatever the cluster does).
+        self.unstable: dict[str, str] = {}
         # At the first decision: a candidate predicted faster by less than min_gain (within
         # the model's uncertainty; but by a fifth of it at least: a tie is no reason to pay a
         # switch) is tried, and kept only if confirm_switch's measured progress does not
@@ -96,7 +99,8 @@ class Decider:
         """Choose among ``ranked`` (best first); the record says whether it switches."""
         if not ranked:
             raise ValueError("decide: no candidates were ranked")
-        ranked = [r for r in ranked if r.candidate.label not in self.refuted
+        ranked = [r for r in ranked if (r.candidate.label not in self.refuted
+                                        and r.candidate.label not in self.unstable)
                   or r.candidate == self.current] or ranked
         best = ranked[0]
         here = next((r for r in ranked if r.candidate == self.current), None)
@@ -137,6 +141,23 @@ class Decider:
         if switch:
             self.current = chosen
             self.last_switch_s = now_s
+        return record
+
+    def diverged(self, back_to: Candidate, reason: str, now_s: float,
+                 unstable: list[Candidate], measured: dict | None = None) -> DecisionRecord:
+        """The training diverges under the running policy (``reason``: what the loss did):
+        switch to ``back_to`` now, whatever the dwell time (every step under it is lost
+        progress), and never choose ``unstable`` again in this run."""
+        for c in unstable:
+            self.unstable[c.label] = reason
+        record = DecisionRecord(
+            at_s=now_s, trigger="training loss", measurements=dict(measured or {}),
+            ranking=[], previous=self.current.label, chosen=back_to.label, switch=True,
+            reason=(f"{reason}: back to {back_to.label}; not chosen again in this run: "
+                    f"{', '.join(sorted(c.label for c in unstable))}"))
+        self.records.append(record)
+        self.current = back_to
+        self.last_switch_s = now_s
         return record
 
     def confirm_switch(self, left: Candidate, left_rate: float, rate: float, now_s: float,

@@ -13,6 +13,9 @@ the server's one ``WorkerTable``, and meanwhile:
   decision (the first one, or a confirmed change); if so the ranking (every switchable
   candidate simulated on the measurements) runs in a helper process (``helper.Ranker``) and
   the answer is picked up by a later query, which never waits for it;
+* watches the training loss the workers report (``stability.LossWatch``): a policy it switched
+  to that undoes the run's progress (the parameter server's full updates can diverge at a
+  learning rate the ring converges at) is left for the one it replaced, and not chosen again;
 * switches: the SYNC replies carry the code of the policy to run after their round; a switch
   decided now takes effect after the first round no SYNC has been sent for yet, so every
   worker switches after the same round.  Each worker's messages go to the old policy until its
@@ -37,10 +40,12 @@ import time
 from mpsync.auto.decider import Decider, DecisionRecord
 from mpsync.auto.gathering import Gathering
 from mpsync.auto.measurements import Window
+from mpsync.auto.stability import LossWatch
 from mpsync.auto.ranking import Candidate, Ranked
 from mpsync.config import parse_auto_plan
 from mpsync import policies
-from mpsync.policies import AUTO_PS_SWITCHABLE, AUTO_SWITCHABLE, auto_code, auto_target
+from mpsync.policies import (AUTO_PS_SWITCHABLE, AUTO_ROLLBACK, AUTO_SWITCHABLE, auto_code,
+                             auto_target)
 from mpsync.server.policies import Policy
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.server.wire import SYNC
@@ -108,6 +113,10 @@ class AutoPolicy(Policy):
         # policy a switch left and its rate, until the new one's is measured (_confirm).
         self.steps_done, self.period_start, self.left = 0, None, None
         self._left_candidate, self._confirm_next = None, False
+        # The training loss under each policy; where a decision switched, the policy it left
+        # (the one to go back to if the new one diverges); None: nothing to go back to.
+        self.losses, self.back_to = LossWatch(), None
+        self.rollback = False       # the switch pending leaves the PS from earlier weights
         self.problems: list[str] = []
         # Why auto switches on the ring only although auto_ps was asked for, or None.
         self.ring_only: str | None = None
@@ -177,6 +186,7 @@ class AutoPolicy(Policy):
         g = self.gathering
         if g.cancelled:
             self.gathering, self.next, self.next_code = None, None, 0
+            self.rollback = False
             self.decider.current = self.running_candidate
             return decision
         if g.released[w]:   # switching, or past the switch
@@ -186,7 +196,12 @@ class AutoPolicy(Policy):
             return None
         self.switch_after = g.round
         self.sync_sent = max(self.sync_sent, g.round)
-        return decision[0], 0, self.next_code
+        return decision[0], 0, self._told_code()
+
+    def _told_code(self) -> int:
+        """The code the SYNCs of the switch round carry (``AUTO_ROLLBACK`` added where the
+        ring restarts from the workers' earlier weights)."""
+        return self.next_code + (AUTO_ROLLBACK if self.rollback else 0)
 
     def _tag(self, w: int, decision, now: float):
         if decision is None:
@@ -198,7 +213,7 @@ class AutoPolicy(Policy):
         self.sync_sent = max(self.sync_sent, opens)
         self.sync_at[opens] = max(self.sync_at.get(opens, now), now)
         after = self.switch_after is not None and opens >= self.switch_after
-        return int(action), int(local_iters), self.next_code if after else self.code
+        return int(action), int(local_iters), self._told_code() if after else self.code
 
     def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
         start = time.perf_counter()
@@ -252,7 +267,10 @@ class AutoPolicy(Policy):
         switching = self.switch_after is not None and round_ >= self.switch_after
         (self.next if switching else self.running).on_reset(w, round_, now)
         began = self.sync_at.pop(round_, None)
-        if began is not None:     # the first reset of this round: the collective has ended
+        # The first reset of this round: the collective has ended.  (On the PS a "round" is
+        # a push and a pull, bound waits included: not the ring's aggregation the ranking
+        # models with this figure, and read as one it would look like a change of the link.)
+        if began is not None and auto_target(self.code)[1] == "ring":
             self.window.add_aggregation(max(0.0, now - began))
         if switching:
             act = self.t.active
@@ -270,6 +288,9 @@ class AutoPolicy(Policy):
             entry["gathering_s"] = round(held, 4)
         self.timeline.append(entry)
         self.next, self.next_code, self.switch_after = None, 0, None
+        if self.rollback:
+            entry["rolled_back"] = True
+            self.rollback = False
         self._began(now)
 
     def _began(self, now: float) -> None:
@@ -281,6 +302,7 @@ class AutoPolicy(Policy):
         measured = self._confirm_next and now - t >= 1.0 and self.steps_done > steps
         self.left = (self._left_candidate, rate) if measured else None
         self.period_start = (now, self.steps_done)
+        self.losses.begin(now, self.running_candidate.label)
 
     def _confirm(self, now: float) -> None:
         if self.left is None or now - self.period_start[0] < CONFIRM_AFTER_S:
@@ -294,6 +316,37 @@ class AutoPolicy(Policy):
         if record.switch:
             self._schedule(left, now, confirm=False)   # a switch back is not raced again
             record.switch_after_round = self.switch_after
+
+    def on_loss(self, w, k, loss, count, now):
+        self.losses.add(now, loss, count)
+
+    def _watch_loss(self, now: float) -> None:
+        """The running policy undoes the run's progress (``LossWatch``): back to the one the
+        decision left, and neither it nor (on the PS) any candidate applying updates in
+        full is chosen again in this run."""
+        reason = self.losses.check(now)
+        if reason is None or self.back_to is None or self.planned:
+            return
+        running, back = self.running_candidate, self.back_to
+        if running.topology == "ps" and not policies.get(running.policy).ps_average:
+            unstable = [c for c in self.candidates if c.topology == "ps"
+                        and not policies.get(c.policy).ps_average]
+        else:
+            unstable = [running]
+        if back in unstable:      # (a PS -> PS switch: go back to the ring auto started on)
+            back = self.start or self.candidates[0]
+        # Leaving the PS, the ring restarts from the snapshot of the last seconds' weights
+        # under which the training loss was lowest (``switching``): the diverged ones would
+        # cost the run the progress it made before the loss rose.
+        rollback = running.topology == "ps" and back.topology == "ring"
+        record = self.decider.diverged(back, reason + ("; the ring restarts from the weights "
+                                                       "of the last 4 s with the lowest loss"
+                                                       if rollback else ""),
+                                       now - self.t0, unstable,
+                                       measured=self.losses.describe())
+        self._schedule(back, now, confirm=False)
+        self.rollback = rollback
+        record.switch_after_round = self.switch_after
 
     def on_membership_change(self):
         self.running.on_membership_change()
@@ -327,6 +380,8 @@ class AutoPolicy(Policy):
             return
         self.next_check = now + CHECK_EVERY_S
         self._confirm(now)
+        if self.switch_after is None and self.gathering is None:
+            self._watch_loss(now)
         if self.switch_after is not None or self.gathering is not None:
             return
         if now - self.t0 < WARM_UP_S or not self.window.ready(
@@ -393,6 +448,7 @@ class AutoPolicy(Policy):
             self.t.pushes[:] = 0
             self.t.push_table[:] = 0.0
         self._left_candidate, self._confirm_next = self.running_candidate, confirm
+        self.back_to = self.running_candidate if confirm else None
         if leaving == "ps" and candidate.topology == "ps":
             self.running, self.code, self.running_candidate = new, code, candidate
             self.timeline.append({"policy": candidate.policy, "topology": "ps",
@@ -412,12 +468,14 @@ class AutoPolicy(Policy):
         return {"running": auto_target(self.code)[0], "decisions": decisions,
                 "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
                 "problems": self.problems, "ring_only": self.ring_only,
+                "training_loss": self.losses.describe(),
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
                 "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),
                 "metrics": {"decisions": decisions, "policy_timeline": self.timeline,
                             "auto_topologies": list(self.topologies),
-                            "auto_ring_only": self.ring_only}}
+                            "auto_ring_only": self.ring_only,
+                            "auto_training_loss": self.losses.describe()}}
 
 
 def _thread_level() -> int:

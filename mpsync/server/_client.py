@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import json
+import math
 import os
 import time
 from typing import NamedTuple
@@ -395,6 +396,18 @@ class SyncClient(ParameterServerCalls):
         """The aggregation that ends round ``round_ - 1`` finished (no reply is awaited)."""
         header = self._header(self.iteration, 0.0, round_, aggregation_time)
         self.comm.Send(header, dest=self.server, tag=W.RESET)
+        self.control_sent += _MSG_BYTES
+
+    def report_loss(self, loss: float, count: int = 1) -> None:
+        """This worker's mean training loss over its last ``count`` iterations (policy
+        ``auto`` watches it: ``mpsync.auto.stability``); no reply is awaited.  A loss below 0
+        (a loss that is not a divergence measure) is not sent."""
+        finite = math.isfinite(loss)
+        if finite and loss < 0:
+            return
+        header = self._header(self.iteration, 0.0, 0, loss if finite else 0.0,
+                              count=max(int(count), 1), flag=0 if finite else W.NOT_FINITE)
+        self.comm.Send(header, dest=self.server, tag=W.LOSS)
         self.control_sent += _MSG_BYTES
 
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,

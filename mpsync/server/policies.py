@@ -100,6 +100,10 @@ class Policy:
     def on_rejoin(self, w: int) -> None:
         """A worker taken out for silence reports again (PS topology)."""
 
+    def on_loss(self, w: int, k: int, loss: float, count: int, now: float) -> None:
+        """Worker ``w``'s mean training loss over ``count`` iterations up to ``k`` (``inf``:
+        not finite); read by ``auto`` (``mpsync.auto.stability``), ignored by the rest."""
+
     def describe(self) -> dict:
         return {}
 

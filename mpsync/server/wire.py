@@ -37,10 +37,11 @@ PULL = 107          # parameter server: reply header, then the weights as REPLY_
 STATS = 108         # reply: JSON bytes as REPLY_STATS
 SHUTDOWN = 109
 DATA = 110
-REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN)
+LOSS = 111          # the worker's mean training loss (AGG) over COUNT iterations; no reply
+REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN, LOSS)
 TAG_NAMES = {REGISTER: "register", STEP: "step", RESET: "reset", IMPORTANCE: "importance",
              PS_INIT: "ps_init", PUSH: "push", PULL: "pull", STATS: "stats",
-             SHUTDOWN: "shutdown", DATA: "data"}
+             SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss"}
 
 # Reply tags.
 REPLY = 120
@@ -53,6 +54,7 @@ SYNC = 1
 
 # Largest payload a DATA message may announce (float64 elements): 2**31 elements = 16 GiB.
 RING_ONLY = 1        # REGISTER's FLAG: auto must not move this worker to the PS
+NOT_FINITE = 1       # LOSS's FLAG: the loss was NaN or inf (AGG is then 0)
 MAX_COUNT = 2 ** 31
 # Iteration numbers beyond this are rejected as corrupt (2**53: exact in float64).
 MAX_ITER = 2 ** 53

@@ -48,12 +48,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import sys
 import time
+from collections import deque
 
 import torch
 
-from mpsync.policies import AUTO_TARGETS, auto_target, hosts_shards
+from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_target, hosts_shards
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategy_base import Strategy, spec_of
 
@@ -62,6 +64,16 @@ __all__ = ["Switching", "share_velocity", "weights_digest"]
 # What the optimizer and the trainer set on a strategy: kept here and given to each new one.
 _CARRIED = ("wire", "op_sum", "peers", "skip_aggregation")
 
+
+# How often a worker reports its mean training loss to the server, which watches that a
+# policy it switched to does not undo the run's progress (``mpsync.auto.stability``).
+LOSS_REPORT_EVERY_S = 0.1
+# On the PS, a copy of the weights every SNAPSHOT_EVERY_S, the last SNAPSHOTS kept, each with
+# the mean training loss of the iterations that started from it: a switch back to the ring
+# that leaves a diverging run (the server's AUTO_ROLLBACK) restarts from the one with the
+# lowest (the server sees a rise after a window of 1 s and two checks 0.5 s apart, so 4 s
+# reach back to before it).
+SNAPSHOT_EVERY_S, SNAPSHOTS = 1.0, 4
 
 # The optimizer states that carry a step's direction from one step to the next: SGD's
 # momentum, Adam's (and AdamW's) first moment.  Second moments are scale-free in the step.
@@ -92,7 +104,8 @@ class Switching(Strategy):
     """The strategy of policy ``auto`` (module doc); everything not defined here is the
     running strategy's (``inner``)."""
 
-    memory_target = "at most one parameter copy beyond the fusion buffer"
+    # (On the PS it also keeps SNAPSHOTS copies of the weights, for a rollback.)
+    memory_target = "at most one parameter copy beyond the fusion buffer on the ring"
     # op=Sum would mean nothing once a model-delta policy runs: refused from the start.
     aggregates_gradients = False
 
@@ -103,6 +116,10 @@ class Switching(Strategy):
                              _carried=dict(wire=None, op_sum=False, peers=None,
                                            skip_aggregation=False))
         self.__dict__["ring_only"] = None
+        # The training loss since the last report to the server (``note_progress``).
+        self.__dict__["_loss"] = [0.0, 0, time.perf_counter()]
+        # [perf_counter, tensors, sum and count of the losses noted from them]
+        self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
         if hosts_shards(config):
             self._ring_only_if(shards_unavailable(dtypes=[str(b.dtype) for b in buffers]))
         self.__dict__["inner"] = self._make(1, None)
@@ -184,6 +201,8 @@ class Switching(Strategy):
         if not old.switch_pending():
             return False
         code = old.last_decision.extra
+        rollback = code > AUTO_ROLLBACK
+        code -= AUTO_ROLLBACK if rollback else 0
         if not 0 < code <= len(AUTO_TARGETS):
             raise RuntimeError(f"policy auto: the server named policy code {code}, which this "
                                f"worker does not know (server and workers of one version?)")
@@ -195,8 +214,12 @@ class Switching(Strategy):
             old.code = code
             return False
         new = self._make(code, old)
+        rolled_back = None
         if leaving == "ps" and topology == "ring":
             self._start_rounds_together(new)
+            if rollback:
+                rolled_back = self._roll_back(new)
+            self._snapshots.clear()
         if topology == "ps" and leaving == "ring":
             new.adopt_replicas()
             share_velocity(self.optimizer, new.n_workers)
@@ -209,6 +232,8 @@ class Switching(Strategy):
                               "weights_sha256": weights_digest(self.buffers),
                               "at_clock": time.time(),
                               "took_s": round(took, 5)})
+        if rolled_back is not None:
+            self.switches[-1]["rolled_back_s"] = rolled_back
         self.counters.event("switch", t0, t0 + took)
         self.__dict__["inner"] = new
         return True
@@ -223,6 +248,42 @@ class Switching(Strategy):
         if common != new.round and self.client is not None:
             new.round = common
             new.reset(0.0)
+
+    def _snapshot_if_due(self) -> None:
+        if self.topology != "ps":
+            return
+        now = time.perf_counter()
+        if self._snapshots and now - self._snapshots[-1][0] < SNAPSHOT_EVERY_S:
+            return
+        with torch.no_grad():
+            self._snapshots.append([now, [p.detach().clone() for buf in self.buffers
+                                          for p in buf.params], 0.0, 0])
+
+    def _roll_back(self, new: Strategy) -> float | None:
+        """The server left the PS because the training diverged there: every worker takes
+        the weights of the lowest active worker's snapshot under which that worker's loss was
+        lowest, and every velocity state is zeroed (it carries the diverging steps).  Returns
+        the snapshot's age in seconds (None: the root had none with a loss noted: nothing
+        rolled back)."""
+        root, now = min(new.last_active), time.perf_counter()
+        noted = [s for s in self._snapshots if s[3] > 0 and math.isfinite(s[2])]
+        chosen = min(reversed(noted), key=lambda s: s[2] / s[3]) if noted else None
+        age = torch.tensor([-1.0 if chosen is None else now - chosen[0]], dtype=torch.float64)
+        self.backend.broadcast_(age, root, "rollback snapshot age")
+        if age.item() < 0:
+            return None
+        with torch.no_grad():
+            if new.me == root:
+                params = [p for buf in self.buffers for p in buf.params]
+                for p, saved in zip(params, chosen[1]):
+                    p.copy_(saved)
+            new._broadcast_model(root)
+            for state in self.optimizer.state.values():
+                for key in VELOCITY_STATES:
+                    value = state.get(key)
+                    if torch.is_tensor(value) and value.is_floating_point():
+                        value.zero_()
+        return round(float(age.item()), 3)
 
     def _average_optimizer_state(self, root: int) -> None:
         """The optimizer states drifted apart during local steps: average every floating
@@ -242,6 +303,7 @@ class Switching(Strategy):
     def step(self, compute_time, closure=None):
         loss = self.inner.step(compute_time, closure)
         self._switch_if_told()
+        self._snapshot_if_due()
         return loss
 
     def idle_step(self) -> bool:
@@ -278,7 +340,21 @@ class Switching(Strategy):
         self.inner.synchronize_gradients()
 
     def note_progress(self, epoch: int, loss: float) -> None:
+        """The running strategy's (OSP's epoch and loss), and the server's: every
+        ``LOSS_REPORT_EVERY_S`` the mean loss since the last report (the server watches that a
+        policy it switched to does not undo the run's progress: ``mpsync.auto.stability``)."""
         self.inner.note_progress(epoch, loss)
+        if self._snapshots:
+            self._snapshots[-1][2] += loss if math.isfinite(loss) else math.inf
+            self._snapshots[-1][3] += 1
+        acc = self._loss
+        acc[0] += loss
+        acc[1] += 1
+        now = time.perf_counter()
+        if self.client is not None and (now - acc[2] >= LOSS_REPORT_EVERY_S
+                                        or not math.isfinite(loss)):
+            self.client.report_loss(acc[0] / acc[1], acc[1])
+            acc[:] = [0.0, 0, now]
 
     def zero_grad(self) -> bool:
         return self.inner.zero_grad()

@@ -1,0 +1,138 @@
+"""Whether the policy ``auto`` switched to keeps training stable: the workers' training loss,
+watched, pure.
+
+The ranking predicts progress from throughput and a model of statistical efficiency
+(``efficiency``), fitted over a range of runs; it cannot know the learning rate at which a
+policy stops converging.  The parameter server applies every worker's update in full (the
+Downpour-style update of ASP, SSP and DSSP: n workers move the model by the *sum* of their
+steps where the ring moves it by their mean), so a learning rate tuned for the ring acts
+about n times larger there, and at the edge of stability a run that was converging faster
+can diverge in under a second (at equal speeds, lr 0.05 with momentum 0.9, 4 workers: the
+evaluation loss went from 1.6 to 2.3, chance level, twice in two runs, ``bench/auto``).
+
+:class:`LossWatch` measures instead of predicting: the workers report their training loss
+(each a mean over its last iterations), and a policy *undoes its progress* when the mean
+loss over the last ``window_s`` rises back above the lowest level of its phase by more than
+``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
+``confirm`` consecutive checks; a non-finite loss is that at once.  Measured against the
+run's own progress (initial minus lowest), the test is scale-free and robust to the noise of
+minibatch losses, which is large against the loss itself late in a run and small against the
+progress made.  Before the run has made ``min_progress`` of its initial loss there is no
+progress to undo, and nothing fires.  The serving side (``serving.AutoPolicy``) switches back
+to the policy it left and does not choose the diverging one (or, on the PS, any full-update
+candidate) again in this run.  Nothing is predicted, nothing is raced: the figures come from
+the training the job does anyway, at one 64-byte message per worker every 0.1 s
+(``mpsync.torch.switching``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+__all__ = ["LossWatch"]
+
+
+class LossWatch:
+    """The workers' training-loss reports, and whether the running phase undoes progress.
+
+    ``add(now, loss, count)``: a report (the mean of ``count`` iterations' losses; ``inf``
+    for a non-finite one).  ``begin(now, label)``: a new policy runs from ``now``.
+    ``check(now)``: why the running phase is diverging, or None.
+    """
+
+    def __init__(self, *, window_s: float = 1.0, min_reports: int = 6, undone: float = 0.5,
+                 rise: float = 0.2, min_progress: float = 0.1, confirm: int = 2):
+        if not (window_s > 0 and min_reports >= 1 and 0 < undone and rise >= 0
+                and 0 <= min_progress < 1 and confirm >= 1):
+            raise ValueError("LossWatch: window_s > 0, min_reports >= 1, undone > 0, "
+                             "rise >= 0, 0 <= min_progress < 1, confirm >= 1")
+        self.window_s, self.min_reports = float(window_s), int(min_reports)
+        self.undone, self.rise = float(undone), float(rise)
+        self.min_progress, self.confirm = float(min_progress), int(confirm)
+        self.reports = deque()        # (time, loss, count) within the last window
+        self.total_reports = 0
+        self.initial: float | None = None      # the first full window's mean loss
+        self._first: list = []                 # the reports that make it
+        self.lowest: float | None = None       # the run's lowest window mean
+        self.phase_label: str | None = None
+        self.phase_start_level: float | None = None
+        self.phase_lowest: float | None = None
+        self.last_level: float | None = None
+        self._seen = 0
+        self.non_finite = 0
+
+    # -- input ---------------------------------------------------------------------------------
+    def add(self, now: float, loss: float, count: int = 1) -> None:
+        loss, count = float(loss), max(int(count), 1)
+        self.total_reports += 1
+        if not math.isfinite(loss):
+            self.non_finite += 1
+            loss = math.inf
+        self.reports.append((now, loss, count))
+        if self.initial is None:
+            self._first.append((now, loss, count))
+            if len(self._first) >= self.min_reports and now - self._first[0][0] >= self.window_s:
+                self.initial = _mean(self._first)
+                self._first = []
+
+    def begin(self, now: float, label: str) -> None:
+        """A switch took effect at ``now``: the phase of ``label`` starts at the level of the
+        window before it."""
+        self.phase_label = label
+        level = self.level(now)
+        self.phase_start_level = level if level is not None else self.last_level
+        self.phase_lowest, self._seen = None, 0
+
+    # -- the test ------------------------------------------------------------------------------
+    def level(self, now: float) -> float | None:
+        """The mean loss over the last ``window_s`` (None: fewer than ``min_reports``)."""
+        while self.reports and self.reports[0][0] < now - self.window_s:
+            self.reports.popleft()
+        if len(self.reports) < self.min_reports:
+            return None
+        return _mean(self.reports)
+
+    def check(self, now: float) -> str | None:
+        """Why the phase that began last undoes the run's progress, or None."""
+        level = self.level(now)
+        if level is None:
+            return None
+        self.last_level = level
+        if math.isfinite(level):
+            self.lowest = level if self.lowest is None else min(self.lowest, level)
+        if self.phase_label is None:
+            return None
+        if not math.isfinite(level):
+            return (f"the training loss is not finite under {self.phase_label} "
+                    f"({self.non_finite} report(s))")
+        if self.phase_lowest is None:
+            self.phase_lowest = level
+        reference = min(self.phase_lowest, self.phase_start_level or level)
+        self.phase_lowest = min(self.phase_lowest, level)
+        if self.initial is None or not self.initial > 0:
+            return None
+        progress = self.initial - reference
+        rose = level - reference
+        if not (progress > self.min_progress * self.initial and rose > self.undone * progress
+                and level > (1.0 + self.rise) * reference):
+            self._seen = 0
+            return None
+        self._seen += 1
+        if self._seen < self.confirm:
+            return None
+        return (f"the training loss rose from {reference:.3f} to {level:.3f} under "
+                f"{self.phase_label}, undoing {rose / progress:.0%} of the progress from "
+                f"{self.initial:.3f} (more than {self.undone:.0%}, on {self.confirm} checks)")
+
+    def describe(self) -> dict:
+        def r(x):
+            return None if x is None or not math.isfinite(x) else round(x, 4)
+        return {"reports": self.total_reports, "initial": r(self.initial),
+                "lowest": r(self.lowest), "last": r(self.last_level),
+                "non_finite": self.non_finite, "phase": self.phase_label}
+
+
+def _mean(reports) -> float:
+    total = sum(c for _, _, c in reports)
+    return sum(loss * c for _, loss, c in reports) / total

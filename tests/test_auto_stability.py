@@ -1,0 +1,192 @@
+"""``auto``'s watch on the training loss (``mpsync.auto.stability``): a policy it switched to
+that undoes the run's progress is left for the one it replaced and not chosen again; the noise
+of minibatch losses, a run that has made no progress yet, and a phase that starts high after
+an earlier divergence do not trip it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from mpsync.auto.decider import Decider
+from mpsync.auto.ranking import Candidate, Ranked
+from mpsync.auto.stability import LossWatch
+
+STEP_S = 0.1          # one report every 0.1 s from each of 4 workers
+
+
+def _feed(watch, start, stop, loss_at, rng, noise=0.3):
+    """Reports from 4 workers every STEP_S over [start, stop); each a minibatch loss with a
+    lognormal spread of ``noise``; returns the first reason check() gave, and when."""
+    t = start
+    while t < stop:
+        for _ in range(4):
+            watch.add(t, loss_at(t) * math.exp(rng.normal(0.0, noise)))
+        t = round(t + STEP_S, 9)
+        if abs(t * 2 - round(t * 2)) < 1e-9:        # the server checks every 0.5 s
+            reason = watch.check(t)
+            if reason is not None:
+                return reason, t
+    return None, None
+
+
+def _converging(t):
+    return 0.2 + 2.1 * math.exp(-t / 6.0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_converging_training_never_trips_it(seed):
+    rng = np.random.default_rng(seed)
+    watch = LossWatch()
+    assert _feed(watch, 0.0, 4.0, _converging, rng) == (None, None)
+    watch.begin(4.0, "ssp/ps")
+    assert _feed(watch, 4.0, 60.0, _converging, rng) == (None, None)
+    assert watch.initial == pytest.approx(2.1, rel=0.15)
+    assert watch.lowest < 0.3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_divergence_after_progress_trips_it_within_two_checks(seed):
+    """The shape seen at equal speeds on the parameter server: converging, then within a
+    second back at chance level."""
+    rng = np.random.default_rng(seed)
+    watch = LossWatch()
+    _feed(watch, 0.0, 3.0, _converging, rng)
+    watch.begin(3.0, "ssp/ps")
+    assert _feed(watch, 3.0, 9.0, _converging, rng) == (None, None)
+    reason, at = _feed(watch, 9.0, 20.0, lambda t: 2.3, rng)
+    assert reason is not None and "ssp/ps" in reason and "undoing" in reason, reason
+    assert at <= 10.5, at
+
+
+def test_no_progress_yet_means_nothing_to_undo():
+    """A switch before the loss has moved (2.30 -> 2.28): a rise to 2.6 is not judged."""
+    rng = np.random.default_rng(0)
+    watch = LossWatch()
+    _feed(watch, 0.0, 2.0, lambda t: 2.3, rng, noise=0.05)
+    watch.begin(2.0, "asp/ps")
+    assert _feed(watch, 2.0, 10.0, lambda t: 2.28 if t < 5 else 2.6, rng,
+                 noise=0.05) == (None, None)
+
+
+def test_a_non_finite_loss_trips_it_at_the_next_check():
+    watch = LossWatch()
+    rng = np.random.default_rng(1)
+    _feed(watch, 0.0, 2.0, lambda t: 2.3, rng, noise=0.05)
+    watch.begin(2.0, "asp/ps")
+    watch.add(2.05, float("nan"))
+    reason, at = _feed(watch, 2.1, 4.0, lambda t: 2.0, rng, noise=0.05)
+    assert at == 2.5 and "not finite" in reason, (reason, at)
+
+
+def test_a_phase_that_starts_high_is_judged_from_its_own_start():
+    """After a divergence and the switch back, the loss is far above the run's lowest; the
+    policy now running recovers from there and must not be blamed for the gap."""
+    rng = np.random.default_rng(2)
+    watch = LossWatch()
+    _feed(watch, 0.0, 10.0, _converging, rng)
+    _feed(watch, 10.0, 12.0, lambda t: 2.3, rng)          # diverged under another phase
+    watch.begin(12.0, "ebsp/ring")
+    assert _feed(watch, 12.0, 40.0, lambda t: 0.3 + 2.0 * math.exp(-(t - 12.0) / 5.0),
+                 rng) == (None, None)
+
+
+def test_the_settings_are_checked():
+    with pytest.raises(ValueError, match="window_s"):
+        LossWatch(window_s=0)
+
+
+def _ranked(label_times):
+    return [Ranked(candidate=c, predicted_time_to_target_s=t, samples_per_s=1.0,
+                   efficiency=1.0, wait_fraction=0.0, reasons=(),
+                   simulation_cpu_s=0.0) for c, t in label_times]
+
+
+def test_the_decider_goes_back_and_never_chooses_an_unstable_candidate_again():
+    from mpsync.auto.measurements import Measurements
+
+    ebsp, ssp, asp = Candidate("ebsp", "ring"), Candidate("ssp", "ps"), Candidate("asp", "ps")
+    d = Decider(ebsp)
+    m = Measurements(compute_s=(0.1,) * 4)
+    first = d.decide(_ranked([(ssp, 10.0), (asp, 11.0), (ebsp, 20.0)]), m, 1.0, "first")
+    assert first.switch and d.current == ssp
+    back = d.diverged(ebsp, "the training loss rose", 9.0, [ssp, asp], measured={"last": 2.3})
+    assert back.switch and back.trigger == "training loss" and d.current == ebsp
+    assert "asp/ps, ssp/ps" in back.reason and back.measurements == {"last": 2.3}
+    # Whatever the cluster does later, the PS candidates are not chosen (refutations are
+    # forgotten on a change; this is not).
+    d.refuted.clear()
+    later = d.decide(_ranked([(asp, 5.0), (ssp, 6.0), (ebsp, 20.0)]),
+                     Measurements(compute_s=(0.1, 0.1, 0.1, 0.4)), 30.0, "cluster changed")
+    assert not later.switch and d.current == ebsp, later.reason
+
+
+def test_the_server_policy_leaves_a_policy_under_which_the_loss_diverges():
+    """AutoPolicy as the state server runs it (no MPI: the calls on a virtual clock, the
+    ranking in its real helper process; ring only): worker 3 slowing down makes it switch away
+    from BSP; the workers' loss reports then jump back to the initial level, and it switches
+    back to BSP, the decision naming the training loss, and marks the policy it left
+    unstable."""
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+    from mpsync.server.wire import SYNC
+
+    pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
+    pol.decider.explore = False
+    pol.start = None              # (measured under BSP)
+    pol.warm_up()
+    rng = np.random.default_rng(3)
+    tick_s, now, diverged = 0.01, 0.0, False
+    k, state, due = [0] * 4, ["step"] * 4, [0.0] * 4
+
+    def run(period_s, until, limit_s):
+        """Ring workers stepping every period_s[w]: LOCAL, held, or SYNC (the collective
+        completes, and every worker resets, once all four were told SYNC)."""
+        nonlocal now
+        end = now + limit_s
+        while now < end:
+            now = round(now + tick_s, 6)
+            for w in range(4):
+                d = None
+                if state[w] == "step" and now >= due[w]:
+                    k[w] += 1
+                    loss = 2.3 if diverged else _converging(now)
+                    pol.on_loss(w, k[w], loss * math.exp(rng.normal(0.0, 0.2)), 1, now)
+                    d = pol.on_step(w, k[w], period_s[w], now)
+                    state[w] = "held"
+                elif state[w] == "held":
+                    d = pol.decide_held(w, k[w], now)
+                if d is not None:
+                    state[w] = "agg" if d[0] == SYNC else "step"
+                    due[w] = now + period_s[w]
+            if all(s == "agg" for s in state):
+                for w in range(4):
+                    pol.on_reset(w, int(pol.t.round[w]) + 1, now + 0.002)
+                    state[w], due[w] = "step", now + period_s[w]
+            time.sleep(0.0005)         # real time for the helper's answer
+            if until():
+                return True
+        return False
+
+    try:
+        assert run([0.05] * 4, lambda: len(pol.decider.records) >= 1, 60.0), pol.problems
+        slowed = [0.05, 0.05, 0.05, 0.2]
+        assert run(slowed, lambda: pol.switch_after is not None, 60.0), pol.problems
+        chosen = pol.decider.records[-1].chosen
+        assert run(slowed, lambda: pol.switch_after is None, 10.0)
+        assert pol.running_candidate.label == chosen
+        run(slowed, lambda: False, 2.0)
+        assert not any(r.trigger == "training loss" for r in pol.decider.records)
+        diverged = True
+        assert run(slowed, lambda: pol.decider.records[-1].trigger == "training loss", 5.0), \
+            [r.as_dict() for r in pol.decider.records]
+        back = pol.decider.records[-1]
+        assert back.switch and back.previous == chosen and back.chosen == "bsp/ring", \
+            back.as_dict()
+        assert chosen in pol.decider.unstable
+        assert pol.describe()["training_loss"]["reports"] > 100
+    finally:
+        pol.ranker.close()
