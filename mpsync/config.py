@@ -235,6 +235,16 @@ def parse_auto_plan(text: str) -> list[tuple[int, str]]:
     return plan
 
 
+def refuse_ps_plan(auto_plan: str, reason: str) -> None:
+    """``auto`` goes on the ring only (``reason``: why this job cannot host the parameter
+    server); a plan that names a PS policy cannot be followed, and is refused for that reason
+    (not for an ``auto_ps`` the user never turned off)."""
+    if any(name in policies.AUTO_PS_SWITCHABLE for _, name in parse_auto_plan(auto_plan)):
+        raise ConfigError(f"auto_plan {auto_plan!r} switches to the parameter server, which "
+                          f"this job cannot host: {reason}; plan ring policies only "
+                          f"({', '.join(policies.AUTO_SWITCHABLE)})")
+
+
 DEFAULTS = SyncConfig()
 
 

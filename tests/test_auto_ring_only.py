@@ -26,6 +26,22 @@ def test_the_shards_need_thread_multiple_and_one_dtype():
     assert "torch.float32, torch.float64" in mixed, mixed
 
 
+def test_a_plan_onto_the_ps_in_a_job_that_cannot_host_it_is_refused_for_that_reason():
+    from mpi4py import MPI
+
+    from mpsync.config import ConfigError, SyncConfig
+    from mpsync.torch._runtime import ring_only_without_threads
+
+    planned = SyncConfig(policy="auto", auto_plan="2:asp,5:bsp").validate()
+    with pytest.raises(ConfigError, match=r"auto_plan '2:asp,5:bsp' switches to the parameter "
+                                          r"server, which this job cannot host: MPI provides "
+                                          r"MPI_THREAD_SERIALIZED"):
+        ring_only_without_threads(planned, MPI.THREAD_SERIALIZED)
+    ring = SyncConfig(policy="auto", auto_plan="2:ebsp").validate()
+    assert ring_only_without_threads(ring, MPI.THREAD_SERIALIZED).auto_ps is False
+    assert ring_only_without_threads(planned, MPI.THREAD_MULTIPLE) is planned
+
+
 def test_explain_says_an_auto_run_was_on_the_ring_only(tmp_path):
     reason = "MPI provides MPI_THREAD_SERIALIZED, and the parameter server's shard threads ..."
     (tmp_path / "compare.json").write_text(json.dumps({"rows": [

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mpsync import policies
-from mpsync.config import ConfigError, SyncConfig
+from mpsync.config import ConfigError, SyncConfig, refuse_ps_plan
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
 from mpsync.server.shard_plan import shards_unavailable
@@ -160,9 +160,10 @@ def ring_only_without_threads(config: SyncConfig, thread_level: int) -> SyncConf
     auto switches on the ring only (``auto_ps`` off) instead of failing the job; the state
     server, which decides the same on its rank (every rank of a job gets the same thread
     level from the same MPI), says so once (``AutoPolicy``).  Anything else as it is."""
-    if (config.policy != policies.AUTO or not config.auto_ps
-            or shards_unavailable(thread_level) is None):
+    reason = shards_unavailable(thread_level)
+    if config.policy != policies.AUTO or not config.auto_ps or reason is None:
         return config
+    refuse_ps_plan(config.auto_plan, reason)
     return dataclasses.replace(config, auto_ps=False).validate()
 
 

@@ -55,6 +55,7 @@ from collections import deque
 
 import torch
 
+from mpsync.config import refuse_ps_plan
 from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_target, hosts_shards
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategy_base import Strategy, spec_of
@@ -129,6 +130,7 @@ class Switching(Strategy):
         auto drops its PS candidates before the first step, and worker 0 says so once."""
         if reason is None:
             return
+        refuse_ps_plan(self.config.auto_plan, reason)
         self.__dict__.update(ring_only=reason,
                              config=dataclasses.replace(self.config, auto_ps=False))
         if self.client is not None:
