@@ -59,7 +59,8 @@ def staleness_over_shards() -> None:
     Python, so the shard on its rank lags behind the others.  After the k-th push, a pull
     must hold on *every* coordinate all k of this worker's pushes and at least k - bound of
     everyone's (the bound: s for SSP, s_U for DSSP), the whole-model rule; a shard whose
-    updates the state server counted before they were applied would fail it."""
+    updates the state server counted before they were applied would fail it, and so would
+    a pull read without asking (``SyncClient.pull_is_sure``) that the rule would hold."""
     a = _args()
     policy, steps = a.get("policy", "ssp"), int(a.get("steps", 30))
     mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
@@ -93,12 +94,15 @@ def staleness_over_shards() -> None:
         worst_gap = max(worst_gap, gap)
         shards_differ += int(len({tuple(c) for c in counts}) > 1)
     mps.shutdown()
+    server = mps.stats(server=False)["server"]
     final = _decode(_flat_params(model).numpy(), n)
     if policy == "asp" and np.any(final != steps):
         raise AssertionError(f"after shutdown the model holds {final.min(axis=0)} to "
                              f"{final.max(axis=0)} pushes per worker, each made {steps}")
     _result(rank=me, worst_gap=worst_gap, bound=bound, torn_pulls=shards_differ,
-            one_exchanges=exchanges[0])
+            one_exchanges=exchanges[0],
+            controller_grants=sum(server["policy_state"].get("controller_grants", []))
+            if server else None)
 
 
 def _count_one_exchanges() -> list:

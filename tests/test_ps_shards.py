@@ -138,13 +138,25 @@ def test_cli_refuses_ps_shards_0_before_launching():
 @pytest.mark.mpi
 @pytest.mark.parametrize("policy", ["ssp", "dssp"])
 def test_staleness_bound_holds_on_every_shard_with_a_lagging_shard(policy):
+    steps = 30
     run = run_mpi("ps_programs:staleness_over_shards", np=4, timeout=240,
-                  args=[f"policy={policy}", "ps_shards=3", "steps=30"])
+                  args=[f"policy={policy}", "ps_shards=3", f"steps={steps}"])
     res = run.results()
     assert len(res) == 3, run.report()
+    by_worker = {r["rank"]: r for r in res.values()}
+    bound = by_worker[0]["bound"]
     # The bound is checked at every pull inside the program (it raises on a violation);
-    # here: it was reached, so the check was not vacuous.
-    assert max(r["worst_gap"] for r in res.values()) == res[1]["bound"], res
+    # here: it was reached (DSSP: reads beyond s_L, which its controller granted; whether
+    # a read at s_U finds the slow worker's next push already in is up to the timing), so
+    # the check was not vacuous.
+    worst = max(r["worst_gap"] for r in res.values())
+    if policy == "ssp":
+        assert worst == bound, res
+    else:
+        assert worst > 1 and by_worker[0]["controller_grants"] > 0, res
+    # The fast workers read the pulls the server was sure to grant in one exchange, without
+    # asking (SyncClient.pull_is_sure), and asked for the rest: held at the bound.
+    assert all(0 < by_worker[w]["one_exchanges"] < steps for w in (1, 2)), res
 
 
 @pytest.mark.mpi

@@ -315,3 +315,49 @@ def test_osp_round_opened_by_a_joined_worker_belongs_to_the_current_epoch():
     assert policy.bitmap_for(3, imp, sizes, None, 0, 30.0, 1).tolist() == \
         [False, False, True, True]
     assert [e["epoch"] for e in policy.ics_fraction_per_epoch()] == [1, 3]
+
+
+@pytest.mark.parametrize("policy", ["ssp", "dssp"])
+def test_a_pull_the_server_says_is_sure_is_granted_whatever_comes_before_it(policy):
+    """``sure_pulls`` (sent with each pull's reply): the worker reads that many of its next
+    pulls without asking, so each must be one ``may_pull`` grants at once, whatever the others
+    did meanwhile -- pushes, workers taken out for silence and back, last pushes, shutdowns.
+    Random events; a held worker pushes again only once its pull is granted."""
+    rng = np.random.default_rng(3)
+    n = 4
+    p = make_policy(SyncConfig(policy=policy, topology="ps", staleness=2, staleness_low=1,
+                               staleness_high=3), n)
+    t = p.t
+    sure_until = np.zeros(n, dtype=np.int64)   # the last own push whose pull is sure
+    held = np.zeros(n, dtype=bool)
+    used = checked = 0
+    for step in range(4000):
+        now = 0.01 * step
+        for w in np.flatnonzero(held):
+            if p.may_pull(w):
+                held[w] = False
+                sure_until[w] = t.pushes[w] + p.sure_pulls(w)
+        w = int(rng.integers(n))
+        if t.done[w] or t.final_pushed[w] or held[w]:
+            continue
+        event = rng.random()
+        if event < 0.02:
+            t.removed[w] = not t.removed[w]       # taken out for silence, or back
+            p.on_rejoin(w) if not t.removed[w] else p.on_membership_change()
+        elif event < 0.022:
+            p.on_push(w, now)                     # its last push (join)
+            t.final_pushed[w] = True
+        elif event < 0.023:
+            t.done[w] = True
+            p.on_membership_change()
+        else:
+            p.on_push(w, now)
+            checked += 1
+            if t.pushes[w] <= sure_until[w]:
+                used += 1
+                assert p.may_pull(w), (step, w, t.pushes.tolist(), sure_until.tolist())
+            if p.may_pull(w):
+                sure_until[w] = t.pushes[w] + p.sure_pulls(w)
+            else:
+                held[w] = True
+    assert used > checked // 5 and checked > 1000, (used, checked)   # not vacuous

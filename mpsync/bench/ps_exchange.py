@@ -16,11 +16,17 @@ transport), each the median over repeats of the slowest worker's time:
 * ``ps_raw_ms``: the baseline, after them in the same job: each worker sends every shard's
   slice to the rank hosting it and gets a slice back, answered there by a thread with
   blocking ``Probe``/``Recv``/``Send`` (no control plane, no apply, no acks);
-* ``*_paced_ms``: the same three, each call after ``PACE_S`` without any message (as
+* ``ps_ssp_ms``: the same under ssp, whose bound never binds here (the workers are in
+  step): one exchange per shard while the state server's last reply says the pull is sure
+  (``SyncClient.pull_is_sure``; ``ps_ssp_sure_share``: how often it was); beside it
+  ``ps_ssp_asked_ms``, the path of a pull the bound may hold: ``push``, then ``pull``
+  (two exchanges, the state server's count and grant between them);
+* ``*_paced_ms``: each of these after ``PACE_S`` without any message (as
   between a training job's iterations, where a shard or server that sleeps while idle has
   to wake up for the push).
 
-Ratios: ``ps_vs_raw``, ``ps_shard_vs_raw`` and their paced forms.  With the data bytes one
+Ratios: ``ps_vs_raw``, ``ps_shard_vs_raw``, ``ps_ssp_vs_raw``, ``ps_ssp_asked_vs_raw`` and
+their paced forms.  With the data bytes one
 worker's exchange moved, counted message by message (``ps_wire_bytes``), beside the analytic
 minima per worker of a push and a pull (``ps_min_bytes`` = 2·B) and of a ring allreduce
 (``ring_min_bytes`` = 2(n-1)/n·B).
@@ -46,30 +52,18 @@ def ps_child(sizes, max_repeats, budget) -> None:
     """The rank side of the PS job; rank 0 of the workers prints one ``ROW`` per size."""
     from mpi4py import MPI
 
-    from mpsync.config import SyncConfig
-    from mpsync.server import StateServer, SyncClient
-    from mpsync.server.shards import start_shards
-
     world = MPI.COMM_WORLD
     control = world.Dup()
     is_worker = world.Get_rank() != 0
     workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
     for nbytes in sizes:
-        config = SyncConfig(policy=_ps_policy(), topology="ps", deadline=600.0).validate()
-        one_exchange = registry.get(config.policy).ps_pull_ungated
-        if not is_worker:
-            StateServer(control, config, server_rank=0).serve()
-            _idle_barrier(world)  # no worker may reach the next size's server before it exists
+        row = _bounded_exchange(_Session(world, control, workers, "ssp", nbytes), max_repeats,
+                                budget)
+        ps = _Session(world, control, workers, _ps_policy(), nbytes)
+        if ps.client is None:   # the state server's rank: it served this size
             continue
-        shards, thread, layout = start_shards(workers, config,
-                                              list(range(1, world.Get_size())), log=_quiet)
-        client = SyncClient(control, config, server_rank=0, shards=shards)
-        n = max(layout.count, nbytes // 4)
-        weights = np.zeros(n, dtype=np.float32)
-        if workers.Get_rank() == 0:
-            client.ps_init(weights)
-        delta = np.full(n, 1e-6, dtype=np.float32)
-        it = [0]
+        one_exchange = registry.get(_ps_policy()).ps_pull_ungated
+        client, shards, delta, weights, it = ps.client, ps.shards, ps.delta, ps.weights, [0]
 
         def exchange():   # as ParameterServer._push_pull
             it[0] += 1
@@ -86,30 +80,98 @@ def ps_child(sizes, max_repeats, budget) -> None:
                 shards.push(delta)
                 shards.pull(weights)
 
-        client.pull(weights, 0)
         moved, calls = shards.bytes_sent + shards.bytes_received, it[0]
-        row = timed(workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange},
-                    max_repeats, budget)
+        row.update(timed(workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange},
+                         max_repeats, budget))
         per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / (2 * (it[0] - calls))
         # One loop each: every worker then pushes once per PACE_S and a bit, as in training.
         row.update(paced(workers, {"ps_paced_ms": exchange}, max_repeats, budget))
         row.update(paced(workers, {"ps_shard_paced_ms": shard_exchange}, max_repeats, budget))
-        shards.close()
-        if thread is not None:
-            thread.join()
-        client.shutdown()
-        row.update(_raw_slices(workers, layout.hosts, n, max_repeats, budget))
+        ps.stop(idle_after=False)
+        row.update(_raw_slices(workers, ps.layout.hosts, weights.size, max_repeats, budget))
         if workers.Get_rank() == 0:
             size = workers.Get_size()
-            row.update({"bytes": nbytes, "ps_shards": layout.count,
+            row.update({"bytes": nbytes, "ps_shards": ps.layout.count,
                         "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
                         "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size})
-            for subject in ("ps", "ps_shard"):
+            for subject in ("ps", "ps_shard", "ps_ssp", "ps_ssp_asked"):
                 row[f"{subject}_vs_raw"] = row[f"{subject}_ms"] / row["ps_raw_ms"]
                 row[f"{subject}_paced_vs_raw"] = (row[f"{subject}_paced_ms"]
                                                   / row["ps_raw_paced_ms"])
             print("ROW " + json.dumps(row), flush=True)
         _idle_barrier(world)
+
+
+class _Session:
+    """One state server (rank 0, which serves it to the end in the constructor) and the
+    workers' shards and client for ``policy``, a float32 model of ``nbytes`` loaded and
+    pulled once; ``client`` is None on the server's rank."""
+
+    def __init__(self, world, control, workers, policy: str, nbytes: int):
+        from mpsync.config import SyncConfig
+        from mpsync.server import StateServer, SyncClient
+        from mpsync.server.shards import start_shards
+
+        self.world, self.workers, self.client = world, workers, None
+        config = SyncConfig(policy=policy, topology="ps", deadline=600.0).validate()
+        if world.Get_rank() == 0:
+            StateServer(control, config, server_rank=0).serve()
+            _idle_barrier(world)  # no worker may reach the next server before it exists
+            return
+        self.shards, self.thread, self.layout = start_shards(
+            workers, config, list(range(1, world.Get_size())), log=_quiet)
+        self.client = SyncClient(control, config, server_rank=0, shards=self.shards)
+        n = max(self.layout.count, nbytes // 4)
+        self.weights = np.zeros(n, dtype=np.float32)
+        if workers.Get_rank() == 0:
+            self.client.ps_init(self.weights)
+        self.delta = np.full(n, 1e-6, dtype=np.float32)
+        self.client.pull(self.weights, 0)
+
+    def stop(self, idle_after: bool = True) -> None:
+        """Shards and server shut down; ``idle_after``: meet the server's rank (else the
+        caller does, after what it runs without them)."""
+        self.shards.close()
+        if self.thread is not None:
+            self.thread.join()
+        self.client.shutdown()
+        if idle_after:
+            _idle_barrier(self.world)
+
+
+def _bounded_exchange(ps: _Session, max_repeats, budget) -> dict:
+    """Under ssp (the bound never binds: the workers are in step): ``ps_ssp_ms``, a push
+    and a pull as ``ParameterServer._push_pull`` runs them, in one exchange per shard while
+    the state server's last reply says the pull is sure (``SyncClient.pull_is_sure``); and
+    ``ps_ssp_asked_ms``, the two exchanges with the state server's grant between them that
+    a pull the bound may hold takes (``push``, then ``pull``).  Each paced too."""
+    if ps.client is None:
+        return {}
+    client, delta, weights = ps.client, ps.delta, ps.weights
+    it, tried, sure = [0], [0], [0]
+
+    def exchange():
+        it[0] += 1
+        tried[0] += 1
+        if client.pull_is_sure():
+            sure[0] += 1
+            client.push_pull(delta, weights, it[0], gated=True)
+        else:
+            client.push(delta, it[0])
+            client.pull(weights, it[0])
+
+    def asked():
+        it[0] += 1
+        client.push(delta, it[0])
+        client.pull(weights, it[0])
+
+    row = timed(ps.workers, {"ps_ssp_ms": exchange, "ps_ssp_asked_ms": asked},
+                max_repeats, budget)
+    row.update(paced(ps.workers, {"ps_ssp_paced_ms": exchange}, max_repeats, budget))
+    row.update(paced(ps.workers, {"ps_ssp_asked_paced_ms": asked}, max_repeats, budget))
+    row["ps_ssp_sure_share"] = sure[0] / tried[0]
+    ps.stop()
+    return row
 
 
 def _idle_barrier(comm) -> None:

@@ -282,6 +282,7 @@ class SyncClient(ParameterServerCalls):
             if int(buf[W.R_SEQ]) != seq:
                 raise ServerError(f"{what}: reply to request {int(buf[W.R_SEQ])}, expected {seq}")
             self._version = int(buf[W.R_VERSION])
+            self.sure_pulls = int(buf[W.R_EXTRA])   # (a pull's reply is collected last)
 
     def _check_reply_to(self, seq: int, what: str) -> None:
         """The reply in the buffer must answer request ``seq``."""

@@ -1,7 +1,8 @@
 """The parameter-server calls of the worker's state-server client (``SyncClient``): the
-initial weights, push and pull, and ASP's push and pull in one exchange whose state-server
-replies are collected later (the plumbing, ``_call``, ``_header``, ``_wait``, is
-``SyncClient``'s, in :mod:`mpsync.server._client`).
+initial weights, push and pull, and push and pull in one exchange (ASP's, and SSP's and
+DSSP's while their bound cannot bind) whose state-server replies are collected later (the
+plumbing, ``_call``, ``_header``, ``_wait``, is ``SyncClient``'s, in
+:mod:`mpsync.server._client`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ _MSG_BYTES = W.MSG_LEN * 8
 class ParameterServerCalls:
     """Mixed into ``SyncClient``; ``self.shards`` is the sharded PS's data plane
     (``shards.ShardClient``) or None (the state server's own store)."""
+
+    # How many of this worker's next pushes have pulls the state server grants whatever the
+    # others do meanwhile (``Policy.sure_pulls``: SSP's and DSSP's bound cannot bind on
+    # them), from the latest pull's reply; one is used up by each push.
+    sure_pulls = 0
 
     def ps_init(self, flat: np.ndarray, replace: bool = False) -> None:
         """The initial weights (sharded: to every shard first, then the state server learns
@@ -42,22 +48,41 @@ class ParameterServerCalls:
                 self.shards.push(np.ascontiguousarray(delta))
             self._call(W.PUSH, f"push {iteration}",
                        header=self._header(iteration, count=0, flag=int(final)))
-            return int(self._rep[W.R_VERSION])
-        data = np.ascontiguousarray(delta, dtype=np.float64)
-        self._call(W.PUSH, f"push {iteration}",
-                   header=self._header(iteration, count=data.size, flag=int(final)), data=data)
+        else:
+            data = np.ascontiguousarray(delta, dtype=np.float64)
+            self._call(W.PUSH, f"push {iteration}",
+                       header=self._header(iteration, count=data.size, flag=int(final)),
+                       data=data)
+        self.sure_pulls = max(0, self.sure_pulls - 1)
         return int(self._rep[W.R_VERSION])
 
-    def push_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int) -> int:
-        """Sharded PS, a policy whose pulls the state server never holds (ASP): push
-        ``delta`` and read the weights after it into ``out`` in one round trip per shard
-        (``ShardClient.push_pull``).  The state server is told of the push and the pull
-        while the shards work; no decision waits for its count, so its replies are collected
-        before this client's next call that waits for one (missing: ``DeadlineExceeded``
-        there).  Returns the model version of the latest pull reply collected."""
+    def pull_is_sure(self) -> bool:
+        """Will the state server grant the pull after this worker's next push whatever the
+        others do meanwhile (``sure_pulls``, with the replies still to collect collected)?
+        Then :meth:`push_pull` may read it without asking (``gated``)."""
+        if self._later:
+            self._collect_later()
+        return self.sure_pulls > 0
+
+    def push_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,
+                  gated: bool = False) -> int:
+        """Sharded PS: push ``delta`` and read the weights after it into ``out`` in one round
+        trip per shard (``ShardClient.push_pull``), for a pull the state server never holds
+        (ASP) or, ``gated``, one it is sure to grant (:meth:`pull_is_sure`: SSP, DSSP while
+        their bound cannot bind).  Its replies are collected before this client's next call
+        that waits for one (missing: ``DeadlineExceeded`` there).  Under ASP the server is
+        told of the push and the pull while the shards work; ``gated``, once every shard
+        has applied the push (the staleness rules count only pushes that are in on every
+        shard, which the sure pulls of others rely on).  Returns the model version of the
+        latest pull reply collected."""
         wire = self.shards.checked_push(np.ascontiguousarray(delta))   # before any send
         if self._later:
             self._collect_later()
+        if gated:
+            if self.sure_pulls < 1:
+                raise ValueError("push_pull(gated=True) of a pull the server may hold "
+                                 "(pull_is_sure() is False): push, then pull")
+            self.sure_pulls -= 1
 
         def tell_server():
             for tag, buf in zip((W.PUSH, W.PULL), self._later_bufs):
@@ -66,7 +91,10 @@ class ParameterServerCalls:
                 self._later.append((request, buf, self._seq, f"{W.TAG_NAMES[tag]} {iteration}"))
             self.control_sent += 2 * _MSG_BYTES
 
-        self.shards.push_pull(wire, out, meanwhile=tell_server)
+        if gated:
+            self.shards.push_pull(wire, out, applied=tell_server)
+        else:
+            self.shards.push_pull(wire, out, meanwhile=tell_server)
         return self._version
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False,
@@ -85,6 +113,7 @@ class ParameterServerCalls:
                    header=self._header(iteration, count=count, flag=int(final)),
                    reply_data=None if self.shards is not None else out)
         version = int(self._rep[W.R_VERSION])
+        self.sure_pulls = int(self._rep[W.R_EXTRA])
         if self.shards is not None:
             self.shards.pull(out, barrier=barrier)
         return version

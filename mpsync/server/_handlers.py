@@ -132,7 +132,10 @@ class MessageHandlers:
         problem = self.weights.pull_problem(count)
         if problem:
             return self._reject(src, W.PULL, problem)
-        self._send_reply(src, seq, count=count, version=self.weights.version)
+        # EXTRA: the further pushes whose pulls the policy grants whatever comes meanwhile
+        # (``Policy.sure_pulls``): the worker reads those from the shards without asking.
+        self._send_reply(src, seq, count=count, version=self.weights.version,
+                         extra=self.policy.sure_pulls(w))
         if count:   # (none: a sharded PS, the worker reads the shard servers next)
             self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1

@@ -26,7 +26,7 @@ from mpsync.server import rules
 from mpsync.server.wire import SYNC
 
 __all__ = ["WorkerTable", "Policy", "BSP", "ASP", "SSP", "DSSP", "make_policy",
-           "pull_within_staleness", "warm_up_staleness"]
+           "pull_within_staleness", "pull_sure_within", "warm_up_staleness"]
 
 
 class WorkerTable:
@@ -93,6 +93,12 @@ class Policy:
 
     def may_pull(self, w: int) -> bool:
         return True
+
+    def sure_pulls(self, w: int) -> int:
+        """How many more pushes of ``w`` have pulls that this policy grants at once whatever
+        the others do meanwhile (``pull_sure_within``); sent with each pull's reply, so the
+        worker reads those pulls from the shards without asking first.  0: ask each time."""
+        return 0
 
     def on_membership_change(self) -> None:
         """A worker shut down or was taken out: decisions must not wait for it any more."""
@@ -161,6 +167,9 @@ class SSP(Policy):
     def may_pull(self, w):
         return pull_within_staleness(self.t, w, self.config.staleness)
 
+    def sure_pulls(self, w):
+        return pull_sure_within(self.t, w, self.config.staleness)
+
     def warm_up(self):
         warm_up_staleness()
 
@@ -226,6 +235,11 @@ class DSSP(Policy):
             return True
         return False
 
+    def sure_pulls(self, w):
+        # Within s_L Alg. 1 line 8 sends OK whatever the controller's state (lines 7-9): the
+        # controller's extra iterations beyond s_L are granted by the server as they come.
+        return pull_sure_within(self.t, w, self.config.staleness_low)
+
     def describe(self):
         return {"controller_grants": self.granted.tolist(),
                 "extra_iterations": self.extra_runs.tolist(), "grants": self.grants}
@@ -252,3 +266,19 @@ def pull_within_staleness(t: WorkerTable, w: int, s: int) -> bool:
         return True
     p = int(np.flatnonzero(idx == w)[0])
     return bool(sched.ssp_may_continue(t.pushes[idx], p, s))
+
+
+def pull_sure_within(t: WorkerTable, w: int, s: int) -> int:
+    """How many more pushes of ``w`` ``pull_within_staleness(t, w, s)`` is sure to grant the
+    pull after, at any later time: ``s - (pushes[w] - slowest)``, the slowest taken over every
+    worker that has not shut down nor pushed its last update -- workers taken out for silence
+    too, since one may report again (``on_rejoin``) and count once more.  No count decreases
+    and no worker leaves that set for good but by shutting down or pushing its last update,
+    so that slowest count never decreases and stays a lower bound of the one the rule
+    compares with; a pull sure by it is one the rule grants whenever it is asked.  The
+    counts are of pushes in on every shard, so a read made after this answer holds at least
+    that slowest count of every such worker's pushes (SSP's bounded staleness)."""
+    going = ~(t.done | t.final_pushed)
+    if not going[w]:
+        return 0
+    return max(0, int(s - (t.pushes[w] - t.pushes[going].min())))

@@ -178,15 +178,18 @@ class ShardClient:
                                      "was sent any of it)")
         return wire
 
-    def push_pull(self, wire: np.ndarray, out: np.ndarray, meanwhile=None) -> None:
+    def push_pull(self, wire: np.ndarray, out: np.ndarray, meanwhile=None,
+                  applied=None) -> None:
         """Push ``wire`` (:meth:`checked_push`'s result) and read every shard's weights after
         applying it into ``out`` (contiguous, the store's dtype, apart from the push's
         memory): one round trip per shard (``PUSH_PULL``) where :meth:`push` and
         :meth:`pull` make two.  Only for a pull the state server need not grant (ASP, whose
-        pulls read whatever is current): the pull reads each shard right after this
-        worker's slice, without waiting for any count.  ``meanwhile()`` runs once the slices
-        are on their way (the worker's messages to the state server).  A slice a shard
-        refuses raises, as :meth:`push` does, and no weights are read from that shard."""
+        pulls read whatever is current) or is sure to grant (``SyncClient.pull_is_sure``):
+        the pull reads each shard right after this worker's slice, without waiting for any
+        count.  ``meanwhile()`` runs once the slices are on their way, ``applied()`` once
+        every shard has applied its slice (the worker's messages to the state server).  A
+        slice a shard refuses raises, as :meth:`push` does, and no weights are read from
+        that shard."""
         self.layout(out.size)
         self._check_lost("push and pull")
         back = self._on_wire_in(out)
@@ -219,6 +222,8 @@ class ShardClient:
             raise RuntimeError(f"push and pull refused by "
                                f"{', '.join(self.names[k] for k in refused)} (see its log "
                                f"line)")
+        if applied is not None:
+            applied()
         self._wait(reads, "push and pull", shards)
         self.bytes_received += back.nbytes
         if back is not out:

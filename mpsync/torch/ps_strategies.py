@@ -69,10 +69,12 @@ class ParameterServer(LocalStepsThenAggregate):
         self._sent_settings: np.ndarray | None = None
         self._shards_state: dict | None = None   # a checkpoint's, for the shards at start
         # A pull no server rule holds (ASP): push and pull in one exchange per shard, the
-        # push counted meanwhile.  Not under auto (``code``): around a switch another worker
-        # may still run a policy whose pulls wait for this worker's counts.
-        self._one_exchange = (spec_of(self.config).ps_pull_ungated
-                              and getattr(self.client, "shards", None) is not None)
+        # push counted meanwhile; one the server is sure to grant (SSP, DSSP while their
+        # bound cannot bind): the same, the push counted once every shard applied it.  Not
+        # under auto (``code``): around a switch another worker may still run a policy whose
+        # pulls wait for this worker's counts, and a switch starts the counts again.
+        self._shards_direct = getattr(self.client, "shards", None) is not None
+        self._one_exchange = spec_of(self.config).ps_pull_ungated and self._shards_direct
 
     @classmethod
     def from_config(cls, config, *args, worker_rank: int = 0):
@@ -230,12 +232,17 @@ class ParameterServer(LocalStepsThenAggregate):
     def _push_pull(self, barrier: int = 0) -> None:
         """Push Δ since the last pull, pull the current weights (as the policy allows;
         ``barrier`` > 0: the weights of that barrier, ``ShardClient.pull``).  Where the
-        server never holds a pull (ASP) both are one exchange (``SyncClient.push_pull``),
-        its weights received straight into the fusion buffer and copied to the base."""
+        server never holds a pull (ASP), or is sure to grant this one (SSP and DSSP while
+        their bound cannot bind: ``SyncClient.pull_is_sure``), both are one exchange
+        (``SyncClient.push_pull``), its weights received straight into the fusion buffer
+        and copied to the base."""
         flat, delta = self.buf.flat, self._delta_into_base()
-        if not barrier and self._one_exchange and not self.code and delta.size \
-                and flat.dtype in _NUMPY_FLOATS:
-            self.version = self.client.push_pull(delta, flat.numpy(), self.iteration)
+        one = (not barrier and self._shards_direct and not self.code and delta.size
+               and flat.dtype in _NUMPY_FLOATS)
+        gated = one and not self._one_exchange
+        if one and (not gated or self.client.pull_is_sure()):
+            self.version = self.client.push_pull(delta, flat.numpy(), self.iteration,
+                                                 gated=gated)
             np.copyto(self._base, flat.numpy())
         else:
             self.client.push(delta, self.iteration)
