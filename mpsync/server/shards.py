@@ -20,7 +20,11 @@ What each policy needs from the shards follows from that order:
   are in on *every* shard, so a granted pull reads, on every shard, at least every update the
   bound requires.  A shard may also hold newer updates of other workers (a pull is not one
   snapshot across shards); SSP's bound is a lower bound on what a read contains, so that is
-  allowed, as in the per-key stores SSP was built on.
+  allowed, as in the per-key stores SSP was built on.  Each pull's reply also says how many
+  of the worker's next pulls the rule grants whatever comes meanwhile
+  (``Policy.sure_pulls``: from the slowest count of the workers that can still push, which
+  never decreases); those are read like ASP's, in one exchange per shard, and the server
+  is told of the push and the pull once every shard has applied the push.
 * BSP and ESync (ESync Alg. 1 lines 17-22): a round's pulls are granted once every worker's
   push of the round is acknowledged by every shard, and the next round's pushes start only
   after every worker has pulled (reset) -- so every shard is at exactly the round's model
