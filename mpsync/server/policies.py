@@ -236,9 +236,10 @@ class DSSP(Policy):
         return False
 
     def sure_pulls(self, w):
-        # Within s_L Alg. 1 line 8 sends OK whatever the controller's state (lines 7-9): the
-        # controller's extra iterations beyond s_L are granted by the server as they come.
-        return pull_sure_within(self.t, w, self.config.staleness_low)
+        # Alg. 1 sends OK for each of the extra iterations the controller granted (lines
+        # 3-5; only w's own pushes use them up) and, within s_L, whatever the controller's
+        # state (lines 7-9): the next pulls up to the larger of the two are granted.
+        return max(int(self.r_extra[w]), pull_sure_within(self.t, w, self.config.staleness_low))
 
     def describe(self):
         return {"controller_grants": self.granted.tolist(),
