@@ -57,8 +57,8 @@ def ps_child(sizes, max_repeats, budget) -> None:
     is_worker = world.Get_rank() != 0
     workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
     for nbytes in sizes:
-        row = _bounded_exchange(_Session(world, control, workers, "ssp", nbytes), max_repeats,
-                                budget)
+        row = _bounded_exchange(_Session(world, control, workers, _bounded_ps_policy(), nbytes),
+                                max_repeats, budget)
         ps = _Session(world, control, workers, _ps_policy(), nbytes)
         if ps.client is None:   # the state server's rank: it served this size
             continue
@@ -251,6 +251,13 @@ def _raw_slices(workers, hosts, n: int, max_repeats: int, budget: float) -> dict
 
 def _quiet(_text: str) -> None:
     """The shard layout line: the benchmark prints its rows only."""
+
+
+def _bounded_ps_policy() -> str:
+    """A PS policy whose pulls a staleness bound may hold (the first registered policy on the
+    PS that reads ``staleness``: SSP), timed beside ``_ps_policy``'s."""
+    return next(s.name for s in registry.specs()
+                if s.default_topology == "ps" and s.reads("staleness"))
 
 
 def _ps_policy() -> str:
