@@ -78,9 +78,17 @@ def test_horovod_script_under_every_policy(tmp_path, horovod_accuracy, policy, t
     # come from the environment alone.
     env = dict(os.environ, MPSYNC_POLICY=policy, MPSYNC_TOPOLOGY=topology,
                MPSYNC_BACKEND="horovod")
+    # Which worker joins last is the one with the most steps only where the workers are held
+    # within fewer steps of each other than their counts differ by: DSSP's default upper bound
+    # (15) lets a worker run 15 pushes ahead of worker 0, more than the 5-10 steps it has
+    # to do beyond it (worker 0 was seen to join last once in the full suite, on a loaded
+    # machine).  A bound of 4 keeps the test's premise.
+    bounds = {"MPSYNC_STALENESS_LOW": "1", "MPSYNC_STALENESS_HIGH": "4"} \
+        if policy == "dssp" and "join" in flags else {}
+    env.update(bounds)
+    passed = ("MPSYNC_POLICY", "MPSYNC_TOPOLOGY", "MPSYNC_BACKEND", *bounds)
     run = run_mpi(str(mpsync_script(tmp_path)), np=4, args=COMMON + flags, env=env,
-                  timeout=300, mpirun_extra=("-x", "MPSYNC_POLICY", "-x", "MPSYNC_TOPOLOGY",
-                                             "-x", "MPSYNC_BACKEND"))
+                  timeout=300, mpirun_extra=tuple(x for name in passed for x in ("-x", name)))
     res = parse(run)
     finals = res["finals"]
     # Rank 0 served; ranks 1-3 are workers 0-2, which all end cleanly with the same model.
