@@ -81,8 +81,8 @@ def test_horovod_script_under_every_policy(tmp_path, horovod_accuracy, policy, t
     # Which worker joins last is the one with the most steps only where the workers are held
     # within fewer steps of each other than their counts differ by: DSSP's default upper bound
     # (15) lets a worker run 15 pushes ahead of worker 0, more than the 5-10 steps it has
-    # to do beyond it (worker 0 was seen to join last once in the full suite, on a loaded
-    # machine).  A bound of 4 keeps the test's premise.
+    # to do beyond it (worker 0 was seen to join last once in a full-suite run).  A bound of
+    # 4 keeps the test's premise.
     bounds = {"MPSYNC_STALENESS_LOW": "1", "MPSYNC_STALENESS_HIGH": "4"} \
         if policy == "dssp" and "join" in flags else {}
     env.update(bounds)
