@@ -81,15 +81,20 @@ SNAPSHOT_EVERY_S, SNAPSHOTS = 1.0, 4
 VELOCITY_STATES = ("momentum_buffer", "exp_avg")
 
 
-def share_velocity(optimizer, n_workers: int) -> None:
-    """Divide every velocity state of ``optimizer`` (``VELOCITY_STATES``) by ``n_workers``:
-    going from averaged steps (the ring) to summed ones (the PS), the model keeps its
-    velocity (module doc)."""
+def _velocities(optimizer):
+    """Every velocity state tensor of ``optimizer`` (``VELOCITY_STATES``)."""
     for state in optimizer.state.values():
         for key in VELOCITY_STATES:
             value = state.get(key)
             if torch.is_tensor(value) and value.is_floating_point():
-                value.div_(n_workers)
+                yield value
+
+
+def share_velocity(optimizer, n_workers: int) -> None:
+    """Divide every velocity state of ``optimizer`` by ``n_workers``: going from averaged
+    steps (the ring) to summed ones (the PS), the model keeps its velocity (module doc)."""
+    for value in _velocities(optimizer):
+        value.div_(n_workers)
 
 
 def weights_digest(buffers) -> str:
@@ -280,11 +285,8 @@ class Switching(Strategy):
                 for p, saved in zip(params, chosen[1]):
                     p.copy_(saved)
             new._broadcast_model(root)
-            for state in self.optimizer.state.values():
-                for key in VELOCITY_STATES:
-                    value = state.get(key)
-                    if torch.is_tensor(value) and value.is_floating_point():
-                        value.zero_()
+            for value in _velocities(self.optimizer):
+                value.zero_()
         return round(float(age.item()), 3)
 
     def _average_optimizer_state(self, root: int) -> None:
