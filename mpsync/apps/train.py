@@ -289,7 +289,11 @@ def main(args) -> int:
             raise
         if world_rank() == 0:
             print_user_error("mpsync train", e)
-        return 2
+            return 2
+        # The check is the same on every rank, so rank 0's line and exit status fail the job.
+        # The other ranks stop without an error of their own: Open MPI aborts the job at the
+        # first non-zero exit and drops output still in flight, which lost rank 0's line.
+        return 0
     return train(args, config, workers, resume)
 
 
