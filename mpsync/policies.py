@@ -23,7 +23,7 @@ from typing import Mapping
 
 __all__ = ["PolicySpec", "PolicyChoice", "PolicyError", "TOPOLOGIES", "BASELINE", "AUTO", "AUTO_SWITCHABLE",
            "AUTO_MEASURING", "FAST_PATH_KINDS", "SIMULATION_MODELS", "AUTO_PS_SWITCHABLE", "AUTO_TARGETS",
-           "auto_code", "auto_target", "hosts_shards", "register", "unregister", "get", "names",
+           "auto_code", "auto_start_code", "auto_target", "hosts_shards", "register", "unregister", "get", "names",
            "specs", "choose", "baseline", "is_baseline", "default_topology", "load_plugins",
            "resolve", "policy_table", "fidelity_table"]
 
@@ -31,13 +31,13 @@ TOPOLOGIES = ("ring", "ps")
 # What the other policies are measured against (``mpsync compare``'s speedup column).
 BASELINE = "bsp"
 
-# The policies ``auto`` runs and switches between on the ring (it starts with the first, the
-# safe one), in the order of the codes its SYNC replies carry (1 + index): mpsync.auto,
-# mpsync.torch.switching.
+# The policies ``auto`` runs and switches between on the ring, in the order of the codes its
+# SYNC replies carry (1 + index): mpsync.auto, mpsync.torch.switching.  A plan of switches
+# starts with the first (auto_start_code).
 AUTO = "auto"
 AUTO_SWITCHABLE = ("bsp", "esync", "ebsp")
-# The ring policy auto runs while it measures: between its barriers the fast workers step
-# instead of waiting (mpsync.auto.serving).
+# The ring policy auto runs from the first step, while it measures: between its barriers the
+# fast workers step instead of waiting (mpsync.auto.serving).
 AUTO_MEASURING = "ebsp"
 # ... and on the parameter server its job hosts beside the ring (``auto_ps``): codes
 # 1 + len(AUTO_SWITCHABLE) + index.
@@ -304,6 +304,13 @@ def resolve(ref: str):
 def auto_code(name: str, topology: str) -> int:
     """The code a SYNC reply carries for ``auto`` to run ``name`` on ``topology`` next."""
     return 1 + AUTO_TARGETS.index((name, topology))
+
+
+def auto_start_code(planned: bool) -> int:
+    """The code ``auto`` runs from the first step, on the server and on every worker:
+    ``AUTO_MEASURING`` on the ring; under a plan of switches (``auto_plan``, for tests and
+    benchmarks) BSP, the policy a plan's rounds are written from."""
+    return 1 if planned else auto_code(AUTO_MEASURING, "ring")
 
 
 def auto_target(code: int) -> tuple[str, str]:

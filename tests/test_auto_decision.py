@@ -237,6 +237,29 @@ def test_ranking_is_fast_enough_to_run_while_training():
     assert time.process_time() - t0 < 2.0
 
 
+def test_auto_runs_elasticbsp_from_the_first_step_and_a_plan_starts_on_bsp():
+    """What the server runs before any decision is the code every worker starts on
+    (``auto_start_code``): ElasticBSP, said in the decision log as the start (no switch); a
+    plan of switches, written from BSP's rounds, starts on BSP."""
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+
+    pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
+    assert pol.code == policies.auto_start_code(False) == policies.auto_code("ebsp", "ring")
+    assert pol.running_candidate.label == "ebsp/ring" == pol.decider.current.label
+    pol.on_step(0, 0, 0.0, 0.0)
+    (start,) = pol.decider.records
+    assert start.trigger == "start" and not start.switch and start.chosen == "ebsp/ring"
+    assert pol.describe()["policy_timeline"] == [{"policy": "ebsp", "after_round": 0,
+                                                  "at_s": 0.0}]
+    planned = make_policy(SyncConfig(policy="auto", auto_ps=False,
+                                     auto_plan="2:ebsp").validate(), 4)
+    assert planned.code == policies.auto_start_code(True) == policies.auto_code("bsp", "ring")
+    planned.on_step(0, 0, 0.0, 0.0)
+    assert [r.trigger for r in planned.decider.records] == ["auto_plan"]
+    assert planned.describe()["policy_timeline"][0]["policy"] == "bsp"
+
+
 def test_the_server_policy_measures_decides_in_its_helper_and_switches_after_one_round():
     """AutoPolicy as the state server runs it (no MPI: its calls driven on a virtual clock,
     BSP rounds of four workers), its ranking in the real helper process: equal speeds keep
@@ -250,7 +273,7 @@ def test_the_server_policy_measures_decides_in_its_helper_and_switches_after_one
     # speeds; exploring: below)
     pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
     pol.decider.explore = False
-    pol.start = None              # (measured under BSP, not ESync)
+    pol._start_on(pol.candidates[0], measuring=False)   # (BSP: its rounds drive this)
     pol.warm_up()
     clock, k, codes = 0.0, 0, {}
 

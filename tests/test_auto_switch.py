@@ -156,6 +156,10 @@ def test_leaving_a_diverging_ps_restarts_the_ring_from_earlier_weights():
     res = run.results()
     assert sorted(res) == [1, 2, 3], run.report()
     decisions = res[1]["decisions"]
+    # Deciding, auto runs ElasticBSP from the first step on every worker (no switch to it).
+    assert decisions[0]["trigger"] == "start" and not decisions[0]["switch"], decisions[0]
+    assert res[1]["timeline"][0]["policy"] == "ebsp", res[1]["timeline"]
+    assert {r["switches"][0]["from"] for r in res.values()} == {"ebsp"}, run.report()
     went = [d for d in decisions if d["switch"] and d["chosen"].split(" ")[0].endswith("/ps")]
     assert went, ("the ranking did not move the equal-speeds job to the PS, which this test "
                   "needs", [(d["trigger"], d["chosen"]) for d in decisions])

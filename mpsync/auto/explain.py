@@ -117,7 +117,8 @@ def comparison_table(out) -> str:
     for m in _runs(out, "auto"):
         switched = "; ".join(f"{d['at_s']:.1f} s: {d['previous']} -> {d['chosen']} "
                              f"({d['trigger']})" for d in m.get("decisions") or ()
-                             if d["switch"]) or "none (stayed on bsp)"
+                             if d["switch"]) or \
+            f"none (stayed on {(m.get('policy_timeline') or [{}])[0].get('policy', '?')})"
         if m.get("auto_ring_only"):     # the job could not host the PS: ring candidates only
             switched = f"ring only ({m['auto_ring_only']}); {switched}"
         switches = "; ".join(f"{s['from']} -> {s['to']} after round {s['round']} at "

@@ -2,8 +2,8 @@
 
 :class:`AutoPolicy` is what the registry names as ``auto``'s server class, so the server
 never imports the simulator: it gets this decider from the registry like any other policy.  It
-answers every step with the rules of the policy running now (BSP for the first round, then
-ElasticBSP while it measures: ``START``), over
+answers every step with the rules of the policy running now (ElasticBSP from the first
+step while it measures: ``START``; BSP under a plan of switches), over
 the server's one ``WorkerTable``, and meanwhile:
 
 * measures: each worker's compute time per iteration (the reports: ``measurements.Window``),
@@ -45,7 +45,7 @@ from mpsync.auto.ranking import Candidate, Ranked
 from mpsync.config import parse_auto_plan
 from mpsync import policies
 from mpsync.policies import (AUTO_PS_SWITCHABLE, AUTO_ROLLBACK, AUTO_SWITCHABLE, auto_code,
-                             auto_target)
+                             auto_start_code, auto_target)
 from mpsync.server.policies import Policy
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.server.wire import SYNC
@@ -94,20 +94,31 @@ class AutoPolicy(Policy):
         super().__init__(table, config)
         self.candidates = live_candidates(config)
         self.topologies = ("ring", "ps") if config.auto_ps else ("ring",)
-        self.running, self.code = self._fresh(self.candidates[0]), 1
-        self.running_candidate = self.candidates[0]
+        # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
+        self.plan = parse_auto_plan(config.auto_plan)
+        self.planned = bool(self.plan)
+        # What runs from the first step, while auto measures (auto_start_code, the same on
+        # every worker): ElasticBSP.  Its barriers let the fast workers step instead of
+        # waiting; a switch waits for its next barrier (a few iterations: ZipLine's
+        # lookahead).  Every worker starts from the same broadcast weights, as under BSP.  In
+        # mpsync's nine comparisons (bench/auto/README.md) its median time to target was at
+        # most 1.06x ESync's, and 0.73-0.82x in three (stragglers, 1gbit); where it is the one
+        # to run (stragglers, slow links) the decision then needs no switch.  A wrong first
+        # guess costs less than BSP's waiting would.  A plan starts on BSP.
+        code = auto_start_code(self.planned)
+        self.decider = Decider(next(c for c in self.candidates
+                                    if auto_code(c.policy, c.topology) == code), explore=True)
+        self._start_on(self.decider.current, measuring=not self.planned)
         self.next, self.next_code, self.switch_after = None, 0, None
         self.next_candidate = None
         self.gathering: Gathering | None = None   # a switch from the PS to the ring
         self.window = Window(table.n, WINDOW_REPORTS)
-        self.decider = Decider(self.candidates[0], explore=True)
         self.sync_sent = 0          # the highest round any SYNC was sent for
         self.sync_at: dict[int, float] = {}
         self.t0 = None
         self.next_check = 0.0
         self.ranker = None
         self.asked = None           # (trigger, measurements, when) of the ranking in flight
-        self.timeline = [{"policy": AUTO_SWITCHABLE[0], "after_round": 0, "at_s": 0.0}]
         self.overhead_s, self.queries = 0.0, 0
         # Measured progress: iterations reported, from when the running policy began; the
         # policy a switch left and its rate, until the new one's is measured (_confirm).
@@ -122,18 +133,15 @@ class AutoPolicy(Policy):
         self.ring_only: str | None = None
         if not config.auto_ps:
             self._ring_only(shards_unavailable(_thread_level()))
-        # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
-        self.plan = parse_auto_plan(config.auto_plan)
-        self.planned = bool(self.plan)
-        # What runs while auto measures: ElasticBSP, after the workers' first round (they
-        # start on BSP).  Its barriers let the fast workers step instead of waiting; a switch
-        # waits for its next barrier (a few iterations: ZipLine's lookahead).  In mpsync's nine
-        # comparisons (bench/auto/README.md) its median time to target was at most 1.06x
-        # ESync's, and 0.73-0.82x in three (stragglers, 1gbit); where it is the one to run
-        # (stragglers, slow links) the decision then needs no switch.  A wrong first guess costs less than BSP's waiting would.
-        # None: measure under BSP.
-        self.start = None if self.planned else next(
-            (c for c in self.candidates if (c.policy, c.topology) == (START, "ring")), None)
+
+    def _start_on(self, candidate: Candidate, measuring: bool) -> None:
+        """Run ``candidate`` from the first step (before it; every worker starts on the same
+        code); ``measuring``: it is what auto measures under, and the decision log says so."""
+        self.code = auto_code(candidate.policy, candidate.topology)
+        self.running_candidate, self.decider.current = candidate, candidate
+        self.running = self._fresh(candidate)
+        self.start = candidate if measuring else None
+        self.timeline = [{"policy": candidate.policy, "after_round": 0, "at_s": 0.0}]
 
     def _ring_only(self, reason: str | None, say: bool = True) -> None:
         """The job cannot host the parameter server (``reason``; None: nothing to do): its
@@ -219,14 +227,12 @@ class AutoPolicy(Policy):
         start = time.perf_counter()
         if self.t0 is None:
             self.t0 = now
-            if self.start is not None and self.start != self.running_candidate:
-                self._schedule(self.start, now, confirm=False)
+            if self.start is not None:
                 self.decider.records.append(DecisionRecord(
-                    at_s=0.0, trigger="start", measurements={}, ranking=[],
-                    previous=self.decider.current.label, chosen=self.start.label, switch=True,
-                    reason=f"{self.start.label} while auto measures (its fast workers step, not wait)",
-                    switch_after_round=self.switch_after))
-                self.decider.current = self.start
+                    at_s=0.0, trigger="start", measurements={}, ranking=[], previous="",
+                    chosen=self.start.label, switch=False, switch_after_round=None,
+                    reason=f"{self.start.label} from the first step, while auto measures (its "
+                           f"fast workers step, not wait)"))
         if k > 1:    # the first step's compute holds the start-up (model, data, first pass)
             self.window.add_compute(w, compute)
         if k > 0:

@@ -55,8 +55,9 @@ from collections import deque
 
 import torch
 
-from mpsync.config import refuse_ps_plan
-from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_target, hosts_shards
+from mpsync.config import parse_auto_plan, refuse_ps_plan
+from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_start_code, auto_target, \
+    hosts_shards
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategy_base import Strategy, spec_of
 
@@ -128,7 +129,9 @@ class Switching(Strategy):
         self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
         if hosts_shards(config):
             self._ring_only_if(shards_unavailable(dtypes=[str(b.dtype) for b in buffers]))
-        self.__dict__["inner"] = self._make(1, None)
+        # The server starts on the same code (AutoPolicy): one rule for both.
+        self.__dict__["inner"] = self._make(
+            auto_start_code(bool(parse_auto_plan(config.auto_plan))), None)
 
     def _ring_only_if(self, reason: str | None) -> None:
         """A model the parameter server cannot hold (``reason``; None: it can): the server's
