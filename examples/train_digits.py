@@ -45,7 +45,9 @@ for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for xb, yb in loader:  # this worker's shard
         opt.zero_grad()
-        F.cross_entropy(model(xb), yb).backward()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.report_loss(loss, epoch=epoch + 1)  # optional: policy auto's loss watch, OSP
         opt.step()  # a local step or an aggregation, as the state server decides
 
 rank, workers, policy = mps.rank(), mps.size(), mps.config().policy

@@ -133,7 +133,7 @@ def ring_only() -> None:
 
 def diverging_on_the_ps() -> None:
     """``auto`` deciding (no plan) at equal speeds, where it moves to the parameter server;
-    each worker reports a converging training loss (``note_progress``, as ``mpsync train``
+    each worker reports a converging training loss (``report_loss``, as ``mpsync train``
     does) until it has run 4 s on the PS, then the loss of a diverged run.  The server must
     leave the PS for the ring, and the ring restart from the weights the lowest worker held
     on the PS before the loss rose.  Each worker records the digest of its
@@ -157,7 +157,7 @@ def diverging_on_the_ps() -> None:
         time.sleep(0.02)
         now = time.perf_counter()
         diverged = on_ps_since is not None and now - on_ps_since > 4.0
-        opt.strategy.note_progress(1, 2.3 if diverged else 2.3 * math.exp(-(now - t0) / 5.0))
+        opt.report_loss(2.3 if diverged else 2.3 * math.exp(-(now - t0) / 5.0))
         opt.step()
         step += 1
         if opt.strategy.topology == "ps":
@@ -177,3 +177,33 @@ def diverging_on_the_ps() -> None:
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
+
+
+def loss_reports() -> None:
+    """A script's own loop under ``auto`` reporting its loss (``opt.report_loss``): a tensor
+    each step, every 0.02 s, for 1.5 s; bad arguments first (each must be refused)."""
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=60)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    refused = []
+    for bad, kw in ((torch.ones(2), {}), (1.0, {"epoch": 0})):
+        try:
+            opt.report_loss(bad, **kw)
+        except ValueError as e:
+            refused.append(str(e))
+    t0, step = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 1.5:
+        x, y = _data(8, seed=1000 * mps.rank() + step)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.report_loss(loss, epoch=1)
+        time.sleep(0.02)
+        opt.step()
+        step += 1
+    opt.synchronize()
+    server = mps.stats()["server"]
+    mps.shutdown()
+    _result(rank=mps.rank(), steps=step, refused=refused,
+            training_loss=(server.get("policy_state") or {}).get("training_loss"))

@@ -190,3 +190,21 @@ def test_the_server_policy_leaves_a_policy_under_which_the_loss_diverges():
         assert pol.describe()["training_loss"]["reports"] > 100
     finally:
         pol.ranker.close()
+
+
+def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
+    """``opt.report_loss`` in a user's own loop (not ``mpsync train``) feeds auto's loss watch
+    on the server, about every 0.1 s per worker; a loss of several numbers, or epoch 0, is
+    refused with a message naming it."""
+    from mpi_harness import run_mpi
+
+    run = run_mpi("auto_programs:loss_reports", np=3, timeout=120)
+    res = run.results()
+    assert sorted(res) == [1, 2], run.report()   # (world rank 0 is the server)
+    for r in res.values():
+        assert any("one number" in m for m in r["refused"]) and \
+            any("1-based" in m for m in r["refused"]), r["refused"]
+    watch = res[1]["training_loss"]
+    # Two workers for 1.5 s, one report per 0.1 s each (the first at the first step).
+    assert 16 <= watch["reports"] <= 40, watch
+    assert watch["initial"] is not None and 1.0 < watch["initial"] < 4.0, watch

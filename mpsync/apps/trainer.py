@@ -234,7 +234,7 @@ class Worker:
         self.opt.zero_grad()
         loss = self.loss_fn(self.model(torch.from_numpy(xb)), torch.from_numpy(yb))
         loss.backward()
-        self.opt.strategy.note_progress(self.epoch + 1, loss.item())   # OSP's Alg. 1
+        self.opt.report_loss(loss, epoch=self.epoch + 1)   # auto's loss watch, OSP's Alg. 1
         self.hetero.pad(time.perf_counter() - t_iter, self.wall())
         round_before = self.opt.strategy.round
         self.opt.step()

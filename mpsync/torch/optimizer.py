@@ -49,6 +49,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     * ``sparse_as_dense``: sparse gradients are made dense before the aggregation (without
       it a sparse gradient is refused with this advice).
 
+    ``report_loss(loss, epoch=None)``: this iteration's training loss, before ``step()``
+    (mpsync's own API, not Horovod's).  ``policy="auto"`` watches it, and leaves a policy it
+    switched to that undoes the run's progress (the parameter server's full updates can
+    diverge at a learning rate the ring converges at); OSP schedules its syncs by the loss and
+    the epoch.  A script that never calls it trains the same, without that watch.
+
     ``synchronize()``: right after backward (gradients not yet stepped on: Horovod's gradient
     clipping idiom) it makes the gradients final: under BSP it averages them now and the
     ``step()`` inside ``skip_synchronize()`` does not average again; local-step policies step
@@ -83,6 +89,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
                        for _, p in named if p.requires_grad]
         self._last_step_end = time.perf_counter()
+        self._epoch = 1                # the last epoch report_loss was told (1-based)
         self._strategy: Strategy | None = None
         self._leader = None  # the DistributedOptimizer whose rounds this one follows
         self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
@@ -290,6 +297,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         strategy.iteration += 1
         self._counters.iterations += 1
         return loss
+
+    def report_loss(self, loss, epoch: int | None = None) -> None:
+        """This iteration's training loss (a number or a one-element tensor) and, if given,
+        its 1-based epoch (kept for later calls), before ``step()`` (class doc)."""
+        if torch.is_tensor(loss):
+            if loss.numel() != 1:
+                raise ValueError(f"report_loss: the loss must be one number, got a tensor of "
+                                 f"shape {tuple(loss.shape)}")
+            loss = loss.detach().item()
+        if epoch is not None:
+            if int(epoch) < 1:
+                raise ValueError(f"report_loss: epoch is 1-based, got {epoch}")
+            self._epoch = int(epoch)
+        self._ready().note_progress(self._epoch, float(loss))
 
     def exclude_from_compute(self, seconds: float) -> None:
         """``seconds`` the training loop spent since the last step on something other than
