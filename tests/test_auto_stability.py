@@ -62,6 +62,22 @@ def test_a_divergence_after_progress_trips_it_within_two_checks(seed):
     assert at <= 10.5, at
 
 
+@pytest.mark.parametrize("given_back, trips", [(0.4, True), (0.15, False)])
+def test_a_swing_that_gives_back_a_third_of_the_progress_trips_it(given_back, trips):
+    """The other shape seen on the PS at equal speeds: no collapse to chance level, but a
+    loss that swings back up for seconds at a time.  Giving back 40% of the progress over
+    2 s trips it; 15% (with the noise) does not."""
+    rng = np.random.default_rng(4)
+    watch = LossWatch()
+    _feed(watch, 0.0, 3.0, _converging, rng)
+    watch.begin(3.0, "ssp/ps")
+    assert _feed(watch, 3.0, 12.0, _converging, rng) == (None, None)
+    low = _converging(12.0)
+    swung = low + given_back * (_converging(0.0) - low)
+    reason, at = _feed(watch, 12.0, 14.0, lambda t: swung, rng)
+    assert (reason is not None) == trips, (reason, at)
+
+
 def test_no_progress_yet_means_nothing_to_undo():
     """A switch before the loss has moved (2.30 -> 2.28): a rise to 2.6 is not judged."""
     rng = np.random.default_rng(0)

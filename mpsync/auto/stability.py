@@ -8,7 +8,13 @@ Downpour-style update of ASP, SSP and DSSP: n workers move the model by the *sum
 steps where the ring moves it by their mean), so a learning rate tuned for the ring acts
 about n times larger there, and at the edge of stability a run that was converging faster
 can diverge in under a second (at equal speeds, lr 0.05 with momentum 0.9, 4 workers: the
-evaluation loss went from 1.6 to 2.3, chance level, twice in two runs, ``bench/auto``).
+evaluation loss went from 1.6 to 2.3, chance level, twice in two runs, ``bench/auto``), or
+swing for many seconds without settling (one such run: the evaluation loss between 0.44 and
+1.43 for 15 s, the accuracy between 0.58 and 0.85, where the ring reached 0.9 within 1.2 s of
+the switch back).  ``undone`` is 0.3: a swing that gives back a third of the run's progress,
+over a whole second and on two checks, is that instability, not minibatch noise (a 1 s mean
+of 4 workers' reports moves by a few percent); at 0.5 the swinging run above was left only
+after 26 s on the PS.
 
 :class:`LossWatch` measures instead of predicting: the workers report their training loss
 (each a mean over its last iterations), and a policy *undoes its progress* when the mean
@@ -41,7 +47,7 @@ class LossWatch:
     ``check(now)``: why the running phase is diverging, or None.
     """
 
-    def __init__(self, *, window_s: float = 1.0, min_reports: int = 6, undone: float = 0.5,
+    def __init__(self, *, window_s: float = 1.0, min_reports: int = 6, undone: float = 0.3,
                  rise: float = 0.2, min_progress: float = 0.1, confirm: int = 2):
         if not (window_s > 0 and min_reports >= 1 and 0 < undone and rise >= 0
                 and 0 <= min_progress < 1 and confirm >= 1):
