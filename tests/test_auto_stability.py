@@ -140,12 +140,13 @@ def test_the_decider_goes_back_and_never_chooses_an_unstable_candidate_again():
     assert not later.switch and d.current == ebsp, later.reason
 
 
-def test_the_server_policy_leaves_a_policy_under_which_the_loss_diverges():
+def test_the_server_policy_does_not_judge_a_ring_policy_by_the_loss():
     """AutoPolicy as the state server runs it (no MPI: the calls on a virtual clock, the
     ranking in its real helper process; ring only): worker 3 slowing down makes it switch away
-    from BSP; the workers' loss reports then jump back to the initial level, and it switches
-    back to BSP, the decision naming the training loss, and marks the policy it left
-    unstable."""
+    from BSP; the workers' loss reports then jump back to the initial level, and it stays:
+    the watch guards the PS's full updates only (a ring policy after them inherits their
+    weights; going back to the PS for that, and ruling the ring out, once cost a run 40 s).
+    Leaving a diverging PS is tests/test_auto_switch.py's."""
     from mpsync.config import SyncConfig
     from mpsync.server.policies import make_policy
     from mpsync.server.wire import SYNC
@@ -197,12 +198,12 @@ def test_the_server_policy_leaves_a_policy_under_which_the_loss_diverges():
         run(slowed, lambda: False, 2.0)
         assert not any(r.trigger == "training loss" for r in pol.decider.records)
         diverged = True
-        assert run(slowed, lambda: pol.decider.records[-1].trigger == "training loss", 5.0), \
+        assert not run(slowed, lambda: pol.decider.records[-1].trigger == "training loss", 5.0), \
             [r.as_dict() for r in pol.decider.records]
-        back = pol.decider.records[-1]
-        assert back.switch and back.previous == chosen and back.chosen == "bsp/ring", \
-            back.as_dict()
-        assert chosen in pol.decider.unstable
+        # The rise was seen (the watch measured it), and nothing was done about it.
+        assert pol.losses.check(now) is not None
+        assert pol.running_candidate.label == chosen and pol.switch_after is None
+        assert not pol.decider.unstable
         assert pol.describe()["training_loss"]["reports"] > 100
     finally:
         pol.ranker.close()

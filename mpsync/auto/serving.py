@@ -13,9 +13,10 @@ the server's one ``WorkerTable``, and meanwhile:
   decision (the first one, or a confirmed change); if so the ranking (every switchable
   candidate simulated on the measurements) runs in a helper process (``helper.Ranker``) and
   the answer is picked up by a later query, which never waits for it;
-* watches the training loss the workers report (``stability.LossWatch``): a policy it switched
-  to that undoes the run's progress (the parameter server's full updates can diverge at a
-  learning rate the ring converges at) is left for the one it replaced, and not chosen again;
+* watches the training loss the workers report (``stability.LossWatch``): a PS policy applying
+  updates in full that it switched to and that undoes the run's progress (those updates can
+  diverge at a learning rate the ring converges at) is left for the policy it replaced (the
+  ring), and no such policy is chosen again; a ring policy is not judged;
 * switches: the SYNC replies carry the code of the policy to run after their round; a switch
   decided now takes effect after the first round no SYNC has been sent for yet, so every
   worker switches after the same round.  Each worker's messages go to the old policy until its
@@ -78,6 +79,12 @@ def live_candidates(config) -> list[Candidate]:
             else:
                 out.append(Candidate(name, "ps"))
     return out
+
+
+def _applies_in_full(candidate: Candidate) -> bool:
+    """Does ``candidate`` apply every worker's update in full (ASP, SSP, DSSP on the PS: the
+    updates the loss watch guards, ``stability``)?"""
+    return candidate.topology == "ps" and not policies.get(candidate.policy).ps_average
 
 
 def _planned(candidates, name: str, config) -> Candidate:
@@ -327,18 +334,21 @@ class AutoPolicy(Policy):
         self.losses.add(now, loss, count)
 
     def _watch_loss(self, now: float) -> None:
-        """The running policy undoes the run's progress (``LossWatch``): back to the one the
-        decision left, and neither it nor (on the PS) any candidate applying updates in
-        full is chosen again in this run."""
+        """The running PS policy applying updates in full undoes the run's progress
+        (``LossWatch``): back to the policy the decision left (the ring auto started on, if
+        that was another such policy), and no candidate applying updates in full is chosen
+        again in this run."""
         reason = self.losses.check(now)
         if reason is None or self.back_to is None or self.planned:
             return
         running, back = self.running_candidate, self.back_to
-        if running.topology == "ps" and not policies.get(running.policy).ps_average:
-            unstable = [c for c in self.candidates if c.topology == "ps"
-                        and not policies.get(c.policy).ps_average]
-        else:
-            unstable = [running]
+        # Only the PS's full updates are judged.  A ring policy after one of them starts from
+        # its weights and momentum, and a rise then is the PS's legacy: going back to the PS
+        # for it, and ruling the ring out for the rest of the run, once cost a run at the
+        # 4x straggler 40 s (bench/auto).
+        if not _applies_in_full(running):
+            return
+        unstable = [c for c in self.candidates if _applies_in_full(c)]
         if back in unstable:      # (a PS -> PS switch: go back to the ring auto started on)
             back = self.start or self.candidates[0]
         # Leaving the PS, the ring restarts from the snapshot of the last seconds' weights
