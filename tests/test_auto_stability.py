@@ -78,6 +78,23 @@ def test_a_swing_that_gives_back_a_third_of_the_progress_trips_it(given_back, tr
     assert (reason is not None) == trips, (reason, at)
 
 
+def test_risen_says_when_the_loss_is_up_from_its_phases_lowest():
+    """What a switch off the PS for another reason (a slower worker) reads to decide whether
+    the ring restarts from a snapshot: the last second's mean more than 20% above the phase's
+    lowest, or not finite."""
+    rng = np.random.default_rng(5)
+    watch = LossWatch()
+    _feed(watch, 0.0, 3.0, _converging, rng)
+    watch.begin(3.0, "ssp/ps")
+    _feed(watch, 3.0, 10.0, _converging, rng)
+    assert not watch.risen(10.0)
+    _feed(watch, 10.0, 11.5, lambda t: 1.6 * _converging(10.0), rng)
+    assert watch.risen(11.5)
+    watch.add(11.55, float("inf"))
+    assert watch.risen(11.6)
+    assert not LossWatch().risen(0.0)
+
+
 def test_no_progress_yet_means_nothing_to_undo():
     """A switch before the loss has moved (2.30 -> 2.28): a rise to 2.6 is not judged."""
     rng = np.random.default_rng(0)

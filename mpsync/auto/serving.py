@@ -104,14 +104,10 @@ class AutoPolicy(Policy):
         # A fixed plan of switches (config.auto_plan) replaces the decisions: no ranking.
         self.plan = parse_auto_plan(config.auto_plan)
         self.planned = bool(self.plan)
-        # What runs from the first step, while auto measures (auto_start_code, the same on
-        # every worker): ElasticBSP.  Its barriers let the fast workers step instead of
-        # waiting; a switch waits for its next barrier (a few iterations: ZipLine's
-        # lookahead).  Every worker starts from the same broadcast weights, as under BSP.  In
-        # mpsync's nine comparisons (bench/auto/README.md) its median time to target was at
-        # most 1.06x ESync's, and 0.73-0.82x in three (stragglers, 1gbit); where it is the one
-        # to run (stragglers, slow links) the decision then needs no switch.  A wrong first
-        # guess costs less than BSP's waiting would.  A plan starts on BSP.
+        # From the first step, while auto measures (auto_start_code, also on every worker):
+        # ElasticBSP.  Its fast workers step instead of waiting at its barriers; where it is
+        # the one to run (stragglers, slow links: bench/auto/README.md) the decision needs no
+        # switch, and a wrong first guess costs less than BSP's waiting.  A plan starts on BSP.
         code = auto_start_code(self.planned)
         self.decider = Decider(next(c for c in self.candidates
                                     if auto_code(c.policy, c.topology) == code), explore=True)
@@ -342,10 +338,9 @@ class AutoPolicy(Policy):
         if reason is None or self.back_to is None or self.planned:
             return
         running, back = self.running_candidate, self.back_to
-        # Only the PS's full updates are judged.  A ring policy after one of them starts from
-        # its weights and momentum, and a rise then is the PS's legacy: going back to the PS
-        # for it, and ruling the ring out for the rest of the run, once cost a run at the
-        # 4x straggler 40 s (bench/auto).
+        # Only the PS's full updates are judged: a ring policy after them starts from their
+        # weights and momentum, and sending it back to the PS for that legacy (ruling the
+        # ring out) once cost a run 40 s (bench/auto).
         if not _applies_in_full(running):
             return
         unstable = [c for c in self.candidates if _applies_in_full(c)]
@@ -474,6 +469,9 @@ class AutoPolicy(Policy):
             return
         self.next, self.next_code, self.next_candidate = new, code, candidate
         if leaving == "ps":
+            # Off the PS for any reason while its loss is up from its phase's lowest: the
+            # ring restarts from the snapshot with the lowest loss, not from the rise.
+            self.rollback = self.losses.risen(now)
             self.gathering = Gathering(self.t, now)
         else:
             self.switch_after = self.sync_sent + 1

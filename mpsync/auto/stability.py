@@ -131,6 +131,14 @@ class LossWatch:
                 f"{self.phase_label}, undoing {rose / progress:.0%} of the progress from "
                 f"{self.initial:.3f} (more than {self.undone:.0%}, on {self.confirm} checks)")
 
+    def risen(self, now: float) -> bool:
+        """The last window's mean is above its phase's lowest by more than ``rise`` (or not
+        finite): weights from before the rise are the better ones to go on from."""
+        level = self.level(now)
+        if level is None or self.phase_lowest is None:
+            return False
+        return not math.isfinite(level) or level > (1.0 + self.rise) * self.phase_lowest
+
     def describe(self) -> dict:
         def r(x):
             return None if x is None or not math.isfinite(x) else round(x, 4)
