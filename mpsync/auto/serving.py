@@ -3,7 +3,7 @@
 :class:`AutoPolicy` is what the registry names as ``auto``'s server class, so the server
 never imports the simulator: it gets this decider from the registry like any other policy.  It
 answers every step with the rules of the policy running now (ElasticBSP from the first
-step while it measures: ``START``; BSP under a plan of switches), over
+step while it measures: ``policies.auto_start_code``; BSP under a plan of switches), over
 the server's one ``WorkerTable``, and meanwhile:
 
 * measures: each worker's compute time per iteration (the reports: ``measurements.Window``),
@@ -56,7 +56,6 @@ __all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS", "live_cand
 CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the queries' clock)
 RANK_EVERY_S = 2.0       # and at most this often ranked again
 WARM_UP_S = 1.0          # measured under the starting policy at least this long
-START = policies.AUTO_MEASURING   # the ring policy auto runs while it measures (AutoPolicy.start)
 CONFIRM_AFTER_S = 4.0    # a switch's progress is measured this long before it is confirmed
 MIN_REPORTS = 3          # ... and until every worker has reported this often,
 EARLY_REPORTS = 2        # or this often where its reports agree within EARLY_AGREEMENT
