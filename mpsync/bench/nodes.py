@@ -301,14 +301,18 @@ def format_table(rows: list[dict], variants: list[str], job_variants=()) -> str:
             ("mpsync_link_fraction", "mpsync busbw/link", ".2f"),
             ("horovod_link_fraction", "hvd busbw/link", ".2f"),
             ("mpi_link_fraction", "mpi busbw/link", ".2f"),
-            ("shift_link_fraction", "shift/link", ".2f")]
+            ("shift_link_fraction", "shift/link", ".2f"),
+            ("ps_alltoall_link_fraction", "PS all-to-all/link", ".2f"),
+            ("ps_pairwise_link_fraction", "PS pairwise/link", ".2f")]
     for v in job_variants:
         cols += [(f"mpsync_vs_horovod_{v}", f"ratio {v}", ".2f"),
                  (f"mpsync_{v}_link_fraction", f"mpsync {v}", ".2f"),
                  (f"horovod_{v}_link_fraction", f"hvd {v}", ".2f")]
     for v in variants:
         cols += [(f"probe_mpi_{v}_link_fraction", f"mpi {v}", ".2f"),
-                 (f"shift_{v}_link_fraction", f"shift {v}", ".2f")]
+                 (f"shift_{v}_link_fraction", f"shift {v}", ".2f"),
+                 (f"ps_alltoall_{v}_link_fraction", f"PS all-to-all {v}", ".2f"),
+                 (f"ps_pairwise_{v}_link_fraction", f"PS pairwise {v}", ".2f")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |",
              "|" + "---:|" * len(cols)]
@@ -320,8 +324,14 @@ def format_table(rows: list[dict], variants: list[str], job_variants=()) -> str:
 
 # -- rank side ---------------------------------------------------------------------------------
 def _probe_child(sizes, max_repeats, budget) -> None:
-    """Raw mpi4py ``Allreduce`` and a ring shift (``Sendrecv`` of the whole buffer to the
-    right neighbour, from the left one), interleaved, per size."""
+    """Raw mpi4py, interleaved, per size: ``Allreduce``; a ring shift (``Sendrecv`` of the
+    whole buffer to the right neighbour, from the left one); and the sharded parameter
+    server's traffic with one shard per node, without the parameter server: every node sends
+    a 1/n slice to each other node and gets one back from each, twice (a push and its pull's
+    reply), all at once (``ps_alltoall``) or scheduled pairwise (``ps_pairwise``: in step k a
+    node pushes to node i+k and answers node i-k, one flow each way per link).  Both move
+    2(n-1)/n of the buffer each way per node, as a ring allreduce does, so their link
+    fractions compare with the ring's on the network alone."""
     import numpy as np
     from mpi4py import MPI
 
@@ -330,10 +340,32 @@ def _probe_child(sizes, max_repeats, budget) -> None:
     for nbytes in sizes:
         arr = np.ones(max(1, nbytes // 4), dtype=np.float32)
         send, recv = np.ones_like(arr), np.empty_like(arr)
+        part = max(1, nbytes // n)
+        out_slice = np.ones(part, dtype=np.uint8)
+        pushes, replies = np.empty((n, part), dtype=np.uint8), np.empty((n, part), dtype=np.uint8)
+        peers = [p for p in range(n) if p != rank]
+
+        def alltoall():
+            reqs = [world.Irecv(pushes[p], source=p, tag=1) for p in peers]
+            reqs += [world.Irecv(replies[p], source=p, tag=2) for p in peers]
+            reqs += [world.Isend(out_slice, dest=p, tag=t) for p in peers for t in (1, 2)]
+            MPI.Request.Waitall(reqs)
+
+        def pairwise():
+            for k in range(1, n):
+                to, frm = (rank + k) % n, (rank - k) % n
+                MPI.Request.Waitall([
+                    world.Irecv(pushes[frm], source=frm, tag=1),
+                    world.Irecv(replies[to], source=to, tag=2),
+                    world.Isend(out_slice, dest=to, tag=1),
+                    world.Isend(out_slice, dest=frm, tag=2)])
+
         row = timed(world, {
             "probe_mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "shift_ms": lambda: world.Sendrecv(send, dest=(rank + 1) % n, recvbuf=recv,
                                                source=(rank - 1) % n),
+            "ps_alltoall_ms": alltoall,
+            "ps_pairwise_ms": pairwise,
         }, max_repeats, budget)
         if rank == 0:
             print("ROW " + json.dumps(dict(row, bytes=nbytes)), flush=True)
