@@ -101,7 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"2 on one host (default: $MPSYNC_PS_SHARDS or {d.ps_shards})")
     g.add_argument("--ps-optimizer", default=None, choices=PS_OPTIMIZERS,
                    help=f"topology ps: who runs the optimizer, each worker (pushing the delta "
-                        f"of its step) or the shards (workers push gradients; SGD or Adam) "
+                        f"of its step) or the shards (workers push gradients; SGD or Adam; "
+                        f"where every push is applied in full, a step per worker's gradient: "
+                        f"divide the ring's --lr by the workers) "
                         f"(default: $MPSYNC_PS_OPTIMIZER or {d.ps_optimizer})")
     g.add_argument("--no-auto-ps", action="store_true", default=None,
                    help="policy auto: switch on the ring only, hosting no parameter-server "
