@@ -166,6 +166,34 @@ def refusals_by_policy() -> None:
     print(f"REFUSALS-OK rank={mps.rank()}", flush=True)
 
 
+def joined_while_others_train() -> None:
+    """Worker 0 trains 3 steps and joins while the others train 30 and then call collectives:
+    its optimizer's join, waiting for the others (the PS's for the last pushes, the ring's in
+    an aggregation), answers them (zeros, as in Horovod), and join() names one of the others."""
+    policy, topology = _arg("policy", "ssp"), _arg("topology", "ps")
+    mps.init(policy=policy, topology=topology, backend="mpi", deadline=20)
+    r, n = mps.rank(), mps.size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(8, 4)
+    for _ in range(3 if r == 0 else 30):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    if r != 0:
+        assert mps.allreduce(torch.ones(2), op=mps.Sum).tolist() == [float(n - 1)] * 2
+        mps.barrier()
+    last = mps.join()
+    assert last in range(1, n), last
+    opt.synchronize()
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    assert mps.allgather_object(digest) == [digest] * n
+    mps.shutdown()
+    print(f"JOINED-OK rank={r} last={last}", flush=True)
+
+
 def from_environment() -> None:
     """``init()`` with no arguments takes the policy and topology from MPSYNC_*."""
     mps.init()

@@ -7,9 +7,11 @@ collectives (``mpi_ops``).  A joined worker answers both at once: member 0's neg
 counts it as present for every name (:mod:`~mpsync.torch._negotiation`), and while its
 optimizers' joins wait inside an aggregation the backend calls :meth:`JoinService.poll`
 between polls, so an ``allreduce`` the others call between two optimizer steps is answered
-(zeros, as in Horovod) instead of waiting for the deadline; an allgather, broadcast, alltoall
-or reducescatter raises on the others, as in Horovod 0.28.1.  When every worker has joined,
-all return the worker that joined last.
+(zeros, as in Horovod) instead of waiting for the deadline (on the PS, also while its join
+waits for the others' last pushes); an allgather, broadcast, alltoall or reducescatter raises
+on the others, as in Horovod 0.28.1.  When every worker has joined, all return the worker that
+joined last, as member 0 read the joins: it reads them at each of its own steps and while it
+waits, so joins closer together than one of its steps may be read in either order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class JoinService:
         ops.all_joined = None
         ops.joined = self._take_part
         ops.channel.join()
+        if ops.coordinator is not None:
+            ops.coordinator.step()  # member 0's own join counts from now, not from its next read
 
     def _take_part(self, records):
         return take_part_joined(self.ops, records) if self.ops.check(records) is None else None

@@ -94,6 +94,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._leader = None  # the DistributedOptimizer whose rounds this one follows
         self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
         self._set_ops = None  # a process set's collectives, when it aggregates over one
+        self._coordinator = None  # member 0's negotiation of the script's collectives
         # Horovod lets a script build its optimizer before init(): the policy's strategy is
         # then made at the first use (every worker gets there in the same order).
         self._pending = dict(named=named, compression=compression, op=op,
@@ -120,6 +121,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if set_ops is not None:
             backend, client, rank = set_ops.aggregator, None, set_ops.rank
         self._set_ops = set_ops
+        self._coordinator = getattr(ctx.user_ops, "coordinator", None) if set_ops is None \
+            else None
         self._strategy = make_strategy(
             ctx.config, self.optimizer, self._buffers, backend, client, ctx.counters,
             worker_rank=rank)
@@ -241,6 +244,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else strategy.step(compute_time, closure)
         self._passes, self._counted = 0, set()
         self._model_in_sync = False
+        if self._coordinator is not None:
+            # Member 0 reads the others' requests at every step, not only inside a collective
+            # of its own: join() names the worker that joined last by when it was read, and a
+            # name the others submitted is answered one step after member 0 submits it too.
+            self._coordinator.step()
         if self._leader is not None:
             # The final join runs through the leader: it has something to finish now.
             self._leader._model_in_sync = False

@@ -306,7 +306,7 @@ class ParameterServer(LocalStepsThenAggregate):
                     shards.check_workers(f"worker {self.worker_rank} waiting in join() for "
                                          f"the others")
                     watch_at = time.monotonic() + _WATCH_EVERY_S
-                time.sleep(pace)
+                _rest(pace, getattr(self.backend, "while_waiting", None))
             self.reset(0.0)
         finally:
             self.joined = False
@@ -322,6 +322,23 @@ class ParameterServer(LocalStepsThenAggregate):
         self._broadcast_model()
         self._aggregated(t0, self._base.nbytes)
         self.settled = True
+
+
+
+def _rest(seconds: float, answer) -> None:
+    """Sleep ``seconds``; under ``hvd.join()`` (``answer`` set) answer the script's
+    collectives meanwhile, as a joined worker on the ring does inside its aggregations: the
+    others may call one while this worker waits here for their last pushes."""
+    if answer is None:
+        time.sleep(seconds)
+        return
+    end = time.monotonic() + seconds
+    while True:
+        answer()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 1e-3))
 
 
 class ElasticSuperstep(ParameterServer):

@@ -11,7 +11,8 @@ each rank prints its training throughput over the epochs (``THROUGHPUT``).
 
 After the epochs, ``--fixed-steps N`` runs N more steps on every worker (``--uneven-steps K``:
 worker r runs K*r more), then ``optimizer.synchronize()`` (``--end join``: ``hvd.join()``
-first), an evaluation and ``hvd.shutdown()``.
+first, each worker printing the wall-clock time it called it, ``JOIN-CALLED``), an evaluation
+and ``hvd.shutdown()``.
 """
 
 import argparse
@@ -164,6 +165,7 @@ def main():
     for _ in range(steps):
         train_batch(*next(batches))
     if args.end == "join":
+        print(f"JOIN-CALLED rank={hvd.rank()} at={time.time():.6f}", flush=True)
         last = hvd.join()
         if hvd.rank() == 0:
             print(f"JOINED last={last}", flush=True)
