@@ -1,5 +1,5 @@
 """Smoke tests of ``mpsync bench allreduce`` and ``mpsync bench memory``: real mpirun jobs on
-tiny sizes, each under a hard subprocess timeout (60 + 40 s at most), checking the JSON shapes the benchmarks promise
+tiny sizes, each under a hard subprocess timeout (180 s), checking the JSON shapes the benchmarks promise
 and the memory accounting's basic facts."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 
 from mpsync.bench.memory import CASES
 
@@ -22,26 +21,24 @@ def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_bench_allreduce_json_is_a_list_of_rows():
-    start = time.monotonic()
     sizes = [4096, 65536]
     r = _bench(["allreduce", "--np", "2", "--sizes", ",".join(map(str, sizes)), "--json",
-                "--max-repeats", "5", "--seconds-per-point", "0.2", "--timeout", "55"],
-               timeout=60)
+                "--max-repeats", "5", "--seconds-per-point", "0.2", "--timeout", "170"],
+               timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout)  # the whole of stdout is the JSON list
     assert isinstance(rows, list) and [row["bytes"] for row in rows] == sizes
     for row in rows:
         for key in ROW_KEYS[1:]:
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
-    assert time.monotonic() - start < 60
 
 
 def test_bench_memory_rows_per_policy():
-    start = time.monotonic()
     # One worker (2 ranks with the server) took 17-30 s on the shared 2-core machine (3 ranks:
-    # 37 s); the buffers a worker holds do not depend on the number of workers.
+    # 37 s); the buffers a worker holds do not depend on the number of workers.  The limits
+    # leave room for a loaded machine: how long the bench takes is not what is tested.
     r = _bench(["memory", "--np", "1", "--layers", "2", "--width", "64", "--steps", "2",
-                "--json", "--timeout", "38"], timeout=40)
+                "--json", "--timeout", "170"], timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["case"]: row for row in json.loads(r.stdout)}
     assert set(rows) == {c[0] for c in CASES}
@@ -61,7 +58,6 @@ def test_bench_memory_rows_per_policy():
     esync = rows["esync"]
     assert esync["extra_beyond_fusion_bytes"] >= param_bytes, esync
     assert rows["asp-ps"]["extra_beyond_fusion_bytes"] >= param_bytes, rows["asp-ps"]
-    assert time.monotonic() - start < 40
 
 
 def test_bench_startup_refuses_a_job_without_workers_before_launching():

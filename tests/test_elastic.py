@@ -175,9 +175,10 @@ def test_time_driven_policies_restart_and_reach_the_target(tmp_path, policy, tar
     # The evaluations go on from the committed wall time: none lost before the checkpoint.
     walls = [e["wall_s"] for e in metrics["evals"]]
     assert walls == sorted(walls) and walls[-1] > ckpt["wall_s"]
-    # The restarted run reaches the target after the checkpoint.  Its final accuracy is not
-    # asserted: where SSP's swings leave it at the end says nothing of the restart.
+    # The restarted run reaches the target after the checkpoint (the run before it may have
+    # too, if the kill came late).  Its final accuracy is not asserted: where SSP's swings
+    # leave it at the end says nothing of the restart.
     reached = [e for e in metrics["evals"] if e["accuracy"] >= target]
-    assert reached and reached[0]["wall_s"] > ckpt["wall_s"], (metrics["evals"], log[-3000:])
+    assert any(e["wall_s"] > ckpt["wall_s"] for e in reached), (metrics["evals"], log[-3000:])
     assert metrics["time_to_target_s"] == pytest.approx(reached[0]["wall_s"])
     assert 0.0 < metrics["final_loss"] < 2.3, metrics["final_loss"]   # below chance's 2.30

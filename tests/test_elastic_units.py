@@ -144,10 +144,10 @@ def test_sealed_file_refuses_truncation_and_corruption(tmp_path):
 
 
 def test_background_writer_supersedes_waiting_jobs_and_reports_errors():
-    gate, done = threading.Event(), []
+    gate, started, done = threading.Event(), threading.Event(), []
     w = BackgroundWriter()
-    w.submit(lambda: (gate.wait(5), done.append(1)))
-    time.sleep(0.05)                     # the first job is running, held at the gate
+    w.submit(lambda: (started.set(), gate.wait(5), done.append(1)))
+    assert started.wait(5)               # the first job is running, held at the gate
     w.submit(lambda: done.append(2))
     w.submit(lambda: done.append(3))     # replaces 2, which never started
     gate.set()

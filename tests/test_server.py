@@ -153,10 +153,14 @@ def test_esync_fast_workers_run_more_local_iterations_and_the_slowest_barely_wai
     # last of those ends exactly when the slowest's does, so any per-iteration overhead (the
     # query, sleep overshoot) puts it past the boundary: 4/s - 1 .. 4/s per round, on the
     # median of rounds (a descheduled rank can shorten a round).
+    # The upper bound on every round holds where the round and the one before it were clean: a
+    # slowest worker descheduled in its iteration reports a longer one, and its peers rest
+    # into that time.
+    settled = clean & np.r_[True, clean[:-1]]
     for w, ideal in ((0, 4), (1, 4), (2, 2)):
         med = float(np.median(per_round[w]))
         assert ideal - 1 <= med <= ideal, (w, per_round[w].tolist())
-        assert per_round[w].max() <= ideal + 1, (w, per_round[w].tolist())
+        assert per_round[w][settled].max() <= ideal + 1, (w, per_round[w].tolist(), settled)
     fast_ratio = [float(np.median(per_round[w])) for w in (0, 1)]  # the slowest runs 1
     assert all(3 <= r <= 5 for r in fast_ratio), fast_ratio      # "about 4x"
     assert np.median(per_round[0]) > np.median(per_round[2])     # 1x runs more than 2x
