@@ -324,7 +324,6 @@ class ParameterServer(LocalStepsThenAggregate):
         self.settled = True
 
 
-
 def _rest(seconds: float, answer) -> None:
     """Sleep ``seconds``; under ``hvd.join()`` (``answer`` set) answer the script's
     collectives meanwhile, as a joined worker on the ring does inside its aggregations: the
