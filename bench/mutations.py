@@ -93,7 +93,7 @@ MUTATIONS = [
                      f"_after_a_join")),
     Mutation("ebsp-ring-same-weights-removed", "ElasticBSP on the ring: same weights at the "
              "barrier (first round's model not made equal)",
-             (("mpsync/torch/strategies.py", "        if self.round == 0:\n            # Every",
+             (("mpsync/torch/strategies/__init__.py", "        if self.round == 0:\n            # Every",
                "        if False:\n            # Every"),),
              (f"{MPI}::test_ebsp_on_the_ring_every_worker_holds_the_same_weights_at_every_"
               f"barrier",)),
@@ -109,7 +109,7 @@ MUTATIONS = [
                "    return p == s or ready[s] or capability[p] + eps > rest_time\n",
                "    return True\n"),), (RULES,)),
     Mutation("esync-abort-removed", "ESync §4.2: abort of the iteration READY interrupts",
-             (("mpsync/torch/strategies.py",
+             (("mpsync/torch/strategies/__init__.py",
                "if self.delayed_ack and self.local_steps > 0 and self.client.ready_arrived():",
                "if False:"),),
              (f"{MPI}::test_esync_delayed_ack_discards_the_iteration_a_ready_interrupts",)),

@@ -32,7 +32,7 @@ TOPOLOGIES = ("ring", "ps")
 BASELINE = "bsp"
 
 # The policies ``auto`` runs and switches between on the ring, in the order of the codes its
-# SYNC replies carry (1 + index): mpsync.auto, mpsync.torch.switching.  A plan of switches
+# SYNC replies carry (1 + index): mpsync.auto, mpsync.torch.strategies.switching.  A plan of switches
 # starts with the first (auto_start_code).
 AUTO = "auto"
 AUTO_SWITCHABLE = ("bsp", "esync", "ebsp")
@@ -43,7 +43,7 @@ AUTO_MEASURING = "ebsp"
 # 1 + len(AUTO_SWITCHABLE) + index.
 AUTO_PS_SWITCHABLE = ("asp", "ssp", "dssp")
 # Added to the code of a switch from the PS to the ring that leaves a diverging run: the ring
-# starts from the weights of a few seconds before (mpsync.auto.stability, mpsync.torch.switching).
+# starts from the weights of a few seconds before (mpsync.auto.stability, mpsync.torch.strategies.switching).
 AUTO_ROLLBACK = 64
 # Every (policy, topology) a live ``auto`` run can run, indexed by code - 1.
 AUTO_TARGETS = tuple((n, "ring") for n in AUTO_SWITCHABLE) + \
@@ -70,7 +70,7 @@ SIMULATION_MODELS = {"ring": ("every_step", "overlap", "query_state", "planned")
 
 # The strategy every policy uses on the parameter-server topology: push the local delta, pull
 # the global weights under the policy's staleness rule.
-_PS_STRATEGY = "mpsync.torch.ps_strategies:ParameterServer"
+_PS_STRATEGY = "mpsync.torch.strategies.ps:ParameterServer"
 
 
 class PolicyError(ValueError):
@@ -372,7 +372,7 @@ _PS_WORKER_OPTIMIZER = ("with ps_optimizer='worker' (the default) each worker ru
                         "optimizer and pushes the delta of its step, not the gradient for "
                         "the server's optimizer (ps_optimizer='server', as written): the same "
                         "model for SGD under BSP only [ps-worker-optimizer] "
-                        "(mpsync.torch.ps_strategies:ParameterServer)")
+                        "(mpsync.torch.strategies.ps:ParameterServer)")
 
 register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
@@ -437,7 +437,7 @@ register(
                         "monitoring phase; within a superstep the PS gets a push every "
                         "iteration (ASP), the ring runs local SGD (an adaptation)",
     paper="ZipLine §3, Fig. 5, §5, §6.2.5", server=_STEP_SERVER + "ElasticBSP",
-    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "mpsync.torch.ps_strategies:ElasticSuperstep"},
+    strategies={"ring": _STRATEGY + "DeltaAveraging", "ps": "mpsync.torch.strategies.ps:ElasticSuperstep"},
     fast_path="planned", options=("lookahead", "zipline_variant"), ps_server_optimizer=True,
     simulation={"ring": "planned", "ps": "superstep"},
     fidelity={
@@ -473,7 +473,7 @@ register(
     "osp", description="important layers sync at once, the rest overlapped with the next "
                        "iteration, with local-gradient correction",
     paper="OSP §3-4, Alg. 1, Eq. 4-7", server=_STEP_SERVER + "OSP",
-    strategies={"ring": "mpsync.torch.two_stage:TwoStageSync"}, fast_path="tables",
+    strategies={"ring": "mpsync.torch.strategies.two_stage:TwoStageSync"}, fast_path="tables",
     options=("osp_ics_size", "osp_ics_max_fraction"), simulation={"ring": "overlap"},
     fidelity={
         "ring": ("RS + ICS (§3.1), PGP importance per layer (Eq. 4) with a one-iteration lag, "
@@ -488,7 +488,7 @@ register(
                  f"layers is of the local gradient, LGP's estimate [osp-ics-local-importance]; "
                  f"Eq. 7 is exact for SGD (its momentum buffer corrected too), not for other "
                  f"optimizers [osp-lgp-plain-sgd] "
-                 f"(mpsync.torch.two_stage:TwoStageSync)"),
+                 f"(mpsync.torch.strategies.two_stage:TwoStageSync)"),
     })
 register(
     AUTO, description="measures the cluster under ElasticBSP, simulates every candidate with "
@@ -496,6 +496,6 @@ register(
                       "(BSP, ESync, ElasticBSP on the ring; ASP, SSP, DSSP on the parameter "
                       "server its job hosts) and decides again when the cluster changes",
     paper="its candidates' papers", server="mpsync.auto.serving:AutoPolicy",
-    strategies={"ring": "mpsync.torch.switching:Switching"},
+    strategies={"ring": "mpsync.torch.strategies.switching:Switching"},
     options=("lookahead", "zipline_variant", "epsilon", "esync_slack", "staleness",
              "staleness_low", "staleness_high", "auto_plan", "auto_ps"))

@@ -140,7 +140,7 @@ def diverging_on_the_ps() -> None:
     weights after every step on the PS (``weights_digest``: the switch records' digest)."""
     import math
 
-    from mpsync.torch.switching import weights_digest
+    from mpsync.torch.strategies.switching import weights_digest
 
     a = _args()
     mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=60)

@@ -1,12 +1,12 @@
 """Going from the ring to the parameter server, ``auto`` divides each worker's velocity by n
-(``mpsync.torch.switching.share_velocity``): the ring moved the model by the mean of the
+(``mpsync.torch.strategies.switching.share_velocity``): the ring moved the model by the mean of the
 workers' steps, the PS moves it by their sum.  Checked on real torch optimizers, no MPI."""
 
 from __future__ import annotations
 
 import torch
 
-from mpsync.torch.switching import share_velocity
+from mpsync.torch.strategies.switching import share_velocity
 
 
 def _trained(opt_cls, **kw):

@@ -279,7 +279,7 @@ def test_osp_u_max_follows_the_measured_rate_halving_it_shrinks_ics():
     """Eq. 5 from measurements: U_max = rate·T_c / itemsize.  A 4 MB/s aggregation rate and
     0.01 s of compute give 40 kB = 10 000 float32 elements; halving the rate halves U_max and
     with it the layers that fit in ICS."""
-    from mpsync.torch.two_stage import osp_u_max
+    from mpsync.torch.strategies.two_stage import osp_u_max
 
     assert osp_u_max(4e6, 0.01, 4) == pytest.approx(10_000)
     assert osp_u_max(2e6, 0.01, 4) == pytest.approx(5_000)

@@ -12,7 +12,7 @@ from mpsync.config import ConfigError
 from mpsync.server import DeadlineExceeded
 import mpsync.torch as mps
 from mpsync.torch import CollectiveTimeout
-from mpsync.torch.fusion import FusionBuffer, group_by_dtype, layer_name
+from mpsync.torch.dataplane.fusion import FusionBuffer, group_by_dtype, layer_name
 from mpsync.torch.optimizer import name_parameters
 
 

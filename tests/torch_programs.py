@@ -121,7 +121,7 @@ def bsp_backends_agree() -> None:
     Runs the mpi backend through the strategy directly on a second context (one process can
     hold only one ``mps.init``), so both use the same workers and the same data."""
     from mpsync.torch import _runtime
-    from mpsync.torch.backends import MPIAggregator
+    from mpsync.torch.dataplane.backends import MPIAggregator
 
     steps, batch, lr = 5, 4, 0.3
     mps.init(policy="bsp", backend="horovod", server="dedicated", deadline=30)

@@ -7,7 +7,7 @@ efficiency, a ranked list with reasons out (:func:`rank_candidates`), and a :cla
 that switches only for a clear predicted gain and re-decides only when the measurements
 change.  The state server's side (``serving.AutoPolicy``, named in the policy registry) feeds
 it from the reports it answers and runs the ranking in a process of its own; the workers'
-side is ``mpsync.torch.switching``.
+side is ``mpsync.torch.strategies.switching``.
 
 Offline advice::
 

@@ -28,7 +28,7 @@ progress to undo, and nothing fires.  The serving side (``serving.AutoPolicy``) 
 to the policy it left and does not choose the diverging one (or, on the PS, any full-update
 candidate) again in this run.  Nothing is predicted, nothing is raced: the figures come from
 the training the job does anyway, at one 64-byte message per worker every 0.1 s
-(``mpsync.torch.switching``).
+(``mpsync.torch.strategies.switching``).
 """
 
 from __future__ import annotations

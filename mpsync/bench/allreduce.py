@@ -200,7 +200,7 @@ def _fake_model(nbytes: int, bind: bool):
     DistributedOptimizer; otherwise a script that sets them to None each step: pack + unpack)."""
     import torch
 
-    from mpsync.torch.fusion import FusionBuffer
+    from mpsync.torch.dataplane.fusion import FusionBuffer
 
     n = max(1, nbytes // 4)
     parts = [n // 8 + (1 if i < n % 8 else 0) for i in range(8)]
@@ -219,8 +219,8 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
     import torch
     from mpi4py import MPI
 
-    from mpsync.torch.backends import HorovodAggregator, MPIAggregator
-    from mpsync.torch.compression import Compression, WireSum
+    from mpsync.torch.dataplane.backends import HorovodAggregator, MPIAggregator
+    from mpsync.torch.dataplane.compression import Compression, WireSum
     from mpsync.torch._moves import start_allreduce
     from mpsync.torch.mpi_ops import Average, UserOps
     from mpsync.torch.strategies import average_gradients
@@ -360,10 +360,10 @@ def _osp_child(sizes, max_repeats, budget) -> None:
     from mpi4py import MPI
 
     from mpsync.config import SyncConfig
-    from mpsync.torch._counters import LocalCounters
-    from mpsync.torch.backends import EmulatedLink, MPIAggregator
-    from mpsync.torch.fusion import group_by_dtype
-    from mpsync.torch.two_stage import TwoStageSync
+    from mpsync.torch.strategies.counters import LocalCounters
+    from mpsync.torch.dataplane.backends import EmulatedLink, MPIAggregator
+    from mpsync.torch.dataplane.fusion import group_by_dtype
+    from mpsync.torch.strategies.two_stage import TwoStageSync
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

@@ -277,7 +277,7 @@ class OSP(Policy):
     * GIB with the paper's one-iteration lag (§3.2): the bitmap of iteration k is computed at
       the first report for iteration k, from the importance of the gradients of iteration k-1
       that the report carries (Eq. 4; global on the Routine Sync layers, the local estimate
-      on the In-Computation Sync layers, see ``mpsync.torch.two_stage``), and given to every
+      on the In-Computation Sync layers, see ``mpsync.torch.strategies.two_stage``), and given to every
       worker of k.  Workers send that report at the end of step k-1 without waiting, so the
       GIB is computed while they compute iteration k, as the paper's asynchronous GIB module
       does (§3.2, §4.5).

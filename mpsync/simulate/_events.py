@@ -1,12 +1,12 @@
 """The exact engine: one event at a time, every decision made by the real policy object.
 
-Workers follow the strategies of ``mpsync.torch`` (``strategies``, ``ps_strategies``,
-``two_stage``), chosen as the workers choose them, from the policy registry:
+Workers follow the strategies of ``mpsync.torch`` (``strategies``, ``strategies.ps``,
+``strategies.two_stage``), chosen as the workers choose them, from the policy registry:
 
 * compute an iteration, report it (one query round trip) and act on the answer: LOCAL goes on
   computing, SYNC aggregates (ring: a collective once every worker has entered it; PS: a push
   then a pull, the pull answered when the policy's staleness rule allows), then a reset;
-* ElasticBSP on the PS (registry model ``superstep``, ``ps_strategies.ElasticSuperstep``):
+* ElasticBSP on the PS (registry model ``superstep``, ``strategies.ps.ElasticSuperstep``):
   every iteration pushes and pulls, the SYNC'd one is the barrier (its pull held by the policy
   until every barrier push is in), ZipLine paper §6.2.5;
 * ESync (the registry's ``query_state`` family, ``strategies.LocalStepsThenAggregate``): the

@@ -20,14 +20,14 @@ on rank 0, which trains too.
 from __future__ import annotations
 
 from mpsync.torch import _runtime, elastic
-from mpsync.torch._wait import CollectiveTimeout
+from mpsync.torch.dataplane.waiting import CollectiveTimeout
 from mpsync.torch.broadcast import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
     gather_object,
 )
-from mpsync.torch.compression import Compression
+from mpsync.torch.dataplane.compression import Compression
 from mpsync.torch.differentiable import (
     allgather,
     allreduce,
@@ -38,7 +38,7 @@ from mpsync.torch.differentiable import (
     grouped_reducescatter,
     reducescatter,
 )
-from mpsync.torch.exceptions import (
+from mpsync.torch.dataplane.exceptions import (
     HorovodInternalError,
     HorovodVersionMismatchError,
     HostsUpdatedInterrupt,

@@ -31,8 +31,8 @@ import torch
 
 from mpsync.torch import _metadata as meta
 from mpsync.torch import _negotiation as neg
-from mpsync.torch._wait import poll_until_done
-from mpsync.torch.exceptions import HorovodInternalError
+from mpsync.torch.dataplane.waiting import poll_until_done
+from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "UserOps",
            "wait_while_stepping", "AdasumRefused", "DTYPES"]
@@ -79,7 +79,7 @@ def wait_while_stepping(test, *, deadline: float, what: str, idle=None, watch=No
                         seq: int = 0) -> None:
     """``test()`` until True, within ``deadline``; after ``_IDLE_AFTER_S`` each poll also runs
     ``idle()`` (the strategies' idle iterations: ask the server, aggregate on SYNC).
-    ``watch`` (a :class:`~mpsync.torch._wait.PeerWatch`) names the workers that never
+    ``watch`` (a :class:`~mpsync.torch.dataplane.waiting.PeerWatch`) names the workers that never
     reached collective ``seq`` when the deadline passes."""
     if idle is None:
         poll_until_done(test, deadline=deadline, what=what, watch=watch, seq=seq, sleep=1e-4,
@@ -103,7 +103,7 @@ def wait_while_stepping(test, *, deadline: float, what: str, idle=None, watch=No
         if waited > deadline:
             if watch is not None:
                 raise watch.timeout(what, seq, deadline)
-            from mpsync.torch._wait import CollectiveTimeout
+            from mpsync.torch.dataplane.waiting import CollectiveTimeout
 
             raise CollectiveTimeout(what, deadline, [], why="which worker is missing is not "
                                     "known (this wait exchanges no notices)")
@@ -245,7 +245,7 @@ class UserOps:
                  stall_after: float | None = None):
         from mpsync.torch._coordinator import Channel, Coordinator
         from mpsync.torch._negotiation import FUSION_BYTES
-        from mpsync.torch._wait import PeerWatch
+        from mpsync.torch.dataplane.waiting import PeerWatch
 
         self.comm = comm
         self.meta = comm.Dup()
@@ -395,7 +395,7 @@ class UserOps:
             if op.records is None:
                 missing = op.cancelled  # None: member 0 did not answer; a late answer runs it
                 if missing:
-                    from mpsync.torch._wait import CollectiveTimeout
+                    from mpsync.torch.dataplane.waiting import CollectiveTimeout
 
                     raise CollectiveTimeout(
                         f"{op.what} {op.name!r}", self.deadline, missing,

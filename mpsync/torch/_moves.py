@@ -16,8 +16,8 @@ import torch
 
 from mpsync.torch import _metadata as meta
 from mpsync.torch._collectives import (Average, Max, Min, Product, Sum, UserOps, dtype_code)
-from mpsync.torch.compression import as_compressor
-from mpsync.torch.exceptions import HorovodInternalError
+from mpsync.torch.dataplane.compression import as_compressor
+from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["start_allreduce", "start_allgather", "start_broadcast", "start_alltoall",
            "start_barrier", "sum_half_", "take_part_joined", "reducescatter_rows"]

@@ -7,7 +7,7 @@ user's back):
 * ``workers``: the training ranks only (``Split`` without the dedicated server rank);
   Horovod is initialised on it, so the server never joins a Horovod collective;
 * more ``Dup()`` s of ``workers``: the mpi backend's collectives, the notices of
-  :class:`~mpsync.torch._wait.PeerWatch`, and ``gather_object``'s messages (kept apart so a
+  :class:`~mpsync.torch.dataplane.waiting.PeerWatch`, and ``gather_object``'s messages (kept apart so a
   probe never matches anything else).
 """
 
@@ -26,7 +26,7 @@ from mpsync.config import ConfigError, SyncConfig, refuse_ps_plan
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
 from mpsync.server.shard_plan import shards_unavailable
-from mpsync.torch._counters import LocalCounters
+from mpsync.torch.strategies.counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
 
@@ -184,8 +184,8 @@ def _serve_and_exit(ctx: Context) -> None:
 
 
 def _start_backend(ctx: Context) -> None:
-    from mpsync.torch._wait import PeerWatch
-    from mpsync.torch.backends import EmulatedLink, HorovodAggregator, MPIAggregator
+    from mpsync.torch.dataplane.waiting import PeerWatch
+    from mpsync.torch.dataplane.backends import EmulatedLink, HorovodAggregator, MPIAggregator
 
     watch = PeerWatch(ctx.workers.Dup(), ctx.world_ranks)
     ctx.objects = ctx.workers.Dup()

@@ -128,7 +128,7 @@ def gather_object(obj, root_rank: int = 0, name: str | None = None):
     worker whose small message was sent eagerly still learns within the deadline that the root
     has stopped, and the root that a worker stopped after sending.
     """
-    from mpsync.torch.backends import gather_bytes
+    from mpsync.torch.dataplane.backends import gather_bytes
 
     ctx = _runtime.worker_context("gather_object")
     _check_root(root_rank, ctx.size)

@@ -25,7 +25,7 @@ import torch
 from mpsync.torch import _moves
 from mpsync.torch._collectives import Average, Sum, name_of, reduce_op
 from mpsync.torch.process_sets import user_ops
-from mpsync.torch.compression import Compression
+from mpsync.torch.dataplane.compression import Compression
 from mpsync.torch.mpi_ops import (start_broadcast, start_grouped_allgather,
                                   start_grouped_allreduce, start_grouped_reducescatter,
                                   start_reducescatter)

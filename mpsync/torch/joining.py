@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from mpsync.torch._moves import take_part_joined
-from mpsync.torch._wait import CollectiveTimeout
+from mpsync.torch.dataplane.waiting import CollectiveTimeout
 
 __all__ = ["JoinService", "join"]
 

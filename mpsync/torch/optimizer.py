@@ -19,8 +19,8 @@ import warnings
 import torch
 
 from mpsync.torch._moves import start_allreduce, sum_half_
-from mpsync.torch.compression import WireSum
-from mpsync.torch.fusion import group_by_dtype
+from mpsync.torch.dataplane.compression import WireSum
+from mpsync.torch.dataplane.fusion import group_by_dtype
 from mpsync.torch.strategies import Strategy, make_strategy
 
 __all__ = ["DistributedOptimizer"]
@@ -413,7 +413,7 @@ def _check_passes(passes) -> None:
 def _check_horovod_keywords(config, compression, backward_passes_per_step, op,
                             predivide) -> int:
     """Horovod's argument checks, plus the ones a policy adds; returns the reduce op."""
-    from mpsync.torch.compression import as_compressor
+    from mpsync.torch.dataplane.compression import as_compressor
     from mpsync.torch.mpi_ops import Average, Sum, reduce_op
 
     _check_passes(backward_passes_per_step)

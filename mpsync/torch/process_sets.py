@@ -115,7 +115,7 @@ def add_process_set(process_set) -> ProcessSet:
     ps.process_set_id = ctx.next_process_set_id
     ops = None
     if member:
-        from mpsync.torch.backends import MPIAggregator
+        from mpsync.torch.dataplane.backends import MPIAggregator
 
         ops = UserOps(sub, ctx.config.deadline, None, ctx.user_ops.idle, ranks=ps.ranks,
                       world_ranks=[ctx.world_ranks[w] for w in ps.ranks])

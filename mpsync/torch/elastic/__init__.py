@@ -50,11 +50,11 @@ import sys
 from mpsync.commits import ENV_COMMIT_DIR, ENV_HOSTS_FILE, ENV_HOSTS_VERSION, \
     RESTART_EXIT_CODE, CommitStore, load_committed, newest_complete
 from mpsync.torch import _runtime
-from mpsync.torch._wait import CollectiveTimeout
+from mpsync.torch.dataplane.waiting import CollectiveTimeout
 from mpsync.torch.broadcast import broadcast_object
 from mpsync.torch.elastic.sampler import ElasticSampler
 from mpsync.torch.elastic.state import ObjectState, State, TorchState
-from mpsync.torch.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from mpsync.torch.dataplane.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
            "HostsUpdatedInterrupt", "HorovodInternalError", "RESTART_EXIT_CODE",

@@ -27,7 +27,7 @@ from mpsync.torch import _runtime
 from mpsync.torch.broadcast import broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
 from mpsync.torch.elastic.sampler import ElasticSampler
-from mpsync.torch.exceptions import HostsUpdatedInterrupt
+from mpsync.torch.dataplane.exceptions import HostsUpdatedInterrupt
 from mpsync.torch.mpi_ops import allgather_object
 
 __all__ = ["State", "ObjectState", "TorchState"]

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import torch
 
-from mpsync.torch.backends import Pending
-from mpsync.torch.strategies import Strategy
+from mpsync.torch.dataplane.backends import Pending
+from mpsync.torch.strategies.base import Strategy
 
 __all__ = ["TwoStageSync", "osp_u_max", "times_rate"]
 

@@ -1,5 +1,5 @@
 """Strategies with local steps: a local optimizer step every iteration, an aggregation when the
-server says SYNC (ESync on the ring and, through ``ps_strategies``, on the parameter server;
+server says SYNC (ESync on the ring and, through ``strategies.ps``, on the parameter server;
 ElasticBSP on the ring).  The table of all strategies is :mod:`mpsync.torch.strategies`'.
 """
 
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from mpsync.torch.strategy_base import Strategy, spec_of
+from mpsync.torch.strategies.base import Strategy, spec_of
 
 __all__ = ["LocalStepsThenAggregate", "DeltaAveraging"]
 

@@ -23,7 +23,7 @@ import numpy as np
 __all__ = ["CollectiveTimeout", "PeerWatch", "poll_until_done", "wait_on_event"]
 
 from mpsync.server import DeadlineExceeded
-from mpsync.torch.exceptions import HorovodInternalError
+from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 
 class CollectiveTimeout(DeadlineExceeded, HorovodInternalError):

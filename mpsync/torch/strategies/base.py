@@ -1,9 +1,9 @@
 """The worker strategy's common plumbing: the server query, counters, the uneven-step header
 and the final identical-model broadcast (:class:`Strategy`).  What each policy aggregates is
-in :mod:`mpsync.torch.strategies` (the table there), :mod:`mpsync.torch.local_steps`,
-:mod:`mpsync.torch.ps_strategies`, :mod:`mpsync.torch.two_stage`; a run whose policy changes
+in :mod:`mpsync.torch.strategies` (the table there), :mod:`mpsync.torch.strategies.local_steps`,
+:mod:`mpsync.torch.strategies.ps`, :mod:`mpsync.torch.strategies.two_stage`; a run whose policy changes
 while it trains (``auto``) hands the same optimizer, buffers and counters from one strategy to
-the next (:mod:`mpsync.torch.switching`).
+the next (:mod:`mpsync.torch.strategies.switching`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 import torch
 
 from mpsync.server import LOCAL, Decision
-from mpsync.torch._counters import LocalCounters
-from mpsync.torch.backends import Aggregator
-from mpsync.torch.compression import WireSum
-from mpsync.torch.followers import Following  # more than one optimizer per process
-from mpsync.torch.fusion import FusionBuffer
+from mpsync.torch.strategies.counters import LocalCounters
+from mpsync.torch.dataplane.backends import Aggregator
+from mpsync.torch.dataplane.compression import WireSum
+from mpsync.torch.strategies.followers import Following  # more than one optimizer per process
+from mpsync.torch.dataplane.fusion import FusionBuffer
 
 __all__ = ["Strategy", "spec_of"]
 

@@ -79,7 +79,7 @@ def as_compressor(compression):
 
 class _Chained:
     """A collective in flight followed by a local finishing step (``test``/``wait`` as
-    :class:`~mpsync.torch.backends.Pending`)."""
+    :class:`~mpsync.torch.dataplane.backends.Pending`)."""
 
     def __init__(self, inner, finish):
         self.inner = inner

@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import time
 
-from mpsync.torch.backends import Aggregator
-from mpsync.torch.fusion import FusionBuffer
-from mpsync.torch.local_steps import DeltaAveraging, LocalStepsThenAggregate
-from mpsync.torch.strategy_base import Strategy, spec_of
+from mpsync.torch.dataplane.backends import Aggregator
+from mpsync.torch.dataplane.fusion import FusionBuffer
+from mpsync.torch.strategies.base import Strategy, spec_of
+from mpsync.torch.strategies.local_steps import DeltaAveraging, LocalStepsThenAggregate
 
 __all__ = ["Strategy", "average_gradients", "GradientAveraging", "LocalStepsThenAggregate",
            "DeltaAveraging", "make_strategy", "spec_of"]

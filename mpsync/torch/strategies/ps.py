@@ -1,6 +1,6 @@
 """The parameter-server topology's worker strategies: push the local delta, pull the global
 weights under the policy's staleness rule (``ParameterServer``), and ElasticBSP's superstep
-(``ElasticSuperstep``).  The common plumbing is :mod:`mpsync.torch.strategies`.
+(``ElasticSuperstep``).  The common plumbing is :mod:`mpsync.torch.strategies.base`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 
 from mpsync.server.shard_optimizer import settings_of
 from mpsync.server.shard_server import ALL_PUSHES_IN
-from mpsync.torch.strategies import LocalStepsThenAggregate, spec_of
+from mpsync.torch.strategies.base import spec_of
+from mpsync.torch.strategies.local_steps import LocalStepsThenAggregate
 
 __all__ = ["ParameterServer", "ElasticSuperstep"]
 

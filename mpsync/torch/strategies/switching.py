@@ -59,7 +59,7 @@ from mpsync.config import parse_auto_plan, refuse_ps_plan
 from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_start_code, auto_target, \
     hosts_shards
 from mpsync.server.shard_plan import shards_unavailable
-from mpsync.torch.strategy_base import Strategy, spec_of
+from mpsync.torch.strategies.base import Strategy, spec_of
 
 __all__ = ["Switching", "share_velocity", "weights_digest"]
 

@@ -10,7 +10,7 @@ Both implement one small interface, :class:`Aggregator`:
 
 ``mpi`` uses mpi4py ``Iallreduce`` on the tensor's memory (no copy); ``horovod`` uses Horovod's
 async ops, initialised on the workers' communicator so a dedicated server rank never joins a
-Horovod collective.  Every wait polls with the deadline of :mod:`mpsync.torch._wait`.
+Horovod collective.  Every wait polls with the deadline of :mod:`mpsync.torch.dataplane.waiting`.
 The parameter-server exchange is not an allreduce and lives in :mod:`mpsync.torch.strategies`.
 """
 
@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import torch
 
-from mpsync.torch._wait import PeerWatch, poll_until_done, wait_on_event
+from mpsync.torch.dataplane.waiting import PeerWatch, poll_until_done, wait_on_event
 
 __all__ = ["Aggregator", "MPIAggregator", "HorovodAggregator", "EmulatedLink", "Pending",
            "mpi_dtype_ok", "gather_bytes"]
@@ -369,7 +369,7 @@ def gather_bytes(comm, data: bytes, root: int, *, deadline: float, what: str,
     """
     from mpi4py import MPI
 
-    from mpsync.torch._wait import CollectiveTimeout
+    from mpsync.torch.dataplane.waiting import CollectiveTimeout
 
     rank, size = comm.Get_rank(), comm.Get_size()
     world = list(world_ranks) if world_ranks is not None else list(range(size))

@@ -1,0 +1,9 @@
+"""The data plane: how a worker's tensors move, whatever the policy decided about when.
+
+The aggregators behind one interface (``backends``: mpi4py and Horovod on the ring), the
+flat buffers that fuse many parameters into one collective (``fusion``), what travels on the
+wire (``compression``), the bounded waits on a collective in flight (``waiting``) and the
+exception types a script catches when one fails (``exceptions``).  Nothing here knows a
+policy: the strategies (:mod:`mpsync.torch.strategies`) call down into it, and the Horovod
+face (:mod:`mpsync.torch`) sits on top of both.
+"""
