@@ -35,6 +35,9 @@ def layout_table() -> str:
                 modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
                 what = _summary(folder / "__init__.py")
                 what += " Modules: " + ", ".join(f"`{m}`" for m in modules) + "."
+                rooms = sorted(d.name for d in folder.iterdir() if (d / "__init__.py").is_file())
+                if rooms:
+                    what += " Folders: " + ", ".join(f"`{d}/`" for d in rooms) + "."
                 path = f"mpsync/{part}/"
             else:
                 what, path = _summary(folder.with_suffix(".py")), f"mpsync/{part}.py"

@@ -216,3 +216,47 @@ def test_a_package_importing_its_own_modules_is_no_cycle(tmp_path):
                                           ("mpsync.server._loop", "server")])
 def test_part_of(module, part):
     assert part_of(module) == part
+
+
+# -- inside mpsync.torch: Horovod's face over the strategies over the data plane -----------------
+TORCH_ROOMS: tuple[str, ...] = ("dataplane", "strategies")
+"""The rooms of ``mpsync.torch`` from the ground up; every other module of the part is the face
+(Horovod's API), which stands above both."""
+
+
+def torch_room_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) > 2 and parts[2] in TORCH_ROOMS:
+        return TORCH_ROOMS.index(parts[2])
+    return len(TORCH_ROOMS)
+
+
+def upward_torch_edges(graph: dict[str, set[str]]) -> list[str]:
+    """Imports inside ``mpsync.torch`` that reach a room above the importer's."""
+    bad = []
+    for a, targets in sorted(graph.items()):
+        if part_of(a) != "torch":
+            continue
+        for b in sorted(targets):
+            if part_of(b) == "torch" and torch_room_of(b) > torch_room_of(a):
+                bad.append(f"{a} imports {b}")
+    return bad
+
+
+def test_the_data_plane_and_the_strategies_never_import_the_face():
+    found = upward_torch_edges(import_graph())
+    assert found == [], "imports from a lower room of mpsync.torch to a higher one:\n" + "\n".join(found)
+
+
+def test_an_import_of_the_face_from_the_data_plane_is_reported(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "torch/__init__.py": "",
+        "torch/optimizer.py": "from mpsync.torch.strategies.base import Strategy\n",
+        "torch/strategies/__init__.py": "",
+        "torch/strategies/base.py": "from mpsync.torch.dataplane.fusion import FusionBuffer\n",
+        "torch/dataplane/__init__.py": "",
+        "torch/dataplane/fusion.py": "def f():\n    from mpsync.torch.optimizer import step\n",
+    })
+    assert upward_torch_edges(import_graph(root)) == [
+        "mpsync.torch.dataplane.fusion imports mpsync.torch.optimizer"]
