@@ -39,6 +39,7 @@ OSP_ICS_SIZES = ("measured", "fixed")
 PS_OPTIMIZERS = ("worker", "server")
 
 ENV_PREFIX = "MPSYNC_"
+DEFAULT_BUCKET_MB = 25.0
 
 
 class ConfigError(ValueError):
@@ -115,6 +116,12 @@ class SyncConfig:
     # least a ring allreduce's time over links of this rate (EmulatedLink).  For experiments on
     # one machine; 0 = off.
     comm_bandwidth: float = 0.0
+    # The ring's gradient averaging (BSP): the gradients in buckets of at most this many MiB
+    # (DDP's 25), each averaged from the moment backward has made its last gradient final,
+    # while backward goes on (mpsync.torch.dataplane.buckets).
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    # Off: the whole model is averaged at step(), after backward (one collective per dtype).
+    overlap: bool = True
     # auto: a fixed plan of switches instead of its own decisions, "ROUND:POLICY,..." (after
     # aggregation round ROUND, run POLICY): replays a decision log, tests the switch itself.
     auto_plan: str = ""
@@ -180,6 +187,11 @@ class SyncConfig:
         if not self.comm_bandwidth >= 0:
             raise ConfigError(f"comm_bandwidth must be >= 0 bytes/s (0: off), got "
                               f"{self.comm_bandwidth}")
+        if not (isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
+                and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ConfigError(f"bucket_mb (--bucket-mb, MPSYNC_BUCKET_MB) must be a number of "
+                              f"MiB > 0 (the gradient bucket size; default "
+                              f"{DEFAULT_BUCKET_MB:g}), got {self.bucket_mb!r}")
         return self
 
     def resolved(self) -> PolicyChoice:

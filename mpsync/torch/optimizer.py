@@ -21,7 +21,7 @@ import torch
 from mpsync.torch._moves import start_allreduce, sum_half_
 from mpsync.torch.dataplane.compression import WireSum
 from mpsync.torch.dataplane.fusion import group_by_dtype
-from mpsync.torch.strategies import Strategy, make_strategy
+from mpsync.torch.strategies import GradientAveraging, Strategy, make_strategy
 
 __all__ = ["DistributedOptimizer"]
 
@@ -149,11 +149,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._strategy.wire = WireSum(
                 backend, args["compression"], prescale=1.0 / f, postscale=f,
                 half_sum=functools.partial(sum_half_, peers) if mpi_peers else None)
+        if ctx.config.overlap and self._leader is None and not self._sparse_only and \
+                isinstance(self._strategy, GradientAveraging):
+            self._strategy.start_buckets(int(ctx.config.bucket_mb * 2**20),
+                                         self._last_pass_of_step)
         ctx.optimizers.append(self)
+
+    def _last_pass_of_step(self) -> bool:
+        # Asked at a backward pass's first gradient, after _count_pass counted that pass.
+        return self._passes == self.backward_passes_per_step
 
     def _follow_leader(self, ctx) -> None:
         """A second optimizer in the process follows the first one's rounds (``followers``)."""
-        from mpsync.torch.strategies import DeltaAveraging, GradientAveraging
+        from mpsync.torch.strategies import DeltaAveraging
 
         if self._sparse_only and self._strategy.aggregates_gradients:
             return  # steps through the sparse allreduce, never through the strategy
@@ -169,6 +177,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"{ctx.config.policy!r} on topology={ctx.config.topology!r}: its "
                              f"server keeps one model per worker; wrap every parameter in one "
                              f"optimizer (param groups) instead")
+        # Two optimizers' buckets started from hooks of one backward could interleave in a
+        # different order on different workers: a leader with followers averages at step().
+        if isinstance(leaders[0]._strategy, GradientAveraging):
+            leaders[0]._strategy.stop_buckets()
         self._strategy.follow(leaders[0]._strategy)
         self._leader = leaders[0]
 
@@ -223,6 +235,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._passes > self.backward_passes_per_step:
             passes, self._passes, self._counted = self._passes, 0, set()
+            if self._strategy is not None:
+                self._strategy.drain()
             raise RuntimeError(f"gradients were computed {passes} times before step(), more "
                                f"than backward_passes_per_step={self.backward_passes_per_step}; "
                                f"increase backward_passes_per_step to accumulate gradients "
@@ -359,9 +373,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._strategy.skip_aggregation = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """BSP keeps the gradients inside the fusion buffer and zeroes them there (they are
-        zero tensors afterwards, not None); other policies defer to the wrapped optimizer."""
-        if self._sparse_only or not self._ready().zero_grad():
+        """BSP keeps the gradients inside the fusion buffer: ``set_to_none=False`` zeroes them
+        there, ``True`` (torch's default) leaves them None until backward makes them anew,
+        when they go back into the buffer; other policies defer to the wrapped optimizer."""
+        if self._sparse_only or not self._ready().zero_grad(set_to_none):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import time
 
 from mpsync.torch.dataplane.backends import Aggregator
+from mpsync.torch.dataplane.buckets import GradientBuckets
 from mpsync.torch.dataplane.fusion import FusionBuffer
 from mpsync.torch.strategies.base import Strategy, spec_of
 from mpsync.torch.strategies.local_steps import DeltaAveraging, LocalStepsThenAggregate
@@ -64,10 +65,50 @@ class GradientAveraging(Strategy):
         super().__init__(*args, **kw)
         for buf in self.buffers:
             buf.bind_grads()
+        self.buckets: GradientBuckets | None = None
 
-    def zero_grad(self) -> bool:
+    # -- buckets started during backward (mpsync.torch.dataplane.buckets) ---------------------
+    def start_buckets(self, cap_bytes: int, should_launch) -> bool:
+        """Average each bucket of gradients from the moment backward has made it final, not
+        at ``step()``.  ``should_launch()``, asked at each backward pass's first gradient, says
+        whether this pass is the step's last (``backward_passes_per_step``).  False where the
+        gradients cannot live in the buffer (parameters off the CPU: host staging copies)."""
+        if self.wire is None or not all(buf.grads_bound for buf in self.buffers):
+            return False
+        self.stop_buckets()
+        self.buckets = GradientBuckets(self.buffers, cap_bytes, self._start_bucket,
+                                       should_launch)
+        return True
+
+    def stop_buckets(self) -> None:
+        """Back to the whole model at ``step()`` (what is in flight finishes first)."""
+        if self.buckets is not None:
+            self.drain()
+            self.buckets.close()
+            self.buckets = None
+
+    def drain(self) -> None:
+        """Wait for the buckets in flight without stepping (a step that is refused, a step
+        under ``skip_synchronize()`` without ``synchronize()``): no collective is left open
+        for the next step to trip over."""
+        if self.buckets is not None and self.buckets.in_flight:
+            self.buckets.wait_all()
+
+    def _start_bucket(self, bucket):
+        if bucket.has_header:
+            self._fill_header(bucket.buffer.header, not self.joined)
+        return self.wire.start_sum(bucket.wire, f"gradients (bucket {bucket.index})",
+                                   payload=bucket.payload, divisor=self._divisor)
+
+    def zero_grad(self, set_to_none: bool = True) -> bool:
         for buf in self.buffers:
-            buf.zero_bound_grads()
+            if set_to_none:
+                # The next backward makes new gradients; they go back into the buffer (a
+                # copy per parameter) at the unpack, or in the bucket hooks.
+                for slot in buf.slots:
+                    slot.param.grad = None
+            else:
+                buf.zero_bound_grads()
         return True
 
     def step(self, compute_time, closure=None):
@@ -75,7 +116,10 @@ class GradientAveraging(Strategy):
         self.settled = False
         if not self._averaged and not self.skip_aggregation:
             self._average(compute_time)
-        # Under skip_synchronize() without synchronize(), Horovod steps on local gradients.
+        elif not self._averaged:
+            # Under skip_synchronize() without synchronize(), Horovod steps on the gradients
+            # as they are; buckets already started are finished first (averaged, then).
+            self.drain()
         self._averaged = False
         self.optimizer.step()
         self.iteration += 1
@@ -89,6 +133,8 @@ class GradientAveraging(Strategy):
                                f"gradient averaging synchronizes every iteration (is the server "
                                f"running another policy?)")
         t0 = time.perf_counter()
+        if self.buckets is not None:
+            return self._average_buckets(t0)
         nbytes = 0
         contributing = not self.joined
         first = self.buffers[0]
@@ -107,6 +153,29 @@ class GradientAveraging(Strategy):
             nbytes += buf.nbytes
         self.reset(self._aggregated(t0, nbytes))
         return self._read_header(first.header)
+
+    def _average_buckets(self, t0: float) -> tuple[int, list[int]]:
+        """The buckets backward started, or all of them now (no backward ran through the
+        hooks: a joined worker's zeros, gradients set by hand); every gradient is then its
+        view of the buffer, averaged."""
+        buckets = self.buckets
+        started_now = not buckets.in_flight
+        if started_now:
+            for buf in self.buffers:
+                if self.joined:
+                    buf.flat.zero_()
+                else:
+                    buf.pack_grads()
+            buckets.start_all()
+        buckets.wait_all()
+        if started_now:
+            for buf in self.buffers:
+                buf.unpack_to_grads()
+        self.reset(self._aggregated(t0, sum(buf.nbytes for buf in self.buffers)))
+        return self._read_header(self.buffers[0].header)
+
+    def close(self) -> None:
+        self.stop_buckets()
 
     def synchronize_gradients(self) -> None:
         """Horovod's meaning: average the current gradients now; the next ``step()`` uses them

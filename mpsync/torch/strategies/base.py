@@ -226,9 +226,13 @@ class Strategy(Following):
         if not self.settled:
             self.synchronize()
 
-    def zero_grad(self) -> bool:
+    def zero_grad(self, set_to_none: bool = True) -> bool:
         """Zero the gradients the strategy's way; False: let the wrapped optimizer do it."""
         return False
+
+    def drain(self) -> None:
+        """Finish what this strategy started for the current step without stepping (a step
+        that is refused); nothing for strategies that start nothing before ``step()``."""
 
 
 def spec_of(config):

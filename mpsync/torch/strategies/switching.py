@@ -363,8 +363,8 @@ class Switching(Strategy):
             self.client.report_loss(acc[0] / acc[1], acc[1])
             acc[:] = [0.0, 0, now]
 
-    def zero_grad(self) -> bool:
-        return self.inner.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> bool:
+        return self.inner.zero_grad(set_to_none)
 
     def close(self) -> None:
         self.inner.close()
