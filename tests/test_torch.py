@@ -9,7 +9,7 @@ from mpi_harness import run_mpi
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+@pytest.mark.parametrize("backend", ["mpi", "horovod", "gloo"])
 def test_bsp_equals_single_process_sgd_on_the_concatenated_batch(backend):
     # 1 dedicated server + 3 workers; momentum SGD in float64, workers start from different
     # weights (broadcast_parameters must fix that).
