@@ -123,14 +123,15 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     # Horovod is imported for backend='horovod' on every topology (on the PS it runs the
     # workers' barriers and broadcasts), so its absence is checked whatever the topology.
     if config.backend == "horovod" and importlib.util.find_spec("horovod") is None:
-        raise ConfigError("backend='horovod' but Horovod is not installed; install it "
-                          "(make setup) or use backend='mpi'")
+        job.raise_user_error(ConfigError(
+            "backend='horovod' but Horovod is not installed; install it (make setup) or use "
+            "backend='mpi'"))
     from mpsync.torch.dataplane.process_group import transport_unavailable
 
     # Before any communication, on every rank alike (the server's too): one line, no hang.
     reason = transport_unavailable(config.backend)
     if reason is not None:
-        raise ConfigError(reason)
+        job.raise_user_error(ConfigError(reason))
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD if comm is None else comm
