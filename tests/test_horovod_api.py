@@ -73,14 +73,26 @@ def horovod_accuracy(tmp_path_factory) -> float:
     return float(res["finals"][0]["accuracy"])
 
 
-@pytest.mark.parametrize("policy, topology, flags", RUNS,
-                         ids=[f"{p}-{t}-{i}" for i, (p, t, _) in enumerate(RUNS)])
+# The ring's policies again on gloo (a torch.distributed group of the workers), chosen by
+# MPSYNC_BACKEND alone: the ones with local steps, In-Computation Sync and an early join.
+GLOO_RUNS = [
+    ("ebsp", "ring", ["--uneven-steps", "5", "--end", "join"]),
+    ("esync", "ring", ["--fp16-allreduce"]),
+    ("osp", "ring", ["--uneven-steps", "5", "--backward-passes-per-step", "2"]),
+]
+
+
+@pytest.mark.parametrize("policy, topology, flags, backend",
+                         [(*run, "horovod") for run in RUNS] +
+                         [(*run, "gloo") for run in GLOO_RUNS],
+                         ids=[f"{p}-{t}-{i}" for i, (p, t, _) in enumerate(RUNS)] +
+                             [f"{p}-{t}-gloo" for p, t, _ in GLOO_RUNS])
 def test_horovod_script_under_every_policy(tmp_path, horovod_accuracy, policy, topology,
-                                           flags):
-    # The script keeps hvd.init(): the policy, topology and Horovod as the aggregation backend
-    # come from the environment alone.
+                                           flags, backend):
+    # The script keeps hvd.init(): the policy, topology and the aggregation backend come
+    # from the environment alone.
     env = dict(os.environ, MPSYNC_POLICY=policy, MPSYNC_TOPOLOGY=topology,
-               MPSYNC_BACKEND="horovod")
+               MPSYNC_BACKEND=backend)
     passed = ("MPSYNC_POLICY", "MPSYNC_TOPOLOGY", "MPSYNC_BACKEND")
     run = run_mpi(str(mpsync_script(tmp_path)), np=4, args=COMMON + flags, env=env,
                   timeout=300, mpirun_extra=tuple(x for name in passed for x in ("-x", name)))
