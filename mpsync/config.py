@@ -31,7 +31,9 @@ __all__ = [
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
 TOPOLOGIES = policies.TOPOLOGIES
-BACKENDS = ("mpi", "horovod")
+# The ring's transport: mpi4py, Horovod's CPU ops, or a torch.distributed process group of
+# the workers (gloo on host tensors, NCCL on CUDA tensors; mpsync.torch.dataplane.process_group).
+BACKENDS = ("mpi", "horovod", "gloo", "nccl")
 SERVER_PLACEMENTS = ("dedicated", "colocated")
 OSP_ICS_SIZES = ("measured", "fixed")
 # Who runs the optimizer on the parameter server: each worker (pushing the delta of its
@@ -57,7 +59,8 @@ class SyncConfig:
     topology: str = ""
     # mpi4py's collectives need nothing beyond mpi4py, which the control plane needs anyway;
     # Horovod is an optional source build (0.28.1 needs a patch to compile against torch 2.x),
-    # so it is chosen explicitly.
+    # so it is chosen explicitly; so are gloo and NCCL (torch.distributed), which need a torch
+    # built with them (NCCL: and CUDA), checked where the workers start.
     backend: str = "mpi"
     server: str = "dedicated"
     # SSP threshold s (SSP: a worker may run at most s iterations ahead of the slowest).

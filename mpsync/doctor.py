@@ -1,7 +1,8 @@
 """``mpsync doctor``: is this installation able to run mpsync?
 
 Prints the versions and build facts that decide whether a run can work (Python, numpy, Numba,
-torch, mpi4py, Open MPI, the MPI thread level, Horovod's PyTorch/MPI/Gloo flags), compiles a
+torch, mpi4py, Open MPI, the MPI thread level, Horovod's PyTorch/MPI/Gloo flags, the device
+transports this machine has: gloo, NCCL, CUDA-aware MPI, Horovod's NCCL ops), compiles a
 trivial Numba kernel, and starts ``mpirun -np 2`` to exchange one message.  Exits non-zero with
 one line per broken item, so it doubles as a support checklist and as a CI smoke test.
 """
@@ -54,23 +55,32 @@ def _version(module_name: str) -> Check:
 
 # MPI facts are read in a child process: MPI_Init in the doctor itself would take the doctor
 # down with it when Open MPI is broken (e.g. it cannot start its daemon), instead of reporting.
+# ``cuda``: Open MPI's run-time answer (MPIX_Query_cuda_support, exported when its CUDA
+# extension is built), else null; the doctor then reads ompi_info's build flag.
 _MPI_FACTS = """
-import json, mpi4py
+import ctypes, json, mpi4py
 from mpi4py import MPI
 names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
          MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+query = getattr(ctypes.CDLL(None), "MPIX_Query_cuda_support", None)
+if query is not None:
+    query.restype = ctypes.c_int
 print(json.dumps({"mpi4py": mpi4py.__version__,
                   "library": MPI.Get_library_version().strip().splitlines()[0],
-                  "thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread()))}))
+                  "thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
+                  "cuda": None if query is None else bool(query())}))
 """
 
 
-def _mpi(timeout: float) -> list[Check]:
+def _mpi(timeout: float, facts_out: dict | None = None) -> list[Check]:
+    """``facts_out``: filled with what the MPI child reported (for the transports' line)."""
     res = run_with_deadline([sys.executable, "-c", _MPI_FACTS], timeout)
     if res.timed_out or res.returncode != 0:
         why = "timed out" if res.timed_out else _mpi_error_summary(res.stderr, res.returncode)
         return [Check("mpi4py", False, f"MPI_Init via mpi4py failed: {why}")]
     facts = json.loads(res.stdout.strip().splitlines()[-1])
+    if facts_out is not None:
+        facts_out.update(facts)
     library = facts["library"]
     level = facts["thread_level"]
     return [
@@ -110,6 +120,49 @@ def _horovod() -> Check:
     return Check("horovod", True, detail)
 
 
+def _ompi_info_cuda() -> bool | None:
+    """Open MPI's build flag mpi_built_with_cuda_support, or None when ompi_info cannot say."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        if "built_with_cuda_support:value:" in line:
+            return line.rsplit(":", 1)[1].strip() == "true"
+    return None
+
+
+def _device_transports(mpi_cuda: bool | None) -> Check:
+    """Which transports can move device (or, for gloo, host) tensors here.  Informational:
+    a machine without a GPU is not a broken installation, so the check is always ok."""
+    have: list[str] = []
+    try:  # torch's own build flags; a broken torch is reported by its version check
+        import torch.distributed as dist
+
+        from mpsync.torch.dataplane.process_group import transport_unavailable
+
+        have.append(f"gloo={'yes' if dist.is_available() and dist.is_gloo_available() else 'no'}")
+        why = transport_unavailable("nccl")
+        have.append("nccl=yes" if why is None else
+                    "nccl=no (" + ("no CUDA" if "needs CUDA" in why else "torch without NCCL")
+                    + ")")
+    except Exception as e:
+        have.append(f"gloo/nccl unknown (torch.distributed: {e})")
+    if mpi_cuda is None:
+        mpi_cuda = _ompi_info_cuda()
+    have.append("CUDA-aware MPI=" + {True: "yes", False: "no", None: "unknown"}[mpi_cuda])
+    try:  # optional: Horovod's NCCL ops exist only in a build made with HOROVOD_GPU_OPERATIONS
+        import horovod.torch as hvd
+
+        have.append(f"Horovod NCCL ops={'yes' if hvd.nccl_built() else 'no'}")
+    except Exception:
+        have.append("Horovod NCCL ops=no (no horovod.torch)")
+    return Check("device transports", True, ", ".join(have))
+
+
 def _numba_kernel() -> Check:
     try:  # numba compiles here: a broken install must be a failed check, not a crash
         import numba
@@ -147,8 +200,10 @@ def _mpirun_two_ranks(timeout: float) -> Check:
 def run_checks(timeout: float = 60.0, skip_mpirun: bool = False) -> list[Check]:
     checks = [Check("python", sys.version_info[:2] >= (3, 10), platform.python_version())]
     checks += [_version(m) for m in ("numpy", "numba", "torch")]
-    checks += _mpi(timeout)
+    facts: dict = {}
+    checks += _mpi(timeout, facts)
     checks.append(_horovod())
+    checks.append(_device_transports(facts.get("cuda")))
     checks.append(_numba_kernel())
     if not skip_mpirun:
         checks.append(_mpirun_two_ranks(timeout))

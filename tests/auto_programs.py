@@ -99,13 +99,14 @@ def stopped_in_gathering() -> None:
 def ring_only() -> None:
     """``auto`` with ``auto_ps`` (the default) in a job that cannot host the parameter
     server: run under ``MPI4PY_RC_THREAD_LEVEL=serialized`` (no MPI_THREAD_MULTIPLE), or with
-    ``mixed=1`` a model holding a float64 and a float32 parameter.  It must go on, switching on
+    ``mixed=1`` a model holding a float64 and a float32 parameter (``backend=``: the ring's
+    transport, default mpi).  It must go on, switching on
     the ring only (plan: ElasticBSP after round 2, BSP after round 4), and say why."""
     from mpi4py import MPI
 
     a = _args()
-    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
-             auto_plan="2:ebsp,4:bsp", deadline=60)
+    mps.init(policy="auto", topology="ring", backend=a.get("backend", "mpi"),
+             server="dedicated", auto_plan="2:ebsp,4:bsp", deadline=60)
     model = _model()
     if a.get("mixed") == "1":
         model[-1].bias.data = model[-1].bias.data.to(torch.float32)

@@ -79,11 +79,12 @@ def test_auto_without_thread_multiple_switches_on_the_ring_only():
 
 
 @pytest.mark.mpi
-def test_auto_with_a_model_of_two_dtypes_switches_on_the_ring_only():
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_auto_with_a_model_of_two_dtypes_switches_on_the_ring_only(backend):
     # A float64 model whose last bias is float32: two fusion buffers, no one flat model for
     # the shards (the job used to fail when the optimizer was made: "needs all parameters
     # in one dtype").
-    res, output = _ring_only_run(args=["mixed=1"])
+    res, output = _ring_only_run(args=["mixed=1", f"backend={backend}"])
     for r in res.values():
         assert r["thread_level"] == 3, r
         assert "mixes parameter dtypes" in r["ring_only"], r

@@ -24,6 +24,12 @@ def test_doctor_passes_and_reports_horovod_build_flags():
     for name in ("numpy", "numba", "torch", "mpi4py", "Open MPI", "MPI thread level"):
         assert name in out, name
     assert "two ranks exchanged a message" in out
+    # The device transports, each named with what this machine has (gloo is in every torch
+    # build mpsync supports; the rest depend on the machine).
+    line = next(ln for ln in out.splitlines() if "device transports" in ln)
+    assert "gloo=yes" in line, line
+    for name in ("nccl=", "CUDA-aware MPI=", "Horovod NCCL ops="):
+        assert name in line, (name, line)
 
 
 def test_doctor_fails_with_one_line_reason_when_mpirun_is_missing():

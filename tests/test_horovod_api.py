@@ -73,14 +73,26 @@ def horovod_accuracy(tmp_path_factory) -> float:
     return float(res["finals"][0]["accuracy"])
 
 
-@pytest.mark.parametrize("policy, topology, flags", RUNS,
-                         ids=[f"{p}-{t}-{i}" for i, (p, t, _) in enumerate(RUNS)])
+# The ring's policies again on gloo (a torch.distributed group of the workers), chosen by
+# MPSYNC_BACKEND alone: the ones with local steps, In-Computation Sync and an early join.
+GLOO_RUNS = [
+    ("ebsp", "ring", ["--uneven-steps", "5", "--end", "join"]),
+    ("esync", "ring", ["--fp16-allreduce"]),
+    ("osp", "ring", ["--uneven-steps", "5", "--backward-passes-per-step", "2"]),
+]
+
+
+@pytest.mark.parametrize("policy, topology, flags, backend",
+                         [(*run, "horovod") for run in RUNS] +
+                         [(*run, "gloo") for run in GLOO_RUNS],
+                         ids=[f"{p}-{t}-{i}" for i, (p, t, _) in enumerate(RUNS)] +
+                             [f"{p}-{t}-gloo" for p, t, _ in GLOO_RUNS])
 def test_horovod_script_under_every_policy(tmp_path, horovod_accuracy, policy, topology,
-                                           flags):
-    # The script keeps hvd.init(): the policy, topology and Horovod as the aggregation backend
-    # come from the environment alone.
+                                           flags, backend):
+    # The script keeps hvd.init(): the policy, topology and the aggregation backend come
+    # from the environment alone.
     env = dict(os.environ, MPSYNC_POLICY=policy, MPSYNC_TOPOLOGY=topology,
-               MPSYNC_BACKEND="horovod")
+               MPSYNC_BACKEND=backend)
     passed = ("MPSYNC_POLICY", "MPSYNC_TOPOLOGY", "MPSYNC_BACKEND")
     run = run_mpi(str(mpsync_script(tmp_path)), np=4, args=COMMON + flags, env=env,
                   timeout=300, mpirun_extra=tuple(x for name in passed for x in ("-x", name)))
@@ -177,10 +189,16 @@ def _horovod_installed() -> bool:
     pytest.param("horovod", marks=pytest.mark.skipif(
         not _horovod_installed(), reason="Horovod is not installed here: the mpi backend "
                                          "carries the device check")),
+    "gloo",
+    pytest.param("nccl", marks=pytest.mark.skipif(
+        TEST_DEVICE != "cuda", reason="NCCL reduces CUDA tensors only")),
 ])
 def test_device_tensors(backend):
-    run = run_mpi("horovod_api_programs:device_tensors", np=3,
+    # NCCL refuses two ranks on one GPU: with a single GPU the NCCL check is one worker's
+    # (its collectives still run through the process group).
+    workers = 1 if backend == "nccl" and torch.cuda.device_count() < 2 else 2
+    run = run_mpi("horovod_api_programs:device_tensors", np=workers + 1,
                   args=[f"backend={backend}", f"device={TEST_DEVICE}"], timeout=120)
-    for rank in (1, 2):
+    for rank in range(1, workers + 1):
         assert f"DEVICE-OK rank={rank - 1} device={TEST_DEVICE}" in run.rank_out(rank), \
             run.report()

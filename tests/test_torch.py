@@ -9,7 +9,7 @@ from mpi_harness import run_mpi
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+@pytest.mark.parametrize("backend", ["mpi", "horovod", "gloo"])
 def test_bsp_equals_single_process_sgd_on_the_concatenated_batch(backend):
     # 1 dedicated server + 3 workers; momentum SGD in float64, workers start from different
     # weights (broadcast_parameters must fix that).
@@ -34,6 +34,17 @@ def test_horovod_and_mpi_backends_agree():
     for r in res.values():
         assert r["horovod_vs_mpi"] <= 1e-6 and r["horovod_vs_ref"] <= 1e-6
         assert r["mpi_vs_ref"] <= 1e-6
+
+
+def test_bsp_on_gloo_gives_bitwise_the_weights_of_mpi():
+    # 1 dedicated server + 2 workers, 20 float32 momentum steps on each backend in one job.
+    run = run_mpi("torch_programs:bsp_gloo_matches_mpi", np=3, args=["steps=20"], timeout=120)
+    res = run.results()
+    assert sorted(res) == [1, 2], run.report()
+    for r in res.values():
+        assert r["size"] == 2 and r["backend"] == "ProcessGroupAggregator", r
+        assert r["bitwise"] and r["max_rel"] == 0.0, r
+    assert len({r["digest"] for r in res.values()}) == 1, res
 
 
 def test_esync_with_equal_speeds_equals_bsp_step_for_step():

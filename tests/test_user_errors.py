@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mpi_harness import run_mpi
 from mpsync import cli
@@ -66,6 +67,11 @@ def mistakes(tmp):
                                                "server"], {},
          "ps_optimizer='server' (--ps-optimizer, MPSYNC_PS_OPTIMIZER) cannot run under "
          "policy='auto'"),
+        ("an unknown backend", [*train, "--backend", "tcp"], {},
+         "unknown backend 'tcp'; choose one of: mpi, horovod, gloo, nccl"),
+        *([("NCCL without CUDA", [*train, "--backend", "nccl"], {},
+            "backend='nccl' needs CUDA, and torch.cuda.is_available() is False")]
+          if not torch.cuda.is_available() else []),
         ("an unknown server placement", [*train, "--server", "nowhere"], {},
          "unknown server 'nowhere'; choose one of: dedicated, colocated"),
         ("an unknown model", [*train, "--model", "resnet"], {},
@@ -172,6 +178,8 @@ def test_a_bad_environment_value_in_a_script_is_one_line(variable, value, expect
     (["policy=ssp", "topology=ring"], {}, "mpsync: error: policy='ssp' needs a central copy "
                                           "of the weights and runs only on topology='ps'"),
     ([], {"MPSYNC_POLICY": "nonsense"}, "mpsync: error: unknown policy 'nonsense'"),
+    pytest.param(["backend=nccl"], {}, "mpsync: error: backend='nccl' needs CUDA",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_a_bad_init_setting_ends_a_job_with_one_line_on_one_rank(args, env, expected):
     run = run_mpi(PROGRAMS, np=3, args=["init", *args], env=dict(os.environ, **env),

@@ -78,9 +78,10 @@ def _reference_sgd(steps: int, workers: int, batch: int, lr: float, momentum: fl
     return _flat(model)
 
 
-def _train_shard(opt, model, steps: int, workers: int, batch: int, me: int) -> None:
+def _train_shard(opt, model, steps: int, workers: int, batch: int, me: int,
+                 dtype=torch.float64) -> None:
     for step in range(steps):
-        x, y = _data(workers * batch, seed=100 + step)
+        x, y = _data(workers * batch, seed=100 + step, dtype=dtype)
         xs, ys = x[me * batch:(me + 1) * batch], y[me * batch:(me + 1) * batch]
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(xs), ys).backward()
@@ -147,6 +148,38 @@ def bsp_backends_agree() -> None:
             mpi_vs_ref=_max_rel(m, ref))
     if _max_rel(h, m) > 1e-6 or _max_rel(h, ref) > 1e-6 or _max_rel(m, ref) > 1e-6:
         raise AssertionError("backends disagree")
+
+
+def bsp_gloo_matches_mpi() -> None:
+    """BSP for ``steps`` steps on the gloo backend and again on the mpi backend, in one job
+    (the mpi run through a second context, as ``bsp_backends_agree``), float32 with momentum:
+    with 2 workers both sum the same two values and scale by 1/2, so the weights must be
+    bitwise equal; with more, within 1e-6 relative (the reduction orders may differ)."""
+    from mpsync.torch import _runtime
+    from mpsync.torch.dataplane.backends import MPIAggregator
+
+    steps, batch, lr = int(_args().get("steps", 20)), 4, 0.1
+    mps.init(policy="bsp", backend="gloo", server="dedicated", deadline=30)
+    ctx = _runtime.context()
+    runs = {}
+    for name, context in (("gloo", None), ("mpi", _runtime.Context(
+            config=ctx.config, world=ctx.world, control=ctx.control, workers=ctx.workers,
+            server_rank=ctx.server_rank, dedicated=ctx.dedicated,
+            worker_rank=ctx.worker_rank, world_ranks=ctx.world_ranks,
+            backend=MPIAggregator(ctx.workers.Dup(), deadline=30.0, watch=None),
+            client=None))):
+        model = _model(dtype=torch.float32)
+        opt = mps.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            **({} if context is None else {"_context": context}))
+        _train_shard(opt, model, steps, mps.size(), batch, mps.rank(), dtype=torch.float32)
+        runs[name] = _flat(model)
+    backend = type(ctx.backend).__name__
+    mps.shutdown()
+    g, m = runs["gloo"], runs["mpi"]
+    _result(rank=mps.rank(), size=mps.size(), backend=backend, bitwise=bool(torch.equal(g, m)),
+            max_rel=_max_rel(g, m), digest=_digest(g))
 
 
 # -- ESync / ElasticBSP deltas -------------------------------------------------------------

@@ -69,7 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per policy (default 25 s when --epochs is not given)")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--partition", default="iid")
-    p.add_argument("--backend", default=DEFAULTS.backend)
+    p.add_argument("--backend", default=DEFAULTS.backend,
+                   help="the ring's transport, as mpsync train's --backend (mpi, horovod, gloo, "
+                        f"nccl; default {DEFAULTS.backend})")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

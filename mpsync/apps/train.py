@@ -80,7 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"one of {', '.join(policies.names())} (default {d.policy})")
     g.add_argument("--topology", default=None, help=_topology_help())
     g.add_argument("--backend", default=d.backend,
-                   help=f"{' | '.join(BACKENDS)} (ring aggregation; default {d.backend})")
+                   help=f"{' | '.join(BACKENDS)}: the ring's transport (mpi4py, Horovod's "
+                        f"ops, or a torch.distributed group of the workers: gloo on host "
+                        f"tensors, nccl on CUDA tensors; default {d.backend})")
     g.add_argument("--server", default=d.server,
                    help=f"{' | '.join(SERVER_PLACEMENTS)} (default {d.server}: rank 0 serves)")
     g.add_argument("--staleness", type=int, default=None, help=f"SSP threshold s (default {d.staleness})")
@@ -212,9 +214,21 @@ def build_config(args) -> SyncConfig:
     return SyncConfig.from_options(env={}, **opts)
 
 
+def check_transport(backend: str) -> None:
+    """A gloo or NCCL backend this machine's torch cannot run (NCCL without CUDA) is refused
+    before launch, naming it, instead of failing on every rank."""
+    if backend in ("gloo", "nccl"):
+        from mpsync.torch.dataplane.process_group import transport_unavailable  # torch
+
+        reason = transport_unavailable(backend)
+        if reason is not None:
+            raise ConfigError(reason)
+
+
 def validate(args, workers: int | None) -> SyncConfig:
     """Every check that needs no communicator (run before launch and on every rank)."""
     config = build_config(args)
+    check_transport(config.backend)
     if (args.epochs is None) == (args.time_budget is None):
         raise ConfigError("give exactly one of --epochs N or --time-budget S")
     if args.epochs is not None and not args.epochs > 0:

@@ -12,6 +12,10 @@ warm-up as the median over repeats of the slowest rank's time (a barrier before 
   script that sets them to None each step): pack and unpack copies included;
 * ``horovod_ms``: raw ``hvd.allreduce_`` of one tensor of that size (in place, average);
 * ``mpi_ms``: raw mpi4py ``Allreduce`` (blocking, in place) of the same buffer;
+* ``mpsync_gloo_ms``: BSP's data path with the gloo backend (a ``torch.distributed`` gloo
+  group of the workers, rendezvous over MPI; the allreduce waited for with the deadline);
+  ``gloo_ms``: the group's raw ``allreduce`` of one tensor of that size (sum, in place,
+  ``wait()``); both measured with ``mpi_ms``, before Horovod starts;
 * ``user_ms``: a script's ``mps.allreduce`` of one float32 tensor of that size (named
   negotiation: the request to member 0 and its answer with every worker's record, checked
   for shapes, dtypes and ops, then ``Iallreduce`` of a copy); ``user_unchecked_ms``: the
@@ -138,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             row["mpsync_vs_horovod"] = row["mpsync_ms"] / row["horovod_ms"]
         if row.get("mpi_ms"):
             row["mpsync_mpi_vs_mpi"] = row["mpsync_mpi_ms"] / row["mpi_ms"]
+        if row.get("gloo_ms"):
+            row["gloo_vs_mpi"] = row["gloo_ms"] / row["mpi_ms"]
         if row.get("user_unchecked_ms"):
             row["check_overhead"] = row["user_ms"] / row["user_unchecked_ms"]
             row["negotiation_us"] = 1e3 * (row["user_ms"] - row["user_unchecked_ms"])
@@ -175,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(table: list[dict]) -> None:
     cols = ["bytes", "mpsync_ms", "horovod_ms", "mpsync_vs_horovod", "mpsync_copy_ms",
             "mpsync_mpi_ms", "mpi_ms",
-            "mpsync_mpi_vs_mpi", "ps_ms", "ps_shard_ms", "ps_raw_ms", "ps_vs_raw",
+            "mpsync_mpi_vs_mpi", "mpsync_gloo_ms", "gloo_ms", "gloo_vs_mpi", "ps_ms", "ps_shard_ms", "ps_raw_ms", "ps_vs_raw",
             "ps_shard_vs_raw", "ps_paced_ms", "ps_shard_paced_ms", "ps_raw_paced_ms",
             "ps_paced_vs_raw", "ps_shard_paced_vs_raw", "ps_ssp_ms", "ps_ssp_asked_ms",
             "ps_ssp_vs_raw", "ps_ssp_asked_vs_raw", "ps_ssp_paced_ms", "ps_ssp_asked_paced_ms",
@@ -221,6 +227,7 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
 
     from mpsync.torch.dataplane.backends import HorovodAggregator, MPIAggregator
     from mpsync.torch.dataplane.compression import Compression, WireSum
+    from mpsync.torch.dataplane.process_group import ProcessGroupAggregator
     from mpsync.torch._moves import start_allreduce
     from mpsync.torch.mpi_ops import Average, UserOps
     from mpsync.torch.strategies import average_gradients
@@ -230,14 +237,19 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
     mpi_agg = MPIAggregator(world.Dup(), deadline=600.0)
     checked = UserOps(world.Dup(), 600.0)
     unchecked = UserOps(world.Dup(), 600.0, checked=False)
+    gloo_agg = ProcessGroupAggregator.start(world.Dup(), "gloo", deadline=600.0,
+                                            longest_wait=600.0, one_host=_one_host(world))
     rows = {s: {"bytes": s} for s in sizes}
     for nbytes in sizes:
         buf = _fake_model(nbytes, bind=True)
         arr = torch.ones(max(1, nbytes // 4), dtype=torch.float32).numpy()
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        g = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         rows[nbytes].update(timed(world, {
             "mpi_ms": lambda: world.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM),
             "mpsync_mpi_ms": lambda: average_gradients([buf], mpi_agg),
+            "gloo_ms": lambda: gloo_agg.group.allreduce([g]).wait(),
+            "mpsync_gloo_ms": lambda: average_gradients([buf], gloo_agg),
             "user_ms": lambda: start_allreduce(checked, t, Average, 1.0, 1.0, None, None).wait(),
             "user_unchecked_ms": lambda: start_allreduce(
                 unchecked, t, Average, 1.0, 1.0, None, None).wait(),
@@ -247,7 +259,8 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
             t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
             rows[nbytes].update(timed(world, {"mpsync_mpi_fp16_ms": lambda: start_allreduce(
                 ops, t, Average, 1.0, 1.0, Compression.fp16, "fp16").wait()}, max_repeats, budget))
-        del buf, arr
+        del buf, arr, g
+    gloo_agg.close()
     _fusion_rows(world, rows, sizes, max_repeats, budget)
 
     import horovod.torch as hvd
@@ -282,6 +295,17 @@ def _ring_child(sizes, max_repeats, budget, fp16=False) -> None:
             print("ROW " + json.dumps(rows[nbytes]), flush=True)
         del raw, buf, copy_buf
     hvd.shutdown()
+
+
+def _one_host(comm) -> bool:
+    """Every rank of ``comm`` on this node (the gloo group then stays on loopback)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() == comm.Get_size()
+    finally:
+        node.Free()
 
 
 FUSION_TENSORS = 32

@@ -20,7 +20,7 @@ import traceback
 
 from mpsync.config import ConfigError, SyncConfig, debug_enabled
 
-__all__ = ["config_of", "join", "serve_dedicated", "write_outputs", "install_abort_hooks",
+__all__ = ["config_of", "raise_user_error", "join", "serve_dedicated", "write_outputs", "install_abort_hooks",
            "check_same_config", "Joined", "refuse"]
 
 
@@ -32,10 +32,15 @@ def config_of(policy=None, topology=None, backend=None, server=None,
                                ("backend", backend), ("server", server)) if v is not None}
     try:
         return SyncConfig.from_options(**given, **policy_options)
-    except ConfigError:
-        # Uncaught by the script, it ends the job as one line (a script may catch it).
-        sys.excepthook = _user_error_hook(sys.excepthook)
-        raise
+    except ConfigError as e:
+        raise_user_error(e)
+
+
+def raise_user_error(exc: ConfigError):
+    """Raise ``exc`` from ``init``: uncaught by the script, it ends the job as one line on
+    rank 0 and exit status 2 (a script may catch it)."""
+    sys.excepthook = _user_error_hook(sys.excepthook)
+    raise exc
 
 
 # How long a rank other than 0 waits for rank 0 to end the job before it reports its error.

@@ -5,7 +5,8 @@ user's back):
 
 * ``control``: a ``Dup()`` shared by the state server and its clients (the contract);
 * ``workers``: the training ranks only (``Split`` without the dedicated server rank);
-  Horovod is initialised on it, so the server never joins a Horovod collective;
+  Horovod is initialised on it, and the gloo/NCCL process group's rendezvous runs over it,
+  so the server never joins a Horovod or ``torch.distributed`` collective;
 * more ``Dup()`` s of ``workers``: the mpi backend's collectives, the notices of
   :class:`~mpsync.torch.dataplane.waiting.PeerWatch`, and ``gather_object``'s messages (kept apart so a
   probe never matches anything else).
@@ -64,6 +65,9 @@ class Context:
     shard_thread: object | None = None
     shard_layout: object | None = None
     hvd: object | None = None
+    # Whether MPI takes this worker's CUDA buffers (Open MPI built with CUDA): True, False, or
+    # None when it cannot be told; False without CUDA.  Read at init for the transports.
+    cuda_aware_mpi: bool | None = False
     counters: LocalCounters = field(default_factory=LocalCounters)
     optimizers: list = field(default_factory=list)
     stats_path: str | None = None
@@ -119,8 +123,15 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     # Horovod is imported for backend='horovod' on every topology (on the PS it runs the
     # workers' barriers and broadcasts), so its absence is checked whatever the topology.
     if config.backend == "horovod" and importlib.util.find_spec("horovod") is None:
-        raise ConfigError("backend='horovod' but Horovod is not installed; install it "
-                          "(make setup) or use backend='mpi'")
+        job.raise_user_error(ConfigError(
+            "backend='horovod' but Horovod is not installed; install it (make setup) or use "
+            "backend='mpi'"))
+    from mpsync.torch.dataplane.process_group import transport_unavailable
+
+    # Before any communication, on every rank alike (the server's too): one line, no hang.
+    reason = transport_unavailable(config.backend)
+    if reason is not None:
+        job.raise_user_error(ConfigError(reason))
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD if comm is None else comm
@@ -142,9 +153,10 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     # Horovod's cross communicator: the workers with this local rank, one per node.
     cross = workers.Split(color=ctx.local_rank, key=rank)
     ctx.cross_rank, ctx.cross_size = cross.Get_rank(), cross.Get_size()
+    one_host = node.Get_size() == workers.Get_size()
     node.Free()
     cross.Free()
-    _start_backend(ctx)
+    _start_backend(ctx, one_host)
     if policies.hosts_shards(config):
         from mpsync.server.shards import start_shards
 
@@ -183,9 +195,13 @@ def _serve_and_exit(ctx: Context) -> None:
     sys.exit(0)
 
 
-def _start_backend(ctx: Context) -> None:
+def _start_backend(ctx: Context, one_host: bool) -> None:
+    """``one_host``: every worker runs on this node (a process group's rendezvous and gloo
+    then stay on the loopback interface)."""
     from mpsync.torch.dataplane.waiting import PeerWatch
     from mpsync.torch.dataplane.backends import EmulatedLink, HorovodAggregator, MPIAggregator
+    from mpsync.torch.dataplane.process_group import (
+        PROCESS_GROUP_BACKENDS, ProcessGroupAggregator, cuda_aware_mpi, nccl_device)
 
     watch = PeerWatch(ctx.workers.Dup(), ctx.world_ranks)
     ctx.objects = ctx.workers.Dup()
@@ -198,8 +214,16 @@ def _start_backend(ctx: Context) -> None:
                                f"expected {ctx.worker_rank} of {ctx.workers.Get_size()}")
         ctx.hvd = hvd
         ctx.backend = HorovodAggregator(hvd, deadline=ctx.config.deadline, watch=watch)
+    elif ctx.config.backend in PROCESS_GROUP_BACKENDS:
+        nccl = ctx.config.backend == "nccl"
+        ctx.backend = ProcessGroupAggregator.start(
+            ctx.workers, ctx.config.backend, deadline=ctx.config.deadline,
+            longest_wait=ctx.config.startup_timeout, one_host=one_host, watch=watch,
+            device=nccl_device(ctx.local_rank) if nccl else None)
     else:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
+    if torch.cuda.is_available():
+        ctx.cuda_aware_mpi = cuda_aware_mpi()
     emulated = ctx.config.comm_delay > 0 or ctx.config.comm_bandwidth > 0
     ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay,
                                      bandwidth=ctx.config.comm_bandwidth)
@@ -248,6 +272,8 @@ def shutdown() -> None:
         final = ctx.colocated.join()
         ctx.server_stats = final
         job.write_outputs(final, ctx.stats_path, ctx.trace_path)
+    if hasattr(ctx.backend, "close"):
+        ctx.backend.close()  # a process group's threads and connections
     ctx.closed = True
 
 

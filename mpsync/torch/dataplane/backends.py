@@ -10,7 +10,8 @@ Both implement one small interface, :class:`Aggregator`:
 
 ``mpi`` uses mpi4py ``Iallreduce`` on the tensor's memory (no copy); ``horovod`` uses Horovod's
 async ops, initialised on the workers' communicator so a dedicated server rank never joins a
-Horovod collective.  Every wait polls with the deadline of :mod:`mpsync.torch.dataplane.waiting`.
+Horovod collective; ``gloo`` and ``nccl`` are in :mod:`mpsync.torch.dataplane.process_group`.
+Every wait is bounded by the deadline of :mod:`mpsync.torch.dataplane.waiting`.
 The parameter-server exchange is not an allreduce and lives in :mod:`mpsync.torch.strategies`.
 """
 
