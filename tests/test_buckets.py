@@ -67,10 +67,12 @@ def test_a_bucket_size_that_is_not_positive_is_refused_by_the_config():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("np_,passes", [(2, 1), (2, 2), (4, 1)])
-def test_buckets_during_backward_give_the_weights_of_the_whole_model_at_step(np_, passes):
+@pytest.mark.parametrize("np_,passes,backend", [(2, 1, "mpi"), (2, 2, "mpi"), (4, 1, "mpi"),
+                                               (2, 1, "gloo")])
+def test_buckets_during_backward_give_the_weights_of_the_whole_model_at_step(np_, passes,
+                                                                             backend):
     run = run_mpi("bucket_programs:buckets_equal_the_whole_model", np=np_, timeout=240,
-                  args=["steps=50", f"passes={passes}"])
+                  args=["steps=50", f"passes={passes}", f"backend={backend}"])
     res = run.results()
     assert len(res) == np_, run.report()
     for r in res.values():
