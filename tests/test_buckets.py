@@ -100,3 +100,21 @@ def test_buckets_during_backward_give_the_weights_of_the_whole_model_at_step(np_
         else:
             assert r["max_rel"] <= 1e-6, r
     assert len({r["bucketed"] for r in res.values()}) == 1, "workers ended apart"
+
+
+def test_train_flags_and_environment_reach_the_config(monkeypatch):
+    import argparse
+
+    from mpsync.apps.train import add_arguments, build_config
+
+    def config(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return build_config(p.parse_args(["--epochs", "1", *argv]))
+
+    assert (config().bucket_mb, config().overlap) == (25.0, True)
+    assert (config("--bucket-mb", "4").bucket_mb, config("--no-overlap").overlap) == (4.0, False)
+    monkeypatch.setenv("MPSYNC_BUCKET_MB", "2.5")
+    monkeypatch.setenv("MPSYNC_OVERLAP", "0")
+    assert (config().bucket_mb, config().overlap) == (2.5, False)
+    assert config("--bucket-mb", "8").bucket_mb == 8.0   # the flag wins

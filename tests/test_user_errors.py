@@ -72,6 +72,10 @@ def mistakes(tmp):
         *([("NCCL without CUDA", [*train, "--backend", "nccl"], {},
             "backend='nccl' needs CUDA, and torch.cuda.is_available() is False")]
           if not torch.cuda.is_available() else []),
+        ("a bucket size of zero", [*train, "--bucket-mb", "0"], {},
+         "bucket_mb (--bucket-mb, MPSYNC_BUCKET_MB) must be a number of MiB > 0"),
+        ("MPSYNC_BUCKET_MB that is no number", train, {"MPSYNC_BUCKET_MB": "big"},
+         "MPSYNC_BUCKET_MB='big' is not a number"),
         ("an unknown server placement", [*train, "--server", "nowhere"], {},
          "unknown server 'nowhere'; choose one of: dedicated, colocated"),
         ("an unknown model", [*train, "--model", "resnet"], {},

@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"{' | '.join(BACKENDS)}: the ring's transport (mpi4py, Horovod's "
                         f"ops, or a torch.distributed group of the workers: gloo on host "
                         f"tensors, nccl on CUDA tensors; default {d.backend})")
+    g.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                   help=f"BSP on the ring: gradients in buckets of at most MB MiB, each "
+                        f"averaged as soon as backward has made it (default: "
+                        f"$MPSYNC_BUCKET_MB or {d.bucket_mb:g}, as PyTorch DDP)")
+    g.add_argument("--no-overlap", action="store_true", default=None,
+                   help="BSP on the ring: average the whole model at step(), after backward, "
+                        "instead of bucket by bucket during it (default: $MPSYNC_OVERLAP or on)")
     g.add_argument("--server", default=d.server,
                    help=f"{' | '.join(SERVER_PLACEMENTS)} (default {d.server}: rank 0 serves)")
     g.add_argument("--staleness", type=int, default=None, help=f"SSP threshold s (default {d.staleness})")
@@ -195,6 +202,11 @@ def build_config(args) -> SyncConfig:
     auto_ps = setting_from_env("auto_ps") if not getattr(args, "no_auto_ps", None) else False
     opts["auto_ps"] = auto_ps if isinstance(auto_ps, bool) else parse_bool("MPSYNC_AUTO_PS",
                                                                            auto_ps)
+    bucket_mb = setting_from_env("bucket_mb") if args.bucket_mb is None else args.bucket_mb
+    opts["bucket_mb"] = _number("--bucket-mb", "MPSYNC_BUCKET_MB", bucket_mb)
+    overlap = setting_from_env("overlap") if not getattr(args, "no_overlap", None) else False
+    opts["overlap"] = overlap if isinstance(overlap, bool) else parse_bool("MPSYNC_OVERLAP",
+                                                                           overlap)
     # auto: a fixed plan of switches replaces its decisions (a decision log replayed)
     opts["auto_plan"] = setting_from_env("auto_plan")
     if args.staleness is not None:
@@ -223,6 +235,17 @@ def check_transport(backend: str) -> None:
         reason = transport_unavailable(backend)
         if reason is not None:
             raise ConfigError(reason)
+
+
+def _number(flag: str, var: str, value) -> float:
+    """A number from a flag (already a float) or from the environment's text."""
+    if isinstance(value, (int, float)):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{var}={value!r} is not a number ({flag}); set a number or unset "
+                          f"it") from None
 
 
 def validate(args, workers: int | None) -> SyncConfig:
