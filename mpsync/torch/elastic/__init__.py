@@ -39,6 +39,11 @@ What happens on each event:
   as in Horovod, the state is restored from the last commit in memory and ``func`` runs again.
 
 Without ``MPSYNC_ELASTIC_DIR`` (no elastic launcher) commits stay in memory, as in Horovod.
+A commit on disk holds only data (:data:`mpsync.commits.DATA_TYPES`; an attribute of another
+class is refused by ``commit()``) and is loaded without running anything in it: a commit that
+is corrupt or would run code is refused with one line naming its file, and the job ends with
+the status the launcher does not restart.  (The objects workers send each other in one job,
+``broadcast_object`` and ``allgather_object``, stay pickles, as in Horovod.)
 """
 
 from __future__ import annotations
