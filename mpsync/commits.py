@@ -143,6 +143,9 @@ def _serialize(state) -> bytes:
 def _load_data(payload: bytes):
     import torch
 
+    # torch keeps the allowed globals in one process-wide set: a context, not
+    # add_safe_globals, so a script's own torch.load does not accept numpy arrays because
+    # mpsync loaded a checkpoint.  Sealed files are read on one thread, never concurrently.
     with torch.serialization.safe_globals(_numpy_array_globals()):
         return torch.load(io.BytesIO(payload), weights_only=True)
 
