@@ -7,7 +7,12 @@ Three pieces, each usable alone:
 * **sealed files** (:func:`write_sealed` / :func:`read_sealed`): ``MAGIC``, one JSON header line
   with the payload's length and sha256, then the payload (``torch.save``).  Written to a
   temporary name, fsync'ed and renamed, so a reader sees the whole file or the previous one;
-  a truncated or corrupt file is refused with a message naming it.
+  a truncated or corrupt file is refused with a message naming it.  A sealed file holds only
+  data (:data:`DATA_TYPES`): it is written only when the state is data (:func:`check_data`)
+  and read with ``torch.load(weights_only=True)``, so loading a file someone else wrote runs
+  no code of theirs -- the sha256 guards against a damaged file, not a crafted one, and a
+  file whose pickle names anything else is refused, naming the file, before anything in it
+  is built.
 * **a background writer** (:class:`BackgroundWriter`): one thread, one waiting slot.  The
   caller hands it a *copy* of its state and goes on training; a newer commit that arrives while
   an older one still waits replaces it (commits as often as asked never queue up without bound).
@@ -27,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -35,8 +41,9 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE",
-           "SealedFileError", "write_sealed", "read_sealed", "fsync_dir", "BackgroundWriter",
-           "CommitStore", "Manifest", "newest_complete", "load_committed", "MAGIC"]
+           "USER_ERROR_EXIT_CODE", "SealedFileError", "DATA_TYPES", "check_data", "write_sealed",
+           "read_sealed", "fsync_dir", "BackgroundWriter", "CommitStore", "Manifest",
+           "newest_complete", "load_committed", "MAGIC"]
 
 # What an elastic launcher tells every rank of the job it starts:
 ENV_COMMIT_DIR = "MPSYNC_ELASTIC_DIR"            # where commits go and are resumed from
@@ -44,14 +51,85 @@ ENV_HOSTS_FILE = "MPSYNC_ELASTIC_HOSTS_FILE"     # {"version": V, "hosts": [...]
 ENV_HOSTS_VERSION = "MPSYNC_ELASTIC_HOSTS_VERSION"  # V when the job was started
 # A job that ends to be started again with new hosts exits with this (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
+# A job that a restart would fail the same way (a user's mistake, a refused commit) exits
+# with this, and is not restarted.
+USER_ERROR_EXIT_CODE = 2
 
 MAGIC = b"MPSYNC-CKPT 1\n"
 MANIFEST = "MANIFEST.json"
 _REPORT_TAG = 77
 
 
+# What a sealed file holds, in words (the types :func:`check_data` lets through).
+DATA_TYPES = ("tensors, numpy arrays, numbers, strings, bytes, None, torch dtypes, sizes and "
+              "devices, and dicts, lists, tuples and sets of them")
+
+
 class SealedFileError(RuntimeError):
     """A sealed file that cannot be used; the message names the file and the reason."""
+
+
+def _plain_types() -> tuple:
+    import torch
+
+    return (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size,
+            torch.dtype, torch.device, torch.layout)
+
+
+def check_data(state, what: str = "checkpoint", where: str = "") -> None:
+    """TypeError naming the first value in ``state`` that a sealed file cannot hold (one that
+    is not in :data:`DATA_TYPES`): such a value pickles as a call of its class, which
+    :func:`read_sealed` refuses, so it is refused when written instead of when resumed.
+
+    Exact types: a subclass (a namedtuple, a defaultdict, a tensor subclass) pickles as its
+    own class."""
+    import collections
+
+    import numpy as np
+    import torch
+
+    plain = _plain_types()
+    containers = (dict, collections.OrderedDict, collections.Counter)
+    seen: set[int] = set()
+    stack = [(state, "state")]
+    while stack:
+        value, path = stack.pop()
+        kind = type(value)
+        if kind in plain:
+            continue
+        if kind in (torch.Tensor, torch.nn.Parameter):
+            continue
+        if kind is np.ndarray and not value.dtype.hasobject:
+            continue
+        if id(value) in seen:
+            continue
+        if kind in containers:
+            seen.add(id(value))
+            for key, item in value.items():
+                stack.append((key, f"a key of {path}"))
+                stack.append((item, f"{path}[{key!r}]"))
+            continue
+        if kind in (list, tuple, set):
+            seen.add(id(value))
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+            continue
+        raise TypeError(f"{where + ': ' if where else ''}{path} is a {kind.__module__}."
+                        f"{kind.__qualname__}; a {what} holds only data ({DATA_TYPES})")
+
+
+def _numpy_array_globals() -> list:
+    """What a pickled numpy array names: checkpoints of earlier versions held the numpy RNG
+    key and the shards' optimizer state as arrays, and an elastic script's state may.  These
+    rebuild an array of plain numbers (an array of objects holds only what else is allowed)."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:   # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    numeric = [type(np.dtype(code)) for code in np.typecodes["AllInteger"]
+               + np.typecodes["AllFloat"] + "?"]   # a dtype is built by its own class
+    return [_reconstruct, np.ndarray, np.dtype, *numeric]
 
 
 def _serialize(state) -> bytes:
@@ -62,9 +140,39 @@ def _serialize(state) -> bytes:
     return buf.getvalue()
 
 
+def _load_data(payload: bytes):
+    import torch
+
+    # torch keeps the allowed globals in one process-wide set: a context, not
+    # add_safe_globals, so a script's own torch.load does not accept numpy arrays because
+    # mpsync loaded a checkpoint.  Sealed files are read on one thread, never concurrently.
+    with torch.serialization.safe_globals(_numpy_array_globals()):
+        return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def _why_not_data(error: BaseException) -> str:
+    """One line out of torch's refusal (several paragraphs, most of them advice to load the
+    file with ``weights_only=False``, which is what must not happen)."""
+    text = str(error)
+    named = re.search(r"GLOBAL ([\w.]+)", text)
+    if named:
+        return f"its pickle calls {named.group(1)}"
+    built = re.search(r"but got <class '([^']+)'>", text)
+    if built:
+        return f"its pickle builds a {built.group(1)}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("Weights only load failed",
+                                                      "Check the documentation",
+                                                      "Please file an issue"))]
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
 def write_sealed(path: str | os.PathLike, state, **header) -> dict:
-    """Write ``state`` to ``path`` atomically; returns the header (length, sha256, ``header``)."""
+    """Write ``state`` to ``path`` atomically; returns the header (length, sha256, ``header``).
+    TypeError (nothing written) when ``state`` is not data (:func:`check_data`)."""
     path = Path(path)
+    check_data(state, what="sealed file", where=str(path))
     payload = _serialize(state)
     head = {"sha256": hashlib.sha256(payload).hexdigest(), "length": len(payload), **header}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -81,9 +189,8 @@ def write_sealed(path: str | os.PathLike, state, **header) -> dict:
 
 def read_sealed(path: str | os.PathLike, what: str = "checkpoint"):
     """The state stored in ``path`` by :func:`write_sealed`; SealedFileError if it is corrupt,
-    truncated or not one."""
-    import torch
-
+    truncated, not one, or holds more than data (its pickle would call something to build it:
+    refused before that call, so nothing in the file runs)."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -105,7 +212,11 @@ def read_sealed(path: str | os.PathLike, what: str = "checkpoint"):
                               f"payload bytes)")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise SealedFileError(f"{what} {path}: corrupt (sha256 mismatch)")
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    try:
+        return _load_data(payload)
+    except Exception as e:  # noqa: BLE001 - whatever the payload does, one line naming it
+        raise SealedFileError(f"{what} {path}: refused, not plain data ({_why_not_data(e)}); "
+                              f"nothing in it was run") from None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -268,7 +379,10 @@ class CommitStore:
     # -- every rank ----------------------------------------------------------------------------
     def commit(self, seq: int, state, info: dict | None = None) -> None:
         """Write ``state`` (already a copy: the caller goes on changing the original) as this
-        rank's part of commit ``seq``, in the background."""
+        rank's part of commit ``seq``, in the background.  TypeError at once when ``state``
+        is not data (:func:`check_data`): a commit is resumed from by another job."""
+        check_data(state, what="commit")
+
         def job():
             self._write(seq, state, info or {})
         if self.writer is None:

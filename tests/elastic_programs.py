@@ -36,3 +36,23 @@ def commit_store():
         # Only the newest two complete commits are kept.
         kept = sorted(p.name for p in root.iterdir() if p.name.startswith("commit-"))
         print("RESULT " + json.dumps({"kept": kept}), flush=True)
+
+
+def refused_commit():
+    """``hvd.elastic.run`` under a commit directory (argv[1]) whose newest complete commit is
+    refused when worker 0 loads it: the job must end before the training function runs."""
+    import os
+
+    import mpsync.torch as hvd
+    from mpsync.commits import ENV_COMMIT_DIR
+
+    os.environ[ENV_COMMIT_DIR] = sys.argv[1]
+    hvd.init()
+    model = torch.nn.Linear(2, 1)
+    state = hvd.elastic.TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        print("TRAINING", flush=True)
+
+    train(state)

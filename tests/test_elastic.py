@@ -36,6 +36,25 @@ def test_commit_store_uses_a_commit_only_when_every_rank_wrote_it(tmp_path):
                                         "commit-000000004"]
 
 
+def test_elastic_run_refuses_a_crafted_commit_and_runs_nothing(tmp_path):
+    from test_checkpoint import crafted_checkpoint
+
+    marker = tmp_path / "ran"
+    commit = tmp_path / "commits" / "commit-000000003"
+    crafted_checkpoint(commit / "rank-00000.pt", marker)
+    (commit / "MANIFEST.json").write_text(json.dumps(
+        {"seq": 3, "size": 2, "info": {"seq": 3},
+         "files": {str(r): {"name": f"rank-{r:05d}.pt"} for r in range(2)}}))
+    run = run_mpi("elastic_programs:refused_commit", np=2, args=[tmp_path / "commits"],
+                  timeout=90, check=False)
+    assert run.returncode == 2, run.report()      # the launcher's no-restart status
+    # What the user sees: worker 0's one line (world rank 0 serves the job's state).
+    line = f"mpsync elastic: error: commit {commit / 'rank-00000.pt'}: refused"
+    assert line in run.stderr and "Traceback" not in run.stderr, run.report()
+    assert "TRAINING" not in run.stdout, run.report()
+    assert not marker.exists(), "loading the crafted commit ran its command"
+
+
 def _env(tag: str) -> dict:
     # A generous deadline: a loaded machine can take more than the default 20 s from start to
     # the first registration, which would end the job before the fault under test.

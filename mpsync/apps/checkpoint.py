@@ -6,6 +6,13 @@ File layout (``ckpt-<round>.mpsck``): a sealed file of :mod:`mpsync.commits`::
     {"sha256": ..., "length": N, "round": R}\n  one JSON header line
     <N bytes>                                   torch.save of the state dict
 
+The state holds only data (``mpsync.commits.DATA_TYPES``: tensors, numbers, strings, numpy
+arrays and containers of them; no objects of other classes) and is loaded with
+``torch.load(weights_only=True)``: resuming a checkpoint someone else wrote runs no code of
+theirs.  A file whose pickle would call anything else to build the state is refused with one
+line naming it, as a corrupt one is.  Checkpoints written before this rule load as they are
+(what they held was already data: tensors, numpy arrays, numbers).
+
 A write goes to a temporary file in the same directory, is fsync'ed, then renamed over the
 final name (rename is atomic on POSIX), so a crash mid-write leaves the previous checkpoint
 untouched.  Only the newest ``keep`` checkpoints are kept.  Loading checks magic, length and
@@ -24,7 +31,8 @@ import os
 import sys
 from pathlib import Path
 
-from mpsync.commits import BackgroundWriter, SealedFileError, read_sealed, write_sealed
+from mpsync.commits import BackgroundWriter, SealedFileError, check_data, read_sealed, \
+    write_sealed
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_good",
            "list_checkpoints", "CheckpointWriter"]
@@ -60,6 +68,7 @@ class CheckpointWriter:
         self._writer = BackgroundWriter("mpsync-checkpoint-writer")
 
     def save(self, round_: int, state: dict) -> None:
+        check_data(state)   # here, not in the writer thread, so the caller hears of it
         snapshot = copy.deepcopy(state)
         self._writer.submit(lambda: save_checkpoint(self.directory, round_, snapshot,
                                                     keep=self.keep))
@@ -83,7 +92,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """The state stored in ``path``; CheckpointError if it is corrupt or truncated."""
+    """The state stored in ``path``; CheckpointError if it is corrupt, truncated or holds
+    more than data (nothing in it is run)."""
     return read_sealed(path, what="checkpoint")
 
 

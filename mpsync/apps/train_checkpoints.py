@@ -1,7 +1,9 @@
 """Consistent-cut checkpoints of ``mpsync train``, written by worker 0 alone.
 
 When each topology takes its cut, and what a resumed run re-learns, is in the
-``mpsync.apps.train`` module doc.
+``mpsync.apps.train`` module doc.  A checkpoint holds only data (``mpsync.commits``): the
+numpy RNG key and the shards' optimizer state, numpy arrays where they are made, are written as
+tensors and turned back into arrays where they are restored.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import numpy as np
 
 from mpsync.config import SyncConfig
 
-__all__ = ["worker_state", "write_checkpoint", "ps_checkpoint", "warn_if_slow",
-           "flush_checkpoints", "reshard", "remap_position"]
+__all__ = ["worker_state", "rng_states", "restore_rng_states", "shards_state_as_data",
+           "write_checkpoint", "ps_checkpoint", "warn_if_slow", "flush_checkpoints", "reshard",
+           "remap_position"]
 
 COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent",
             "data_sent", "data_received", "control_sent", "control_received", "data_min",
@@ -25,14 +28,47 @@ COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "byt
 def worker_state(mps, inner, epoch, index, samples, before: dict, slept_s: float) -> dict:
     """What one worker contributes to a checkpoint: data position, optimizer state, RNG states
     and its counters so far (``before``: those of the run it resumed)."""
-    import torch
-
     local = mps.stats(server=False)["local"]
     return {"epoch": epoch, "index": index, "samples": samples,
-            "optimizer": inner.state_dict(), "rng_torch": torch.get_rng_state(),
-            "rng_numpy": np.random.get_state(), "rng_python": random.getstate(),
+            "optimizer": inner.state_dict(), **rng_states(),
             "counters": {**{k: local[k] + before.get(k, 0) for k in COUNTERS},
                          "slept_s": slept_s + before.get("slept_s", 0.0)}}
+
+
+def rng_states() -> dict:
+    """This process's torch, numpy and Python RNG states, as data (numpy's key a tensor).
+
+    The key's 32-bit words go in an int64 tensor: a uint32 tensor does not survive the plain
+    pickle that gathers every worker's state to worker 0 (torch 2.13 rebuilds its storage
+    without a dtype)."""
+    import torch
+
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"rng_torch": torch.get_rng_state(),
+            "rng_numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
+            "rng_python": random.getstate()}
+
+
+def restore_rng_states(saved: dict) -> None:
+    """Continue the RNGs of :func:`rng_states` (numpy's key as a tensor, or as the array that
+    checkpoints of earlier versions held)."""
+    import torch
+
+    name, key, pos, has_gauss, gauss = saved["rng_numpy"]
+    torch.set_rng_state(saved["rng_torch"])
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
+    random.setstate(saved["rng_python"])
+
+
+def shards_state_as_data(state: dict | None) -> dict | None:
+    """The shards' optimizer state (``ShardClient.optimizer_state``: kind, steps, numpy
+    buffers) with tensors for buffers, bit for bit; restoring takes either (``np.asarray``)."""
+    import torch
+
+    if state is None:
+        return None
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+            for k, v in state.items()}
 
 
 def write_checkpoint(out, model, gathered: list, n, wall_s, evals, round_, step, config,
@@ -127,7 +163,7 @@ def ps_checkpoint(mps, opt, out, model, me, n, mine: dict, time_up: bool, target
             # (a resumed run's server counts from zero again); optimizer: the shards' own
             # (ps_optimizer='server'), which a resumed run continues.
             server = {"ps_version": version}
-            shards_state = opt.strategy.server_optimizer_state()
+            shards_state = shards_state_as_data(opt.strategy.server_optimizer_state())
             if shards_state is not None:
                 server["optimizer"] = shards_state
             write_checkpoint(out, model, gathered, n, wall(), evals, round_, step, config,

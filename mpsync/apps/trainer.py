@@ -26,7 +26,7 @@ from mpsync.apps import report
 from mpsync.apps.datasets import load_dataset, partition
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.train_checkpoints import COUNTERS, flush_checkpoints, remap_position, \
-    warn_if_slow, worker_state
+    restore_rng_states, warn_if_slow, worker_state
 from mpsync.apps.train_stops import make_stop
 from mpsync.config import SyncConfig
 
@@ -189,9 +189,7 @@ class Worker:
             old = partition(self.ds, old_n, old_me, self.args.partition, seed=self.args.seed)
             self.index = remap_position(self.index, old.batches_per_epoch(self.args.batch_size),
                                         self.shard.batches_per_epoch(self.args.batch_size))
-        torch.set_rng_state(mine["rng_torch"])
-        np.random.set_state(mine["rng_numpy"])
-        random.setstate(mine["rng_python"])
+        restore_rng_states(mine)
         self.wall_offset, self.evals = self.resume["wall_s"], self.resume["evals"]
         self.round_offset = self.resume["round"]
 

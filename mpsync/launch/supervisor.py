@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from mpsync.commits import RESTART_EXIT_CODE
+from mpsync.commits import RESTART_EXIT_CODE, USER_ERROR_EXIT_CODE
 from mpsync.launch.runner import run_job
 
 __all__ = ["Host", "Failure", "Attempt", "JobEnd", "remaining_hosts", "worker_count",
@@ -38,7 +38,7 @@ __all__ = ["Host", "Failure", "Attempt", "JobEnd", "remaining_hosts", "worker_co
 # The name of this host in a host list: the launcher places the ranks here itself.
 LOCAL = "localhost"
 # Exit codes that are the user's mistake, not a fault: restarting would fail the same way.
-NO_RESTART_CODES = (2,)
+NO_RESTART_CODES = (USER_ERROR_EXIT_CODE,)
 
 
 class SupervisorError(RuntimeError):

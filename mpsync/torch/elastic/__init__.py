@@ -39,6 +39,11 @@ What happens on each event:
   as in Horovod, the state is restored from the last commit in memory and ``func`` runs again.
 
 Without ``MPSYNC_ELASTIC_DIR`` (no elastic launcher) commits stay in memory, as in Horovod.
+A commit on disk holds only data (:data:`mpsync.commits.DATA_TYPES`; an attribute of another
+class is refused by ``commit()``) and is loaded without running anything in it: a commit that
+is corrupt or would run code is refused with one line naming its file, and the job ends with
+the status the launcher does not restart.  (The objects workers send each other in one job,
+``broadcast_object`` and ``allgather_object``, stay pickles, as in Horovod.)
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ import os
 import sys
 
 from mpsync.commits import ENV_COMMIT_DIR, ENV_HOSTS_FILE, ENV_HOSTS_VERSION, \
-    RESTART_EXIT_CODE, CommitStore, load_committed, newest_complete
+    RESTART_EXIT_CODE, USER_ERROR_EXIT_CODE, CommitStore, SealedFileError, load_committed, \
+    newest_complete
 from mpsync.torch import _runtime
 from mpsync.torch.dataplane.waiting import CollectiveTimeout
 from mpsync.torch.broadcast import broadcast_object
@@ -103,13 +109,28 @@ def _attach_commits(state: State) -> bool:
     if ctx.worker_rank == 0:
         manifest = newest_complete(root)
         if manifest is not None:
-            state.load_saved_copy(load_committed(manifest, 0))
-            state.restore()
-            found = (manifest.seq, manifest.size)
-            print(f"mpsync elastic: resuming from commit {manifest.seq} (written by "
-                  f"{manifest.size} workers) on {ctx.size} workers", file=sys.stderr,
-                  flush=True)
+            try:
+                saved = load_committed(manifest, 0)
+            except SealedFileError as e:
+                # Corrupt, or more than data: refused, naming the file.  Every worker hears
+                # of it and the job ends with the user-error status, which the launcher does
+                # not restart (the next job would find the same commit).
+                found = str(e)
+            else:
+                state.load_saved_copy(saved)
+                state.restore()
+                found = (manifest.seq, manifest.size)
+                print(f"mpsync elastic: resuming from commit {manifest.seq} (written by "
+                      f"{manifest.size} workers) on {ctx.size} workers", file=sys.stderr,
+                      flush=True)
     found = broadcast_object(found)
+    if isinstance(found, str):
+        if ctx.worker_rank == 0:
+            print(f"mpsync elastic: error: {found}", file=sys.stderr, flush=True)
+            raise SystemExit(USER_ERROR_EXIT_CODE)
+        # Quietly: Open MPI ends the job at the first non-zero exit and may drop worker 0's
+        # line still in flight; worker 0's status is the job's.
+        raise SystemExit(0)
     state._seq = found[0] + 1 if found else 0
     state._store = CommitStore(root, ctx.workers)
     return found is not None

@@ -105,7 +105,9 @@ class State:
 
     # -- durable commits (mpsync) --------------------------------------------------------------
     def saved_copy(self) -> dict:
-        """The last saved state, as one picklable dict (what a durable commit holds)."""
+        """The last saved state, as one dict of data (what a durable commit holds: tensors,
+        numbers, strings, numpy arrays and containers of them; see
+        :func:`mpsync.commits.check_data`)."""
         raise NotImplementedError
 
     def load_saved_copy(self, saved: dict) -> None:
@@ -120,7 +122,9 @@ class State:
 
 
 class ObjectState(State):
-    """Plain Python attributes, given as keyword arguments (Horovod's ``ObjectState``)."""
+    """Plain Python attributes, given as keyword arguments (Horovod's ``ObjectState``).  With a
+    commit directory they must be data (numbers, strings, tensors, numpy arrays, containers of
+    them): a commit on disk is loaded without running anything in it."""
 
     def __init__(self, bcast_object=broadcast_object, get_rank=_worker_rank, **kwargs):
         self._saved_state = kwargs
