@@ -171,6 +171,9 @@ class Worker:
                                if args.epochs is not None else None)
         self.eval_every = args.eval_every or (args.time_budget / 30 if args.time_budget else 1.0)
         self.global_samples = self.samples * self.n  # estimate between stop checks
+        # A resumed run's samples before it (on the PS every worker made as many pushes at
+        # the cut, so this is exact): the server's count of updates starts again from 0.
+        self.samples_at_start = self.global_samples
         self.start_time = time.perf_counter()
         # When a resumed run is ready to train: a supervisor's restart cost ends here.
         self.resumed_at_clock = time.time() if self.resume is not None else None
