@@ -7,8 +7,10 @@ DistributedOptimizer, broadcast_parameters, allreduce, gather_object, stats, shu
 Stopping must be agreed by all workers on the ring (a worker that leaves early would leave the
 others in a collective): ring policies decide at round boundaries, where every worker is
 present, with one small allreduce of (samples, time-is-up).  PS policies (asp, ssp, dssp) have
-no common rounds; each worker stops on its own clock, or when the server's count of samples
-reaches the epochs asked for.
+no common rounds; worker 0 decides the budget on its clock and tells the others (a worker on
+its own clock would stop early by the waits worker 0's evaluations cause it, and leave worker
+0 training alone), and every worker stops when the server's count of samples reaches the
+epochs asked for.
 
 Checkpoints (``--checkpoint-every K``) are consistent cuts, written by worker 0 alone:
 
