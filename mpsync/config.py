@@ -27,6 +27,7 @@ __all__ = [
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
     "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled",
     "check_output_dir", "PS_OPTIMIZERS", "parse_staleness_range", "print_user_error",
+    "OPTIMIZERS", "OptimizerChoice", "optimizer_choice",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -42,6 +43,11 @@ PS_OPTIMIZERS = ("worker", "server")
 
 ENV_PREFIX = "MPSYNC_"
 DEFAULT_BUCKET_MB = 25.0
+
+# The optimizers ``mpsync train`` builds (torch.optim.SGD, Adam, AdamW): the ones the
+# parameter server's shards run too (mpsync.server.shard_optimizer.KINDS), so that a run with
+# ps_optimizer='server' can choose any of them.
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 class ConfigError(ValueError):
@@ -261,6 +267,96 @@ def refuse_ps_plan(auto_plan: str, reason: str) -> None:
 
 
 DEFAULTS = SyncConfig()
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """The training script's optimizer as ``mpsync train`` builds it on every worker (and,
+    with ps_optimizer='server', as the shards run it: they read the same torch param groups).
+
+    Which setting means something for which optimizer: ``momentum`` and ``nesterov`` are
+    SGD's (Adam's running mean of the gradient is its beta1, torch's default 0.9, not a
+    momentum); ``weight_decay`` is every one's (SGD and Adam add it to the gradient, AdamW
+    decays the weights directly).  A setting given to an optimizer it means nothing to is
+    refused rather than ignored.  ``None``: the optimizer's own default (momentum 0.9 for
+    SGD, this project's long-standing default; weight decay torch's: 0 for SGD and Adam,
+    0.01 for AdamW)."""
+
+    kind: str = "sgd"
+    lr: float = 0.05
+    momentum: float | None = None
+    nesterov: bool = False
+    weight_decay: float | None = None
+
+    def validate(self) -> "OptimizerChoice":
+        if self.kind not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.kind!r} (--optimizer, "
+                              f"MPSYNC_OPTIMIZER); choose one of: {', '.join(OPTIMIZERS)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.kind != "sgd" and self.momentum is not None:
+            raise ConfigError(f"--momentum is SGD's; {self.kind} keeps a running mean of the "
+                              f"gradient (beta1 0.9) instead: drop --momentum or use "
+                              f"--optimizer sgd")
+        if self.kind != "sgd" and self.nesterov:
+            raise ConfigError(f"--nesterov is SGD's (Nesterov momentum); {self.kind} has none: "
+                              f"drop --nesterov or use --optimizer sgd")
+        if self.momentum is not None and not (math.isfinite(self.momentum)
+                                              and 0 <= self.momentum < 1):
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.resolved_momentum == 0:
+            raise ConfigError("--nesterov needs a momentum > 0 (--momentum 0 given)")
+        if self.weight_decay is not None and not (math.isfinite(self.weight_decay)
+                                                  and self.weight_decay >= 0):
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        return self
+
+    @property
+    def resolved_momentum(self) -> float | None:
+        """SGD's momentum (0.9 unless given); None for Adam and AdamW."""
+        if self.kind != "sgd":
+            return None
+        return 0.9 if self.momentum is None else float(self.momentum)
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        if self.weight_decay is not None:
+            return float(self.weight_decay)
+        return 1e-2 if self.kind == "adamw" else 0.0
+
+    def torch_kwargs(self) -> dict:
+        """The keyword arguments of the torch.optim class ``kind`` names (``torch_class``)."""
+        kw = {"lr": float(self.lr), "weight_decay": self.resolved_weight_decay}
+        if self.kind == "sgd":
+            kw.update(momentum=self.resolved_momentum, nesterov=bool(self.nesterov))
+        return kw
+
+    @property
+    def torch_class(self) -> str:
+        """The name of the class in torch.optim."""
+        return {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[self.kind]
+
+    def to_dict(self) -> dict:
+        """What the run's metrics record: every setting as the optimizer ran it."""
+        return {"optimizer": self.kind, "lr": float(self.lr),
+                "momentum": self.resolved_momentum,
+                "nesterov": bool(self.nesterov) if self.kind == "sgd" else None,
+                "weight_decay": self.resolved_weight_decay}
+
+
+def optimizer_choice(kind: str | None, lr: float, momentum: float | None = None,
+                     nesterov: bool = False, weight_decay: float | None = None,
+                     env=None) -> OptimizerChoice:
+    """The optimizer the flags describe, validated; no ``kind``: ``MPSYNC_OPTIMIZER``, else
+    SGD.  A bad ``MPSYNC_OPTIMIZER`` is named as the variable that set it."""
+    if kind is None:
+        raw = (os.environ if env is None else env).get(ENV_PREFIX + "OPTIMIZER")
+        if raw is not None and raw.strip().lower() not in OPTIMIZERS:
+            raise ConfigError(f"{ENV_PREFIX}OPTIMIZER={raw!r} is not an optimizer; set it to "
+                              f"one of {', '.join(OPTIMIZERS)} or unset it")
+        kind = raw.strip().lower() if raw is not None else OptimizerChoice.kind
+    return OptimizerChoice(kind=kind, lr=lr, momentum=momentum, nesterov=bool(nesterov),
+                           weight_decay=weight_decay).validate()
 
 
 def plugins_from_env(env=None) -> str:

@@ -30,7 +30,7 @@ from mpsync.apps.runs import default_slowdown, fresh_run_dir, launch_argv, ranks
     train_argv
 from mpsync.bench.nodes import cluster_at_rate
 from mpsync.cluster.layout import ClusterError, parse_rate
-from mpsync.config import DEFAULTS, ConfigError, check_output_dir, print_user_error
+from mpsync.config import DEFAULTS, OPTIMIZERS, ConfigError, check_output_dir, print_user_error
 from mpsync.launch.cluster import add_cluster_arguments
 from mpsync.launch.command import add_launch_arguments
 from mpsync.launch.mpirun import run_with_deadline
@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"nccl; default {DEFAULTS.backend})")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                   help="every run's optimizer (mpsync train --optimizer; default: "
+                        "$MPSYNC_OPTIMIZER or sgd); its other settings via --train-args, "
+                        "e.g. '--weight-decay 1e-4'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="directory for the table, plots and every run (default: a new "

@@ -26,6 +26,8 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
             "--out", str(out), "--no-progress", "--no-plots"]
     if getattr(args, "stop_at_target", False):
         argv += ["--stop-at-target"]
+    if getattr(args, "optimizer", None) is not None:
+        argv += ["--optimizer", args.optimizer]
     if args.topology is not None:  # else train picks the policy's own topology
         argv += ["--topology", args.topology]
     if getattr(args, "ps_shards", None) is not None:

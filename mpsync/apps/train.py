@@ -7,8 +7,10 @@ DistributedOptimizer, broadcast_parameters, allreduce, gather_object, stats, shu
 Stopping must be agreed by all workers on the ring (a worker that leaves early would leave the
 others in a collective): ring policies decide at round boundaries, where every worker is
 present, with one small allreduce of (samples, time-is-up).  PS policies (asp, ssp, dssp) have
-no common rounds; each worker stops on its own clock, or when the server's count of samples
-reaches the epochs asked for.
+no common rounds; worker 0 decides the budget on its clock and tells the others (a worker on
+its own clock would stop early by the waits worker 0's evaluations cause it, and leave worker
+0 training alone), and every worker stops when the server's count of samples reaches the
+epochs asked for.
 
 Checkpoints (``--checkpoint-every K``) are consistent cuts, written by worker 0 alone:
 
@@ -53,9 +55,9 @@ from mpsync.apps.datasets import check_dataset_spec
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
 from mpsync.apps.train_checkpoints import reshard
-from mpsync.apps.trainer import train, world_rank, world_size
+from mpsync.apps.trainer import build_optimizer_choice, train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
-    PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
+    OPTIMIZERS, PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
     parse_bool, plugins_from_env, print_user_error, setting_from_env
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
@@ -64,7 +66,7 @@ from mpsync.launch.target import LaunchError
 from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv
 
-__all__ = ["add_arguments", "main", "build_config", "validate"]
+__all__ = ["add_arguments", "main", "build_config", "build_optimizer_choice", "validate"]
 
 
 def _topology_help() -> str:
@@ -137,8 +139,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-classes", type=int, default=10,
                    help="--dataset synthetic: classes")
     g.add_argument("--synthetic-noise", type=float, default=1.0, help="higher = harder")
-    g.add_argument("--lr", type=float, default=0.05, help="learning rate (SGD)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                   help="the optimizer every worker runs, and the shards with --ps-optimizer "
+                        "server (default: $MPSYNC_OPTIMIZER or sgd)")
+    g.add_argument("--lr", type=float, default=0.05, help="learning rate (every optimizer)")
+    g.add_argument("--momentum", type=float, default=None,
+                   help="sgd only: momentum (default 0.9)")
+    g.add_argument("--nesterov", action="store_true",
+                   help="sgd only: Nesterov momentum (needs momentum > 0)")
+    g.add_argument("--weight-decay", type=float, default=None,
+                   help="every optimizer: L2 penalty added to the gradient (sgd, adam) or "
+                        "decoupled decay of the weights (adamw) (default: torch's, 0 for sgd "
+                        "and adam, 0.01 for adamw)")
     g.add_argument("--batch-size", type=int, default=32, help="per worker")
     g.add_argument("--seed", type=int, default=0, help="random seed")
     g.add_argument("--target-acc", type=float, default=None)
@@ -252,6 +264,7 @@ def validate(args, workers: int | None) -> SyncConfig:
     """Every check that needs no communicator (run before launch and on every rank)."""
     config = build_config(args)
     check_transport(config.backend)
+    build_optimizer_choice(args)
     if (args.epochs is None) == (args.time_budget is None):
         raise ConfigError("give exactly one of --epochs N or --time-budget S")
     if args.epochs is not None and not args.epochs > 0:
@@ -264,8 +277,6 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError("--stop-at-target needs --target-acc")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if not args.lr > 0:
-        raise ConfigError(f"--lr must be > 0, got {args.lr}")
     if args.partition not in ("iid", "noniid"):
         raise ConfigError(f"unknown --partition {args.partition!r}; choose iid or noniid")
     if args.eval_every is not None and not args.eval_every > 0:

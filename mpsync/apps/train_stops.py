@@ -20,10 +20,14 @@ does):
   worker waiting in it could straddle the switch back to the ring, where BSP's workers never
   take part in each other's collectives).  Checkpoints (``--checkpoint-every``) are written in
   the ring's phases only.
-* :class:`PsStop`: no common rounds; each worker stops on its own clock, or when the server's
-  count of samples reaches the epochs asked for, or, with ``--stop-at-target``, when worker 0
-  says so: a non-blocking broadcast from worker 0 (:class:`StopSignal`) that the others test
-  after every step.
+* :class:`PsStop`: no common rounds; worker 0 decides the budget for every worker, on its
+  clock (the budget excludes evaluations, which only worker 0 makes), and tells the others
+  with a non-blocking broadcast (:class:`StopSignal`) that they test after every step; every
+  worker also stops when the server's count of samples reaches the epochs asked for, and
+  worker 0 at its target (``--stop-at-target``).  Each worker on its own clock would stop
+  the others up to worker 0's evaluation time early (their clocks count the waits its
+  evaluations cause under SSP and DSSP), leaving worker 0 to train alone, its gap to the
+  stopped workers growing past the staleness bound.
 
 Each rule's ``reason`` is, once it returned True, why the run stopped: ``"target"``,
 ``"budget"`` or ``"epochs"`` (written to the metrics by worker 0).
@@ -129,7 +133,7 @@ class PsCheckpointStop:
     def after_step(self, round_before: int) -> bool:
         w = self.w
         if w.opt.strategy.round == round_before or w.round % w.args.checkpoint_every != 0:
-            w.global_samples = max(w.global_samples, w.samples * w.n)
+            w.global_samples = max(w.global_samples, ps_samples(w))
             return False
         reached = w.reached_target
         done, w.global_samples = ps_checkpoint(w.mps, w.opt, w.out, w.model, w.me, w.n,
@@ -145,45 +149,56 @@ class PsCheckpointStop:
 
 
 class PsStop:
-    """PS without checkpoints: no common rounds; each worker stops on its own clock, or when
-    the server's count of samples reaches the epochs asked for, or (``--stop-at-target``)
-    when worker 0's :class:`StopSignal` says it stopped."""
+    """PS without checkpoints: no common rounds; worker 0 stops on its clock (budget, target)
+    and its :class:`StopSignal` stops the others; any worker stops when the server's count of
+    samples reaches the epochs asked for (module doc)."""
 
     def __init__(self, w):
         self.w = w
         self.reason: str | None = None
-        self.signal = StopSignal(w.mps.worker_comm()) if w.args.stop_at_target else None
+        self.signal = StopSignal(w.mps.worker_comm())
 
     def after_step(self, round_before: int) -> bool:
         w = self.w
-        if self.signal is not None and w.me != 0 and self.signal.heard():
+        if w.me != 0 and self.signal.heard():
             self.reason = self.signal.reason
             return True
         self.reason = self._own_reason()
-        if self.reason is not None and self.signal is not None and w.me == 0:
-            # Before the last push: the others stop now, not at their budget.
+        if self.reason is not None and w.me == 0:
+            # Before the last push: the others stop now, after the step they are in.
             self.signal.send(self.reason)
         return self.reason is not None
 
     def _own_reason(self) -> str | None:
         w = self.w
-        if self.signal is not None and w.reached_target:
+        if w.reached_target:
             return "target"
-        if w.time_up():
+        if w.me == 0 and w.time_up():
             return "budget"
         if w.target_samples is not None and w.step_count % 10 == 0:
             server = w.mps.stats()["server"] or {}
             counted = sum(s.get("iterations", 0) for s in server.get("workers", {}).values())
-            w.global_samples = max(w.samples * w.n, counted * w.args.batch_size)
+            w.global_samples = max(w.global_samples, counted * w.args.batch_size)
             return "epochs" if w.global_samples >= w.target_samples else None
-        w.global_samples = max(w.global_samples, w.samples * w.n)
+        w.global_samples = max(w.global_samples, ps_samples(w))
         return None
 
     def close(self) -> None:
         """After the last push (``strategy.finish``): every worker waits for worker 0's
         broadcast (posted when it stopped, whatever the reason), so none is left pending."""
-        if self.signal is not None:
-            self.signal.close()
+        self.signal.close()
+
+
+def ps_samples(w) -> int:
+    """The samples in the model worker ``w`` pulled last: the updates the server had applied
+    (the pull's version), a batch each, over those before a resume.  Not this worker's
+    samples times the workers, which overstates them by as much as the workers differ in
+    speed, so that the final count (each worker's own, summed) came out below the evaluation
+    before it.  ``auto`` starts the server's count again at each switch: its estimate stays
+    the old one."""
+    if w.config.policy == policies.AUTO:
+        return w.samples * w.n
+    return w.samples_at_start + int(w.opt.strategy.version) * w.args.batch_size
 
 
 class StopSignal:

@@ -28,9 +28,9 @@ from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.train_checkpoints import COUNTERS, flush_checkpoints, remap_position, \
     restore_rng_states, warn_if_slow, worker_state
 from mpsync.apps.train_stops import make_stop
-from mpsync.config import SyncConfig
+from mpsync.config import OptimizerChoice, SyncConfig, optimizer_choice
 
-__all__ = ["train", "finish", "world_rank", "world_size", "Worker"]
+__all__ = ["train", "finish", "world_rank", "world_size", "Worker", "build_optimizer_choice"]
 
 
 def world_rank() -> int:
@@ -40,6 +40,15 @@ def world_rank() -> int:
 
 def world_size() -> int:
     return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
+
+
+def build_optimizer_choice(args) -> OptimizerChoice:
+    """The optimizer ``mpsync train``'s flags describe (validated: a setting given to an
+    optimizer it means nothing to is a ConfigError naming the flag)."""
+    return optimizer_choice(getattr(args, "optimizer", None), args.lr,
+                            momentum=getattr(args, "momentum", None),
+                            nesterov=getattr(args, "nesterov", False),
+                            weight_decay=getattr(args, "weight_decay", None))
 
 
 def train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
@@ -81,6 +90,7 @@ class Worker:
 
     def __init__(self, args, config: SyncConfig, resume: dict | None):
         self.args, self.config, self.resume = args, config, resume
+        self.optimizer_choice = build_optimizer_choice(args)
         self.out = Path(args.out) if args.out else None
         self.me = self.n = 0          # this worker's rank and the number of workers
         # Built by start(): data set, shard, heterogeneity, model, the mpsync.torch module,
@@ -145,7 +155,8 @@ class Worker:
         args, mps = self.args, self.mps
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
-        self.inner = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum)
+        self.inner = getattr(torch.optim, self.optimizer_choice.torch_class)(
+            self.model.parameters(), **self.optimizer_choice.torch_kwargs())
         self.x_test, self.y_test = torch.from_numpy(self.ds.x_test), torch.from_numpy(self.ds.y_test)
         self._restore_or_seed()
         self.opt = mps.DistributedOptimizer(self.inner,
@@ -160,6 +171,9 @@ class Worker:
                                if args.epochs is not None else None)
         self.eval_every = args.eval_every or (args.time_budget / 30 if args.time_budget else 1.0)
         self.global_samples = self.samples * self.n  # estimate between stop checks
+        # A resumed run's samples before it (on the PS every worker made as many pushes at
+        # the cut, so this is exact): the server's count of updates starts again from 0.
+        self.samples_at_start = self.global_samples
         self.start_time = time.perf_counter()
         # When a resumed run is ready to train: a supervisor's restart cost ends here.
         self.resumed_at_clock = time.time() if self.resume is not None else None
@@ -346,8 +360,8 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
     return {**policy_metrics,
         "schema": 1,
         "config": {**w.config.to_dict(), "workers": w.n, "dataset": ds.name,
-                   "partition": args.partition, "batch_size": args.batch_size, "lr": args.lr,
-                   "momentum": args.momentum, "seed": args.seed, "epochs": args.epochs,
+                   "partition": args.partition, "batch_size": args.batch_size,
+                   **w.optimizer_choice.to_dict(), "seed": args.seed, "epochs": args.epochs,
                    "time_budget": args.time_budget, "target_acc": args.target_acc,
                    "stop_at_target": args.stop_at_target,
                    "slowdown": hetero.factors, "slowdown_schedule": args.slowdown_schedule,
