@@ -227,9 +227,10 @@ class UserOps:
     ``comm``'s order (a process set); ``idle``: called while a collective waits (see
     :func:`wait_while_stepping`), True if it did something.
 
-    A data step of ``THREAD_MIN_BYTES`` or more (the same size on every member) runs as a
-    blocking call on the progress engine's lane of ``lane`` (a ``Dup()``), a smaller one
-    non-blocking on ``comm``; the waits go through the engine either way.
+    An allreduce or allgather data step of ``THREAD_MIN_BYTES`` or more (the same size on
+    every member) runs as a blocking call on the progress engine's lane of ``lane`` (a
+    ``Dup()``), everything else non-blocking on ``comm``; the waits go through the engine
+    either way.
 
     Collectives are matched by name (:mod:`~mpsync.torch._negotiation`): an unnamed one is
     ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order

@@ -212,10 +212,10 @@ def start_broadcast(ops: UserOps, tensor: torch.Tensor, root: int, name, out=Non
 
     def start(_records):
         x = _host(tensor)
-        data = _bytes_view(x)
-        test = _on_lane(ops, data.nbytes, lambda comm: comm.Bcast(data, root=root)) \
-            or ops.comm.Ibcast(data, root=root).Test
-        return test, lambda: _deliver(x, tensor, out)
+        # Ibcast spun on, never a lane: on a lane a 16 MB Bcast took 3-7x a plain Bcast
+        # here, the spun Ibcast 1.05x (bench/collectives/README.md).
+        req = ops.comm.Ibcast(_bytes_view(x), root=root)
+        return req.Test, lambda: _deliver(x, tensor, out)
 
     return ops.submit("broadcast", name, rec, start, error)
 

@@ -45,9 +45,11 @@ from mpsync.torch.dataplane.waiting import UNKNOWN_MISSING, CollectiveTimeout, P
 __all__ = ["ProgressEngine", "Flight", "engine", "THREAD_MIN_BYTES", "poll_until_done",
            "wait_on_event"]
 
-# Below this a thread hand-off costs more than the transfer (measured on 2 ranks of one host:
-# 64 KB Iallreduce spun 0.09 ms, through a thread 0.10 ms; at 4 MB 4.3 ms against 2.2 ms).
-THREAD_MIN_BYTES = 256 * 1024
+# Below this a thread hand-off costs more than it saves (measured on 2 ranks of one host, the
+# script's collectives: at 4 MB a spun Iallreduce took 4.3 ms, the blocking Allreduce on a
+# lane 2.2 ms; at 1 MB on a loaded machine the lane's two thread wake-ups cost more than
+# libnbc's slower algorithm; bench/collectives/README.md).
+THREAD_MIN_BYTES = 4 << 20
 
 # While no data step has started (the waiter waits for a peer to submit the collective), the
 # waiter spins this long, then pauses ``_BACKOFF_S`` between tests so a late peer on the same
