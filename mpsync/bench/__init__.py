@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "zipline": ("mpsync.bench.zipline", "ZipLine variants vs np.sort (ZipLine paper §6.1 data)"),
     "server": ("mpsync.bench.server", "state-server query latency/throughput vs raw mpi4py ping-pong"),
     "allreduce": ("mpsync.bench.allreduce", "mpsync aggregation vs raw hvd.allreduce / mpi4py Allreduce"),
+    "collectives": ("mpsync.bench.collectives", "a script's allreduce / allgather / broadcast: mpsync vs Horovod vs blocking mpi4py, interleaved in one job"),
     "transport": ("mpsync.bench.transport", "Open MPI defaults vs mpsync's tuned transport across cluster nodes (bus bandwidth)"),
     "simulate": ("mpsync.bench.simulate", "mpsync simulate replaying real runs: wait fraction and samples/s errors"),
     "startup": ("mpsync.bench.startup", "seconds from mpirun to the first iteration: mpsync train and a Horovod-style script vs importing torch, numba, mpi4py"),

@@ -31,7 +31,7 @@ import torch
 
 from mpsync.torch import _metadata as meta
 from mpsync.torch import _negotiation as neg
-from mpsync.torch.dataplane.waiting import poll_until_done
+from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "UserOps",
@@ -75,38 +75,23 @@ def reduce_op(average=None, op=None) -> int:
 _IDLE_AFTER_S = 0.2
 
 
-def wait_while_stepping(test, *, deadline: float, what: str, idle=None, watch=None,
-                        seq: int = 0) -> None:
-    """``test()`` until True, within ``deadline``; after ``_IDLE_AFTER_S`` each poll also runs
-    ``idle()`` (the strategies' idle iterations: ask the server, aggregate on SYNC).
-    ``watch`` (a :class:`~mpsync.torch.dataplane.waiting.PeerWatch`) names the workers that never
-    reached collective ``seq`` when the deadline passes."""
-    if idle is None:
-        poll_until_done(test, deadline=deadline, what=what, watch=watch, seq=seq, sleep=1e-4,
-                        spin_for=2e-3)
-        return
-    try:
-        poll_until_done(test, deadline=_IDLE_AFTER_S, what=what, watch=None, seq=seq,
-                        sleep=1e-4, spin_for=2e-3)
-        return
-    except TimeoutError:
-        pass
-    start = time.monotonic()
-    announced = False
-    while not test():
-        if not idle():
-            time.sleep(1e-3)
-        waited = time.monotonic() - start
-        if watch is not None and not announced and waited > min(1.0, deadline / 4):
-            watch.announce(seq)
-            announced = True
-        if waited > deadline:
-            if watch is not None:
-                raise watch.timeout(what, seq, deadline)
-            from mpsync.torch.dataplane.waiting import CollectiveTimeout
+# How often a waiter whose data moves on a lane still serves negotiation (member 0 answers
+# the others' requests, every member starts the data steps answered meanwhile).
+_SERVE_EVERY_S = 5e-4
 
-            raise CollectiveTimeout(what, deadline, [], why="which worker is missing is not "
-                                    "known (this wait exchanges no notices)")
+
+def wait_while_stepping(test, *, deadline: float, what: str, idle=None, watch=None,
+                        seq: int = 0, event=None, started=None) -> None:
+    """``test()`` until True, within ``deadline``, through the progress engine
+    (:meth:`~mpsync.torch.dataplane.progress.ProgressEngine.wait`: no sleeping while data
+    moves); after ``_IDLE_AFTER_S`` it also runs ``idle()`` about every millisecond (the
+    strategies' idle iterations: ask the server, aggregate on SYNC).  ``event`` (or a function
+    giving it): the data step runs on a lane and sets it; ``started()``: whether the data step
+    has started.  ``watch`` (a :class:`~mpsync.torch.dataplane.waiting.PeerWatch`) names the
+    workers that never reached collective ``seq`` when the deadline passes."""
+    engine().wait(test, deadline=deadline, what=what, watch=watch, seq=seq, event=event,
+                  poll_every=_SERVE_EVERY_S, started=started, idle=idle,
+                  idle_after=_IDLE_AFTER_S)
 
 
 class _Op:
@@ -152,6 +137,13 @@ class _Op:
         self.ops.advance()
         return self.poll()
 
+    def lane_event(self):
+        """The event of the data step's lane call (None: not started, or not on a lane)."""
+        return None if self.done else getattr(self._test, "event", None)
+
+    def data_started(self) -> bool:
+        return self.records is not None
+
     def poll(self) -> bool:
         """``test`` without advancing the negotiation."""
         if self.done:
@@ -171,7 +163,8 @@ class _Op:
             try:
                 wait_while_stepping(self.test, deadline=self.ops.deadline, what=self.what,
                                     idle=self.ops.idle, watch=self.ops.watch,
-                                    seq=self.seq or self.ops.execs + 1)
+                                    seq=self.seq or self.ops.execs + 1,
+                                    event=self.lane_event, started=self.data_started)
             except TimeoutError as timeout:
                 if not self.ops.give_up(self, timeout):
                     continue  # member 0 asked for one more deadline
@@ -234,6 +227,11 @@ class UserOps:
     ``comm``'s order (a process set); ``idle``: called while a collective waits (see
     :func:`wait_while_stepping`), True if it did something.
 
+    An allreduce or allgather data step of ``THREAD_MIN_BYTES`` or more (the same size on
+    every member) runs as a blocking call on the progress engine's lane of ``lane`` (a
+    ``Dup()``), everything else non-blocking on ``comm``; the waits go through the engine
+    either way.
+
     Collectives are matched by name (:mod:`~mpsync.torch._negotiation`): an unnamed one is
     ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order
     (as Horovod's handle-numbered names are).  ``fusion_bytes`` 0 turns tensor fusion off;
@@ -249,6 +247,8 @@ class UserOps:
 
         self.comm = comm
         self.meta = comm.Dup()
+        # Large data steps run blocking on the progress engine's lane of this communicator.
+        self.lane = comm.Dup()
         self.watch = PeerWatch(comm.Dup(), world_ranks)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -280,7 +280,7 @@ class UserOps:
 
     def free(self) -> None:
         """Release the communicators (a removed process set)."""
-        for c in (self.meta, self.watch.comm, self.comm):
+        for c in (self.meta, self.lane, self.watch.comm, self.comm):
             c.Free()
 
     def keep(self, op) -> int:

@@ -11,19 +11,20 @@ Both implement one small interface, :class:`Aggregator`:
 ``mpi`` uses mpi4py ``Iallreduce`` on the tensor's memory (no copy); ``horovod`` uses Horovod's
 async ops, initialised on the workers' communicator so a dedicated server rank never joins a
 Horovod collective; ``gloo`` and ``nccl`` are in :mod:`mpsync.torch.dataplane.process_group`.
-Every wait is bounded by the deadline of :mod:`mpsync.torch.dataplane.waiting`.
+Every wait goes through the progress engine (:mod:`mpsync.torch.dataplane.progress`) with the
+deadline of :mod:`mpsync.torch.dataplane.waiting`.
 The parameter-server exchange is not an allreduce and lives in :mod:`mpsync.torch.strategies`.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 
 import numpy as np
 import torch
 
-from mpsync.torch.dataplane.waiting import PeerWatch, poll_until_done, wait_on_event
+from mpsync.torch.dataplane.progress import engine, poll_until_done
+from mpsync.torch.dataplane.waiting import PeerWatch
 
 __all__ = ["Aggregator", "MPIAggregator", "HorovodAggregator", "EmulatedLink", "Pending",
            "mpi_dtype_ok", "gather_bytes"]
@@ -37,8 +38,9 @@ def mpi_dtype_ok(dtype: torch.dtype) -> bool:
 
 class Pending:
     """An in-flight collective: ``test()`` makes progress and says whether it is done,
-    ``wait()`` blocks (with the deadline) and finishes it.  ``event``: the collective runs on
-    a communication thread that sets it when done; waits then sleep on it instead of polling."""
+    ``wait()`` blocks (with the deadline) and finishes it, through the progress engine
+    (:mod:`mpsync.torch.dataplane.progress`).  ``event``: the collective runs on a lane (a
+    communication thread) that sets it when done; the wait blocks on it instead of polling."""
 
     def __init__(self, test, finish, what: str, seq: int, aggregator: "Aggregator",
                  event: threading.Event | None = None):
@@ -68,46 +70,16 @@ class Pending:
             def test() -> bool:
                 return self._test() or (hook(), self._test())[1]
 
-            poll_until_done(test, deadline=deadline, what=self.what, watch=agg.watch,
-                            seq=self.seq, sleep=1e-4, spin_for=2e-3)
-        elif self._event is not None:
-            wait_on_event(self._event, deadline=deadline, what=self.what, watch=agg.watch,
-                          seq=self.seq)
+            engine().wait(test, deadline=deadline, what=self.what, watch=agg.watch,
+                          seq=self.seq, event=self._event, poll_every=1e-3)
+        elif self._event is not None or agg.poll_sleep == 0:
+            engine().wait(self._test, deadline=deadline, what=self.what, watch=agg.watch,
+                          seq=self.seq, event=self._event)
         else:
             poll_until_done(self._test, deadline=deadline, what=self.what, watch=agg.watch,
                             seq=self.seq, sleep=agg.poll_sleep, spin_for=agg.poll_spin)
         self._finish()
         self.done = True
-
-
-class _CommThread:
-    """One thread that runs blocking collectives in the order they are submitted.
-
-    Open MPI's blocking collectives use its tuned algorithms (about twice as fast as the
-    ``libnbc`` non-blocking ones for large buffers here) and progress on their own, so a
-    collective submitted before the next forward pass really overlaps with it.  The caller
-    waits on an event with the deadline (needs MPI_THREAD_MULTIPLE).  One thread keeps the
-    collectives in program order, which is the same on every worker.
-    """
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="mpsync-comm", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn) -> tuple[threading.Event, list]:
-        done, error = threading.Event(), []
-        self._queue.put((fn, done, error))
-        return done, error
-
-    def _run(self) -> None:
-        while True:
-            fn, done, error = self._queue.get()
-            try:
-                fn()
-            except BaseException as e:  # handed to the waiting caller, which re-raises it
-                error.append(e)
-            done.set()
 
 
 class Aggregator:
@@ -170,11 +142,13 @@ class Aggregator:
 class MPIAggregator(Aggregator):
     """mpi4py on a communicator of the workers (pass a ``Dup()`` reserved for this use).
 
-    Buffers of ``thread_min_bytes`` or more are reduced by a blocking ``Allreduce`` on a
-    communication thread (:class:`_CommThread`, its own ``Dup()``); smaller ones by
-    ``Iallreduce`` polled on the caller's thread, whose latency is lower than a thread
-    hand-off.  Each path keeps program order on its own communicator.  Without
-    MPI_THREAD_MULTIPLE everything takes the ``Iallreduce`` path.
+    Buffers of ``thread_min_bytes`` or more are reduced by a blocking ``Allreduce`` (Open
+    MPI's tuned algorithms, about twice as fast as the ``libnbc`` non-blocking ones for large
+    buffers here, and progressing on their own, so a collective submitted before the next
+    forward pass really overlaps with it) on the progress engine's lane of a ``Dup()`` of its
+    own; smaller ones by ``Iallreduce`` tested on the caller's thread without sleeping, whose
+    latency is lower than a thread hand-off.  Each path keeps program order on its own
+    communicator.  Without MPI_THREAD_MULTIPLE everything takes the ``Iallreduce`` path.
     """
 
     name = "mpi"
@@ -189,7 +163,6 @@ class MPIAggregator(Aggregator):
             thread_min_bytes = None
         self.thread_min_bytes = thread_min_bytes
         self._thread_comm = comm.Dup() if thread_min_bytes is not None else None
-        self._thread: _CommThread | None = None
 
     def _array(self, flat: torch.Tensor) -> np.ndarray:
         if not flat.is_contiguous() or flat.device.type != "cpu":
@@ -213,18 +186,10 @@ class MPIAggregator(Aggregator):
                 flat.mul_(inv)
 
         if self.thread_min_bytes is not None and arr.nbytes >= self.thread_min_bytes:
-            if self._thread is None:
-                self._thread = _CommThread()
             comm = self._thread_comm
-            done, error = self._thread.submit(
-                lambda: comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM))
-
-            def finish_threaded():
-                if error:
-                    raise error[0]
-                finish()
-
-            return Pending(done.is_set, finish_threaded, label, seq, self, event=done)
+            flight = engine().run_on_lane(comm, lambda: comm.Allreduce(MPI.IN_PLACE, arr,
+                                                                       op=MPI.SUM))
+            return Pending(flight.test, finish, label, seq, self, event=flight.event)
         req = self.comm.Iallreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
         return Pending(req.Test, finish, label, seq, self)
 

@@ -2,8 +2,9 @@
 
 A blocking ``MPI_Allreduce`` waits forever for a peer that stopped (SIGSTOP, a hung data
 loader, a livelocked GPU); Open MPI only ends the job when a process *dies*.  mpsync therefore
-starts every collective non-blocking and polls it (``Iallreduce`` + ``Test``, or Horovod's
-``poll``) until it completes or the deadline passes.
+waits on every collective with a deadline: a non-blocking one tested in a loop, a blocking one
+run on a communication thread while the caller waits on its event, both through the progress
+engine (:mod:`mpsync.torch.dataplane.progress`), until it completes or the deadline passes.
 
 A collective cannot say which peer is missing, so workers that have waited for a while tell
 each other so: :class:`PeerWatch` sends a one-integer "I am waiting in collective #s" notice to
@@ -15,12 +16,9 @@ pays one ``Iprobe`` per collective for them and nothing else.
 
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 
-__all__ = ["CollectiveTimeout", "PeerWatch", "poll_until_done", "wait_on_event"]
+__all__ = ["CollectiveTimeout", "PeerWatch", "UNKNOWN_MISSING"]
 
 from mpsync.server import DeadlineExceeded
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
@@ -51,7 +49,7 @@ class CollectiveTimeout(DeadlineExceeded, HorovodInternalError):
 
 
 _NOTICE_TAG = 7301
-_UNKNOWN = "which worker is missing is not known (this wait exchanges no notices)"
+UNKNOWN_MISSING = "which worker is missing is not known (this wait exchanges no notices)"
 
 
 class PeerWatch:
@@ -97,71 +95,3 @@ class PeerWatch:
     def timeout(self, what: str, seq: int, deadline: float) -> CollectiveTimeout:
         silent = self.silent(seq)
         return CollectiveTimeout(what, deadline, silent, [self.world_ranks[r] for r in silent])
-
-
-def poll_until_done(test, *, deadline: float, what: str, watch: PeerWatch | None, seq: int,
-                    notice_after: float | None = None, sleep: float = 0.0,
-                    spin_for: float = 0.0) -> None:
-    """Call ``test()`` until it returns True; raise :class:`CollectiveTimeout` at ``deadline``.
-
-    ``test`` must make progress when called (``MPI.Request.Test`` progresses Open MPI's
-    non-blocking collectives; nothing else does).  Between calls the rank yields the core
-    (``sched_yield``, what Open MPI's blocking calls do with ``mpi_yield_when_idle``); after
-    ``spin_for`` seconds it sleeps ``sleep`` seconds instead when ``sleep`` > 0 (for waits whose
-    progress happens on another thread, e.g. Horovod's, a short spin catches fast completions
-    and the sleep then leaves the core to that thread).
-    """
-    if test():
-        return
-    start = time.monotonic()
-    if notice_after is None:
-        notice_after = min(1.0, deadline / 4)
-    announced = False
-    spins = 0
-    sleeping = False
-    yield_ = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
-    while True:
-        if test():
-            return
-        spins += 1
-        if sleeping or spins & 63 == 0:
-            waited = time.monotonic() - start
-            sleeping = sleep > 0 and waited > spin_for
-            if watch is not None and not announced and waited > notice_after:
-                watch.announce(seq)
-                announced = True
-            if waited > deadline:
-                if watch is None:
-                    raise CollectiveTimeout(what, deadline, [], why=_UNKNOWN)
-                # Let late notices arrive before naming anyone.
-                grace_end = time.monotonic() + min(notice_after, 1.0)
-                while time.monotonic() < grace_end:
-                    if test():
-                        return
-                    time.sleep(0.01)
-                raise watch.timeout(what, seq, deadline)
-        if sleeping:
-            time.sleep(sleep)
-        else:
-            yield_()
-
-
-def wait_on_event(event, *, deadline: float, what: str, watch: PeerWatch | None, seq: int,
-                  notice_after: float | None = None) -> None:
-    """Sleep until ``event`` is set (a collective finished on another thread); announce the
-    wait after ``notice_after`` and raise :class:`CollectiveTimeout` at ``deadline``."""
-    if event.is_set():
-        return
-    if notice_after is None:
-        notice_after = min(1.0, deadline / 4)
-    if event.wait(notice_after):
-        return
-    if watch is not None:
-        watch.announce(seq)
-    if event.wait(max(0.0, deadline - notice_after)):
-        return
-    if watch is None:
-        raise CollectiveTimeout(what, deadline, [], why=_UNKNOWN)
-    if event.wait(min(notice_after, 1.0)):  # let late notices arrive before naming anyone
-        return
-    raise watch.timeout(what, seq, deadline)
