@@ -119,7 +119,7 @@ def test_collective_timeout_names_workers_and_world_ranks():
 @pytest.mark.parametrize("options,match", [
     (dict(policy="asp", topology="ring"), "topology='ps'"),
     (dict(policy="nope"), "unknown policy"),
-    (dict(backend="nccl"), "unknown backend"),
+    (dict(backend="tcp"), "unknown backend"),
     (dict(staleness_low=5, staleness_high=2), "s_L=5 > s_U=2"),
 ])
 def test_init_rejects_bad_settings_before_touching_mpi(options, match):
