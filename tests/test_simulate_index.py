@@ -15,7 +15,9 @@ from mpsync.server.policies import make_policy
 from mpsync.server.wire import SYNC
 from mpsync.simulate import _fast_esync as fe
 from mpsync.simulate import _fast_ps as fp
-from mpsync.simulate._index import count_up, new_argmax_tree, new_counts, tree_set, tree_top
+from mpsync.simulate._index import (count_up, lowest_at_min, lowest_at_min_reference,
+                                    new_argmax_tree, new_counts, new_lowest_at_min, tree_set,
+                                    tree_top)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -48,6 +50,34 @@ def test_counts_keep_the_minimum_and_maximum_of_the_scan(seed):
         hist, lo, hi, raised = count_up(hist, old, lo, hi)
         assert (lo, hi) == (counts.min(), counts.max())
         assert raised == (old == lo - 1 and not (counts == old).any())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [1, 2, 9, 64])
+def test_lowest_at_min_is_dssp_slowest_ties_included(seed, n):
+    # counts that grow by one, asked after some pushes (not all: the cursor must catch up over
+    # several departures), the low indices often the slowest (the cursor moves far), ties
+    # everywhere; the answer is the scan's and sched.dssp_slowest's
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(n, np.int64)
+    state = new_lowest_at_min()
+    asked = 0
+    for step in range(1500):
+        w = int(rng.integers(n)) if rng.random() < 0.6 else int(np.argmin(counts))
+        if w < n // 3 and rng.random() < 0.5:
+            continue
+        counts[w] += 1
+        if rng.random() < 0.4:
+            lo = int(counts.min())
+            got = lowest_at_min(state, counts, lo)
+            assert got == lowest_at_min_reference(counts, lo) == sched.dssp_slowest(counts)
+            asked += 1
+    assert asked > 300
+
+
+def test_lowest_at_min_refuses_a_minimum_no_count_holds():
+    with pytest.raises(ValueError, match="minimum"):
+        lowest_at_min(new_lowest_at_min(), np.array([2, 3], np.int64), 1)
 
 
 def _esync_tables_equal(a, b):
@@ -114,6 +144,7 @@ def test_ps_engine_pull_rules_are_the_policy_objects(policy, kw, seed):
     pushes, table = np.zeros(n, np.int64), np.zeros((n, 2))
     r_extra, held = np.zeros(n, np.int64), np.zeros(n, np.bool_)
     hist, lo, hi = new_counts(n), 0, 0
+    slowest = new_lowest_at_min()
     now = 0.0
     decisions = set()
     for _ in range(400):
@@ -125,7 +156,7 @@ def test_ps_engine_pull_rules_are_the_policy_objects(policy, kw, seed):
         old = fp._record_push(w, now, pushes, table)
         hist, lo, hi, _ = count_up(hist, old, lo, hi)
         if kind == fp.DSSP:
-            fp._dssp_push(w, pushes, lo, hi, r_extra, held, table, s_low, s_high)
+            fp._dssp_push(w, pushes, lo, hi, r_extra, held, table, s_low, s_high, slowest)
         np.testing.assert_array_equal(pushes, pol.t.pushes)
         for v in range(n):
             want = pol.may_pull(v)
