@@ -5,6 +5,8 @@ same answers and leave the same tables.  Single process, no MPI."""
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from mpsync.server.policies import make_policy
 from mpsync.server.wire import SYNC
 from mpsync.simulate import _fast_esync as fe
 from mpsync.simulate import _fast_ps as fp
+from mpsync.simulate._queue import HEAP_KIND, KINDS, new_queue, pop, push
 from mpsync.simulate._index import (count_up, lowest_at_min, lowest_at_min_reference,
                                     new_argmax_tree, new_counts, new_lowest_at_min, tree_set,
                                     tree_top)
@@ -78,6 +81,42 @@ def test_lowest_at_min_is_dssp_slowest_ties_included(seed, n):
 def test_lowest_at_min_refuses_a_minimum_no_count_holds():
     with pytest.raises(ValueError, match="minimum"):
         lowest_at_min(new_lowest_at_min(), np.array([2, 3], np.int64), 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n", [1, 3, 50])
+def test_event_queue_pops_in_the_single_heaps_order(seed, n):
+    # the engines' queue against one heap of (time, kind, scheduling order): iteration ends at
+    # any time, every other kind at times that never decrease, equal times everywhere
+    rng = np.random.default_rng(seed)
+    q = new_queue(n)
+    ref, seq, now = [], 0, 0.0
+    last = [0.0] * KINDS
+    pending = set()
+    for _ in range(3000):
+        if pending and (len(pending) == n * KINDS or rng.random() < 0.5):
+            t, kind, w = pop(q)
+            want = heapq.heappop(ref)
+            assert (t, kind, w) == (want[0], want[1], want[3])
+            pending.discard((kind, w))
+            now = t
+            continue
+        kind, w = int(rng.integers(KINDS)), int(rng.integers(n))
+        if (kind, w) in pending:
+            continue
+        if kind == HEAP_KIND:
+            t = now + float(rng.choice([0.0, 0.5, 1.0, rng.random()]))
+        else:
+            t = max(last[kind], now) + float(rng.choice([0.0, 0.0, 0.25]))
+            last[kind] = t
+        push(q, kind, t, w)
+        heapq.heappush(ref, (t, kind, seq, w))
+        seq += 1
+        pending.add((kind, w))
+    while ref:
+        want = heapq.heappop(ref)
+        assert pop(q) == (want[0], want[1], want[3])
+    assert pop(q)[1] == -1
 
 
 def _esync_tables_equal(a, b):
