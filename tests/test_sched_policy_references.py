@@ -16,6 +16,7 @@ from mpsync.sched import (
     dssp_fastest,
     dssp_is_fastest,
     dssp_on_push,
+    dssp_on_push_given,
     dssp_slowest,
     esync_delta,
     esync_query_state,
@@ -115,6 +116,27 @@ def test_dssp_on_push_matches_reference():
         assert tuple(got) == dssp_on_push_reference(iters, r_extra, table, p, s_lower, r_max)
         outcomes.add((bool(got[0]), got[1] > 0))
     # The draws reach every branch of Alg. 1: OK without/with extra iterations left, and wait.
+    assert outcomes == {(True, False), (True, True), (False, False)}
+
+
+def test_dssp_on_push_given_the_scans_matches_reference():
+    # the decision given line 7's slowest, the minimum and the maximum (what the simulator
+    # keeps incrementally) is Alg. 1 as the reference decides it over the whole table
+    outcomes = set()
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        iters = push_counts(rng)
+        n = iters.shape[0]
+        table = random_push_table(rng, n)
+        p, s_lower, r_max = int(rng.integers(0, n)), int(rng.integers(0, 3)), int(rng.integers(0, 5))
+        if rng.random() < 0.3:      # p a fastest worker: the controller decides
+            iters[p] = iters.max()
+        r_extra = int(rng.integers(0, 3)) if rng.random() < 0.3 else 0
+        slowest = dssp_slowest_reference(iters)
+        got = dssp_on_push_given(int(iters[p]), int(iters[slowest]), int(iters.max()), r_extra,
+                                 table, p, slowest, s_lower, r_max)
+        assert tuple(got) == dssp_on_push_reference(iters, r_extra, table, p, s_lower, r_max)
+        outcomes.add((bool(got[0]), got[1] > 0))
     assert outcomes == {(True, False), (True, True), (False, False)}
 
 

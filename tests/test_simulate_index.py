@@ -5,6 +5,8 @@ same answers and leave the same tables.  Single process, no MPI."""
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,10 @@ from mpsync.server.policies import make_policy
 from mpsync.server.wire import SYNC
 from mpsync.simulate import _fast_esync as fe
 from mpsync.simulate import _fast_ps as fp
-from mpsync.simulate._index import count_up, new_argmax_tree, new_counts, tree_set, tree_top
+from mpsync.simulate._queue import HEAP_KIND, KINDS, new_queue, pop, push
+from mpsync.simulate._index import (count_up, lowest_at_min, lowest_at_min_reference,
+                                    new_argmax_tree, new_counts, new_lowest_at_min, tree_set,
+                                    tree_top)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -48,6 +53,70 @@ def test_counts_keep_the_minimum_and_maximum_of_the_scan(seed):
         hist, lo, hi, raised = count_up(hist, old, lo, hi)
         assert (lo, hi) == (counts.min(), counts.max())
         assert raised == (old == lo - 1 and not (counts == old).any())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [1, 2, 9, 64])
+def test_lowest_at_min_is_dssp_slowest_ties_included(seed, n):
+    # counts that grow by one, asked after some pushes (not all: the cursor must catch up over
+    # several departures), the low indices often the slowest (the cursor moves far), ties
+    # everywhere; the answer is the scan's and sched.dssp_slowest's
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(n, np.int64)
+    state = new_lowest_at_min()
+    asked = 0
+    for step in range(1500):
+        w = int(rng.integers(n)) if rng.random() < 0.6 else int(np.argmin(counts))
+        if w < n // 3 and rng.random() < 0.5:
+            continue
+        counts[w] += 1
+        if rng.random() < 0.4:
+            lo = int(counts.min())
+            got = lowest_at_min(state, counts, lo)
+            assert got == lowest_at_min_reference(counts, lo) == sched.dssp_slowest(counts)
+            asked += 1
+    assert asked > 300
+
+
+def test_lowest_at_min_refuses_a_minimum_no_count_holds():
+    with pytest.raises(ValueError, match="minimum"):
+        lowest_at_min(new_lowest_at_min(), np.array([2, 3], np.int64), 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n", [1, 3, 50])
+def test_event_queue_pops_in_the_single_heaps_order(seed, n):
+    # the engines' queue against one heap of (time, kind, scheduling order): iteration ends at
+    # any time, every other kind at times that never decrease, equal times everywhere
+    rng = np.random.default_rng(seed)
+    q = new_queue(n)
+    ref, seq, now = [], 0, 0.0
+    last = [0.0] * KINDS
+    pending = set()
+    for _ in range(3000):
+        if pending and (len(pending) == n * KINDS or rng.random() < 0.5):
+            t, kind, w = pop(q)
+            want = heapq.heappop(ref)
+            assert (t, kind, w) == (want[0], want[1], want[3])
+            pending.discard((kind, w))
+            now = t
+            continue
+        kind, w = int(rng.integers(KINDS)), int(rng.integers(n))
+        if (kind, w) in pending:
+            continue
+        if kind == HEAP_KIND:
+            t = now + float(rng.choice([0.0, 0.5, 1.0, rng.random()]))
+        else:
+            t = max(last[kind], now) + float(rng.choice([0.0, 0.0, 0.25]))
+            last[kind] = t
+        push(q, kind, t, w)
+        heapq.heappush(ref, (t, kind, seq, w))
+        seq += 1
+        pending.add((kind, w))
+    while ref:
+        want = heapq.heappop(ref)
+        assert pop(q) == (want[0], want[1], want[3])
+    assert pop(q)[1] == -1
 
 
 def _esync_tables_equal(a, b):
@@ -114,6 +183,7 @@ def test_ps_engine_pull_rules_are_the_policy_objects(policy, kw, seed):
     pushes, table = np.zeros(n, np.int64), np.zeros((n, 2))
     r_extra, held = np.zeros(n, np.int64), np.zeros(n, np.bool_)
     hist, lo, hi = new_counts(n), 0, 0
+    slowest = new_lowest_at_min()
     now = 0.0
     decisions = set()
     for _ in range(400):
@@ -125,7 +195,7 @@ def test_ps_engine_pull_rules_are_the_policy_objects(policy, kw, seed):
         old = fp._record_push(w, now, pushes, table)
         hist, lo, hi, _ = count_up(hist, old, lo, hi)
         if kind == fp.DSSP:
-            fp._dssp_push(w, pushes, lo, hi, r_extra, held, table, s_low, s_high)
+            fp._dssp_push(w, pushes, lo, hi, r_extra, held, table, s_low, s_high, slowest)
         np.testing.assert_array_equal(pushes, pol.t.pushes)
         for v in range(n):
             want = pol.may_pull(v)

@@ -70,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speed", action="store_true",
                    help="time `mpsync simulate` per policy instead of validating "
                         "(writes speed.json and speed.md to --out)")
-    g.add_argument("--workers", default="4096,64",
-                   help="comma list of worker counts, each N or N:ITERATIONS")
+    g.add_argument("--workers", default="4096:10000,65536:1000",
+                   help="comma list of worker counts, each N or N:ITERATIONS (default: "
+                        "the two sizes the simulator is held to, 60 CPU s a policy)")
     g.add_argument("--iterations", type=int, default=10000,
                    help="per worker, where --workers does not say")
     g.add_argument("--speeds", default="lognormal:0.3")
@@ -232,34 +233,62 @@ def run(args) -> int:
 
 # -- speed -----------------------------------------------------------------------------------
 
+def _run_measured(argv: list[str], env: dict, cwd: str, timeout: float):
+    """Run ``argv`` to its end: (exit code, stdout, stderr, wall s, CPU s, peak resident MB),
+    the CPU time (user + system) and the peak from the kernel's account of the child
+    (``wait4``), so other jobs on the machine do not count; None when it ran past ``timeout``
+    (then it is killed)."""
+    import threading
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout, proc.kill)
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        out = proc.stdout.read()
+        reader.join()
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stdout.close()
+    proc.stderr.close()
+    if wall >= timeout and proc.returncode < 0:
+        return None
+    # ru_maxrss is in KiB on Linux
+    return (proc.returncode, out, err[0] if err else "", wall,
+            usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024.0)
+
+
 def time_simulate(tree: str, policy: str, workers: int, iterations: int, speeds: str,
                   timeout: float = 3600.0) -> dict:
     """``mpsync simulate`` of one policy in a fresh process running the sources in ``tree``:
     the simulation's own wall and CPU seconds (its row's ``runtime_s``, ``cpu_s``), the whole
-    command's (imports, Numba's cache load), and the load average around it."""
+    command's wall and CPU seconds (imports, Numba's cache load) and its peak resident memory,
+    and the load average around it."""
     argv = [sys.executable, "-m", "mpsync.cli", "simulate", "--workers", str(workers),
             "--speeds", speeds, "--iterations", str(iterations), "--policies", policy, "--json"]
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tree)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    done = _run_measured(argv, env, tree, timeout)
+    if done is None:
         return {"policy": policy, "workers": workers, "iterations": iterations,
                 "error": f"over {timeout:.0f} s"}
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    code, out, err, wall, cpu, peak_mb = done
+    if code != 0:
         return {"policy": policy, "workers": workers, "iterations": iterations,
                 "error": (err.strip().splitlines() or ["?"])[-1]}
     row = json.loads(out.strip().splitlines()[-1])["rows"][0]
     return {"policy": policy, "workers": workers, "iterations": iterations,
             "engine": row.get("engine"), "topology": row.get("topology"),
             "simulation_s": row["runtime_s"], "simulation_cpu_s": row["cpu_s"],
-            "command_s": round(wall, 2),
+            "command_s": round(wall, 2), "command_cpu_s": round(cpu, 2),
+            "peak_mb": round(peak_mb, 1),
             "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
@@ -304,13 +333,16 @@ def _sizes(text: str, iterations: int) -> list[tuple[int, int]]:
 
 
 def format_speed(rows: list[dict]) -> str:
-    """One line per (workers, policy): per tree, the simulation's wall / CPU seconds (median
-    over repeats), the whole command's wall, and the load average over its runs."""
+    """One line per (workers, policy): per tree, the simulation's CPU seconds (median over
+    repeats: on a shared machine its wall time says more about the other jobs), the peak
+    resident memory of the whole command (imports included), the simulation's and the
+    command's wall seconds, and the load average over its runs."""
     import statistics
 
     trees = sorted({r["tree"] for r in rows}, key=lambda t: t != "before")
     head = "| workers | iterations | policy | engine | " + " | ".join(
-        f"{t}: simulation wall / CPU (s) | {t}: command (s) | {t}: load" for t in trees) + " |"
+        f"{t}: simulation CPU (s) | {t}: peak memory (MB) | {t}: simulation / command wall (s) "
+        f"| {t}: load" for t in trees) + " |"
     if len(trees) == 2:
         head += " after / before (CPU) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -320,19 +352,22 @@ def format_speed(rows: list[dict]) -> str:
         cells, cpu = [], {}
         engine = "-"
         for t in trees:
-            ok = [r for r in rows if "error" not in r and
-                  (r["workers"], r["iterations"], r["policy"], r["tree"]) ==
-                  (n, iterations, policy, t)]
+            mine = [r for r in rows if (r["workers"], r["iterations"], r["policy"], r["tree"]) ==
+                    (n, iterations, policy, t)]
+            ok = [r for r in mine if "error" not in r]
             if not ok:
-                cells.append("failed | - | -")
+                why = mine[0]["error"] if mine else "not run"
+                cells.append(f"failed ({why}) | - | - | -")
                 continue
             engine = ok[0]["engine"] or engine
             med = {k: statistics.median(r[k] for r in ok)
                    for k in ("simulation_s", "simulation_cpu_s", "command_s")}
+            peak = max(r.get("peak_mb", 0.0) for r in ok)
             cpu[t] = med["simulation_cpu_s"]
             loads = [x for r in ok for x in r["load"]]
-            cells.append(f"{med['simulation_s']:.2f} / {med['simulation_cpu_s']:.2f} | "
-                         f"{med['command_s']:.1f} | {min(loads):.0f}-{max(loads):.0f}")
+            cells.append(f"{med['simulation_cpu_s']:.2f} | {peak:.0f} | "
+                         f"{med['simulation_s']:.2f} / {med['command_s']:.1f} | "
+                         f"{min(loads):.0f}-{max(loads):.0f}")
         line = f"| {n} | {iterations} | {policy} | {engine} | " + " | ".join(cells) + " |"
         if len(trees) == 2:
             line += f" {cpu['after'] / cpu['before']:.2f} |" if len(cpu) == 2 and \

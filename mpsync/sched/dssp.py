@@ -25,6 +25,7 @@ __all__ = [
     "dssp_controller",
     "dssp_controller_reference",
     "dssp_on_push",
+    "dssp_on_push_given",
     "ssp_may_continue_reference",
     "dssp_slowest_reference",
     "dssp_fastest_reference",
@@ -212,12 +213,30 @@ def dssp_on_push(iters, r_extra, push_table, p, s_lower, r_max):
     """
     n = iters.shape[0]
     _check_worker(n, p)
+    if r_extra > 0:  # lines 3-5, before any scan
+        return True, r_extra - 1
+    if s_lower < 0:
+        raise ValueError("staleness threshold s must be >= 0")
+    slowest = dssp_slowest(iters)  # line 7
+    return dssp_on_push_given(iters[p], iters[slowest], iters[dssp_fastest(iters)], 0,
+                              push_table, p, slowest, s_lower, r_max)
+
+
+@jit
+def dssp_on_push_given(pushes_p, slowest_pushes, most_pushes, r_extra, push_table, p, slowest,
+                       s_lower, r_max):
+    """Lines 3-18 of :func:`dssp_on_push` once line 7 has found the slowest worker
+    (``slowest``, the lowest id among the fewest pushes, ``slowest_pushes`` of them) and the
+    most pushes any worker has (``most_pushes``): the decision itself, in O(r_max^2) (the
+    controller's own cost) instead of O(n).  ``pushes_p`` is t_p after line 1.  The simulator,
+    which keeps the minimum, the maximum and the slowest incrementally instead of scanning,
+    asks this same function; :func:`dssp_on_push` asks it after its scans."""
     if r_extra > 0:  # lines 3-5
         return True, r_extra - 1
-    if ssp_may_continue(iters, p, s_lower):  # lines 7-9
+    if within_staleness(pushes_p, slowest_pushes, s_lower):  # lines 7-9
         return True, 0
-    if dssp_is_fastest(iters, p):  # lines 11-15
-        r = dssp_controller(push_table, p, r_max, dssp_slowest(iters))
+    if pushes_p >= most_pushes:  # lines 11-15: p is a fastest worker
+        r = dssp_controller(push_table, p, r_max, slowest)
         if r > 0:
             return True, r - 1
     return False, 0  # line 17

@@ -15,9 +15,12 @@ counts) instead of its O(n) scans: the staleness bound of SSP / BSP-on-PS is
 BSP's step rule is ``rules.round_pulled`` (what ``BSP.decide_held`` asks) on the lowest round
 the resets told the server.  DSSP: lines 3-9 of Alg. 1 (an extra iteration left, or within
 s_L) are that same bound, line 11 (is p a fastest worker?) compares with the maximum, also kept
-incrementally; a push of a fastest worker beyond s_L calls the real kernel
-``sched.dssp_on_push`` on the full table (the controller, Alg. 2) with the allowance
-``sched.dssp_allowance`` that ``server.policies.DSSP.on_push`` passes.  Tests drive these
+incrementally; a push of a fastest worker beyond s_L asks ``sched.dssp_on_push_given`` (what
+``sched.dssp_on_push`` asks after its scans: the controller, Alg. 2, on the full table) with
+line 7's slowest worker kept by ``_index.lowest_at_min`` and the allowance
+``sched.dssp_allowance`` that ``server.policies.DSSP.on_push`` passes.  No decision scans the
+workers, so a run costs O(log n) per event at any n (a scan per controller call made DSSP
+quadratic in the workers: 371 CPU s at 65,536 x 1,000).  Tests drive these
 helpers and the policy objects with the same random and adversarial pushes and require the
 same decisions, and run both engines on the same seeded cases and require identical iteration
 counts and times.
@@ -37,7 +40,8 @@ import numpy as np
 from mpsync import policies, sched
 from mpsync.server import rules
 from mpsync.sched._numba import jit
-from mpsync.simulate._index import HistogramFull, count_up, new_counts
+from mpsync.simulate._index import (HistogramFull, count_up, lowest_at_min, new_counts,
+                                    new_lowest_at_min)
 from mpsync.simulate._queue import HEAP_KIND, new_queue, pop, push
 
 __all__ = ["run_ps", "PSRun", "PSOut", "Speed"]
@@ -93,7 +97,8 @@ class _Work(NamedTuple):
     counting, so it allocates nothing): per worker push count, last two push times, DSSP's
     extra iterations and hold, the open phase and its start, when the last report and reset
     reach the server (no event stands for them), the round each reset told the server (BSP);
-    the held pulls and steps; the histograms of push counts and of rounds."""
+    the held pulls and steps; the histograms of push counts and of rounds; DSSP's slowest
+    worker (``_index.new_lowest_at_min``)."""
     pushes: np.ndarray
     table: np.ndarray
     r_extra: np.ndarray
@@ -106,13 +111,15 @@ class _Work(NamedTuple):
     steps: np.ndarray
     count: np.ndarray
     round_count: np.ndarray
+    slowest: np.ndarray
 
 
 def _new_work(n: int, capacity: int) -> _Work:
     return _Work(np.zeros(n, np.int64), np.zeros((n, 2)), np.zeros(n, np.int64),
                  np.zeros(n, np.bool_), np.zeros(n), np.zeros(n, np.int64),
                  np.full((n, 2), -np.inf), np.zeros(n, np.int64), np.empty(n, np.int64),
-                 np.empty(n, np.int64), new_counts(n, capacity), new_counts(n, capacity))
+                 np.empty(n, np.int64), new_counts(n, capacity), new_counts(n, capacity),
+                 new_lowest_at_min())
 
 
 @jit(refcount=False)
@@ -160,10 +167,12 @@ def _record_push(w, t, pushes, table):
 
 
 @jit(refcount=False)
-def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
+def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high, slowest):
     """DSSP at ``w``'s push (Alg. 1): will its next pull be held?  Lines 3-9 (an extra
     iteration left, or within s_L) in O(1); a fastest worker beyond s_L asks the controller
-    (Alg. 2, the real kernel) with r_max as ``server.policies.DSSP.on_push`` computes it."""
+    (Alg. 2, through ``sched.dssp_on_push_given``) with r_max as
+    ``server.policies.DSSP.on_push`` computes it and line 7's slowest worker from
+    ``slowest`` (the state of ``_index.lowest_at_min``), amortized O(1)."""
     gap = pushes[w] - lo
     if r_extra[w] > 0:
         r_extra[w] -= 1
@@ -174,7 +183,9 @@ def _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, s_low, s_high):
         dssp_held[w] = True     # not the fastest: line 11 fails, line 17 holds
     else:
         r_max = sched.dssp_allowance(gap, s_low, s_high)
-        ok, r_new = sched.dssp_on_push(pushes, r_extra[w], table, w, s_low, r_max)
+        q = lowest_at_min(slowest, pushes, lo)
+        ok, r_new = sched.dssp_on_push_given(pushes[w], lo, hi, r_extra[w], table, w, q,
+                                             s_low, r_max)
         r_extra[w] = r_new
         dssp_held[w] = not ok
 
@@ -324,7 +335,8 @@ def _loop(run, speed, res, q, wk):
             old = _record_push(w, t, pushes, table)
             count, lo, hi, raised = count_up(count, old, lo, hi)
             if run.kind == DSSP:
-                _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, run.s_low, run.s_high)
+                _dssp_push(w, pushes, lo, hi, r_extra, dssp_held, table, run.s_low, run.s_high,
+                           wk.slowest)
             push(q, _PULL, t + run.query, w)
             if raised and n_held > 0:
                 # the slowest moved on: held pulls may go now (the loop retries after a message)

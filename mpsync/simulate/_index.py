@@ -1,12 +1,14 @@
 """What the compiled engines keep so that a rule's scan over every worker becomes O(1) or
-O(log n): the minimum and maximum of counts that only grow by one (push counts, rounds), and the
-largest value with its lowest index (ESync's slowest device).
+O(log n): the minimum and maximum of counts that only grow by one (push counts, rounds), the
+lowest index at that minimum (DSSP's slowest worker), and the largest value with its lowest
+index (ESync's slowest device).
 
 The server scans its tables at every message (``sched.ssp_may_continue``'s minimum,
-``sched.esync_slowest``'s argmax, ``rules.esync_step``'s "is anyone a round behind?"); at
+``sched.dssp_slowest``'s argmin, ``sched.esync_slowest``'s argmax, ``rules.esync_step``'s "is anyone a round behind?"); at
 4,096 workers that is most of a simulated report's cost.  These structures give the same
 answers (ties included: the lowest index, as the scans pick) and the rules are then asked with
-them (``sched.within_staleness``, ``sched.esync_ready_given_slowest``, ``rules.round_pulled``).
+them (``sched.within_staleness``, ``sched.dssp_on_push_given``, ``sched.esync_ready_given_slowest``,
+``rules.round_pulled``).
 ``tests/test_simulate_index.py`` checks them against the scans on seeded random and adversarial
 sequences.
 """
@@ -17,7 +19,8 @@ import numpy as np
 
 from mpsync.sched._numba import jit
 
-__all__ = ["new_counts", "count_up", "HistogramFull", "new_argmax_tree", "tree_set", "tree_top"]
+__all__ = ["new_counts", "count_up", "HistogramFull", "new_lowest_at_min", "lowest_at_min",
+           "lowest_at_min_reference", "new_argmax_tree", "tree_set", "tree_top"]
 
 
 class HistogramFull(ValueError):
@@ -56,6 +59,38 @@ def count_up(count, old, lo, hi):
         lo += 1
         raised = True
     return count, lo, hi, raised
+
+
+def new_lowest_at_min() -> np.ndarray:
+    """The state of :func:`lowest_at_min`: [the minimum it last answered for, its cursor]."""
+    return np.array([-1, 0], dtype=np.int64)
+
+
+@jit(refcount=False)
+def lowest_at_min(state, counts, lo):
+    """The lowest index whose count is the minimum ``lo`` (``sched.dssp_slowest``'s answer),
+    for counts that only grow.  While the minimum stays ``lo`` no count can come down to it,
+    so the lowest index holding it only moves up: a cursor that starts at 0 each time the
+    minimum has changed and steps over the indices that have left it.  Each value of the
+    minimum costs at most one pass over the counts, however often it is asked, where a scan
+    costs a pass per question (at 65,536 workers DSSP's controller is asked often enough
+    that its scans made the run quadratic in the workers)."""
+    if state[0] != lo:
+        state[0] = lo
+        state[1] = 0
+    i = state[1]
+    n = counts.shape[0]
+    while i < n and counts[i] != lo:
+        i += 1
+    if i == n:
+        raise ValueError("no count is at the minimum given")
+    state[1] = i
+    return i
+
+
+def lowest_at_min_reference(counts, lo: int) -> int:
+    """Reference of :func:`lowest_at_min`: the scan."""
+    return [int(c) for c in counts].index(int(lo))
 
 
 def new_argmax_tree(values: np.ndarray) -> np.ndarray:
