@@ -242,3 +242,17 @@ def test_a_checkpoint_of_another_model_is_one_line_before_any_rank_starts(
                           f"another model than --model {model} on --dataset synthetic builds ("), err
     assert differs in err and "Traceback" not in err, err
     assert time.monotonic() - started < 60, "no rank may have started"
+
+
+def test_a_restart_with_no_checkpoint_yet_says_all_progress_is_lost(tmp_path, capsys):
+    from mpsync.apps.checkpoint import save_checkpoint
+    from mpsync.apps.train_restarts import restart_point
+
+    assert restart_point(tmp_path, 1) is None
+    assert capsys.readouterr().err.splitlines() == [
+        f"mpsync train: restart 1: no checkpoint was written in {tmp_path} before the failure "
+        f"(the first comes after --checkpoint-every rounds): starting over from step 0; all "
+        f"progress so far is lost"]
+    save_checkpoint(tmp_path / "checkpoints", 3, {"round": 3})
+    assert restart_point(tmp_path, 2) == tmp_path / "restarts" / "restart-2"
+    assert capsys.readouterr().err == ""
