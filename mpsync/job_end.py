@@ -22,8 +22,9 @@ import traceback
 
 from mpsync.config import ConfigError, debug_enabled, print_user_error
 
-__all__ = ["end_job", "end_job_for", "install_abort_hooks", "rank_label", "refuse",
-           "running_world", "is_user_error", "USER_ERRORS", "LONE_ERROR_WAIT"]
+__all__ = ["end_job", "end_job_for", "install_abort_hooks", "install_unless_the_script_has",
+           "launched_world_size", "rank_label", "refuse", "running_world", "is_user_error",
+           "USER_ERRORS", "LONE_ERROR_WAIT"]
 
 
 # How long a rank other than 0 waits for rank 0 to end the job before it reports its error.
@@ -71,6 +72,21 @@ def end_job(code: int, comm=None) -> None:
     if comm is not None and comm.Get_size() > 1:   # alone, there is no one else to stop
         comm.Abort(code)
     os._exit(code)
+
+
+def launched_world_size() -> int:
+    """The ranks of the job this process is one of, from the launcher's environment (1 when
+    not launched as a rank); readable before MPI starts."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1"))
+    return int(size) if size.isdigit() else 1
+
+
+def install_unless_the_script_has(label: str, prog: str = "mpsync") -> None:
+    """:func:`install_abort_hooks` on a rank of a job of several, before ``init`` (MPI runs
+    from the import of mpi4py on: an error before ``init`` on one rank would leave the others
+    waiting in it forever), unless the script has put an excepthook of its own in place."""
+    if launched_world_size() > 1 and sys.excepthook is sys.__excepthook__:
+        install_abort_hooks(None, label, prog)
 
 
 def rank_label() -> str:

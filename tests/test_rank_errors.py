@@ -7,7 +7,8 @@ train``, the console script's path): nothing of the test harness's own runner is
 so what ends the job is mpsync's.  ``mpirun --timestamp-output`` stamps every line, which
 times the job's end from the error line (to the second).  A rank left behind after ``mpirun``
 returned would be a rank still running: each job is tagged (``MPSYNC_TEST_TAG``) so that the
-test finds, and in the end kills, any such process.
+test finds, and in the end kills, any such process.  A script of the user's
+(``rank_error_programs.py``) runs as a plain script too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpi_harness import REPO, TESTS_DIR
+from mpi_harness import REPO, TESTS_DIR, run_mpi
 from mpsync import cli
 from mpsync.launch import mpirun_argv, run_with_deadline
 
@@ -256,3 +257,18 @@ def test_a_restart_with_no_checkpoint_yet_says_all_progress_is_lost(tmp_path, ca
     save_checkpoint(tmp_path / "checkpoints", 3, {"round": 3})
     assert restart_point(tmp_path, 2) == tmp_path / "restarts" / "restart-2"
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.mpi
+def test_an_error_before_init_ends_a_script_job():
+    # The others are in init()'s first collective, waiting for the failed rank forever.
+    started = time.time()
+    run = run_mpi(str(TESTS_DIR / "rank_error_programs.py"), np=3, args=["raise_before_init"],
+                  timeout=HARD_TIMEOUT, check=False)
+    ended = started + run.elapsed
+    assert not run.timed_out and run.returncode not in (0, None), run.report()
+    [error_at] = [float(line.split()[1]) for line in run.rank_out(2).splitlines()
+                  if line.startswith("ERROR-AT ")]
+    assert ended - error_at <= LIMIT, run.report()
+    assert "MPSYNC-RANK-FAILED rank 2" in run.rank_err(2), run.report()
+    assert "ValueError: a bug in the script before init" in run.rank_err(2), run.report()

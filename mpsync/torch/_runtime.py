@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpsync import policies
+from mpsync import job_end, policies
 from mpsync.config import ConfigError, SyncConfig, refuse_ps_plan
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
@@ -29,6 +29,10 @@ from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategies.counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
+
+# An error nothing catches between this import (MPI has started) and init() ends the job too;
+# init() puts hooks of its own in place that name the worker.
+job_end.install_unless_the_script_has(job_end.rank_label())
 
 
 @dataclass
