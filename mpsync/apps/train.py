@@ -76,15 +76,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("synchronization")
     g.add_argument("--policy", default=None,
-                   help=f"one of {', '.join(policies.names())} (default: $MPSYNC_POLICY or "
-                        f"{d.policy})")
+                   help=f"one of {', '.join(policies.names())} (default {d.policy}, or "
+                        f"$MPSYNC_POLICY when set)")
     g.add_argument("--topology", default=None, help=_topology_help())
     g.add_argument("--backend", default=None,
-                   help=f"{' | '.join(BACKENDS)} (ring aggregation; default: $MPSYNC_BACKEND "
-                        f"or {d.backend})")
+                   help=f"{' | '.join(BACKENDS)} (ring aggregation; default {d.backend}, "
+                        f"or $MPSYNC_BACKEND when set)")
     g.add_argument("--server", default=None,
-                   help=f"{' | '.join(SERVER_PLACEMENTS)} (default: $MPSYNC_SERVER or "
-                        f"{d.server}: rank 0 serves)")
+                   help=f"{' | '.join(SERVER_PLACEMENTS)} (default {d.server}: rank 0 "
+                        f"serves; or $MPSYNC_SERVER when set)")
     g.add_argument("--staleness", type=int, default=None, help=f"SSP threshold s (default {d.staleness})")
     g.add_argument("--staleness-range", default=None, metavar="sL,sU", help=f"DSSP [s_L, s_U] (default {d.staleness_low},{d.staleness_high})")
     g.add_argument("--lookahead", type=int, default=None, help=f"ElasticBSP lookahead R (default {d.lookahead})")
@@ -149,7 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated device time of one iteration at factor 1")
     g.add_argument("--comm-delay", type=float, default=None, metavar="S",
                    help="extra latency added to every aggregation (booked as aggregation "
-                        "time; default: $MPSYNC_COMM_DELAY or 0)")
+                        "time; default 0, or $MPSYNC_COMM_DELAY when set)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for metrics.json, plots, trace")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
