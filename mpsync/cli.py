@@ -20,6 +20,8 @@ import traceback
 
 from mpsync import __version__
 from mpsync.bench import BENCHMARKS
+from mpsync.job_end import USER_ERRORS, end_job, end_job_for, is_user_error, rank_label, \
+    running_world
 
 __all__ = ["main", "SUBCOMMANDS", "USER_ERRORS", "is_user_error", "OneLineParser"]
 
@@ -39,24 +41,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                       "machine (root)"),
     "doctor": ("mpsync.doctor", "check the installation: versions, MPI, Numba, Horovod build"),
 }
-
-# The exceptions that mean "the user asked for something impossible" (module, class): each
-# names the setting in its message.  Looked up only in modules already imported, so that
-# this list costs no import.
-USER_ERRORS = (("mpsync.config", "ConfigError"), ("mpsync.policies", "PolicyError"),
-               ("mpsync.launch.target", "LaunchError"),
-               ("mpsync.launch.settings", "JobTemplateError"),
-               ("mpsync.transport", "TransportError"), ("mpsync.cluster.layout", "ClusterError"),
-               ("mpsync.apps.checkpoint", "CheckpointError"))
-
-
-def is_user_error(exc: BaseException) -> bool:
-    for module, name in USER_ERRORS:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(exc, cls):
-            return True
-    return False
-
 
 class OneLineParser(argparse.ArgumentParser):
     """A bad flag is one line naming it and where the flags are listed (not the whole usage)."""
@@ -105,11 +89,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.debug:
         os.environ["MPSYNC_DEBUG"] = "1"   # inherited by the ranks mpsync starts
+    prog = f"mpsync {args.command}"
     try:
         module = importlib.import_module(SUBCOMMANDS[args.command][0])
-        return int(module.main(args) or 0)
+        code = int(module.main(args) or 0)
     except Exception as e:  # noqa: BLE001 - sorted into user error / bug just below
-        return report_error(f"mpsync {args.command}", e)
+        if in_running_job():
+            # One rank of several: its error ends every rank, said in one line unless a bug.
+            end_job_for(e, rank_label(), prog=prog)
+        code = report_error(prog, e)
+    if code and in_running_job():
+        end_job(code)   # not returning: MPI_Finalize would wait for the ranks still running
+    return code
+
+
+def in_running_job() -> bool:
+    """This process is one rank of several, with MPI started.  Its failure must end the job
+    at once: returning would run the exit handlers, MPI_Finalize among them, which waits for
+    every other rank, some of them waiting for this one.  (Before MPI starts, a non-zero
+    exit status is enough: Open MPI ends a job on one.)"""
+    world = running_world()
+    return world is not None and world.Get_size() > 1
 
 
 def report_error(prog: str, exc: BaseException) -> int:

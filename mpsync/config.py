@@ -25,7 +25,7 @@ from mpsync.zipline_variants import FASTEST_EXACT_VARIANT, ZIPLINE_VARIANTS
 __all__ = [
     "ConfigError", "SyncConfig", "TOPOLOGIES", "BACKENDS", "SERVER_PLACEMENTS",
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
-    "plugins_from_env", "parse_ps_shards", "setting_from_env", "parse_bool", "debug_enabled",
+    "parse_ps_shards", "parse_bool", "debug_enabled",
     "check_output_dir", "PS_OPTIMIZERS", "parse_staleness_range", "print_user_error",
     "OPTIMIZERS", "OptimizerChoice", "optimizer_choice",
 ]
@@ -357,19 +357,6 @@ def optimizer_choice(kind: str | None, lr: float, momentum: float | None = None,
         kind = raw.strip().lower() if raw is not None else OptimizerChoice.kind
     return OptimizerChoice(kind=kind, lr=lr, momentum=momentum, nesterov=bool(nesterov),
                            weight_decay=weight_decay).validate()
-
-
-def plugins_from_env(env=None) -> str:
-    """``MPSYNC_PLUGINS``, for front ends that otherwise ignore the environment (mpsync train:
-    a policy module must be importable on every rank however the policy was chosen)."""
-    return (os.environ if env is None else env).get(ENV_PREFIX + "PLUGINS", DEFAULTS.plugins)
-
-
-def setting_from_env(name: str, env=None):
-    """The ``MPSYNC_<NAME>`` text, or the default of setting ``name``: for front ends that
-    otherwise ignore the environment (mpsync train) but honour a few settings from it."""
-    return (os.environ if env is None else env).get(ENV_PREFIX + name.upper(),
-                                                     getattr(DEFAULTS, name))
 
 
 def parse_float_list(name: str, text: str, length: int | None = None) -> list[float]:

@@ -67,7 +67,7 @@ def test_npz_dataset(tmp_path):
     ds = load_dataset(f"npz:{tmp_path / 'mine.npz'}")
     assert ds.input_shape == (6,) and ds.n_classes == 3 and len(ds.y_test) == 10
     np.savez(tmp_path / "bad.npz", features=x)
-    with pytest.raises(ConfigError, match="needs arrays 'x' and 'y'"):
+    with pytest.raises(ConfigError, match=r"needs arrays 'x' \(samples\) and 'y'"):
         load_dataset(f"npz:{tmp_path / 'bad.npz'}")
 
 

@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mpsync", "zipline_variants", "policies"),   # the version; names; the policy registry
     ("config", "transport", "commits"),            # SyncConfig, MPSYNC_*; Open MPI settings;
                                                    # durable commits
-    ("slowdown", "sched"),                         # slowdown parsing; the decision kernels
+    ("slowdown", "sched", "job_end"),              # slowdown parsing; the decision kernels;
+                                                   # how an error on a rank ends the job
     ("server",),                                   # the state server and its rules
     ("torch", "simulate", "cluster"),              # workers; the simulator; the virtual cluster
     ("launch", "auto"),                            # launch targets, job scripts; auto policy

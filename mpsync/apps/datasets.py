@@ -9,6 +9,7 @@ same batches as an uninterrupted one.
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def check_dataset_spec(spec: str) -> None:
         path = Path(spec[4:])
         if not path.is_file():
             raise ConfigError(f"--dataset {spec}: file {str(path)!r} not found")
+        _check_npz_arrays(str(path))
         return
     raise ConfigError(f"unknown --dataset {spec!r}; choose digits, synthetic or npz:PATH")
 
@@ -85,17 +87,54 @@ def _synthetic(n: int, d: int, k: int, noise: float, seed: int) -> tuple[np.ndar
     return x.astype(np.float32), y
 
 
+def _npz_headers(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array's shape and dtype in the ``.npz`` file, read from the headers alone (the
+    launcher checks a data file of any size in milliseconds, without loading it)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            headers = {}
+            for name in z.namelist():
+                if not name.endswith(".npy"):
+                    continue
+                with z.open(name) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read(f)
+                headers[name[:-len(".npy")]] = (shape, dtype)
+            return headers
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"--dataset npz:{path}: cannot read it as a .npz file of numpy "
+                          f"arrays ({e})") from None
+
+
+def _check_npz_arrays(path: str) -> None:
+    """What can be told of a data file before any rank starts: arrays ``x`` (samples, any
+    feature shape, numbers) and ``y`` (one integer class index per sample)."""
+    arrays = _npz_headers(path)
+    if "x" not in arrays or "y" not in arrays:
+        raise ConfigError(f"--dataset npz:{path}: needs arrays 'x' (samples) and 'y' (class "
+                          f"indices), has {', '.join(map(repr, sorted(arrays))) or 'none'}")
+    (x_shape, x_dtype), (y_shape, y_dtype) = arrays["x"], arrays["y"]
+    if len(x_shape) < 2 or not (np.issubdtype(x_dtype, np.number)
+                                and not np.issubdtype(x_dtype, np.complexfloating)):
+        raise ConfigError(f"--dataset npz:{path}: x must be real numbers, one row per sample "
+                          f"(samples, features...), got shape {x_shape} of {x_dtype}")
+    if len(y_shape) != 1 or not np.issubdtype(y_dtype, np.integer):
+        raise ConfigError(f"--dataset npz:{path}: y must be one integer class index per "
+                          f"sample, got shape {y_shape} of {y_dtype}")
+    if x_shape[0] != y_shape[0] or y_shape[0] < 2:
+        raise ConfigError(f"--dataset npz:{path}: x has {x_shape[0]} rows, y has "
+                          f"{y_shape[0]}; they must be equal, and at least 2")
+
+
 def _load_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+    _check_npz_arrays(path)
     try:
         with np.load(path) as f:
-            if "x" not in f or "y" not in f:
-                raise ConfigError(f"--dataset npz:{path}: needs arrays 'x' and 'y', "
-                                  f"has {sorted(f.keys())}")
             x, y = np.asarray(f["x"], dtype=np.float32), np.asarray(f["y"])
     except (OSError, ValueError) as e:
         raise ConfigError(f"--dataset npz:{path}: cannot read ({e})") from None
-    if len(x) != len(y) or len(y) < 2:
-        raise ConfigError(f"--dataset npz:{path}: x has {len(x)} rows, y has {len(y)}")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise ConfigError(f"--dataset npz:{path}: y must hold class indices 0..K-1")
     return x, y.astype(np.int64)

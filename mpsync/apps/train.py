@@ -50,19 +50,18 @@ import subprocess
 import sys
 
 from mpsync import cluster as vc
-from mpsync import policies
+from mpsync import job_end, policies
 from mpsync.apps.datasets import check_dataset_spec
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
-from mpsync.apps.train_checkpoints import reshard
+from mpsync.apps.train_checkpoints import check_resume_before_launch, reshard
 from mpsync.apps.trainer import build_optimizer_choice, train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     OPTIMIZERS, PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
-    parse_bool, plugins_from_env, print_user_error, setting_from_env
+    print_user_error
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
 from mpsync.launch.hosts import launched_rank
-from mpsync.launch.target import LaunchError
 from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv
 
@@ -78,13 +77,15 @@ def _topology_help() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("synchronization")
-    g.add_argument("--policy", default=d.policy,
-                   help=f"one of {', '.join(policies.names())} (default {d.policy})")
+    g.add_argument("--policy", default=None,
+                   help=f"one of {', '.join(policies.names())} (default {d.policy}, or "
+                        f"$MPSYNC_POLICY when set)")
     g.add_argument("--topology", default=None, help=_topology_help())
-    g.add_argument("--backend", default=d.backend,
+    g.add_argument("--backend", default=None,
                    help=f"{' | '.join(BACKENDS)}: the ring's transport (mpi4py, Horovod's "
                         f"ops, or a torch.distributed group of the workers: gloo on host "
-                        f"tensors, nccl on CUDA tensors; default {d.backend})")
+                        f"tensors, nccl on CUDA tensors; default {d.backend}, or "
+                        f"$MPSYNC_BACKEND when set)")
     g.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
                    help=f"BSP on the ring: gradients in buckets of at most MB MiB, each "
                         f"averaged as soon as backward has made it (default: "
@@ -92,8 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-overlap", action="store_true", default=None,
                    help="BSP on the ring: average the whole model at step(), after backward, "
                         "instead of bucket by bucket during it (default: $MPSYNC_OVERLAP or on)")
-    g.add_argument("--server", default=d.server,
-                   help=f"{' | '.join(SERVER_PLACEMENTS)} (default {d.server}: rank 0 serves)")
+    g.add_argument("--server", default=None,
+                   help=f"{' | '.join(SERVER_PLACEMENTS)} (default {d.server}: rank 0 "
+                        f"serves; or $MPSYNC_SERVER when set)")
     g.add_argument("--staleness", type=int, default=None, help=f"SSP threshold s (default {d.staleness})")
     g.add_argument("--staleness-range", default=None, metavar="sL,sU", help=f"DSSP [s_L, s_U] (default {d.staleness_low},{d.staleness_high})")
     g.add_argument("--lookahead", type=int, default=None, help=f"ElasticBSP lookahead R (default {d.lookahead})")
@@ -166,8 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new factors from wall time T on")
     g.add_argument("--iter-time", type=float, default=None, metavar="S",
                    help="emulated device time of one iteration at factor 1")
-    g.add_argument("--comm-delay", type=float, default=0.0, metavar="S",
-                   help="extra latency added to every aggregation (booked as aggregation time)")
+    g.add_argument("--comm-delay", type=float, default=None, metavar="S",
+                   help="extra latency added to every aggregation (booked as aggregation "
+                        "time; default 0, or $MPSYNC_COMM_DELAY when set)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for metrics.json, plots, trace")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -202,40 +205,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args) -> SyncConfig:
-    """The SyncConfig the flags describe (validated; ConfigError names the flag)."""
+    """The SyncConfig the flags describe, over the ``MPSYNC_*`` environment (flag >
+    environment > default, as ``mpsync.torch.init``: a setting in the environment is used,
+    never silently dropped; a bad one is refused naming the variable).  Validated;
+    ConfigError names the flag or the variable.  The settings the launcher itself reads
+    (policy, backend, server, comm delay) are written back into ``args`` as resolved, so the
+    ranks it starts are given them as flags."""
     # No topology: the policy's own (SyncConfig.validate asks the registry).
-    opts: dict = {"policy": args.policy, "topology": args.topology or "",
-                  "backend": args.backend, "server": args.server,
-                  "plugins": plugins_from_env() if args.plugins is None else args.plugins,
-                  "ps_shards": (setting_from_env("ps_shards") if args.ps_shards is None
-                                else args.ps_shards),
-                  "ps_optimizer": (setting_from_env("ps_optimizer") if args.ps_optimizer is None
-                                   else args.ps_optimizer)}
-    auto_ps = setting_from_env("auto_ps") if not getattr(args, "no_auto_ps", None) else False
-    opts["auto_ps"] = auto_ps if isinstance(auto_ps, bool) else parse_bool("MPSYNC_AUTO_PS",
-                                                                           auto_ps)
-    bucket_mb = setting_from_env("bucket_mb") if args.bucket_mb is None else args.bucket_mb
-    opts["bucket_mb"] = _number("--bucket-mb", "MPSYNC_BUCKET_MB", bucket_mb)
-    overlap = setting_from_env("overlap") if not getattr(args, "no_overlap", None) else False
-    opts["overlap"] = overlap if isinstance(overlap, bool) else parse_bool("MPSYNC_OVERLAP",
-                                                                           overlap)
-    # auto: a fixed plan of switches replaces its decisions (a decision log replayed)
-    opts["auto_plan"] = setting_from_env("auto_plan")
-    if args.staleness is not None:
-        opts["staleness"] = args.staleness
+    flags = {"policy": args.policy, "topology": args.topology, "backend": args.backend,
+             "server": args.server, "plugins": args.plugins, "ps_shards": args.ps_shards,
+             "ps_optimizer": args.ps_optimizer, "staleness": args.staleness,
+             "lookahead": args.lookahead, "zipline_variant": args.zipline_variant,
+             "epsilon": args.epsilon, "deadline": args.deadline,
+             "silent_timeout": args.silent_timeout, "comm_delay": args.comm_delay,
+             "bucket_mb": args.bucket_mb}
+    opts = {key: value for key, value in flags.items() if value is not None}
+    if getattr(args, "no_auto_ps", None):
+        opts["auto_ps"] = False
+    if getattr(args, "no_overlap", None):
+        opts["overlap"] = False
     if args.staleness_range is not None:
         low, high = parse_staleness_range(args.staleness_range)
         opts.update(staleness_low=low, staleness_high=high)
-    for flag, key in (("lookahead", "lookahead"), ("zipline_variant", "zipline_variant"),
-                      ("epsilon", "epsilon"), ("deadline", "deadline"),
-                      ("silent_timeout", "silent_timeout")):
-        if getattr(args, flag) is not None:
-            opts[key] = getattr(args, flag)
-    if getattr(args, "comm_delay", None) is not None:
-        if not args.comm_delay >= 0:
-            raise ConfigError(f"--comm-delay must be >= 0 seconds, got {args.comm_delay}")
-        opts["comm_delay"] = args.comm_delay
-    return SyncConfig.from_options(env={}, **opts)
+    if args.comm_delay is not None and not args.comm_delay >= 0:
+        raise ConfigError(f"--comm-delay must be >= 0 seconds, got {args.comm_delay}")
+    config = SyncConfig.from_options(env=os.environ, **opts)
+    if not config.comm_delay >= 0:
+        raise ConfigError(f"MPSYNC_COMM_DELAY must be >= 0 seconds, got {config.comm_delay}")
+    args.policy, args.backend, args.server = config.policy, config.backend, config.server
+    args.comm_delay = config.comm_delay
+    return config
 
 
 def check_transport(backend: str) -> None:
@@ -247,17 +246,6 @@ def check_transport(backend: str) -> None:
         reason = transport_unavailable(backend)
         if reason is not None:
             raise ConfigError(reason)
-
-
-def _number(flag: str, var: str, value) -> float:
-    """A number from a flag (already a float) or from the environment's text."""
-    if isinstance(value, (int, float)):
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{var}={value!r} is not a number ({flag}); set a number or unset "
-                          f"it") from None
 
 
 def validate(args, workers: int | None) -> SyncConfig:
@@ -306,6 +294,7 @@ def main(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not launched_rank():
         try:
+            build_config(args)   # the settings the launcher reads: flag, MPSYNC_* or default
             if args.max_restarts:
                 from mpsync.apps.train_restarts import run_supervised
 
@@ -313,10 +302,16 @@ def main(args) -> int:
             if args.cluster is not None:
                 return _run_on_cluster(args)
             return _launch_here(args)
-        except (ConfigError, LaunchError) as e:
+        except Exception as e:  # noqa: BLE001 - one line for a user's mistake, else raised
+            if not job_end.is_user_error(e):
+                raise
             print_user_error("mpsync train", e)
             return 2
+    # A rank: from here on, an error nothing catches ends the whole job at once (the abort
+    # hook; mps.init puts its own in place, naming the worker, once it knows it).
+    job_end.install_abort_hooks(None, job_end.rank_label(), prog="mpsync train")
     try:
+        build_config(args)
         workers = _workers_launched(args)
         config = validate(args, workers)
         resume = None
@@ -372,6 +367,8 @@ def _launch_here(args) -> int:
         raise ConfigError("--np N is needed to start the workers (e.g. mpsync train --np 4 "
                           "--time-budget 10), or start mpsync train under mpirun / srun")
     validate(args, args.np)
+    if args.resume:
+        check_resume_before_launch(args)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "hosts",
@@ -414,4 +411,7 @@ def _warn_once(msg: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="mpsync train")
     add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    code = main(parser.parse_args())
+    if code:
+        job_end.end_job(code)   # every rank, now: MPI_Finalize would wait for the others
+    sys.exit(code)

@@ -18,7 +18,7 @@ from mpsync.config import SyncConfig
 
 __all__ = ["worker_state", "rng_states", "restore_rng_states", "shards_state_as_data",
            "write_checkpoint", "ps_checkpoint", "warn_if_slow", "flush_checkpoints", "reshard",
-           "remap_position"]
+           "remap_position", "check_model_fits", "check_resume_before_launch"]
 
 COUNTERS = ("iterations", "rounds", "compute_s", "wait_s", "aggregation_s", "bytes_sent",
             "data_sent", "data_received", "control_sent", "control_received", "data_min",
@@ -187,3 +187,43 @@ def warn_if_slow(seconds: float, what: str, config: SyncConfig) -> None:
               f"workers waited; the job fails if it exceeds {limit:g}s (--deadline "
               f"{config.deadline:g}, --silent-timeout {config.silent_timeout:g}): raise both",
               file=sys.stderr, flush=True)
+
+
+def check_model_fits(model, state: dict, path, args) -> None:
+    """The checkpoint's model (``state``: its ``state_dict``) is the one this run builds, or
+    :class:`CheckpointError`, one line naming the file and what differs (instead of
+    ``load_state_dict``'s traceback on every worker)."""
+    from mpsync.apps.checkpoint import CheckpointError  # torch
+
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    differ = [f"{k} is {list(theirs[k])} there, {list(mine[k])} here" for k in mine
+              if k in theirs and theirs[k] != mine[k]]
+    missing, extra = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
+    if missing:
+        differ.append(f"it lacks {', '.join(missing[:3])}{' ...' * (len(missing) > 3)}")
+    if extra:
+        differ.append(f"it has {', '.join(extra[:3])}{' ...' * (len(extra) > 3)} besides")
+    if differ:
+        raise CheckpointError(
+            f"--resume {path}: the checkpoint holds another model than --model {args.model} "
+            f"on --dataset {args.dataset} builds ({'; '.join(differ[:3])}); resume with the "
+            f"--model and --dataset of the run that wrote it")
+
+
+def check_resume_before_launch(args) -> None:
+    """``--resume``: the newest usable checkpoint, and that its model is the one the ranks
+    will build, checked once before any rank starts (CheckpointError, one line).  Costs
+    torch's import and one read of the data set, here, only when resuming."""
+    from mpsync.apps.checkpoint import latest_good  # torch
+    from mpsync.apps.datasets import load_dataset
+    from mpsync.apps.models import build_model
+
+    path, state = latest_good(args.resume, warn=lambda msg: print(f"mpsync train: {msg}",
+                                                                  file=sys.stderr))
+    ds = load_dataset(args.dataset, seed=args.seed, synthetic_samples=args.synthetic_samples,
+                      synthetic_features=args.synthetic_features,
+                      synthetic_classes=args.synthetic_classes,
+                      synthetic_noise=args.synthetic_noise)
+    check_model_fits(build_model(ds.input_shape, ds.n_classes, args.seed, args.model),
+                     state["model"], path, args)

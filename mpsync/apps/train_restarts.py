@@ -42,7 +42,7 @@ from mpsync.launch.runner import build_job
 from mpsync.launch.supervisor import LOCAL, Attempt, Host, SupervisorError, allocation_hosts, \
     hosts_text, parse_hosts, run_watched, supervise, write_record
 
-__all__ = ["run_supervised", "restart_costs"]
+__all__ = ["run_supervised", "restart_costs", "restart_point"]
 
 # Flags the supervisor decides itself on every start (or that only make sense once).
 _SUPERVISOR_FLAGS = ("cluster", "cluster_placement", "np", "max_restarts", "min_np", "max_np",
@@ -90,7 +90,7 @@ def run_supervised(args, validate, add_arguments) -> int:
     def run(attempt: Attempt):
         drop = _SUPERVISOR_FLAGS + (("kill_at_step",) if attempt.index else ())
         rest = argv_from_namespace(parser, args, drop=drop)
-        resume = args.resume if attempt.index == 0 else _keep_newest(out, attempt.index)
+        resume = args.resume if attempt.index == 0 else restart_point(out, attempt.index)
         if resume:
             rest += ["--resume", str(resume)]
             if attempt.index:
@@ -200,6 +200,18 @@ def _keep_newest(out: Path, index: int) -> Path | None:
         os.link(path, link)
     except OSError:
         shutil.copy2(path, link)
+    return keep
+
+
+def restart_point(out: Path, index: int) -> Path | None:
+    """Where restart ``index`` starts from: the newest good checkpoint (:func:`_keep_newest`),
+    or, with none written yet, the beginning; said then, in one line, since every step the
+    failed jobs took is lost (the supervisor's own line says only "restart N of M")."""
+    keep = _keep_newest(out, index)
+    if keep is None:
+        print(f"mpsync train: restart {index}: no checkpoint was written in {out} before the "
+              f"failure (the first comes after --checkpoint-every rounds): starting over from "
+              f"step 0; all progress so far is lost", file=sys.stderr, flush=True)
     return keep
 
 

@@ -25,8 +25,8 @@ import numpy as np
 from mpsync.apps import report
 from mpsync.apps.datasets import load_dataset, partition
 from mpsync.apps.heterogeneity import Heterogeneity
-from mpsync.apps.train_checkpoints import COUNTERS, flush_checkpoints, remap_position, \
-    restore_rng_states, warn_if_slow, worker_state
+from mpsync.apps.train_checkpoints import COUNTERS, check_model_fits, flush_checkpoints, \
+    remap_position, restore_rng_states, warn_if_slow, worker_state
 from mpsync.apps.train_stops import make_stop
 from mpsync.config import OptimizerChoice, SyncConfig, optimizer_choice
 
@@ -195,6 +195,7 @@ class Worker:
             random.seed(seed)
             return
         mine = self.resume["per_worker"][self.me]
+        check_model_fits(self.model, self.resume["model"], self.args.resume, self.args)
         self.model.load_state_dict(self.resume["model"])
         self.inner.load_state_dict(mine["optimizer"])
         self.epoch, self.index, self.samples = mine["epoch"], mine["index"], mine["samples"]
@@ -264,8 +265,9 @@ class Worker:
         if args.stop_at_step is not None and self.me == self.n - 1 and \
                 self.steps == args.stop_at_step:
             # The last worker goes silent (SIGSTOP: alive, answering nothing), for fault tests.
+            # The clock: a test times the job's end from the fault.
             print(f"mpsync train: fault injection: SIGSTOP worker {self.me} after step "
-                  f"{args.stop_at_step}", flush=True)
+                  f"{args.stop_at_step} at clock {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         return round_before
 

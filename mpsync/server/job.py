@@ -11,17 +11,15 @@ the same order, which is what keeps the ranks in step.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
-import threading
-import time
-import traceback
 
-from mpsync.config import ConfigError, SyncConfig, debug_enabled
+from mpsync.config import ConfigError, SyncConfig
+from mpsync.job_end import end_job, end_job_for, install_abort_hooks, rank_label, refuse, \
+    running_world
 
-__all__ = ["config_of", "raise_user_error", "join", "serve_dedicated", "write_outputs", "install_abort_hooks",
-           "check_same_config", "Joined", "refuse"]
+__all__ = ["config_of", "raise_user_error", "join", "serve_dedicated", "write_outputs",
+           "install_abort_hooks", "check_same_config", "Joined", "refuse", "end_job",
+           "end_job_for", "running_world", "rank_label"]
 
 
 def config_of(policy=None, topology=None, backend=None, server=None,
@@ -41,31 +39,6 @@ def raise_user_error(exc: ConfigError):
     rank 0 and exit status 2 (a script may catch it)."""
     sys.excepthook = _user_error_hook(sys.excepthook)
     raise exc
-
-
-# How long a rank other than 0 waits for rank 0 to end the job before it reports its error.
-LONE_ERROR_WAIT = 60.0
-
-
-def refuse(exc: BaseException, comm=None) -> None:
-    """End the job for a user error: one line on world rank 0, exit status 2.  Settings are
-    the same on every rank (the launcher passes the environment on), so the other ranks wait
-    for rank 0 to end the job; one still running after a minute had an error of its own, and
-    says it.  ``MPSYNC_DEBUG=1`` prints the traceback too."""
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    if debug_enabled():
-        traceback.print_exception(exc)
-    if rank != 0:
-        time.sleep(LONE_ERROR_WAIT)
-    sys.stderr.write(f"mpsync: error: {exc}\n")
-    sys.stderr.flush()
-    if comm is None and "mpi4py.MPI" in sys.modules:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD if MPI.Is_initialized() and not MPI.Is_finalized() else None
-    if comm is not None and comm.Get_size() > 1:   # alone, there is no one else to stop
-        comm.Abort(2)
-    os._exit(2)
 
 
 def _user_error_hook(previous):
@@ -134,33 +107,6 @@ def write_outputs(stats: dict, stats_path: str | None, trace_path: str | None) -
         write_stats_json(stats, stats_path)
     if trace_path:
         write_chrome_trace(stats, trace_path)
-
-
-def install_abort_hooks(comm, label: str) -> None:
-    """An unhandled exception on this rank (any thread) prints its traceback tagged with the
-    rank and aborts the whole job: the other ranks would otherwise wait for
-    this one until their deadlines pass, or forever inside a blocking collective."""
-    host = socket.gethostname()
-
-    def abort(exc_type, exc, tb) -> None:
-        if isinstance(exc, ConfigError):
-            refuse(exc, comm)
-        from mpsync.server._client import DeadlineExceeded  # mpi4py: loaded by now
-
-        if isinstance(exc, DeadlineExceeded) and not debug_enabled():
-            # A fault, not a bug: its message names what was waited for and who is silent.
-            text = f"mpsync: fault: {label} on {host}: {exc_type.__name__}: {exc}\n"
-        else:
-            text = (f"MPSYNC-RANK-FAILED {label} on {host}: unhandled {exc_type.__name__}, "
-                    f"aborting the job\n" + "".join(traceback.format_exception(exc_type, exc, tb)))
-        try:
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        finally:
-            comm.Abort(1)
-
-    sys.excepthook = abort
-    threading.excepthook = lambda a: abort(a.exc_type, a.exc_value, a.exc_traceback)
 
 
 def check_same_config(world, config: SyncConfig, server_rank: int) -> None:

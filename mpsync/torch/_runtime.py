@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpsync import policies
+from mpsync import job_end, policies
 from mpsync.config import ConfigError, SyncConfig, refuse_ps_plan
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
@@ -30,6 +30,10 @@ from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategies.counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
+
+# An error nothing catches between this import (MPI has started) and init() ends the job too;
+# init() puts hooks of its own in place that name the worker.
+job_end.install_unless_the_script_has(job_end.rank_label())
 
 
 @dataclass
@@ -280,5 +284,13 @@ def shutdown() -> None:
 def _shutdown_at_exit() -> None:
     # A script that never calls mps.shutdown() still ends: the dedicated server waits for
     # every worker's shutdown message.  Not reached after an unhandled exception (the abort
-    # hook ends the process first).
-    shutdown()
+    # hook ends the process first).  Its own waits are bounded by the deadline; should one
+    # fail, the error must end the job: atexit would print it and go on to MPI_Finalize,
+    # which waits forever for the rank that could not be reached.
+    try:
+        shutdown()
+    except BaseException as e:  # noqa: BLE001 - any error here ends the job, named
+        label = (f"rank {_CONTEXT.world.Get_rank()} (worker {_CONTEXT.worker_rank})"
+                 if _CONTEXT is not None else job.rank_label())
+        job.end_job_for(e, f"{label} at exit, in mpsync.torch.shutdown()",
+                        _CONTEXT.world if _CONTEXT is not None else None)
