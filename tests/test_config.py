@@ -21,7 +21,7 @@ def test_a_policy_without_a_topology_runs_on_its_own_default():
 @pytest.mark.parametrize("options, named", [
     ({"policy": "gossip"}, "unknown policy 'gossip'"),
     ({"topology": "mesh"}, "unknown topology 'mesh'"),
-    ({"backend": "nccl"}, "unknown backend 'nccl'"),
+    ({"backend": "tcp"}, "unknown backend 'tcp'"),
     ({"server": "remote"}, "unknown server 'remote'"),
     ({"policy": "ssp", "topology": "ring"}, "policy='ssp' needs a central copy"),
     ({"policy": "dssp", "topology": "ring"}, "runs only on topology='ps'"),
