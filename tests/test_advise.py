@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsync import cli
+from mpsync import cli, policies
 
 REPO = Path(__file__).resolve().parent.parent
 # a real 4-worker run of mpsync compare across the virtual cluster at 1gbit (wide MLP)
@@ -89,3 +89,39 @@ def test_bad_input_is_one_line_naming_the_setting(capsys, argv, named):
     assert cli.main(["advise", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0] and err[0].startswith("mpsync advise: error:")
+
+
+def test_advice_is_only_what_train_can_run_with_its_command_line(capsys):
+    """Every candidate advise ranks is runnable by ``mpsync train``: its command line parses
+    with train's own flags and validates to that policy, topology and bound; train has no
+    compression flag, so no fp16 candidate is offered."""
+    import argparse
+
+    from mpsync.apps import train
+    from mpsync.apps.advise import runnable_candidates, train_command
+    from mpsync.auto import Measurements
+
+    m = Measurements.from_speeds([1, 1, 2, 4], batch_size=64)
+    candidates = runnable_candidates(("ring", "ps"))
+    assert candidates and all(c.wire == "fp32" for c in candidates)
+    assert {c.policy for c in candidates} == {s.name for s in policies.specs()
+                                               if s.name != policies.AUTO}
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    for c in candidates:
+        command = train_command(c, m)
+        assert command.startswith("mpsync train --np 4 ") and "--batch-size 64" in command
+        args = parser.parse_args(command.split()[2:] + ["--time-budget", "5"])
+        config = train.validate(args, args.np)
+        assert (config.policy, config.topology) == (c.policy, c.topology), command
+        for key, value in c.settings:
+            assert getattr(config, key) == value, command
+    ranking = _advise(capsys, "--speeds", "1,1,2,4", "--link", "1gbit")[1]
+    assert not [r["candidate"] for r in ranking if "fp16" in r["candidate"]]
+    assert ranking[0]["command"].startswith(f"mpsync train --np 4 --policy "
+                                            f"{ranking[0]['policy']} --topology "
+                                            f"{ranking[0]['topology']}")
+    assert cli.main(["advise", "--speeds", "1,1,2,4", "--horizon", "60", "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "to 10,000 BSP-equivalent samples" in text
+    assert "run it: mpsync train --np 4 --policy " in text and "fp16" not in text

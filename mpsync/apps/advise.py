@@ -2,11 +2,12 @@
 
 The ranking ``--policy auto`` makes while a job runs, made offline: from a finished run's
 ``metrics.json`` (each worker's compute per iteration, the aggregation it measured, the samples
-it took to reach its target) or from stated speeds, link rate and model, every candidate (each
-registered policy on each topology, with its main settings: staleness bounds, the fp16 wire) is
-simulated with the state server's own rules and weighed by its statistical efficiency
-(``mpsync.auto.rank_candidates``); the candidates are printed best first with their predicted
-time to the target and why.
+it took to reach its target) or from stated speeds, link rate and model, every candidate
+``mpsync train`` can run (each registered policy on each topology, with SSP's staleness bound
+swept: :func:`runnable_candidates`) is simulated with the state server's own rules and weighed
+by its statistical efficiency (``mpsync.auto.rank_candidates``); the candidates are printed
+best first with their predicted time to the target, why, and the advice as the
+``mpsync train`` command line that runs it (:func:`train_command`).
 
     mpsync advise --metrics runs/bsp/metrics.json
     mpsync advise --speeds 1,1,2,4 --link 1gbit --model wide-mlp
@@ -21,9 +22,32 @@ import sys
 from mpsync import policies
 from mpsync.config import ConfigError
 
-__all__ = ["add_arguments", "main", "measurements_from_args", "format_ranking", "model_bytes"]
+__all__ = ["add_arguments", "main", "measurements_from_args", "format_ranking", "model_bytes",
+           "runnable_candidates", "train_command", "TRAIN_FLAGS"]
 
 _TOPOLOGIES = ("ring", "ps")
+# The ``mpsync train`` flag of each candidate setting advice may sweep.  A candidate with a
+# setting not here, or another wire than float32 (train has no flag for compression:
+# ``Compression.fp16`` is the Python API's), is not advised: advice must be runnable.
+TRAIN_FLAGS = {"staleness": "--staleness"}
+
+
+def runnable_candidates(topologies) -> list:
+    """The ranking's candidates on ``topologies`` that ``mpsync train`` can run as flags."""
+    from mpsync.auto import default_candidates
+
+    return [c for c in default_candidates(topologies)
+            if c.wire == "fp32" and all(k in TRAIN_FLAGS for k, _ in c.settings)]
+
+
+def train_command(candidate, m) -> str:
+    """The ``mpsync train`` command line that runs ``candidate`` on ``m``'s workers (the
+    job's own flags, its model, data and time budget, go after it)."""
+    flags = [f"--np {m.n}", f"--policy {candidate.policy}", f"--topology {candidate.topology}"]
+    flags += [f"{TRAIN_FLAGS[k]} {v}" for k, v in candidate.settings]
+    if m.batch_size != 32:
+        flags.append(f"--batch-size {m.batch_size}")
+    return "mpsync train " + " ".join(flags)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,9 +170,10 @@ def describe(m) -> str:
     return "\n".join(lines)
 
 
-def format_ranking(ranked, top: int = 0) -> str:
+def format_ranking(ranked, top: int = 0, m=None) -> str:
     """Best first: rank, candidate, predicted time to target, samples/s, efficiency, wait
-    fraction, and why; then how much the best gains over the runner-up and over BSP."""
+    fraction, and why; then how much the best gains over the runner-up and over BSP, and
+    (given ``m``, the measurements ranked) the ``mpsync train`` command line of the best."""
     rows = ranked[:top] if top else ranked
     lines = ["| # | candidate | time to target (s) | samples/s | efficiency | wait | why |",
              "|---|---|---|---|---|---|---|"]
@@ -161,8 +186,10 @@ def format_ranking(ranked, top: int = 0) -> str:
     if ranked:
         best = ranked[0]
         lines.append("")
+        to = "the target" if m is None else \
+            f"{m.target_samples:,.0f} BSP-equivalent samples"
         lines.append(f"advice: {best.candidate.label}, predicted "
-                     f"{best.predicted_time_to_target_s:.1f} s to the target")
+                     f"{best.predicted_time_to_target_s:.1f} s to {to}")
         t = best.predicted_time_to_target_s
         if len(ranked) > 1:
             lines.append(f"  {ranked[1].predicted_time_to_target_s / t:.2f}x faster than the "
@@ -173,6 +200,9 @@ def format_ranking(ranked, top: int = 0) -> str:
         if bsp and bsp[0] is not best:
             lines.append(f"  {bsp[0].predicted_time_to_target_s / t:.2f}x faster than "
                          f"{bsp[0].candidate.label}")
+        if m is not None:
+            lines.append(f"  run it: {train_command(best.candidate, m)}  (and the job's own "
+                         f"flags: model, data, time budget)")
     return "\n".join(lines)
 
 
@@ -183,13 +213,14 @@ def main(args) -> int:
     kw = {} if args.horizon is None else {"horizon": args.horizon}
     if args.horizon is not None and args.horizon < 3:
         raise ConfigError(f"--horizon must be >= 3 iterations, got {args.horizon}")
-    ranked = rank_candidates(m, **kw)
+    ranked = rank_candidates(m, runnable_candidates(m.topologies), **kw)
     if args.json:
         print(json.dumps({"measurements": m.as_dict(),
-                          "ranking": [r.as_dict() for r in ranked]}))
+                          "ranking": [r.as_dict() | {"command": train_command(r.candidate, m)}
+                                      for r in ranked]}))
         return 0
     print(describe(m))
     print()
-    print(format_ranking(ranked, args.top))
+    print(format_ranking(ranked, args.top, m))
     sys.stdout.flush()
     return 0

@@ -1,9 +1,11 @@
 """When to decide, and whether a decision switches: ``auto``'s hysteresis, pure.
 
 A :class:`Decider` holds the policy running now and the measurements its last decision
-rested on.  It asks for a new ranking only when the cluster changed (a worker's compute time
-or the aggregation moved by more than ``change_tolerance``, seen on ``confirm`` consecutive
-checks, so one slow window is not a change), and switches only when the best candidate is
+rested on.  It asks for a new ranking only when the cluster changed beyond the measurements'
+noise (``Measurements.change_from``: a worker's compute time moved by more than
+``change_tolerance``, more than ``NOISE_MULTIPLE`` standard errors of its recent reports and
+more than ``CHANGE_FLOOR_S``; or the aggregation by more than twice ``change_tolerance`` and
+5 ms), seen on ``confirm`` consecutive checks, so one slow window is not a change, and switches only when the best candidate is
 predicted at least ``min_gain`` faster than the policy running, and not sooner than
 ``min_dwell_s`` after the last switch.  On a steady cluster it therefore decides once and
 switches at most once; what it decided, on what, and why, is in ``records``.
@@ -49,6 +51,13 @@ class DecisionRecord:
                 "switch_after_round": self.switch_after_round,
                 "decision_cost_s": round(self.decision_cost_s, 3),
                 "measurements": self.measurements, "ranking": self.ranking, **self.extra}
+
+
+def _to_target(seconds: float, m: Measurements) -> str:
+    """A predicted time with the target it is predicted for: the ranking's times are to
+    ``m.target_samples`` BSP-equivalent samples (a run's own, or auto's default), not to the
+    run's accuracy target."""
+    return f"{seconds:.1f} s to {m.target_samples:,.0f} BSP-equivalent samples"
 
 
 class Decider:
@@ -107,7 +116,7 @@ class Decider:
         chosen, switch = self.current, False
         if best.candidate == self.current:
             reason = (f"{self.current.label} is predicted fastest "
-                      f"({best.predicted_time_to_target_s:.1f}s to target)")
+                      f"({_to_target(best.predicted_time_to_target_s, m)})")
         elif here is None:
             chosen, switch = best.candidate, True
             reason = f"{self.current.label} is not a candidate; {best.candidate.label} ranks first"
@@ -129,8 +138,8 @@ class Decider:
             else:
                 chosen, switch = best.candidate, True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
-                          f"{self.current.label} ({best.predicted_time_to_target_s:.1f}s vs "
-                          f"{here.predicted_time_to_target_s:.1f}s to target)")
+                          f"{self.current.label} ({best.predicted_time_to_target_s:.1f} s vs "
+                          f"{_to_target(here.predicted_time_to_target_s, m)})")
         self.explore = False          # (only ever at the first decision)
         record = DecisionRecord(at_s=now_s, trigger=trigger, measurements=m.as_dict(),
                                 ranking=[r.as_dict() for r in ranked],

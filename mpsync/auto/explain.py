@@ -1,7 +1,10 @@
-"""What ``auto`` did in a comparison, as a table: ``python -m mpsync.auto.explain OUT``.
+"""What ``auto`` did, as tables: ``python -m mpsync.auto.explain OUT``.
 
-``OUT`` is an ``mpsync compare`` output directory (``compare.json`` and one directory per
-policy with ``repeat*/metrics.json``).  The table sets auto's median time to target beside
+``OUT`` is an ``mpsync train`` output directory (its ``metrics.json``: :func:`run_table`
+lists every decision of an ``auto`` run, when, on what and why, and the last ranking's
+candidates with the target their predicted times are to) or an ``mpsync compare`` output
+directory (``compare.json`` and one directory per policy, with ``repeat*/metrics.json`` where
+it repeated).  For a comparison, the table sets auto's median time to target beside
 the best fixed policy's of the same comparison (the ratio the acceptance of ``auto`` is
 about) and lists, per auto run, what it chose and when: each decision that switched (the
 server's clock from its first report) and each switch's round and training wall time; and
@@ -21,7 +24,7 @@ from mpsync import policies
 from mpsync.auto.measurements import Measurements
 from mpsync.auto.ranking import Candidate, rank_candidates
 
-__all__ = ["comparison_table", "efficiency_check", "main"]
+__all__ = ["comparison_table", "efficiency_check", "run_table", "main"]
 
 
 def _runs(out: Path, policy: str) -> list[dict]:
@@ -100,10 +103,14 @@ def comparison_table(out) -> str:
     fixed = {p: r for p, r in rows.items() if p != "auto" and r.get("time_to_target_s")}
     lines = ["| policy | reached | time to target, median (runs) |", "|---|---|---|"]
     for p, r in rows.items():
-        runs = ", ".join("-" if t is None else f"{t:.1f}"
-                         for t in r.get("time_to_target_runs_s") or [])
         median = r.get("time_to_target_s")
-        lines.append(f"| {p} | {r.get('reached')}/{r.get('repeats')} | "
+        # A comparison without repeats ran each policy once: its row has the one time only.
+        once = r.get("repeats") is None
+        runs = ", ".join("-" if t is None else f"{t:.1f}"
+                         for t in (r.get("time_to_target_runs_s") or [median] if not once
+                                   else [median]))
+        reached = (median is not None) if once else r.get("reached")
+        lines.append(f"| {p} | {int(reached)}/{1 if once else r['repeats']} | "
                      f"{'-' if median is None else f'{median:.1f} s'} ({runs}) |")
     auto = rows.get("auto")
     if fixed and auto and auto.get("time_to_target_s"):
@@ -112,9 +119,12 @@ def comparison_table(out) -> str:
         lines += ["", f"auto / best fixed policy ({best}): **{ratio:.2f}x** "
                       f"(medians {auto['time_to_target_s']:.1f} s / "
                       f"{fixed[best]['time_to_target_s']:.1f} s)"]
+    auto_runs = _runs(out, "auto")
+    if not auto_runs:
+        return "\n".join(lines + ["", "no auto run in this comparison"])
     lines += ["", "| auto run | time to target | decisions that switched (server clock) | "
                   "switches (after round, training wall) | rankings |", "|---|---|---|---|---|"]
-    for m in _runs(out, "auto"):
+    for m in auto_runs:
         switched = "; ".join(f"{d['at_s']:.1f} s: {d['previous']} -> {d['chosen']} "
                              f"({d['trigger']})" for d in m.get("decisions") or ()
                              if d["switch"]) or \
@@ -129,17 +139,69 @@ def comparison_table(out) -> str:
     return "\n".join(lines)
 
 
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s"
+
+
+def run_table(out) -> str:
+    """Markdown: one ``mpsync train`` run (``OUT/metrics.json``): its result, and for an
+    ``auto`` run each decision (server clock, what triggered it, what ran before and after,
+    why) and the last ranking's candidates, best first, with the target their times are to."""
+    out = Path(out)
+    m = json.loads((out / "metrics.json").read_text())
+    c = m.get("config") or {}
+    if "workers" not in m or not c:
+        raise ValueError("metrics.json has no 'config'/'workers' section (is this an "
+                         "mpsync train output?)")
+    lines = [f"{c.get('policy', '?')}/{c.get('topology', '?')} on {len(m['workers'])} "
+             f"workers: time to {c.get('target_acc')} accuracy {_ms(m.get('time_to_target_s'))}"
+             f", final accuracy {m.get('final_acc', float('nan')):.3f}, "
+             f"{m.get('samples_per_s', 0):.0f} samples/s, wall {_ms(m.get('wall_s'))}"]
+    decisions = m.get("decisions") or []
+    if not decisions:
+        lines += ["", "no decisions in this run (only --policy auto decides)"]
+        return "\n".join(lines)
+    lines += ["", "| at (server clock) | trigger | before -> after | switch | why |",
+              "|---|---|---|---|---|"]
+    for d in decisions:
+        lines.append(f"| {d['at_s']:.1f} s | {d['trigger']} | {d['previous']} -> "
+                     f"{d['chosen']} | {'yes' if d['switch'] else 'no'} | {d['reason']} |")
+    for s in m.get("switches") or ():
+        lines.append(f"\nswitched {s['from']} -> {s['to']} after round {s['round']} at "
+                     f"{s['wall_s']:.1f} s of training")
+    last = next((d for d in reversed(decisions) if d.get("ranking")), None)
+    if last is not None:
+        target = (last.get("measurements") or {}).get("target_samples")
+        to = "?" if target is None else f"{target:,.0f} BSP-equivalent samples"
+        lines += ["", f"the last ranking (at {last['at_s']:.1f} s; predicted time to {to}):",
+                  "", "| # | candidate | predicted time | samples/s | efficiency |",
+                  "|---|---|---|---|---|"]
+        for i, r in enumerate(last["ranking"], 1):
+            lines.append(f"| {i} | {r['candidate']} | {r['predicted_time_to_target_s']:.1f} s"
+                         f" | {r['samples_per_s']:.0f} | {r['efficiency']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m mpsync.auto.explain COMPARE_OUT_DIR", file=sys.stderr)
+        print("usage: python -m mpsync.auto.explain OUT (an mpsync train or mpsync compare "
+              "output directory)", file=sys.stderr)
         return 2
+    out = Path(argv[0])
     try:
-        print(comparison_table(argv[0]))
-        print()
-        print(efficiency_check(argv[0]))
-    except (OSError, ValueError, KeyError) as e:
-        print(f"mpsync.auto.explain: cannot read {argv[0]}: {e}", file=sys.stderr)
+        if (out / "compare.json").is_file():
+            print(comparison_table(out))
+            print()
+            print(efficiency_check(out))
+        elif (out / "metrics.json").is_file():
+            print(run_table(out))
+        else:
+            print(f"mpsync.auto.explain: {out} has neither compare.json (mpsync compare) nor "
+                  f"metrics.json (mpsync train)", file=sys.stderr)
+            return 1
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"mpsync.auto.explain: cannot read {out}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -17,12 +17,27 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Measurements", "Window", "DEFAULT_TARGET_SAMPLES"]
+__all__ = ["Measurements", "Window", "DEFAULT_TARGET_SAMPLES", "CHANGE_FLOOR_S",
+           "NOISE_MULTIPLE", "NOISE_REPORTS"]
 
 # Samples of BSP-equivalent progress a job needs to reach its target when nothing says more
 # (the digits task of ``mpsync train`` reaches 0.9 after about 9-10k samples under BSP,
 # bench/compare); only the scale of the predicted times depends on it, never their order.
 DEFAULT_TARGET_SAMPLES = 10_000.0
+
+# When a worker's compute time has changed (``Measurements.change_from``): by more than the
+# relative tolerance, AND by more than NOISE_MULTIPLE standard errors of the two figures
+# compared (each a median of a few reports, its error how much such medians wandered over
+# that worker's recent reports: ``Window.noise``), AND by more than CHANGE_FLOOR_S.  On a loaded machine an iteration of 5 ms reads
+# anywhere from 2 to 11 ms: a median of three such reads moves by a few ms between checks
+# without anything having changed, and a change of a few ms cannot pay for a new ranking.
+CHANGE_FLOOR_S = 5e-3
+NOISE_MULTIPLE = 3.0
+# Recent compute reports per worker the noise is estimated from (the median itself is over
+# the window's own few: it must follow a real change quickly).
+NOISE_REPORTS = 16
+# A standard deviation from the median absolute deviation (exact for normal draws).
+_MAD_SIGMA = 1.4826
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,8 @@ class Measurements:
     ``aggregation_s``: one ring aggregation as measured, without waiting for peers; None:
     from ``model_bytes`` and ``bandwidth`` (the simulator's link model).
     ``query_s``: one state-server query round trip.
+    ``compute_noise_s``: per worker, the standard error of its ``compute_s`` figure (from
+    the spread of its recent reports); empty where unknown (stated or summed speeds).
     ``target_samples``: BSP-equivalent samples to the target (``DEFAULT_TARGET_SAMPLES``).
     ``topologies``: where candidates may run (the live ring job: ``("ring",)``).
     """
@@ -51,6 +68,7 @@ class Measurements:
     topologies: tuple[str, ...] = ("ring", "ps")
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    compute_noise_s: tuple[float, ...] = field(default=())
 
     def __post_init__(self):
         if not self.compute_s or not all(c > 0 and math.isfinite(c) for c in self.compute_s):
@@ -73,19 +91,34 @@ class Measurements:
     def with_topologies(self, topologies) -> "Measurements":
         return replace(self, topologies=tuple(topologies))
 
+    def _noise(self, w: int) -> float:
+        return self.compute_noise_s[w] if w < len(self.compute_noise_s) else 0.0
+
     def change_from(self, other: "Measurements", tolerance: float) -> str | None:
-        """Why this cluster differs from ``other`` by more than ``tolerance`` (relative), or
-        None: a worker's compute time, or the aggregation's time, moved that much."""
+        """Why this cluster differs from ``other`` beyond the measurements' noise, or None.
+
+        A worker's compute time changed when it moved by more than ``tolerance`` of the
+        earlier figure, by more than ``NOISE_MULTIPLE`` times the two figures' combined
+        standard error (``compute_noise_s``; where unknown, this test is skipped), and by more
+        than ``CHANGE_FLOOR_S``: all three, so neither a few ms of timing noise on a short
+        iteration nor a small drift of a long one reads as a change.  The aggregation
+        changed when it moved by more than twice ``tolerance`` and by more than 5 ms."""
         if other is None:
             return "first measurement"
         if other.n != self.n:
             return f"{other.n} -> {self.n} workers"
-        moved = [(w, b, a) for w, (b, a) in enumerate(zip(other.compute_s, self.compute_s))
-                 if abs(a - b) > tolerance * b]
+        moved = []
+        for w, (b, a) in enumerate(zip(other.compute_s, self.compute_s)):
+            noise = math.hypot(self._noise(w), other._noise(w))
+            if (abs(a - b) > tolerance * b and abs(a - b) > CHANGE_FLOOR_S
+                    and abs(a - b) > NOISE_MULTIPLE * noise):
+                moved.append((w, b, a, noise))
         if moved:
-            w, b, a = max(moved, key=lambda x: abs(x[2] - x[1]) / x[1])
+            w, b, a, noise = max(moved, key=lambda x: abs(x[2] - x[1]) / x[1])
             return (f"worker {w} compute {b * 1e3:.0f} -> {a * 1e3:.0f} ms/iteration "
-                    f"({len(moved)} worker(s) moved > {tolerance:.0%})")
+                    f"(+-{noise * 1e3:.1f} ms standard error; {len(moved)} worker(s) moved "
+                    f"by > {tolerance:.0%}, > {CHANGE_FLOOR_S * 1e3:g} ms and > "
+                    f"{NOISE_MULTIPLE:g}x their standard error)")
         if other.aggregation_s and self.aggregation_s is not None:
             b, a = other.aggregation_s, self.aggregation_s
             # An aggregation of a few ms moves with the machine's load: compare above a floor.
@@ -98,6 +131,7 @@ class Measurements:
         d["compute_s"] = list(self.compute_s)
         d["topologies"] = list(self.topologies)
         d["notes"] = list(self.notes)
+        d["compute_noise_s"] = list(self.compute_noise_s)
         return d
 
     # -- builders ---------------------------------------------------------------------------
@@ -105,7 +139,7 @@ class Measurements:
     def from_dict(cls, d: dict) -> "Measurements":
         """The inverse of :meth:`as_dict`."""
         d = dict(d)
-        for key in ("compute_s", "topologies", "notes"):
+        for key in ("compute_s", "topologies", "notes", "compute_noise_s"):
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)
@@ -167,12 +201,14 @@ class Measurements:
 
 class Window:
     """The live server's recent measurements: per worker the last ``size`` compute times
-    (a ring of floats), and the last aggregation spans (pure bookkeeping, no clock of its
-    own: times come with the calls)."""
+    (a ring of floats) and the last ``history`` (>= size) for their noise, and the last
+    aggregation spans (pure bookkeeping, no clock of its own: times come with the calls)."""
 
-    def __init__(self, n: int, size: int = 16):
+    def __init__(self, n: int, size: int = 16, history: int = NOISE_REPORTS):
         self.n, self.size = n, size
+        self.history = max(size, history)
         self.compute = np.full((n, size), np.nan)
+        self.recent = np.full((n, self.history), np.nan)
         self.count = np.zeros(n, dtype=np.int64)
         self.aggregation = np.full(size, np.nan)
         self.agg_count = 0
@@ -180,6 +216,7 @@ class Window:
     def add_compute(self, w: int, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
             self.compute[w, self.count[w] % self.size] = seconds
+            self.recent[w, self.count[w] % self.history] = seconds
             self.count[w] += 1
 
     def add_aggregation(self, seconds: float) -> None:
@@ -209,13 +246,36 @@ class Window:
         self.aggregation[:] = np.nan
         self.agg_count = 0
 
+    def noise(self) -> np.ndarray:
+        """Per worker, how much the window's median compute time wanders with nothing
+        changed: the medians of every ``size`` consecutive reports among its last
+        ``history``, and their spread (1.4826 x their median absolute deviation, a standard
+        deviation that one hiccup does not inflate).  Measured, not derived from a
+        distribution: a loaded machine's timings are skewed and lumpy, and the median of three
+        of them wanders more than a normal law would say.  0 until ``size + 2`` reports."""
+        out = np.zeros(self.n)
+        for w in range(self.n):
+            count = int(self.count[w])
+            seen = min(count, self.history)
+            if seen < self.size + 2:
+                continue
+            order = [(count - seen + i) % self.history for i in range(seen)]
+            reports = self.recent[w][order]
+            medians = np.array([np.median(reports[i:i + self.size])
+                                for i in range(seen - self.size + 1)])
+            out[w] = _MAD_SIGMA * float(np.median(np.abs(medians - np.median(medians))))
+        return out
+
     def measurements(self, **kw) -> Measurements:
         """The window as a :class:`Measurements` (medians: a single slow iteration, a
-        scheduler hiccup, must not read as a slower worker)."""
+        scheduler hiccup, must not read as a slower worker), with each median's standard
+        error (:meth:`noise`)."""
         med = np.nanmedian(self.compute, axis=1)
         logs = np.log(self.compute)
         sigma = float(np.nanmean(np.nanstd(logs, axis=1))) if self.compute.size else 0.0
         agg = np.nanmedian(self.aggregation) if self.agg_count else None
         return Measurements(compute_s=tuple(float(x) for x in med),
                             jitter=round(sigma if math.isfinite(sigma) else 0.0, 4),
-                            aggregation_s=None if agg is None else float(agg), **kw)
+                            aggregation_s=None if agg is None else float(agg),
+                            compute_noise_s=tuple(round(float(x), 6) for x in self.noise()),
+                            **kw)

@@ -1,0 +1,82 @@
+"""``python -m mpsync.auto.explain OUT``: what auto did, read from an ``mpsync train`` run's
+directory or an ``mpsync compare`` one, written here by the code's own writers (the
+decision records, ``report.write_metrics``, the comparison's ``table_rows``)."""
+
+from __future__ import annotations
+
+import json
+
+from mpsync.apps import report
+from mpsync.apps.compare import table_rows
+from mpsync.auto import Candidate, Decider, Measurements
+from mpsync.auto.explain import main
+from mpsync.auto.ranking import Ranked
+
+
+def _metrics(policy: str, ttt: float | None, decisions=(), switches=(),
+             topology: str = "ring") -> dict:
+    """A train run's metrics.json as ``trainer._metrics`` writes it (the fields explain and
+    compare read), 2 workers on the digits task."""
+    worker = {"iterations": 300, "samples": 9600, "compute_s": 1.5, "wait_s": 0.4,
+              "aggregation_s": 0.3, "rounds": 300, "bytes_sent": 10**6}
+    out = {"schema": 1,
+           "config": {"policy": policy, "topology": topology, "workers": 2, "target_acc": 0.9,
+                      "batch_size": 32, "dataset": "digits"},
+           "evals": [{"samples": 4000, "accuracy": 0.6, "wall_s": 2.0},
+                     {"samples": 9000, "accuracy": 0.91 if ttt else 0.8, "wall_s": 4.0}],
+           "workers": {"0": worker, "1": worker}, "wall_s": 6.0, "time_to_target_s": ttt,
+           "final_acc": 0.91 if ttt else 0.8, "samples_per_s": 3200.0, "wait_fraction": 0.1,
+           "bytes_per_sample": 100.0}
+    if decisions:
+        out |= {"decisions": list(decisions), "switches": list(switches),
+                "policy_timeline": [{"policy": "ebsp"}]}
+    return out
+
+
+def _decisions() -> list[dict]:
+    ranked = [Ranked(Candidate(p, "ring"), t, 1000.0, 1.0, 0.0, (), 0.0)
+              for p, t in (("esync", 6.0), ("ebsp", 8.0), ("bsp", 12.0))]
+    m = Measurements.from_speeds([1, 4], topologies=("ring",))
+    d = Decider(Candidate("ebsp", "ring"))
+    d.decide(ranked, m, 2.5, "first measurement")
+    return [r.as_dict() for r in d.records]
+
+
+def test_explain_reads_a_train_run(tmp_path, capsys):
+    switches = [{"from": "ebsp", "to": "esync", "round": 40, "wall_s": 2.7}]
+    report.write_metrics(_metrics("auto", 5.5, _decisions(), switches), tmp_path)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 2.5 s | first measurement | ebsp/ring -> esync/ring | yes |" in out, out
+    assert "predicted time to 10,000 BSP-equivalent samples" in out
+    assert "| 1 | esync/ring | 6.0 s |" in out
+    assert "switched ebsp -> esync after round 40 at 2.7 s" in out
+
+
+def test_explain_on_a_fixed_policy_run_says_it_made_no_decisions(tmp_path, capsys):
+    report.write_metrics(_metrics("bsp", 5.0), tmp_path)
+    assert main([str(tmp_path)]) == 0
+    assert "no decisions in this run" in capsys.readouterr().out
+
+
+def test_explain_reads_a_comparison_without_repeats(tmp_path, capsys):
+    """One run per policy (no --repeats): its rows have no 'reached'/'repeats'; the table
+    says 1/1 or 0/1, never None/None."""
+    runs = {"bsp": _metrics("bsp", 6.0), "asp": _metrics("asp", None, topology="ps"),
+            "auto": _metrics("auto", 5.5, _decisions())}
+    for policy, m in runs.items():
+        (tmp_path / policy).mkdir()
+        report.write_metrics(m, tmp_path / policy)
+    (tmp_path / "compare.json").write_text(json.dumps({"rows": table_rows(runs),
+                                                       "target_acc": 0.9}))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out, out
+    assert "| bsp | 1/1 | 6.0 s (6.0) |" in out and "| asp | 0/1 | - (-) |" in out, out
+    assert "auto / best fixed policy (bsp): **0.92x**" in out
+
+
+def test_explain_refuses_a_directory_that_is_neither(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "neither compare.json" in err and "Traceback" not in err
