@@ -155,6 +155,7 @@ def test_train_device_cuda_without_cuda_is_one_line_exit_2():
     assert len(lines) == 1 and "--device cuda" in lines[0], p.stderr
 
 
+@pytest.mark.gpu
 @cuda
 def test_host_staged_mirrors_average_device_buffers():
     from mpsync.torch.dataplane.backends import Aggregator, Pending
