@@ -32,6 +32,7 @@ from mpsync.bench.nodes import cluster_at_rate
 from mpsync.cluster.layout import ClusterError, parse_rate
 from mpsync.config import DEFAULTS, OPTIMIZERS, ConfigError, check_output_dir, print_user_error
 from mpsync.launch.cluster import add_cluster_arguments
+from mpsync.apps.devices import check_device_flag
 from mpsync.launch.command import add_launch_arguments
 from mpsync.launch.mpirun import run_with_deadline
 
@@ -72,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=DEFAULTS.backend,
                    help="the ring's transport, as mpsync train's --backend (mpi, horovod, gloo, "
                         f"nccl; default {DEFAULTS.backend})")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda, as mpsync train's --device (default auto: CUDA "
+                        "where present, one GPU per worker)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
@@ -120,6 +124,7 @@ def _validate(args) -> list[str]:
                           f"name each policy once (--repeats R runs each R times)")
     if args.np < 1:
         raise ConfigError(f"--np must be >= 1 worker, got {args.np}")
+    check_device_flag(args.device)
     if args.slowdown is None:
         args.slowdown = default_slowdown(args.np)
     if args.out is None:

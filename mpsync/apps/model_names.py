@@ -6,4 +6,4 @@ from __future__ import annotations
 
 __all__ = ["MODELS"]
 
-MODELS = ("auto", "cnn", "mlp", "wide-mlp")
+MODELS = ("auto", "cnn", "mlp", "wide-mlp", "resnet")

@@ -10,7 +10,7 @@ from torch import nn
 
 from mpsync.apps.model_names import MODELS
 
-__all__ = ["build_model", "SmallCNN", "MLP", "WideMLP", "MODELS"]
+__all__ = ["build_model", "SmallCNN", "MLP", "WideMLP", "ResNet", "MODELS"]
 
 
 class SmallCNN(nn.Module):
@@ -68,6 +68,52 @@ class WideMLP(nn.Module):
         return self.out(x)
 
 
+class _BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and an identity (or 1x1 projection) shortcut:
+    ResNet's basic block (He et al., CVPR 2016, §3.3, Fig. 2)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.project = None
+        if stride != 1 or c_in != c_out:
+            self.project = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                                         nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.project is None else self.project(x)))
+
+
+class ResNet(nn.Module):
+    """A ResNet-style CNN for [C,H,W] images: a 3x3 stem, three stages of two basic blocks at
+    ``width``, 2x and 4x channels (stride 2 between stages, as CIFAR ResNets), global average
+    pooling, one linear layer.  With ``width=64`` on 3x32x32 inputs: 2.8 M parameters (11 MB
+    of float32 gradients) and about 0.5 G multiply-adds per sample forward, so at a batch of 64 a GPU,
+    not the framework, sets the pace (``make gpu-check``'s model).  ``width`` 4-8 makes a
+    model small enough for CPU tests."""
+
+    def __init__(self, in_channels: int, n_classes: int, width: int = 64, blocks: int = 2):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        layers, c = [], width
+        for stage, c_out in enumerate((width, 2 * width, 4 * width)):
+            for b in range(blocks):
+                layers.append(_BasicBlock(c, c_out, 2 if stage and b == 0 else 1))
+                c = c_out
+        self.blocks = nn.Sequential(*layers)
+        self.fc = nn.Linear(c, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(torch.relu(self.bn(self.stem(x))))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
 def build_model(input_shape: tuple[int, ...], n_classes: int, seed: int,
                 name: str = "auto") -> nn.Module:
     """Seeded so every worker starts from the same weights even before the broadcast.
@@ -80,6 +126,11 @@ def build_model(input_shape: tuple[int, ...], n_classes: int, seed: int,
     torch.manual_seed(seed)
     if name == "wide-mlp":
         return WideMLP(int(np.prod(input_shape)), n_classes)
+    if name == "resnet":
+        if len(input_shape) != 3:
+            raise ValueError(f"model 'resnet' takes [C,H,W] images, the data has shape "
+                             f"{input_shape}")
+        return ResNet(input_shape[0], n_classes)
     if name == "mlp" and len(input_shape) != 1:
         raise ValueError(f"model 'mlp' takes [D] features, the data has shape {input_shape}; "
                          "use wide-mlp (flattens) or cnn")

@@ -23,6 +23,7 @@ def train_argv(args, policy: str, out: Path) -> list[str]:
             "--dataset", args.dataset, "--partition", args.partition, "--backend", args.backend,
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
             "--comm-delay", str(args.comm_delay), "--server", args.server,
+            "--device", getattr(args, "device", "auto"),
             "--out", str(out), "--no-progress", "--no-plots"]
     if getattr(args, "stop_at_target", False):
         argv += ["--stop-at-target"]

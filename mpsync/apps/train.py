@@ -52,6 +52,7 @@ import sys
 from mpsync import cluster as vc
 from mpsync import job_end, policies
 from mpsync.apps.datasets import check_dataset_spec
+from mpsync.apps.devices import check_device_before_launch, check_device_flag
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
 from mpsync.apps.train_checkpoints import check_resume_before_launch, reshard
@@ -61,7 +62,8 @@ from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIP
     print_user_error
 from mpsync.launch.cluster import add_cluster_arguments, argv_from_namespace
 from mpsync.launch.command import add_launch_arguments, job_from_args, launch_and_wait
-from mpsync.launch.hosts import launched_rank
+from mpsync.launch.hosts import launched_rank, scheduler_slots
+from mpsync.launch.target import LaunchError
 from mpsync.launch.mpirun import clean_launch_env, forwarded_env, python_argv
 from mpsync.launch.registry import launch_argv
 
@@ -131,6 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train for S seconds of wall time (evaluation excluded)")
     g.add_argument("--dataset", default="digits", help="digits | synthetic | npz:PATH")
     g.add_argument("--partition", default="iid", help="iid | noniid (class-sorted shards)")
+    g.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda: where each worker trains; one GPU per worker, "
+                        "by its rank among the workers of its node (default auto: CUDA where "
+                        "present, GPUs shared when the workers outnumber them)")
     g.add_argument("--model", default="auto",
                    help="auto (cnn for images, mlp for features) | cnn | mlp | wide-mlp "
                         "(8.7 MB of gradients on digits: communication shows on a network)")
@@ -275,6 +281,7 @@ def validate(args, workers: int | None) -> SyncConfig:
         raise ConfigError("--checkpoint-every/--resume need --out DIR (checkpoints and the "
                           "resumed run's results go there)")
     check_dataset_spec(args.dataset)
+    check_device_flag(args.device)
     if args.model not in MODELS:
         raise ConfigError(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
     if args.out:
@@ -369,6 +376,9 @@ def _launch_here(args) -> int:
     validate(args, args.np)
     if args.resume:
         check_resume_before_launch(args)
+    # Every worker on this host unless -H/--hostfile/a scheduler places them elsewhere.
+    here = None if (args.hosts or args.hostfile or scheduler_slots() is not None) else args.np
+    check_device_before_launch(args.device, here)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     rest = argv_from_namespace(parser, args, drop=("cluster", "cluster_placement", "hosts",

@@ -96,6 +96,7 @@ class Worker:
         # Built by start(): data set, shard, heterogeneity, model, the mpsync.torch module,
         # optimizers, test tensors and loss.
         self.ds = self.shard = self.hetero = self.model = self.mps = None
+        self.device = None            # torch.device, from --device (_take_device)
         self.inner = self.opt = self.x_test = self.y_test = self.loss_fn = None
         self.epoch = self.index = self.samples = self.step_count = 0
         self.wall_offset, self.eval_s, self.round_offset = 0.0, 0.0, 0
@@ -146,8 +147,38 @@ class Worker:
         if w.n != workers or mps.rank() != w.me:
             raise RuntimeError(f"expected worker {w.me} of {workers}, mpsync.torch reports "
                                f"{mps.rank()} of {w.n}")
+        w._take_device()
         w._build_optimizer()
         return w
+
+    def _take_device(self) -> None:
+        """This worker's device (``--device``, :mod:`mpsync.apps.devices`), the model moved
+        there; one line per worker says which.  A device that cannot be had ends the job as
+        one line, exit status 2."""
+        import torch
+
+        from mpsync.apps.devices import choose_device
+        from mpsync.config import ConfigError
+        from mpsync.server.job import refuse
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local, local_size = self.mps.local_rank(), self.mps.local_size()
+        try:
+            name, note = choose_device(getattr(self.args, "device", "auto"), local,
+                                       local_size, gpus)
+        except ConfigError as e:
+            refuse(e)   # never returns
+        self.device = torch.device(name)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            what = torch.cuda.get_device_name(self.device)
+        else:
+            what = "host"
+        if note is not None and local == 0:
+            print(f"mpsync train: {note}", flush=True)
+        print(f"mpsync train: worker {self.me} (local {local} of {local_size}) on "
+              f"{self.device} ({what})", flush=True)
+        self.model.to(self.device)
 
     def _build_optimizer(self) -> None:
         import torch
@@ -157,7 +188,8 @@ class Worker:
             self.out.mkdir(parents=True, exist_ok=True)
         self.inner = getattr(torch.optim, self.optimizer_choice.torch_class)(
             self.model.parameters(), **self.optimizer_choice.torch_kwargs())
-        self.x_test, self.y_test = torch.from_numpy(self.ds.x_test), torch.from_numpy(self.ds.y_test)
+        self.x_test = torch.from_numpy(self.ds.x_test).to(self.device)
+        self.y_test = torch.from_numpy(self.ds.y_test).to(self.device)
         self._restore_or_seed()
         self.opt = mps.DistributedOptimizer(self.inner,
                                             named_parameters=self.model.named_parameters())
@@ -245,7 +277,9 @@ class Worker:
         t_iter = time.perf_counter()
         xb, yb = self.shard.batch(self.epoch, self.index, args.batch_size)
         self.opt.zero_grad()
-        loss = self.loss_fn(self.model(torch.from_numpy(xb)), torch.from_numpy(yb))
+        xb_t = torch.from_numpy(xb).to(self.device, non_blocking=True)
+        yb_t = torch.from_numpy(yb).to(self.device, non_blocking=True)
+        loss = self.loss_fn(self.model(xb_t), yb_t)
         loss.backward()
         self.opt.report_loss(loss, epoch=self.epoch + 1)   # auto's loss watch, OSP's Alg. 1
         self.hetero.pad(time.perf_counter() - t_iter, self.wall())
@@ -417,7 +451,8 @@ def _write_results(w: Worker, metrics: dict, events: dict) -> None:
 def _param_sha256(model) -> str:
     import torch
 
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in model.parameters()])
+    flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float64)
+                      for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

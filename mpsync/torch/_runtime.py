@@ -228,6 +228,8 @@ def _start_backend(ctx: Context, one_host: bool) -> None:
         ctx.backend = MPIAggregator(ctx.workers.Dup(), deadline=ctx.config.deadline, watch=watch)
     if torch.cuda.is_available():
         ctx.cuda_aware_mpi = cuda_aware_mpi()
+        if isinstance(ctx.backend, MPIAggregator):
+            ctx.backend.device_buffers = bool(ctx.cuda_aware_mpi)
     emulated = ctx.config.comm_delay > 0 or ctx.config.comm_bandwidth > 0
     ctx.data_backend = (EmulatedLink(ctx.backend, delay=ctx.config.comm_delay,
                                      bandwidth=ctx.config.comm_bandwidth)

@@ -71,9 +71,15 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
                 offset += n
 
 
-def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None,
+                     map_location=None):
     """``root_rank``'s picklable object on every worker (torch.save, so tensors travel).
-    ``name`` is accepted for Horovod's signature; only the global process set exists."""
+    ``name`` is accepted for Horovod's signature; only the global process set exists.
+
+    ``map_location`` (``torch.load``'s): where the root's tensors land; by default a tensor
+    the root had on a GPU lands on this worker's current GPU (the root's ``cuda:3`` is
+    another worker's GPU, or none at all here), on the host where this worker has no CUDA,
+    and a host tensor stays on the host."""
     from mpsync.torch.mpi_ops import broadcast_
     from mpsync.torch.process_sets import is_whole_world
 
@@ -95,7 +101,17 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
         data = broadcast_(buf, root_rank, process_set=process_set).numpy().tobytes()
     if ctx.worker_rank == root_rank:
         return obj
-    return torch.load(io.BytesIO(data), weights_only=False)
+    if map_location is None:
+        map_location = local_cuda_location()
+    return torch.load(io.BytesIO(data), weights_only=False, map_location=map_location)
+
+
+def local_cuda_location(device_count: int | None = None) -> dict:
+    """``torch.load``'s ``map_location`` sending every CUDA location to this process's
+    current GPU, or to the host without CUDA (host locations stay as they are)."""
+    here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    n = max(64, torch.cuda.device_count() if device_count is None else device_count)
+    return {"cuda": here, **{f"cuda:{i}": here for i in range(n)}}
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
@@ -113,7 +129,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
         inner.step()
-    state = broadcast_object(inner.state_dict(), root_rank)
+    # Onto the host first: load_state_dict then puts each state tensor on its parameter's
+    # device, whatever device the root's was on.
+    state = broadcast_object(inner.state_dict(), root_rank, map_location="cpu")
     if _runtime.context().worker_rank != root_rank:
         inner.load_state_dict(state)
 

@@ -21,6 +21,7 @@ import torch
 from mpsync.torch._moves import start_allreduce, sum_half_
 from mpsync.torch.dataplane.compression import WireSum
 from mpsync.torch.dataplane.fusion import group_by_dtype
+from mpsync.torch.dataplane.staging import stage_if_needed
 from mpsync.torch.strategies import GradientAveraging, Strategy, make_strategy
 
 __all__ = ["DistributedOptimizer"]
@@ -117,6 +118,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buffers = group_by_dtype(args["named"])
         self._counters = ctx.counters
         backend = ctx.data_backend or ctx.backend
+        if backend is not None:
+            # Buffers on a GPU over a transport of host memory: pinned mirrors per bucket
+            # (dataplane.staging); on the CPU the aggregator itself, nothing in between.
+            backend = stage_if_needed(backend, self._buffers[0].device,
+                                      cuda_aware_mpi=ctx.cuda_aware_mpi,
+                                      horovod_nccl=_horovod_nccl(ctx))
         client, rank = ctx.client, ctx.worker_rank
         if set_ops is not None:
             backend, client, rank = set_ops.aggregator, None, set_ops.rank
@@ -472,3 +479,13 @@ def name_parameters(optimizer, named_parameters) -> list[tuple[str, torch.Tensor
                          f"(first index {missing[0]}); pass model.named_parameters() of the "
                          f"model the optimizer trains")
     return [(name_of[id(p)], p) for p in params]
+
+
+def _horovod_nccl(ctx) -> bool:
+    """Whether Horovod was built with NCCL (its allreduce then takes device tensors)."""
+    if ctx.hvd is None:
+        return False
+    try:
+        return bool(ctx.hvd.nccl_built())
+    except Exception:   # an older Horovod without the query: stage, which is always correct
+        return False

@@ -34,7 +34,9 @@ class SyncBatchNorm(_BatchNorm):
         from mpsync.torch.mpi_ops import Sum
 
         dims = [0] + list(range(2, input.dim()))
-        count = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype)
+        # On the input's device: the sums are there, and a host count would not concatenate.
+        count = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype,
+                             device=input.device)
         local = torch.cat([input.sum(dims), (input * input).sum(dims), count])
         total = allreduce(local, op=Sum, name=None)
         c = input.shape[1]

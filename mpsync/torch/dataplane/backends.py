@@ -164,9 +164,20 @@ class MPIAggregator(Aggregator):
         self.thread_min_bytes = thread_min_bytes
         self._thread_comm = comm.Dup() if thread_min_bytes is not None else None
 
-    def _array(self, flat: torch.Tensor) -> np.ndarray:
+    # Set at init where MPI takes CUDA buffers (Open MPI built with CUDA): device tensors are
+    # then handed to MPI as they are (mpi4py reads ``__cuda_array_interface__``).
+    device_buffers = False
+
+    def _array(self, flat: torch.Tensor):
+        if flat.is_cuda and self.device_buffers and flat.is_contiguous():
+            if not mpi_dtype_ok(flat.dtype):
+                raise TypeError(f"the mpi backend cannot reduce {flat.dtype}")
+            # MPI reads the memory now, outside any CUDA stream: what made it must be done.
+            torch.cuda.current_stream(flat.device).synchronize()
+            return flat
         if not flat.is_contiguous() or flat.device.type != "cpu":
-            raise ValueError("the mpi backend needs a contiguous CPU tensor")
+            raise ValueError("the mpi backend needs a contiguous CPU tensor (a CUDA tensor "
+                             "only with a CUDA-aware MPI; mpsync stages it otherwise)")
         if flat.dtype == torch.uint8:
             return flat.numpy()
         if not mpi_dtype_ok(flat.dtype):

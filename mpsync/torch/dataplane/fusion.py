@@ -4,6 +4,12 @@ A model with 100 parameter tensors would otherwise pay 100 collective latencies 
 Horovod fuses tensors into a 128 MB buffer for the same reason.  mpsync keeps one flat buffer
 per dtype and per model, allocated once, and views into it for each parameter.
 
+The buffer lives on the parameters' device: on a GPU the gradients are views into device
+memory (``bind_grads``), so a step packs and unpacks nothing and the collective reduces them
+where backward left them.  A transport that needs host memory gets it from
+:class:`~mpsync.torch.dataplane.staging.HostStaged` around the aggregator, one pinned mirror
+per bucket, never from per-parameter copies here.
+
 Parameters are grouped into *layers* (the module that owns them: ``fc1.weight`` and ``fc1.bias``
 are layer ``fc1``).  OSP ranks and splits the model by layer (OSP §4.1.1, Eq. 4), so each
 layer's parameters are laid out contiguously and ``layer_bounds`` gives their slice.
@@ -49,6 +55,11 @@ class FusionBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"FusionBuffer needs one dtype, got {sorted(map(str, dtypes))}")
         self.dtype = params[0].dtype
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"FusionBuffer needs its parameters on one device, got "
+                             f"{sorted(map(str, devices))}; move the model with .to(device)")
+        self.device = params[0].device
         # Keep each layer's parameters together, layers in order of first appearance.
         layers: dict[str, list[int]] = {}
         for i, n in enumerate(names):
@@ -74,7 +85,7 @@ class FusionBuffer:
     def _allocate(self, header: int) -> None:
         # ``wire`` = ``flat`` (the parameters' layout) followed by ``header`` (a few numbers a
         # strategy sends in the same collective, see ``add_header``).
-        self.wire = torch.zeros(self.numel + header, dtype=self.dtype)
+        self.wire = torch.zeros(self.numel + header, dtype=self.dtype, device=self.device)
         self.flat = self.wire[:self.numel]
         self.header = self.wire[self.numel:]
         self._views = [self.flat[s.offset:s.offset + s.numel].view(s.param.shape)
@@ -157,10 +168,9 @@ class FusionBuffer:
         Backward accumulates into an existing ``.grad`` in place, so once ``param.grad`` is a
         view of ``flat`` the gradients arrive in the fusion buffer with no pack copy and the
         averaged result needs no unpack copy.  A ``zero_grad(set_to_none=True)`` elsewhere
-        unbinds a parameter; the next unpack binds it again.
+        unbinds a parameter; the next unpack binds it again.  The same on a GPU: the buffer is
+        on the parameters' device, so the views are device memory too.
         """
-        if any(s.param.device.type != "cpu" for s in self.slots):
-            return  # GPU parameters: the buffer is their host staging copy (pack + unpack)
         self.grads_bound = True
         with torch.no_grad():
             self.pack_grads()

@@ -91,7 +91,8 @@ class Strategy(Following):
     def _read_header(self, header: torch.Tensor) -> tuple[int, list[int]]:
         """(contributors, active workers) from a summed header; remembers the last non-empty
         active set (the root of the final broadcast)."""
-        counts = [int(round(float(v))) for v in header[:1 + self.n_workers]]
+        # One read of the whole header (on a GPU: one copy to the host, not one per value).
+        counts = [int(round(v)) for v in header[:1 + self.n_workers].tolist()]
         active = [r for r in range(self.n_workers) if counts[1 + r] > 0]
         if active:
             self.last_active = active

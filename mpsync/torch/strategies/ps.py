@@ -48,12 +48,20 @@ class ParameterServer(LocalStepsThenAggregate):
     it, and the pull that follows overwrites ``_base`` with the current weights, so the base
     is not needed between the two.
 
+    Parameters on a GPU (``staged``): the base stays on the device beside them, Δ is
+    computed there, and each push and pull crosses once, whole, through one pinned host
+    buffer (``_base`` is then that buffer: the push's Δ, the pull's weights) instead of
+    packing each parameter to the host.  ``staged`` may be forced on host parameters: the
+    same steps then run on the CPU (its tests' twin of the GPU path).
+
     Departure [ps-worker-optimizer]: the papers' server runs the optimizer on the pushed
     gradients (DSSP Alg. 1; MXNet's kvstore), which ``ps_optimizer='server'`` does; this
     strategy (the default, ``'worker'``) runs the script's optimizer on each worker and pushes
     the delta of its step: the same model for SGD under BSP, not for Adam-like optimizers nor,
     for any optimizer with state, under ASP, SSP and DSSP.
     """
+
+    staged: bool | None = None   # None: where the parameters are off the CPU (class doc)
 
     def __init__(self, *args, worker_rank: int = 0, **kw):
         super().__init__(*args, **kw)
@@ -63,6 +71,11 @@ class ParameterServer(LocalStepsThenAggregate):
         self.buf = self.buffers[0]
         self.worker_rank = worker_rank
         self._base: np.ndarray | None = None  # the store's dtype (_stored)
+        if self.staged is None:
+            self.staged = self.buf.device.type != "cpu"
+        self._base_dev: torch.Tensor | None = None   # staged: the base, on the device
+        self._host: torch.Tensor | None = None       # staged: ``_base``'s pinned tensor
+        self._recv: np.ndarray | None = None         # staged: a one-exchange pull lands here
         self.version = 0
         # ps_optimizer='server': push gradients; the shards run the optimizer (_server_update)
         self.server_optimizer = getattr(self.config, "ps_optimizer", "worker") == "server"
@@ -84,7 +97,7 @@ class ParameterServer(LocalStepsThenAggregate):
     def _start(self) -> None:
         if self._base is not None:
             return
-        self._base = _stored(self.buf.pack_params()).numpy().copy()
+        self._take_base()
         shards = getattr(self.client, "shards", None)
         if shards is not None:
             shards.layout(self._base.size)   # every worker: too many shards fails here
@@ -113,7 +126,7 @@ class ParameterServer(LocalStepsThenAggregate):
         onto the shards, and every worker waits for that before its first push (a push must
         not reach a shard before the weights it applies to).  Nothing is pulled: the shards
         now hold exactly what each worker holds."""
-        self._base = _stored(self.buf.pack_params()).numpy().copy()
+        self._take_base()
         shards = self.client.shards
         shards.layout(self._base.size)
         shards.wire = self._wire_dtype()
@@ -125,12 +138,35 @@ class ParameterServer(LocalStepsThenAggregate):
         self.backend.barrier("the parameter server loaded at a switch from the ring")
         self.version = 0
 
+    def _take_base(self) -> None:
+        """The base (and, staged, the host buffer) from the parameters as they are now."""
+        params = _stored(self.buf.pack_params())
+        if not self.staged:
+            self._base = params.numpy().copy()
+            return
+        self._base_dev = params.clone()
+        pin = torch.cuda.is_available()
+        self._host = torch.empty(params.numel(), dtype=params.dtype, pin_memory=pin)
+        self._host.copy_(params)
+        self._base = self._host.numpy()
+        self._recv = torch.empty_like(self._host, pin_memory=pin).numpy()
+
+    def _land(self, weights: np.ndarray) -> None:
+        """Pulled ``weights`` (host) into the fusion buffer, and staged into the base on the
+        device: one host-to-device copy.  Blocking: the host buffer is written again by the
+        next pull or push."""
+        if not self.staged:
+            self.buf.flat.copy_(torch.from_numpy(weights))
+            return
+        self._base_dev.copy_(torch.from_numpy(weights))
+        self.buf.flat.copy_(self._base_dev)
+
     def _pull(self, final: bool = False, all_in: bool = False) -> None:
         """``all_in``: every worker's pushes are in (no round is still being merged)."""
         t0 = time.perf_counter()
         self.version = self.client.pull(self._base, self.iteration, final=final,
                                         barrier=ALL_PUSHES_IN if all_in else 0)
-        self.buf.flat.copy_(torch.from_numpy(self._base))
+        self._land(self._base)
         self.buf.unpack_to_params()
         self.counters.aggregation_s += time.perf_counter() - t0
 
@@ -207,6 +243,9 @@ class ParameterServer(LocalStepsThenAggregate):
         optimizer: the gradient, :meth:`_gradient_into_base`)."""
         if self.server_optimizer:
             return self._gradient_into_base()
+        if self.staged:   # on the device, then one copy to the host
+            self._host.copy_(torch.sub(_stored(self.buf.pack_params()), self._base_dev))
+            return self._base
         np.subtract(_stored(self.buf.pack_params()).numpy(), self._base, out=self._base)
         return self._base
 
@@ -224,7 +263,9 @@ class ParameterServer(LocalStepsThenAggregate):
             self.client.shards.configure(settings)
             self._sent_settings = settings
         flat = self.buf.flat
-        if flat.dtype in _NUMPY_FLOATS:
+        if self.staged:
+            self._host.copy_(_stored(self.buf.pack_grads()))
+        elif flat.dtype in _NUMPY_FLOATS:
             self.buf.pack_grads(torch.from_numpy(self._base))
         else:
             np.copyto(self._base, _stored(self.buf.pack_grads(torch.empty_like(flat))).numpy())
@@ -242,6 +283,12 @@ class ParameterServer(LocalStepsThenAggregate):
                and flat.dtype in _NUMPY_FLOATS)
         gated = one and not self._one_exchange
         if one and (not gated or self.client.pull_is_sure()):
+            if self.staged:   # Δ is being sent from the host buffer: the weights land apart
+                self.version = self.client.push_pull(delta, self._recv, self.iteration,
+                                                     gated=gated)
+                self._land(self._recv)
+                self.buf.unpack_to_params()
+                return self._delay()
             self.version = self.client.push_pull(delta, flat.numpy(), self.iteration,
                                                  gated=gated)
             np.copyto(self._base, flat.numpy())
@@ -251,8 +298,11 @@ class ParameterServer(LocalStepsThenAggregate):
                 self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
             else:
                 self.version = self.client.pull(self._base, self.iteration)
-            flat.copy_(torch.from_numpy(self._base))
+            self._land(self._base)
         self.buf.unpack_to_params()
+        self._delay()
+
+    def _delay(self) -> None:
         if self.config.comm_delay > 0:
             # Emulated network latency of the push+pull (the ring applies it in EmulatedLink):
             # inside the aggregation's time, so it is booked as aggregation, not compute.
