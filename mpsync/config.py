@@ -27,7 +27,8 @@ __all__ = [
     "ZIPLINE_VARIANTS", "OSP_ICS_SIZES", "DEFAULTS", "parse_float_list", "parse_number",
     "parse_ps_shards", "parse_bool", "debug_enabled",
     "check_output_dir", "PS_OPTIMIZERS", "parse_staleness_range", "print_user_error",
-    "OPTIMIZERS", "OptimizerChoice", "optimizer_choice",
+    "OPTIMIZERS", "OptimizerChoice", "optimizer_choice", "PROCESS_GROUP_BACKENDS",
+    "transport_unavailable",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -36,6 +37,8 @@ TOPOLOGIES = policies.TOPOLOGIES
 # the workers (gloo on host tensors, NCCL on CUDA tensors; mpsync.torch.dataplane.process_group).
 BACKENDS = ("mpi", "horovod", "gloo", "nccl")
 SERVER_PLACEMENTS = ("dedicated", "colocated")
+# The backends that are a torch.distributed process group (checked by transport_unavailable).
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
 OSP_ICS_SIZES = ("measured", "fixed")
 # Who runs the optimizer on the parameter server: each worker (pushing the delta of its
 # step) or the shards (workers push gradients; mpsync.server.shard_optimizer).
@@ -239,6 +242,29 @@ class SyncConfig:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "choice"}
+
+
+def transport_unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot run in this process (one line naming it), or None when it can.
+    Only the process-group backends are checked here; ``mpi`` and ``horovod`` elsewhere."""
+    import torch  # deferred: the configuration is read before anything heavy is imported
+    import torch.distributed as dist
+
+    if backend not in PROCESS_GROUP_BACKENDS:
+        return None
+    if not dist.is_available():
+        return f"backend={backend!r}: this torch {torch.__version__} has no torch.distributed"
+    if backend == "gloo" and not dist.is_gloo_available():
+        return f"backend='gloo': this torch {torch.__version__} was built without gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return ("backend='nccl' needs CUDA, and torch.cuda.is_available() is False on this "
+                    "machine; use backend='gloo' (the same collectives on host tensors) or 'mpi'")
+        if not dist.is_nccl_available():
+            return (f"backend='nccl': this torch {torch.__version__} was built without NCCL; "
+                    f"use backend='gloo' or 'mpi'")
+    return None
+
 
 
 def parse_auto_plan(text: str) -> list[tuple[int, str]]:

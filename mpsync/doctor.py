@@ -142,7 +142,7 @@ def _device_transports(mpi_cuda: bool | None) -> Check:
     try:  # torch's own build flags; a broken torch is reported by its version check
         import torch.distributed as dist
 
-        from mpsync.torch.dataplane.process_group import transport_unavailable
+        from mpsync.config import transport_unavailable
 
         have.append(f"gloo={'yes' if dist.is_available() and dist.is_gloo_available() else 'no'}")
         why = transport_unavailable("nccl")

@@ -247,7 +247,7 @@ def check_transport(backend: str) -> None:
     """A gloo or NCCL backend this machine's torch cannot run (NCCL without CUDA) is refused
     before launch, naming it, instead of failing on every rank."""
     if backend in ("gloo", "nccl"):
-        from mpsync.torch.dataplane.process_group import transport_unavailable  # torch
+        from mpsync.config import transport_unavailable
 
         reason = transport_unavailable(backend)
         if reason is not None:

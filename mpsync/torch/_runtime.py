@@ -130,7 +130,7 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
         job.raise_user_error(ConfigError(
             "backend='horovod' but Horovod is not installed; install it (make setup) or use "
             "backend='mpi'"))
-    from mpsync.torch.dataplane.process_group import transport_unavailable
+    from mpsync.config import transport_unavailable
 
     # Before any communication, on every rank alike (the server's too): one line, no hang.
     reason = transport_unavailable(config.backend)

@@ -17,8 +17,8 @@ peer that stops makes a :class:`~mpsync.torch.dataplane.waiting.CollectiveTimeou
 deadline naming it, not a hang.  The process group's own timeout is set past the longest
 deadline mpsync uses, so it is mpsync's wait that fires first.
 
-Transport availability (:func:`transport_unavailable`) and CUDA-aware MPI
-(:func:`cuda_aware_mpi`) are also here: ``mpsync.torch.init`` refuses an unusable transport
+CUDA-aware MPI
+(:func:`cuda_aware_mpi`) is also here; the transport checks are :func:`mpsync.config.transport_unavailable`: ``mpsync.torch.init`` refuses an unusable transport
 before any communication, and ``mpsync doctor`` lists what the machine has.
 """
 
@@ -32,35 +32,14 @@ import threading
 
 import torch
 
+from mpsync.config import PROCESS_GROUP_BACKENDS, transport_unavailable
 from mpsync.torch.dataplane.backends import Aggregator, Pending
 from mpsync.torch.dataplane.waiting import PeerWatch
 
-__all__ = ["ProcessGroupAggregator", "PROCESS_GROUP_BACKENDS", "transport_unavailable",
+__all__ = ["ProcessGroupAggregator",
            "cuda_aware_mpi", "start_process_group", "nccl_device"]
 
-PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
 STORE_PREFIX = "mpsync.ring"
-
-
-def transport_unavailable(backend: str) -> str | None:
-    """Why ``backend`` cannot run in this process (one line naming it), or None when it can.
-    Only the process-group backends are checked here; ``mpi`` and ``horovod`` elsewhere."""
-    import torch.distributed as dist
-
-    if backend not in PROCESS_GROUP_BACKENDS:
-        return None
-    if not dist.is_available():
-        return f"backend={backend!r}: this torch {torch.__version__} has no torch.distributed"
-    if backend == "gloo" and not dist.is_gloo_available():
-        return f"backend='gloo': this torch {torch.__version__} was built without gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            return ("backend='nccl' needs CUDA, and torch.cuda.is_available() is False on this "
-                    "machine; use backend='gloo' (the same collectives on host tensors) or 'mpi'")
-        if not dist.is_nccl_available():
-            return (f"backend='nccl': this torch {torch.__version__} was built without NCCL; "
-                    f"use backend='gloo' or 'mpi'")
-    return None
 
 
 @functools.lru_cache(maxsize=1)
