@@ -302,6 +302,8 @@ class UserOps:
         raises ``local_error`` (after submitting, so the others learn of it and raise too)
         or a duplicate in-flight ``name`` (before)."""
         if name is not None and name in self._names:
+            self._reap()  # its earlier collective may have completed since the last advance
+        if name is not None and name in self._names:
             raise ValueError(f"{what}: requested a collective named {name!r} while another "
                              f"one with that name is in flight (not yet completed); "
                              f"use a different name")
@@ -351,11 +353,15 @@ class UserOps:
                 self.all_joined = int(parts[0][1])
         if self._running:
             self._running = [op for op in self._running if not op.poll()]
-        if self._started:
-            self._started = [op for op in self._started if not op.poll()]
+        self._reap()
         if self.background:
             self.background = [test for test in self.background if not test()]
         return busy
+
+    def _reap(self) -> None:
+        """Complete the started data steps that have finished (their names leave flight)."""
+        if self._started:
+            self._started = [op for op in self._started if not op.poll()]
 
     def _execute(self, parts: list) -> None:
         count = int(parts[0][1])

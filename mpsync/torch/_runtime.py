@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import importlib.util
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,36 @@ from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategies.counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
+
+
+class LiveOptimizers:
+    """The process's DistributedOptimizers in the order they were made, held weakly: one the
+    script has dropped (a model trained and thrown away, a test that ended, a step that
+    raised) takes part in nothing after -- it leads no later optimizer, is not run by
+    ``join()`` nor synchronized at ``shutdown()``; in Horovod too an optimizer is nothing
+    but its hooks.  A model and its optimizer reference each other through the gradient
+    hooks, so only the cycle collector frees them: :meth:`live` collects first, at the
+    points where every worker must see the same set (a new optimizer, join, shutdown)."""
+
+    def __init__(self):
+        self._refs: list = []
+
+    def append(self, opt) -> None:
+        self._refs.append(weakref.ref(opt))
+
+    def __iter__(self):
+        """The ones not freed yet (no collection: cheap, for idle polls)."""
+        return iter([o for o in (r() for r in self._refs) if o is not None])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def live(self) -> list:
+        """The ones the script still holds (collects garbage first)."""
+        if self._refs:
+            gc.collect()
+            self._refs = [r for r in self._refs if r() is not None]
+        return list(iter(self))
 
 
 @dataclass
@@ -69,7 +101,7 @@ class Context:
     # None when it cannot be told; False without CUDA.  Read at init for the transports.
     cuda_aware_mpi: bool | None = False
     counters: LocalCounters = field(default_factory=LocalCounters)
-    optimizers: list = field(default_factory=list)
+    optimizers: "LiveOptimizers" = field(default_factory=lambda: LiveOptimizers())
     stats_path: str | None = None
     trace_path: str | None = None
     server_stats: dict | None = None
@@ -248,7 +280,7 @@ def shutdown() -> None:
     ctx = _CONTEXT
     if ctx is None or ctx.closed or ctx.is_server:
         return
-    for opt in ctx.optimizers:
+    for opt in ctx.optimizers.live():
         # Joins the others (uneven step counts) and ends with the same model everywhere.
         opt.synchronize_model()
         opt.close()

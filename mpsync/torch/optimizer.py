@@ -114,6 +114,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op = _check_horovod_keywords(ctx.config, args["compression"],
                                      self.backward_passes_per_step, args["op"],
                                      args["predivide"])
+        if set_ops is _OUTSIDE:
+            # Horovod: an optimizer over a set this worker is not in registers no hooks and
+            # steps on the local gradients.
+            self._counters = ctx.counters
+            self._strategy = _OutsideSet(self.optimizer)
+            return
         self._buffers = group_by_dtype(args["named"])
         self._counters = ctx.counters
         backend = ctx.data_backend or ctx.backend
@@ -165,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         if self._sparse_only and self._strategy.aggregates_gradients:
             return  # steps through the sparse allreduce, never through the strategy
-        leaders = [o for o in ctx.optimizers
+        leaders = [o for o in ctx.optimizers.live()
                    if o._strategy is not None and o._strategy.leader is None and
                    o._set_ops is None and
                    not (o._sparse_only and o._strategy.aggregates_gradients)]
@@ -417,7 +423,53 @@ def _set_ops(ctx, process_set):
                          f"aggregating over a subset would leave the others' rounds "
                          f"unmatched; use policy='bsp' on the ring, or the global process set "
                          f"(process sets work for the script's own collectives)")
+    if process_set.process_set_id is not None and not process_set.included():
+        return _OUTSIDE
     return ops_of(process_set, "DistributedOptimizer")
+
+
+_OUTSIDE = object()  # _set_ops: this worker is not a member of the set
+
+
+class _OutsideSet:
+    """The strategy of a DistributedOptimizer over a process set this worker is not in:
+    the wrapped optimizer steps on the local gradients and no collective is taken part in
+    (Horovod's behaviour: the optimizer of a non-member is a plain one)."""
+
+    aggregates_gradients = False
+    skip_aggregation = False
+    op_sum = False
+    leader = None
+    settled = True
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.iteration = 0
+
+    def step(self, compute_time: float, closure=None):
+        self.iteration += 1
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> bool:
+        return False  # the wrapped optimizer's own
+
+    def synchronize_gradients(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def idle_step(self) -> bool:
+        return False
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        pass
 
 
 def _check_passes(passes) -> None:
