@@ -35,19 +35,21 @@ __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_
 
 
 class LiveOptimizers:
-    """The process's DistributedOptimizers in the order they were made, held weakly: one the
-    script has dropped (a model trained and thrown away, a test that ended, a step that
-    raised) takes part in nothing after -- it leads no later optimizer, is not run by
-    ``join()`` nor synchronized at ``shutdown()``; in Horovod too an optimizer is nothing
-    but its hooks.  A model and its optimizer reference each other through the gradient
-    hooks, so only the cycle collector frees them: :meth:`live` collects first, at the
-    points where every worker must see the same set (a new optimizer, join, shutdown)."""
+    """The process's DistributedOptimizers in the order they were made.  The one that talks
+    to the state server (the leader: the server numbers this worker's iterations and rounds
+    by its steps) is held for the whole run; every other one (a follower, one over a process
+    set) is held weakly: once the script drops it (a model trained and thrown away, a test
+    that ended, a step that raised) it takes part in nothing after -- its leader runs no more
+    rounds for it, ``join()`` and ``shutdown()`` do not run it; in Horovod too an optimizer is
+    nothing but its hooks.  A model and its optimizer reference each other through the
+    gradient hooks, so only the cycle collector frees them: :meth:`live` collects first, at
+    the points where every worker must see the same set (a new optimizer, join, shutdown)."""
 
     def __init__(self):
         self._refs: list = []
 
-    def append(self, opt) -> None:
-        self._refs.append(weakref.ref(opt))
+    def append(self, opt, *, hold: bool = False) -> None:
+        self._refs.append((lambda: opt) if hold else weakref.ref(opt))
 
     def __iter__(self):
         """The ones not freed yet (no collection: cheap, for idle polls)."""
@@ -57,7 +59,7 @@ class LiveOptimizers:
         return len(list(iter(self)))
 
     def live(self) -> list:
-        """The ones the script still holds (collects garbage first)."""
+        """The ones the script still holds, and the leaders (collects garbage first)."""
         if self._refs:
             gc.collect()
             self._refs = [r for r in self._refs if r() is not None]

@@ -159,7 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 isinstance(self._strategy, GradientAveraging):
             self._strategy.start_buckets(int(ctx.config.bucket_mb * 2**20),
                                          self._last_pass_of_step)
-        ctx.optimizers.append(self)
+        ctx.optimizers.append(self, hold=self._strategy.client is not None)
 
     def _last_pass_of_step(self) -> bool:
         # Asked at a backward pass's first gradient, after _count_pass counted that pass.
