@@ -156,15 +156,15 @@ def busy_outside_steps():
     """A worker that stepped its optimizer and then runs only its script's collectives for
     longer than the silent timeout plus the deadline (an evaluation between epochs, a test
     suite after its optimizer tests) is alive, not silent: the server must not abort the ring."""
-    mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=1.5,
-             silent_timeout=1.0)
+    mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=3.0,
+             silent_timeout=3.0)
     r, n = mps.rank(), mps.size()
     model = torch.nn.Linear(4, 2)
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
-    end = time.monotonic() + 5.0
+    end = time.monotonic() + 9.0  # the server gives up on silent workers after 3 s + 3 s
     i = 0
     while time.monotonic() < end:
         assert torch.equal(mps.allreduce(_x(r, i), name=f"eval.{i % 50}", op=mps.Sum),

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -86,7 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = 0               # backward passes since the last step()
         self._counted: set[int] = set()
         self._model_in_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._count_pass))
                        for _, p in named if p.requires_grad]
         self._last_step_end = time.perf_counter()
         self._epoch = 1                # the last epoch report_loss was told (1-based)
@@ -404,6 +405,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, strategy={type(self._strategy).__name__})"
+
+
+def _weak_hook(method):
+    """A gradient hook that calls ``method`` while its object lives.  A tensor's hooks are
+    not seen by the cycle collector, so a hook holding the optimizer's bound method would
+    keep the optimizer, and through it the model, alive for ever (see LiveOptimizers)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 def _set_ops(ctx, process_set):
