@@ -41,9 +41,9 @@ class LiveOptimizers:
     set) is held weakly: once the script drops it (a model trained and thrown away, a test
     that ended, a step that raised) it takes part in nothing after -- its leader runs no more
     rounds for it, ``join()`` and ``shutdown()`` do not run it; in Horovod too an optimizer is
-    nothing but its hooks.  A model and its optimizer reference each other through the
-    gradient hooks, so only the cycle collector frees them: :meth:`live` collects first, at
-    the points where every worker must see the same set (a new optimizer, join, shutdown)."""
+    nothing but its hooks.  An optimizer and its strategy reference each other, so only the
+    cycle collector frees them: :meth:`live` collects first, at the points where every
+    worker must see the same set (a new optimizer, join, shutdown)."""
 
     def __init__(self):
         self._refs: list = []
@@ -54,9 +54,6 @@ class LiveOptimizers:
     def __iter__(self):
         """The ones not freed yet (no collection: cheap, for idle polls)."""
         return iter([o for o in (r() for r in self._refs) if o is not None])
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
 
     def live(self) -> list:
         """The ones the script still holds, and the leaders (collects garbage first)."""
@@ -103,7 +100,7 @@ class Context:
     # None when it cannot be told; False without CUDA.  Read at init for the transports.
     cuda_aware_mpi: bool | None = False
     counters: LocalCounters = field(default_factory=LocalCounters)
-    optimizers: "LiveOptimizers" = field(default_factory=lambda: LiveOptimizers())
+    optimizers: LiveOptimizers = field(default_factory=LiveOptimizers)
     stats_path: str | None = None
     trace_path: str | None = None
     server_stats: dict | None = None
