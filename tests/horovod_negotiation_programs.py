@@ -181,5 +181,9 @@ def busy_outside_steps():
         other(torch.ones(3, 4)).sum().backward()
         follower.step()
         time.sleep(0.02)
+    # Into the final join together: a worker already waiting there for the server while the
+    # other, descheduled on a loaded machine, still finishes its loop would be the one case
+    # of a worker silent for 3 s that this check is not about.
+    mps.barrier()
     mps.shutdown()
     print(f"BUSY-OK rank={r}", flush=True)
