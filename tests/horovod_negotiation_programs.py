@@ -119,10 +119,71 @@ def fusion(r, n):
         assert steps == (1 if fused else 16), (fused, steps)
 
 
+def unread_handles(r, n):
+    """A collective whose handle is never synchronized leaves flight once it completes (as in
+    Horovod): its name can be used again, while a name still waiting for the other worker is
+    refused as a duplicate, and that one too is free once the other worker has submitted it."""
+    for _ in range(3):  # the same name, never read, three times over
+        mps.allreduce_async(_x(r, 7), name="never.read", op=mps.Sum)
+        mps.allgather_async(torch.tensor([r]), name="never.read.rows")
+        assert torch.equal(mps.allreduce(_x(r, 8), name="after", op=mps.Sum), _total(8, n))
+    if r == 0:
+        mps.allreduce_async(_x(r, 9), name="one.side")
+        try:
+            mps.allreduce_async(_x(r, 9), name="one.side")
+            raise AssertionError("a name in flight was accepted twice")
+        except ValueError as e:
+            assert "in flight" in str(e), e
+    mps.barrier()
+    if r == 1:
+        mps.allreduce_async(_x(r, 9), name="one.side")
+    mps.barrier()
+    mps.allreduce(_x(r, 10), name="after.one.side")
+    h = mps.allreduce_async(_x(r, 9), name="one.side", op=mps.Sum)
+    assert torch.equal(mps.synchronize(h), _total(9, n))
+
+
 def main():
     mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=30)
     r, n = mps.rank(), mps.size()
-    for part in (any_order, error_in_sequence, stall_report, fusion):
+    for part in (any_order, error_in_sequence, stall_report, fusion, unread_handles):
         part(r, n)
         print(f"PART-OK {part.__name__} rank={r}", flush=True)
     mps.shutdown()
+
+
+def busy_outside_steps():
+    """A worker that stepped its optimizer and then runs only its script's collectives for
+    longer than the silent timeout plus the deadline (an evaluation between epochs, a test
+    suite after its optimizer tests), or only a second optimizer's steps, is alive, not
+    silent: the server must not abort the ring."""
+    mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=3.0,
+             silent_timeout=3.0)
+    r, n = mps.rank(), mps.size()
+    model = torch.nn.Linear(4, 2)
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    # Fixed counts (the same on every worker), each loop at least 9 s: the server gives up
+    # on silent workers after 3 s + 3 s.
+    for i in range(450):
+        assert torch.equal(mps.allreduce(_x(r, i), name=f"eval.{i % 50}", op=mps.Sum),
+                           _total(i, n))
+        time.sleep(0.02)
+    # A second model's optimizer (a follower: only the first talks to the server) stepped
+    # alone for as long, the first one's model done with.
+    other = torch.nn.Linear(4, 2)
+    follower = mps.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
+                                        named_parameters=other.named_parameters())
+    for _ in range(450):
+        follower.zero_grad()
+        other(torch.ones(3, 4)).sum().backward()
+        follower.step()
+        time.sleep(0.02)
+    # Into the final join together: a worker already waiting there for the server while the
+    # other, descheduled on a loaded machine, still finishes its loop would be the one case
+    # of a worker silent for 3 s that this check is not about.
+    mps.barrier()
+    mps.shutdown()
+    print(f"BUSY-OK rank={r}", flush=True)

@@ -170,7 +170,15 @@ def optimizer_over_a_set(r, n, ps, members):
         _raises(ValueError, make, "policy=")
         return
     if r not in members:
-        _raises(ValueError, make, "not a member")
+        # Horovod: on a worker outside the set the optimizer is a plain one (local steps,
+        # no collective).
+        opt = make()
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        before = model.weight.detach().clone()
+        opt.step()
+        _close(model.weight.detach().double(), (before - 0.1).double(), "step outside the set")
+        opt.synchronize()
         return
     mps.broadcast_parameters(model.state_dict(), root_rank=members[0], process_set=ps)
     w0 = model.weight.detach().clone()
@@ -346,6 +354,37 @@ def two_optimizers(r, n):
         assert all(torch.equal(flat, o) for o in mps.allgather_object(flat)), m
 
 
+def dropped_optimizers(r, n):
+    """An optimizer the script dropped (with its model) takes part in nothing after: it is
+    freed, the next one made does not follow it, and join() runs only the live ones; the
+    live model ends equal everywhere."""
+    import weakref
+
+    from mpsync.torch import _runtime
+
+    def train(steps, seed):
+        m = torch.nn.Linear(3, 1)
+        mps.broadcast_parameters(m.state_dict(), root_rank=0)
+        opt = mps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                       named_parameters=m.named_parameters())
+        for i in range(steps):
+            opt.zero_grad()
+            m(_x(seed + 10 * r + i, 2, 3).float()).sum().backward()
+            opt.step()
+        return m, opt
+
+    live = _runtime.worker_context("test").optimizers
+    before = live.live()
+    gone = weakref.ref(train(2, 0)[1])  # stepped, never synchronized, dropped
+    m, opt = train(3, 50)
+    assert gone() is None, "a dropped optimizer is still held"
+    assert opt._leader is None or any(opt._leader is o for o in before), opt._leader
+    assert [o for o in live.live() if not any(o is b for b in before)] == [opt]
+    mps.join()
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    assert all(torch.equal(flat, o) for o in mps.allgather_object(flat))
+
+
 def sync_batch_norm(r, n):
     bn = mps.SyncBatchNorm(3, momentum=0.5).double()
     ref = torch.nn.BatchNorm1d(3, momentum=0.5).double()
@@ -374,7 +413,8 @@ def main():
     checks = [integers, mismatches, gradients, variants, process_sets, joined, sync_batch_norm,
               two_optimizers]
     if _arg("optimizer", "yes") == "yes":
-        checks += [optimizer_details, lambda r, n: sparse_and_early(r, n, early)]
+        checks += [optimizer_details, lambda r, n: sparse_and_early(r, n, early),
+                   dropped_optimizers]
     trace = _arg("timeline", "")
     for check in checks:
         if check is optimizer_details and trace:

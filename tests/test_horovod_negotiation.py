@@ -93,11 +93,19 @@ def test_fusion_groups_consecutive_matching_allreduces_up_to_the_threshold(thres
 @pytest.mark.mpi
 def test_named_collectives_in_any_order_after_errors_late_and_fused():
     run = run_mpi("horovod_negotiation_programs:main", np=2, timeout=240)
-    parts = ["any_order", "error_in_sequence", "stall_report", "fusion"]
+    parts = ["any_order", "error_in_sequence", "stall_report", "fusion", "unread_handles"]
     for r in range(2):
         for part in parts:
             assert f"PART-OK {part} rank={r}" in run.rank_out(r), run.report()
     assert "worker 1: ['late']" in run.rank_err(0), run.report()
+
+
+@pytest.mark.mpi
+def test_a_worker_running_only_its_own_collectives_after_a_step_is_not_silent():
+    run = run_mpi("horovod_negotiation_programs:busy_outside_steps", np=2, timeout=120)
+    for r in range(2):
+        assert f"BUSY-OK rank={r}" in run.rank_out(r), run.report()
+    assert "silent for more than" not in run.rank_err(0), run.report()
 
 
 def test_the_suite_runner_counts_a_test_passed_only_where_every_rank_passed(tmp_path):

@@ -157,6 +157,8 @@ class SyncClient(ParameterServerCalls):
         self._req_spec = [self._req, MPI.DOUBLE]
         self._rep_spec = [self._rep, MPI.DOUBLE]
         self._seq = 0
+        self.alive_every = float(getattr(config, "silent_timeout", 10.0)) / 4
+        self._next_alive = 0.0
         self._pending: PendingDecision | None = None
         # Replies to requests sent without waiting (push_pull), collected before the next
         # call that waits for a reply: (request, buffer, seq, what).
@@ -409,6 +411,19 @@ class SyncClient(ParameterServerCalls):
         header = self._header(self.iteration, 0.0, 0, loss if finite else 0.0,
                               count=max(int(count), 1), flag=0 if finite else W.NOT_FINITE)
         self.comm.Send(header, dest=self.server, tag=W.LOSS)
+        self.control_sent += _MSG_BYTES
+
+    def alive(self) -> None:
+        """Tell the server this worker is busy outside its steps (a script's own collectives:
+        an evaluation's metric averaging, a test suite's collectives between models), so a
+        worker that stepped once and then runs only those for longer than ``silent_timeout``
+        is not taken for a silent one.  At most one message per quarter of that timeout; none
+        while a reply is pending (the server then counts the worker as waiting for it)."""
+        now = time.monotonic()
+        if now < self._next_alive or self._pending is not None or self._later:
+            return
+        self._next_alive = now + self.alive_every
+        self.comm.Send(self._header(self.iteration), dest=self.server, tag=W.ALIVE)
         self.control_sent += _MSG_BYTES
 
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,

@@ -75,6 +75,9 @@ class MessageHandlers:
         self.policy.on_loss(w, int(msg[W.ITER]), loss, max(int(msg[W.COUNT]), 1), now)
         # No reply, as for a reset.
 
+    def _on_alive(self, src, w, msg, now):
+        """Nothing to decide: receiving it (``_received``) is what marks the worker alive."""
+
     def _on_importance(self, src, w, msg, now):
         n_layers = int(msg[W.COUNT])
         data = self._payload(src, w, W.IMPORTANCE, msg, now, 2 * n_layers, "importance")
@@ -161,7 +164,7 @@ class MessageHandlers:
     _HANDLERS = {W.REGISTER: _on_register, W.STEP: _on_step, W.RESET: _on_reset,
                  W.IMPORTANCE: _on_importance, W.PS_INIT: _on_ps_init, W.PUSH: _on_push,
                  W.PULL: _on_pull, W.STATS: _on_stats, W.SHUTDOWN: _on_shutdown,
-                 W.LOSS: _on_loss}
+                 W.LOSS: _on_loss, W.ALIVE: _on_alive}
 
     def _retry_held(self, now: float) -> None:
         """Decide again on the held replies, at ``now``: the receipt time of the message that

@@ -38,10 +38,12 @@ STATS = 108         # reply: JSON bytes as REPLY_STATS
 SHUTDOWN = 109
 DATA = 110
 LOSS = 111          # the worker's mean training loss (AGG) over COUNT iterations; no reply
-REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN, LOSS)
+ALIVE = 112         # the worker is busy outside its steps (its script's collectives); no reply
+REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN, LOSS,
+                ALIVE)
 TAG_NAMES = {REGISTER: "register", STEP: "step", RESET: "reset", IMPORTANCE: "importance",
              PS_INIT: "ps_init", PUSH: "push", PULL: "pull", STATS: "stats",
-             SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss"}
+             SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss", ALIVE: "alive"}
 
 # Reply tags.
 REPLY = 120

@@ -236,11 +236,12 @@ class UserOps:
     ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order
     (as Horovod's handle-numbered names are).  ``fusion_bytes`` 0 turns tensor fusion off;
     ``stall_after`` (default: half the deadline, at most Horovod's 60 s) is when member 0
-    reports the names some workers have not submitted."""
+    reports the names some workers have not submitted.  ``heartbeat``: called at every
+    submission, tells the state server this worker is alive (rate-limited by the client)."""
 
     def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None,
                  checked: bool = True, world_ranks=None, fusion_bytes: int | None = None,
-                 stall_after: float | None = None):
+                 stall_after: float | None = None, heartbeat=None):
         from mpsync.torch._coordinator import Channel, Coordinator
         from mpsync.torch._negotiation import FUSION_BYTES
         from mpsync.torch.dataplane.waiting import PeerWatch
@@ -257,12 +258,18 @@ class UserOps:
         self.deadline = float(deadline)
         self.hvd = hvd  # kept for callers' signatures: every collective here is mpi4py
         self.idle = idle
+        self.heartbeat = heartbeat
         self.handles: dict[int, object] = {}
         self._ids = itertools.count(1)
-        self._names: set[str] = set()      # in flight (not yet synchronized)
+        self._names: set[str] = set()      # in flight (submitted, not yet completed)
         self._waiting: dict[str, _Op] = {}  # submitted, not yet answered
         self._unnamed = 0                  # unnamed collectives submitted
         self._running: list[_Op] = []      # abandoned ops whose data step still runs
+        # Data steps started and not yet seen complete: polled on every advance, so a name
+        # leaves ``_names`` when its collective completes, whether or not the script ever
+        # synchronizes its handle (as in Horovod, where a name is in flight until its
+        # operation is done, not until the handle is read).
+        self._started: list[_Op] = []
         self.background: list = []         # a joined worker's parts in others' collectives
         self.execs = 0                     # data steps started: the same count on every member
         self.exchanges = 0                 # requests sent by this member
@@ -295,9 +302,13 @@ class UserOps:
         raises ``local_error`` (after submitting, so the others learn of it and raise too)
         or a duplicate in-flight ``name`` (before)."""
         if name is not None and name in self._names:
+            self._reap()  # its earlier collective may have completed since the last advance
+        if name is not None and name in self._names:
             raise ValueError(f"{what}: requested a collective named {name!r} while another "
-                             f"one with that name is in flight (not yet synchronized); "
+                             f"one with that name is in flight (not yet completed); "
                              f"use a different name")
+        if self.heartbeat is not None:
+            self.heartbeat()
         if name is None:
             self._unnamed += 1
             name = f"{neg.UNNAMED}.{self._unnamed}"
@@ -342,9 +353,15 @@ class UserOps:
                 self.all_joined = int(parts[0][1])
         if self._running:
             self._running = [op for op in self._running if not op.poll()]
+        self._reap()
         if self.background:
             self.background = [test for test in self.background if not test()]
         return busy
+
+    def _reap(self) -> None:
+        """Complete the started data steps that have finished (their names leave flight)."""
+        if self._started:
+            self._started = [op for op in self._started if not op.poll()]
 
     def _execute(self, parts: list) -> None:
         count = int(parts[0][1])
@@ -368,11 +385,14 @@ class UserOps:
                 op._checked(records)
             self.execs += 1
             _start_fused(self, [op for op, _ in group], self.execs)
+            self._started += [op for op, _ in group if not op.abandoned]
             return
         for op, records in group:
             self.execs += 1
             op.seq = self.execs
             op.begin_data(records)
+            if not op.abandoned:
+                self._started.append(op)
 
     def give_up(self, op: _Op, timeout: BaseException) -> bool:
         """``op`` passed its deadline: withdraw its name if it is still waiting and raise,
@@ -434,8 +454,12 @@ def make_user_ops(ctx) -> UserOps:
             stepped = opt.strategy.idle_step() or stepped
         return stepped
 
+    def heartbeat() -> None:
+        if ctx.client is not None:  # set after the user ops (no server: nobody to tell)
+            ctx.client.alive()
+
     return UserOps(ctx.workers.Dup(), ctx.config.deadline, None, idle,
-                   world_ranks=ctx.world_ranks)
+                   world_ranks=ctx.world_ranks, heartbeat=heartbeat)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import importlib.util
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,35 @@ __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_
 # An error nothing catches between this import (MPI has started) and init() ends the job too;
 # init() puts hooks of its own in place that name the worker.
 job_end.install_unless_the_script_has(job_end.rank_label())
+
+
+class LiveOptimizers:
+    """The process's DistributedOptimizers in the order they were made.  The one that talks
+    to the state server (the leader: the server numbers this worker's iterations and rounds
+    by its steps) is held for the whole run; every other one (a follower, one over a process
+    set) is held weakly: once the script drops it (a model trained and thrown away, a test
+    that ended, a step that raised) it takes part in nothing after -- its leader runs no more
+    rounds for it, ``join()`` and ``shutdown()`` do not run it; in Horovod too an optimizer is
+    nothing but its hooks.  An optimizer and its strategy reference each other, so only the
+    cycle collector frees them: :meth:`live` collects first, at the points where every
+    worker must see the same set (a new optimizer, join, shutdown)."""
+
+    def __init__(self):
+        self._refs: list = []
+
+    def append(self, opt, *, hold: bool = False) -> None:
+        self._refs.append((lambda: opt) if hold else weakref.ref(opt))
+
+    def __iter__(self):
+        """The ones not freed yet (no collection: cheap, for idle polls)."""
+        return iter([o for o in (r() for r in self._refs) if o is not None])
+
+    def live(self) -> list:
+        """The ones the script still holds, and the leaders (collects garbage first)."""
+        if self._refs:
+            gc.collect()
+            self._refs = [r for r in self._refs if r() is not None]
+        return list(iter(self))
 
 
 @dataclass
@@ -73,7 +104,7 @@ class Context:
     # None when it cannot be told; False without CUDA.  Read at init for the transports.
     cuda_aware_mpi: bool | None = False
     counters: LocalCounters = field(default_factory=LocalCounters)
-    optimizers: list = field(default_factory=list)
+    optimizers: LiveOptimizers = field(default_factory=LiveOptimizers)
     stats_path: str | None = None
     trace_path: str | None = None
     server_stats: dict | None = None
@@ -254,7 +285,7 @@ def shutdown() -> None:
     ctx = _CONTEXT
     if ctx is None or ctx.closed or ctx.is_server:
         return
-    for opt in ctx.optimizers:
+    for opt in ctx.optimizers.live():
         # Joins the others (uneven step counts) and ends with the same model everywhere.
         opt.synchronize_model()
         opt.close()

@@ -75,7 +75,7 @@ def join(ctx) -> int:
     for b in backends.values():
         b.while_waiting = service.poll
     try:
-        for opt in list(ctx.optimizers):
+        for opt in ctx.optimizers.live():
             opt.synchronize_model()
     finally:
         for b in backends.values():

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -87,7 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = 0               # backward passes since the last step()
         self._counted: set[int] = set()
         self._model_in_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._count_pass))
                        for _, p in named if p.requires_grad]
         self._last_step_end = time.perf_counter()
         self._epoch = 1                # the last epoch report_loss was told (1-based)
@@ -115,6 +116,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op = _check_horovod_keywords(ctx.config, args["compression"],
                                      self.backward_passes_per_step, args["op"],
                                      args["predivide"])
+        if set_ops is _OUTSIDE:
+            # Horovod: an optimizer over a set this worker is not in registers no hooks and
+            # steps on the local gradients.
+            self._counters = ctx.counters
+            self._strategy = _OutsideSet(self.optimizer)
+            return
         self._buffers = group_by_dtype(args["named"])
         self._counters = ctx.counters
         backend = ctx.data_backend or ctx.backend
@@ -160,7 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 isinstance(self._strategy, GradientAveraging):
             self._strategy.start_buckets(int(ctx.config.bucket_mb * 2**20),
                                          self._last_pass_of_step)
-        ctx.optimizers.append(self)
+        ctx.optimizers.append(self, hold=self._strategy.client is not None)
 
     def _last_pass_of_step(self) -> bool:
         # Asked at a backward pass's first gradient, after _count_pass counted that pass.
@@ -172,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         if self._sparse_only and self._strategy.aggregates_gradients:
             return  # steps through the sparse allreduce, never through the strategy
-        leaders = [o for o in ctx.optimizers
+        leaders = [o for o in ctx.optimizers.live()
                    if o._strategy is not None and o._strategy.leader is None and
                    o._set_ops is None and
                    not (o._sparse_only and o._strategy.aggregates_gradients)]
@@ -407,6 +414,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self.optimizer!r}, strategy={type(self._strategy).__name__})"
 
 
+def _weak_hook(method):
+    """A gradient hook that calls ``method`` while its object lives.  A tensor's hooks are
+    not seen by the cycle collector, so a hook holding the optimizer's bound method would
+    keep the optimizer, and through it the model, alive for ever (see LiveOptimizers)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
+
+
 def _set_ops(ctx, process_set):
     """The collectives of ``process_set`` for a DistributedOptimizer over it.  Gradient
     averaging (BSP on the ring) synchronizes every step by definition, so the set's members
@@ -424,7 +445,53 @@ def _set_ops(ctx, process_set):
                          f"aggregating over a subset would leave the others' rounds "
                          f"unmatched; use policy='bsp' on the ring, or the global process set "
                          f"(process sets work for the script's own collectives)")
+    if process_set.process_set_id is not None and not process_set.included():
+        return _OUTSIDE
     return ops_of(process_set, "DistributedOptimizer")
+
+
+_OUTSIDE = object()  # _set_ops: this worker is not a member of the set
+
+
+class _OutsideSet:
+    """The strategy of a DistributedOptimizer over a process set this worker is not in:
+    the wrapped optimizer steps on the local gradients and no collective is taken part in
+    (Horovod's behaviour: the optimizer of a non-member is a plain one)."""
+
+    aggregates_gradients = False
+    skip_aggregation = False
+    op_sum = False
+    leader = None
+    settled = True
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.iteration = 0
+
+    def step(self, compute_time: float, closure=None):
+        self.iteration += 1
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> bool:
+        return False  # the wrapped optimizer's own
+
+    def synchronize_gradients(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def idle_step(self) -> bool:
+        return False
+
+    def note_progress(self, epoch: int, loss: float) -> None:
+        pass
 
 
 def _check_passes(passes) -> None:

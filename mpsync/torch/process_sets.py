@@ -118,7 +118,8 @@ def add_process_set(process_set) -> ProcessSet:
         from mpsync.torch.dataplane.backends import MPIAggregator
 
         ops = UserOps(sub, ctx.config.deadline, None, ctx.user_ops.idle, ranks=ps.ranks,
-                      world_ranks=[ctx.world_ranks[w] for w in ps.ranks])
+                      world_ranks=[ctx.world_ranks[w] for w in ps.ranks],
+                      heartbeat=ctx.user_ops.heartbeat)
         # A DistributedOptimizer over this set aggregates here (BSP; see optimizer).
         ops.aggregator = MPIAggregator(sub.Dup(), deadline=ctx.config.deadline,
                                        thread_min_bytes=None)

@@ -130,6 +130,10 @@ class Strategy(Following):
         """Report that local iteration ``iteration`` (1-based) finished and get the decision
         (SyncClient.step, one round trip); None without a control plane."""
         if self.leader is not None:
+            if self.leader.client is not None:
+                # The server hears of this worker only through its leader's steps: a follower
+                # stepping alone (its leader's model done with) must not look silent.
+                self.leader.client.alive()
             return self.follow_decision()
         if self.client is None:
             return None

@@ -17,6 +17,8 @@ never stepped again takes part in nothing until the final join, where every work
 
 from __future__ import annotations
 
+import weakref
+
 __all__ = ["Following", "leader_followers"]
 
 
@@ -31,7 +33,7 @@ class Following:
         self.leader, self.client = leader, None
         self.capability_test = self.delayed_ack = False
         self._seen_round = leader.round
-        leader_followers(leader).append(self)
+        leader.__dict__.setdefault("_followers", []).append(weakref.ref(self))
 
     def join_as_leader(self) -> None:
         """``join()``, unless a follower (its rounds ran in its leader's join)."""
@@ -75,6 +77,10 @@ class Following:
 
 
 def leader_followers(strategy) -> list:
-    if "_followers" not in strategy.__dict__:
-        strategy._followers = []
-    return strategy._followers
+    """The followers of leader ``strategy`` still alive: a follower whose optimizer the script
+    dropped runs no more rounds (held weakly; see ``_runtime.LiveOptimizers``)."""
+    refs = strategy.__dict__.get("_followers", [])
+    alive = [f for f in (r() for r in refs) if f is not None]
+    if len(alive) < len(refs):
+        strategy._followers = [weakref.ref(f) for f in alive]
+    return alive
