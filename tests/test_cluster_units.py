@@ -77,8 +77,8 @@ def test_wide_mlp_has_megabytes_of_gradients_and_trains_on_images():
 def test_build_model_names_a_wrong_model_or_shape():
     from mpsync.apps.models import build_model
 
-    with pytest.raises(ValueError, match="unknown model 'resnet'"):
-        build_model((64,), 10, 0, name="resnet")
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        build_model((64,), 10, 0, name="vgg")
     with pytest.raises(ValueError, match="'mlp' takes"):
         build_model((1, 8, 8), 10, 0, name="mlp")
     assert type(build_model((1, 8, 8), 10, 0)).__name__ == "SmallCNN"

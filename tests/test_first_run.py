@@ -52,7 +52,8 @@ def test_train_help_shows_every_flags_default():
                                "--epochs", "--time-budget", "--target-acc", "--out",
                                "--resume", "--slowdown", "--slowdown-schedule",
                                "--iter-time", "--topology", "--hostfile", "--mpirun-args",
-                               "--cluster", "--np", "-H", "--min-np", "--max-np"}, no_default
+                               "--cluster", "--np", "-H", "--min-np", "--max-np",
+                               "--nesterov"}, no_default
 
 
 @pytest.mark.parametrize("workers, slowdown", [(1, "1"), (2, "1,2"), (3, "1,1,2"),
