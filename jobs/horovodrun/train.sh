@@ -13,7 +13,7 @@
 #   POLICY             bsp | asp | ssp | dssp | ebsp | esync | osp | auto (default: bsp)
 #   TOPOLOGY           ring | ps (default: empty, the policy's own: ps for asp, ssp, dssp;
 #                      ring for the others; --topology is passed only when set)
-#   BACKEND            mpi | horovod (default: mpi)
+#   BACKEND            mpi | horovod | gloo | nccl (default: mpi)
 #   SERVER             dedicated | colocated (default: dedicated): dedicated = rank 0 serves,
 #                      the rest train; colocated = a server thread on rank 0, every rank trains
 #   EPOCHS             epochs per worker (default: 5); ignored if TIME_BUDGET is set
