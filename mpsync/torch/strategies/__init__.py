@@ -127,14 +127,14 @@ class GradientAveraging(Strategy):
         return loss
 
     def _average(self, compute_time: float) -> tuple[int, list[int]]:
+        if self.buckets is not None:
+            return self._average_buckets(compute_time)
         decision = self.ask(compute_time, self.iteration + 1)
         if not self.is_sync(decision):
             raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
                                f"gradient averaging synchronizes every iteration (is the server "
                                f"running another policy?)")
         t0 = time.perf_counter()
-        if self.buckets is not None:
-            return self._average_buckets(t0)
         nbytes = 0
         contributing = not self.joined
         first = self.buffers[0]
@@ -154,10 +154,13 @@ class GradientAveraging(Strategy):
         self.reset(self._aggregated(t0, nbytes))
         return self._read_header(first.header)
 
-    def _average_buckets(self, t0: float) -> tuple[int, list[int]]:
+    def _average_buckets(self, compute_time: float) -> tuple[int, list[int]]:
         """The buckets backward started, or all of them now (no backward ran through the
         hooks: a joined worker's zeros, gradients set by hand); every gradient is then its
-        view of the buffer, averaged."""
+        view of the buffer, averaged.  The server is asked once they are in: under BSP its
+        answer is SYNC whatever the timing, and its round trip (which may wait for the other
+        workers' reports) then never waits with a collective in flight."""
+        t0 = time.perf_counter()
         buckets = self.buckets
         started_now = not buckets.in_flight
         if started_now:
@@ -168,6 +171,11 @@ class GradientAveraging(Strategy):
                     buf.pack_grads()
             buckets.start_all()
         buckets.wait_all()
+        decision = self.ask(compute_time, self.iteration + 1)
+        if not self.is_sync(decision):
+            raise RuntimeError(f"policy {self.config.policy}: the server answered {decision!r}; "
+                               f"gradient averaging synchronizes every iteration (is the server "
+                               f"running another policy?)")
         if started_now:
             for buf in self.buffers:
                 buf.unpack_to_grads()
