@@ -120,21 +120,6 @@ def _horovod() -> Check:
     return Check("horovod", True, detail)
 
 
-def _ompi_info_cuda() -> bool | None:
-    """Open MPI's build flag mpi_built_with_cuda_support, or None when ompi_info cannot say."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
-                             text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        if "built_with_cuda_support:value:" in line:
-            return line.rsplit(":", 1)[1].strip() == "true"
-    return None
-
-
 def _device_transports(mpi_cuda: bool | None) -> Check:
     """Which transports can move device (or, for gloo, host) tensors here.  Informational:
     a machine without a GPU is not a broken installation, so the check is always ok."""
@@ -152,7 +137,9 @@ def _device_transports(mpi_cuda: bool | None) -> Check:
     except Exception as e:
         have.append(f"gloo/nccl unknown (torch.distributed: {e})")
     if mpi_cuda is None:
-        mpi_cuda = _ompi_info_cuda()
+        from mpsync.transport import ompi_built_with_cuda
+
+        mpi_cuda = ompi_built_with_cuda()
     have.append("CUDA-aware MPI=" + {True: "yes", False: "no", None: "unknown"}[mpi_cuda])
     try:  # optional: Horovod's NCCL ops exist only in a build made with HOROVOD_GPU_OPERATIONS
         import horovod.torch as hvd

@@ -38,7 +38,7 @@ import shlex
 import sys
 
 __all__ = ["TUNED", "ENV_VAR", "TransportError", "mca_pairs", "mca_argv", "mca_env",
-           "is_set", "describe"]
+           "is_set", "describe", "ompi_built_with_cuda"]
 
 ENV_VAR = "MPSYNC_MPI_TUNING"
 TUNED: tuple[tuple[str, str], ...] = (
@@ -125,3 +125,19 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def ompi_built_with_cuda() -> bool | None:
+    """Open MPI's build flag ``mpi_built_with_cuda_support`` as ``ompi_info`` reports it, or
+    None when ompi_info cannot say (not on PATH, no such line)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        if "built_with_cuda_support:value:" in line:
+            return line.rsplit(":", 1)[1].strip() == "true"
+    return None

@@ -27,12 +27,12 @@ from __future__ import annotations
 import datetime
 import functools
 import socket
-import subprocess
 import threading
 
 import torch
 
 from mpsync.config import PROCESS_GROUP_BACKENDS, transport_unavailable
+from mpsync.transport import ompi_built_with_cuda
 from mpsync.torch.dataplane.backends import Aggregator, Pending
 from mpsync.torch.dataplane.waiting import PeerWatch
 
@@ -62,15 +62,7 @@ def cuda_aware_mpi() -> bool | None:
             return bool(query())
     except (ImportError, OSError):
         pass
-    try:
-        out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
-                             text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        if "built_with_cuda_support:value:" in line:
-            return line.rsplit(":", 1)[1].strip() == "true"
-    return None
+    return ompi_built_with_cuda()
 
 
 def nccl_device(local_rank: int) -> torch.device:
