@@ -46,3 +46,33 @@ def test_a_wait_past_its_deadline_raises_collective_timeout_and_blocks_meanwhile
         eng.wait(flight.test, deadline=0.2, what="stuck", event=flight.event)
     # The waiter blocked on the event: a handful of wake-ups, not a spin.
     assert eng.counts["event_waits"] <= 3 and eng.counts["spins"] == 0
+
+
+def test_a_long_wait_beats_the_heartbeat_on_the_thread_that_set_it_only():
+    import threading
+    import time
+
+    eng = ProgressEngine()
+    eng.beat_every = 0.05
+    beats: list[str] = []
+    eng.set_heartbeat(lambda: beats.append(threading.current_thread().name))
+    done = threading.Event()
+    threading.Timer(0.3, done.set).start()
+    eng.wait(done.is_set, deadline=5, what="event wait", event=done)
+    assert 3 <= len(beats) <= 7, beats
+    # A busy-polled wait beats too; a wait shorter than beat_every does not.
+    end = time.monotonic() + 0.2
+    eng.wait(lambda: time.monotonic() > end, deadline=5, what="spin wait")
+    assert len(beats) >= 5
+    n = len(beats)
+    eng.wait(lambda: True, deadline=5, what="instant")
+    # Another thread's waits never call it (the callee is the worker's own client).
+    other = threading.Thread(target=lambda: eng.wait(
+        lambda: time.monotonic() > end + 0.3, deadline=5, what="other thread"))
+    other.start()
+    other.join()
+    assert len(beats) == n and set(beats) == {threading.current_thread().name}
+    eng.set_heartbeat(None)
+    end = time.monotonic() + 0.2
+    eng.wait(lambda: time.monotonic() > end, deadline=5, what="no heartbeat")
+    assert len(beats) == n

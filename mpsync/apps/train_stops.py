@@ -79,7 +79,7 @@ class RingStop:
             agreed = w.mps.allreduce(torch.tensor([w.samples, int(w.time_up()),
                                                    int(w.reached_target)], dtype=torch.int64),
                                      average=False, name="stop check")
-            w.global_samples = int(agreed[0])
+            w.global_samples = w.agreed_samples = int(agreed[0])
             epochs = w.target_samples is not None and w.global_samples >= w.target_samples
             done = bool(agreed[1] > 0 or agreed[2] > 0) or epochs
             if done:
@@ -179,6 +179,13 @@ class PsStop:
             server = w.mps.stats()["server"] or {}
             counted = sum(s.get("iterations", 0) for s in server.get("workers", {}).values())
             w.global_samples = max(w.global_samples, counted * w.args.batch_size)
+            if w.config.policy == policies.AUTO:
+                # Counts only: auto's estimate (a worker's samples times the workers) runs
+                # ahead of the samples taken by as much as the workers differ in speed, and
+                # stopped runs at 2.5 of 3 epochs.  The ring's last agreed sum, or the server's.
+                known = max(w.agreed_samples,
+                            w.samples_at_start + counted * w.args.batch_size)
+                return "epochs" if known >= w.target_samples else None
             return "epochs" if w.global_samples >= w.target_samples else None
         w.global_samples = max(w.global_samples, ps_samples(w))
         return None

@@ -206,6 +206,8 @@ class Worker:
         # A resumed run's samples before it (on the PS every worker made as many pushes at
         # the cut, so this is exact): the server's count of updates starts again from 0.
         self.samples_at_start = self.global_samples
+        # The workers' samples as last summed exactly (the ring's stop checks).
+        self.agreed_samples = self.global_samples
         self.start_time = time.perf_counter()
         # When a resumed run is ready to train: a supervisor's restart cost ends here.
         self.resumed_at_clock = time.time() if self.resume is not None else None

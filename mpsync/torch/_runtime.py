@@ -278,6 +278,11 @@ def _start_control_plane(ctx: Context) -> None:
         ctx.colocated = start_colocated(ctx.control, ctx.config, server_rank=ctx.server_rank)
     ctx.client = SyncClient(ctx.control, ctx.config, server_rank=ctx.server_rank,
                             shards=ctx.shards)
+    from mpsync.torch.dataplane.progress import engine
+
+    # A worker waiting in a collective (a bucket, the script's own) for a peer that stopped
+    # still speaks to the server, which then names the silent one within silent_timeout.
+    engine().set_heartbeat(ctx.client.alive)
 
 
 def shutdown() -> None:
@@ -302,6 +307,9 @@ def shutdown() -> None:
             # deadline without its goodbye is named instead of waited for.
             ctx.shard_thread.finish()
     if ctx.client is not None:
+        from mpsync.torch.dataplane.progress import engine
+
+        engine().set_heartbeat(None)
         server_stats = ctx.client.stats()
         ctx.client.shutdown()
         ctx.server_stats = server_stats

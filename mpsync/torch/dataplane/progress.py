@@ -114,7 +114,20 @@ class ProgressEngine:
         # (waits on another library's thread, see ``elsewhere``),
         # lane_calls (blocking calls handed to lanes).
         self.counts = {"waits": 0, "spins": 0, "event_waits": 0, "sleeps": 0, "pauses": 0,
-                       "lane_calls": 0}
+                       "lane_calls": 0, "beats": 0}
+        # Called about every ``beat_every`` seconds while a wait lasts longer than that, on the
+        # thread that set it (the worker's SyncClient.alive): a worker waiting in a collective
+        # for a peer that stopped keeps telling the state server it is there, so the server
+        # can name the one that fell silent instead of every worker in the collective.
+        self._beat = None
+        self._beat_thread: int | None = None
+        self.beat_every = 1.0
+
+    def set_heartbeat(self, beat) -> None:
+        """``beat()`` (rate-limited by the callee) runs during long waits on this thread; None
+        removes it."""
+        self._beat = beat
+        self._beat_thread = threading.get_ident() if beat is not None else None
 
     # -- starting -------------------------------------------------------------------------------
     def threads_ok(self) -> bool:
@@ -165,7 +178,8 @@ class ProgressEngine:
         ``idle()`` is called about every millisecond once ``idle_after`` seconds have passed
         (a local-step policy's idle iterations).  ``watch`` announces the wait after
         ``notice_after`` (default min(1 s, deadline / 4)) and names the silent peers at the
-        deadline.
+        deadline.  The heartbeat (:meth:`set_heartbeat`) runs every ``beat_every`` seconds of
+        a wait on the thread that set it.
         """
         if test():
             return
@@ -180,12 +194,15 @@ class ProgressEngine:
         spins = 0
         pausing = False
         lane_event = event if not callable(event) else None
+        beat = self._beat if self._beat_thread == threading.get_ident() else None
+        next_beat = start + self.beat_every if beat is not None else float("inf")
         while True:
             if callable(event):
                 lane_event = event()
             if lane_event is not None:
                 # The data moves on a lane: block until it is done or something is due.
-                due = start + (deadline if announced or watch is None else notice_after)
+                due = min(start + (deadline if announced or watch is None else notice_after),
+                          next_beat)
                 if idle is not None:
                     due = min(due, next_idle)
                 step = max(0.0, due - now)
@@ -222,6 +239,10 @@ class ProgressEngine:
             if idle is not None and now >= next_idle:
                 idle()
                 next_idle = time.monotonic() + 1e-3
+            if now >= next_beat:
+                counts["beats"] += 1
+                beat()
+                next_beat = now + self.beat_every
             if watch is not None and not announced and waited > notice_after:
                 watch.announce(seq)
                 announced = True
