@@ -100,6 +100,14 @@ class SyncConfig:
     # ``startup_timeout`` instead.
     silent_timeout: float = 10.0
     deadline: float = 20.0
+    # A thread on every worker of the torch API tells the state server every ``heartbeat_s``
+    # seconds that its process and its link are up; a worker whose beats stop for
+    # max(``suspect_after``, 4 x ``heartbeat_s``) is suspected at once (stopped, its node
+    # down, its link cut), whatever it was doing: a slow step, an evaluation or a checkpoint
+    # write still beats, so a straggler is never suspected.  0 turns the beats off (the
+    # server then has ``silent_timeout`` alone).  mpsync.server.heartbeat says why these.
+    heartbeat_s: float = 0.5
+    suspect_after: float = 3.0
     # A worker still starting (imports, data loading, broadcasts before its first step) is not
     # silent until this long after the server started: tens of seconds on a loaded node.
     startup_timeout: float = 120.0
@@ -184,6 +192,11 @@ class SyncConfig:
                               f"{self.osp_ics_max_fraction}")
         if not self.silent_timeout > 0:
             raise ConfigError(f"silent_timeout must be > 0 seconds, got {self.silent_timeout}")
+        if not (self.heartbeat_s >= 0 and math.isfinite(self.heartbeat_s)):
+            raise ConfigError(f"heartbeat_s must be >= 0 seconds (0: no heartbeat), got "
+                              f"{self.heartbeat_s}")
+        if not (self.suspect_after > 0 and math.isfinite(self.suspect_after)):
+            raise ConfigError(f"suspect_after must be > 0 seconds, got {self.suspect_after}")
         if not self.startup_timeout > 0:
             raise ConfigError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout}")
         if not self.deadline > 0:

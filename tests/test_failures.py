@@ -71,17 +71,28 @@ def test_a_stopped_worker_is_named_when_the_collective_deadline_passes(backend, 
     # small: Iallreduce polled on the caller's thread; big: Allreduce on the communication
     # thread, the caller waiting on an event.
     extra = ["big=1"] if model == "big" else []
+    # Without heartbeats, which would have the state server name it first (next test).
     run, _ = run_fault("fail_worker_sigstop", "victim=1", "deadline=5", f"backend={backend}",
-                       *extra)
+                       "heartbeat=0", *extra)
     text = all_output(run)
     # The live workers time out and name the silent one: worker 1 = world rank 2.
     assert "CollectiveTimeout" in text, run.report()
     assert "no word from worker 1 (world rank 2)" in text, run.report()
 
 
+def test_a_stopped_worker_is_suspected_by_its_missing_heartbeats_before_any_deadline():
+    # Beats every 0.5 s, suspected after max(3 s, 4 periods); the collectives' deadline is 20 s
+    # and the state server's silence rule 10 s: only the beats can name it this early.
+    run, _ = run_fault("fail_worker_sigstop", "victim=1", "deadline=20", "heartbeat=0.5")
+    text = all_output(run)
+    assert re.search(r"worker rank\(s\) \[2\] silent for more than 3s \(no heartbeat", text), \
+        run.report()
+    assert "CollectiveTimeout" not in text, run.report()
+
+
 def test_a_worker_stopped_before_a_gather_is_named_at_the_deadline():
     # The metrics/checkpoint gather of mpsync train: a blocking comm.gather would wait forever.
-    run, _ = run_fault("gather_with_a_stopped_worker", "victim=1", "deadline=5")
+    run, _ = run_fault("gather_with_a_stopped_worker", "victim=1", "deadline=5", "heartbeat=0")
     text = all_output(run)
     assert "CollectiveTimeout" in text, run.report()
     assert re.search(r"final metrics.*no word from worker 1 \(world rank 2\)", text), run.report()

@@ -362,8 +362,9 @@ def gather_with_a_stopped_worker() -> None:
     """Worker ``victim`` stops (SIGSTOP) just before ``gather_object``: the root must not wait
     forever, but fail at the deadline naming it."""
     a = _args()
+    # heartbeat=0: the state server's beats would name the stopped worker first.
     mps.init(policy="bsp", backend="mpi", server="dedicated",
-             deadline=float(a.get("deadline", 5)))
+             deadline=float(a.get("deadline", 5)), heartbeat_s=float(a.get("heartbeat", 0.5)))
     victim = int(a.get("victim", 1))
     mps.allreduce(torch.zeros(1, dtype=torch.float64))  # every worker is up
     if mps.rank() == victim:
@@ -378,12 +379,14 @@ def _fault(kind: str) -> None:
     """BSP training on the mpi backend; at step 3 one rank suffers ``kind``.
 
     Prints ``FAULT <wall time>`` just before the fault so the test can measure the time from
-    the fault to the end of the job.  ``deadline`` (seconds) bounds every collective wait.
+    the fault to the end of the job.  ``deadline`` (seconds) bounds every collective wait;
+    ``heartbeat`` (seconds, 0: off) is the workers' beat period.
     """
     a = _args()
     pids = MPI.COMM_WORLD.allgather(os.getpid())  # before init: the server rank's pid too
     deadline = a.get("deadline", "5")  # "default": the configuration's defaults
-    mps.init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated",
+    beats = {"heartbeat_s": float(a["heartbeat"])} if "heartbeat" in a else {}
+    mps.init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated", **beats,
              **({} if deadline == "default" else {"deadline": float(deadline)}))
     victim = int(a.get("victim", 1))  # a worker rank
     model = _model()

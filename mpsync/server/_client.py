@@ -159,6 +159,7 @@ class SyncClient(ParameterServerCalls):
         self._seq = 0
         self.alive_every = float(getattr(config, "silent_timeout", 10.0)) / 4
         self._next_alive = 0.0
+        self._heartbeat = None
         self._pending: PendingDecision | None = None
         # Replies to requests sent without waiting (push_pull), collected before the next
         # call that waits for a reply: (request, buffer, seq, what).
@@ -426,6 +427,23 @@ class SyncClient(ParameterServerCalls):
         self.comm.Send(self._header(self.iteration), dest=self.server, tag=W.ALIVE)
         self.control_sent += _MSG_BYTES
 
+    def start_heartbeat(self, period: float) -> bool:
+        """Beat every ``period`` seconds from a thread (:mod:`mpsync.server.heartbeat`), so
+        the server suspects this worker within seconds if its process or link stops; False
+        (no thread) when ``period`` is 0 or MPI was not initialised with threads."""
+        from mpsync.server.heartbeat import Heartbeat
+
+        self.stop_heartbeat()
+        if not period > 0 or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return False
+        self._heartbeat = Heartbeat(self.comm, self.server, period, W.BEAT)
+        return True
+
+    def stop_heartbeat(self) -> None:
+        beat, self._heartbeat = getattr(self, "_heartbeat", None), None
+        if beat is not None:
+            beat.stop()
+
     def report_importance(self, importance, layer_sizes=None, loss: float | None = None,
                           epoch: int = 0, u_max: float | None = None) -> np.ndarray:
         """OSP: the layer importance of the previous iteration's global gradients (and layer
@@ -481,4 +499,5 @@ class SyncClient(ParameterServerCalls):
         return json.loads(buf.tobytes().decode())
 
     def shutdown(self) -> None:
+        self.stop_heartbeat()   # its last beat leaves before the goodbye
         self._call(W.SHUTDOWN, "shutdown")

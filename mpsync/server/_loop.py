@@ -38,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.config import ConfigError
-from mpsync.server import _fastpath, rules, wire as W
+from mpsync.server import heartbeat, _fastpath, rules, wire as W
 from mpsync.server._handlers import MessageHandlers
 from mpsync.server.policies import make_policy
 from mpsync.server._stats import EventLog, ServerCounters, rss_kb
@@ -130,6 +130,13 @@ class StateServer(MessageHandlers):
         self._status = MPI.Status()
         self.t0 = MPI.Wtime()
         self.table.last_heard[:] = self.t0
+        # Heartbeats (mpsync.server.heartbeat): each worker's period (0: it does not beat) and
+        # the receipt time of its latest beat; apart from last_heard, which only the worker's
+        # own messages move (a beating process may still hang in its training thread).
+        self.beat_period = np.zeros(self.table.n, dtype=np.float64)
+        self.last_beat = np.zeros(self.table.n, dtype=np.float64)
+        self.beats = 0
+        self._beat_buf = np.zeros(1, dtype=np.float64)
         self._stop = False
         self._resuming = None      # the parked header whose DATA has just arrived
         self._msg_spec = [self._msg, MPI.DOUBLE]
@@ -291,6 +298,8 @@ class StateServer(MessageHandlers):
     def _receive(self, src: int, tag: int, nbytes: int) -> None:
         """One probed message: validate it, hand it to its handler (the hot path: every
         worker comes through here once per iteration, so it avoids numpy scalars)."""
+        if tag == W.BEAT:
+            return self._on_beat(src, nbytes)
         handler = self._HANDLERS.get(tag)
         w = self.index.get(src)
         if handler is None:
@@ -315,6 +324,7 @@ class StateServer(MessageHandlers):
         msg = self._msg.tolist()   # Python floats: cheaper to read than numpy scalars
         if self.table.removed[w]:
             self.table.removed[w] = False  # it came back (PS): count it in again
+            self.last_beat[w] = max(self.last_beat[w], now)  # not suspected again before its beat
             self.policy.on_rejoin(w)
             self.log(f"mpsync server: worker rank {src} is responding again; taken back in")
         rules.record_heard(self.cells, w, now)
@@ -387,9 +397,31 @@ class StateServer(MessageHandlers):
                 self._reject(src, tag, f"{W.TAG_NAMES[tag]}: no payload within "
                                        f"{self.config.deadline:g}s")
 
+    def _on_beat(self, src: int, nbytes: int) -> None:
+        w = self.index.get(src)
+        if w is None or nbytes != 8:
+            why = (f"rank {src} is not a worker of this server" if w is None else
+                   f"wrong size {nbytes} bytes (expected 8)")
+            return self._reject(src, W.BEAT, why, nbytes)
+        self.comm.Recv([self._beat_buf, MPI.DOUBLE], source=src, tag=W.BEAT)
+        period = float(self._beat_buf[0])
+        if not 0 < period <= heartbeat.MAX_PERIOD_S:
+            return self._reject(src, W.BEAT, f"beat period {period!r} not in (0, "
+                                             f"{heartbeat.MAX_PERIOD_S:g}] s")
+        self.beat_period[w] = period
+        self.last_beat[w] = MPI.Wtime()
+        self.beats += 1
+
     # -- silent workers ----------------------------------------------------------------------
     def _find_silent(self, now: float) -> None:
         t = self.table
+        lost = heartbeat.suspects(now, self.last_beat, self.beat_period,
+                                  self.config.suspect_after, t.active)
+        if lost.size:
+            bound = float(heartbeat.suspect_bound(self.beat_period[lost],
+                                                  self.config.suspect_after).max())
+            return self._take_out(lost, now, bound, "no heartbeat: its process stopped, its "
+                                                    "node down or its link cut")
         # A worker that has not made its first step is still starting (imports, data loading,
         # broadcasts: tens of seconds on a loaded node): it gets the start-up timeout instead.
         started = np.frombuffer(self.counters.steps, dtype=np.int64) > 0
@@ -412,19 +444,25 @@ class StateServer(MessageHandlers):
                 # it waits for.  Leave the naming to them; abort here only if none does.
                 return
             waiting = [self.ranks[w] for w in silent if w not in cause]
-            ranks = [self.ranks[w] for w in cause]
-            also = f" (rank(s) {waiting} are waiting for them)" if waiting else ""
-            self.log(f"mpsync server: worker rank(s) {ranks} silent for more than "
-                      f"{self.config.silent_timeout:g}s{also}; the ring cannot continue "
-                      f"without them: aborting the job")
-            self.comm.Abort(3)
+            also = f"rank(s) {waiting} are waiting for them" if waiting else None
+            return self._take_out(np.asarray(cause), now, self.config.silent_timeout, also)
+        self._take_out(silent, now, self.config.silent_timeout, None)
+
+    def _take_out(self, silent: np.ndarray, now: float, bound: float, why: str | None) -> None:
+        """Workers ``silent`` for more than ``bound`` seconds: the ring ends the job naming
+        them; the PS's policies go on without them (taken back when they speak again)."""
+        t = self.table
         ranks = [self.ranks[w] for w in silent]
+        said = f"mpsync server: worker rank(s) {ranks} silent for more than {bound:g}s" + \
+            (f" ({why})" if why else "")
+        if self.config.topology == "ring":
+            self.log(f"{said}; the ring cannot continue without them: aborting the job")
+            self.comm.Abort(3)
         for w in silent:
             t.removed[w] = True
             self.events.add(now - self.t0, int(w), "removed", int(t.iteration[w]))
-        self.log(f"mpsync server: worker rank(s) {ranks} silent for more than "
-                  f"{self.config.silent_timeout:g}s; taken out of the {self.config.policy} "
-                  f"decisions (ZipLine paper §4), the others continue")
+        self.log(f"{said}; taken out of the {self.config.policy} decisions (ZipLine paper "
+                 f"§4), the others continue")
         self.policy.on_membership_change()
         self._retry_held(now)
 

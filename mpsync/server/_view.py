@@ -84,12 +84,14 @@ class ServerView:
                 "pushes": int(c["pushes"][w]), "pulls": int(c["pulls"][w]),
                 "held_pulls": int(c["held_pulls"][w]),
                 "removed": bool(t["removed"][w]), "done": bool(t["done"][w]),
+                "beat_period_s": float(s.beat_period[w]),
             }
         now = round(MPI.Wtime() - s.t0, 3)
         return {"policy": s.config.policy, "topology": s.config.topology,
                 "server": s.config.server, "server_rank": s.server_rank,
                 "workers": workers, "elapsed_s": MPI.Wtime() - s.t0,
                 "rejected_messages": int(s.counters.rejected), "messages": dict(s.messages),
+                "beats": int(s.beats),
                 "max_staleness_gap": int(s.counters.max_gap), "ps_version": self.ps_version,
                 "policy_state": self.policy_state(),
                 "rss_kb": s.rss_samples + [[now, rss_kb()]],

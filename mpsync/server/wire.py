@@ -39,11 +39,13 @@ SHUTDOWN = 109
 DATA = 110
 LOSS = 111          # the worker's mean training loss (AGG) over COUNT iterations; no reply
 ALIVE = 112         # the worker is busy outside its steps (its script's collectives); no reply
+BEAT = 113          # the heartbeat thread: one float64, its period; no reply (not a request)
 REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN, LOSS,
                 ALIVE)
 TAG_NAMES = {REGISTER: "register", STEP: "step", RESET: "reset", IMPORTANCE: "importance",
              PS_INIT: "ps_init", PUSH: "push", PULL: "pull", STATS: "stats",
-             SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss", ALIVE: "alive"}
+             SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss", ALIVE: "alive",
+             BEAT: "beat"}
 
 # Reply tags.
 REPLY = 120

@@ -283,6 +283,9 @@ def _start_control_plane(ctx: Context) -> None:
     # A worker waiting in a collective (a bucket, the script's own) for a peer that stopped
     # still speaks to the server, which then names the silent one within silent_timeout.
     engine().set_heartbeat(ctx.client.alive)
+    # And a thread beats whatever the training thread does, so that a stopped process, a dead
+    # node or a cut link is suspected within seconds (mpsync.server.heartbeat).
+    ctx.client.start_heartbeat(ctx.config.heartbeat_s)
 
 
 def shutdown() -> None:
