@@ -122,11 +122,12 @@ def _count_one_exchanges() -> list:
 
 def shard_fault() -> None:
     """ASP on the sharded PS; at step 5 the rank hosting shard ``victim`` is killed
-    (``kind=sigkill``) or stopped (``kind=sigstop``).  Prints ``FAULT <wall time>`` first."""
+    (``kind=sigkill``) or stopped (``kind=sigstop``); ``heartbeat``: the beat period (0:
+    none).  Prints ``FAULT <wall time>`` first."""
     a = _args()
     kind, victim = a.get("kind", "sigkill"), int(a.get("victim", 1))
     mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated",
-             ps_shards=int(a.get("ps_shards", 3)))
+             ps_shards=int(a.get("ps_shards", 3)), heartbeat_s=float(a.get("heartbeat", 0.5)))
     from mpsync.torch import _runtime
 
     host = _runtime.context().shard_layout.hosts[victim]

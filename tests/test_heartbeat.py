@@ -5,6 +5,7 @@ test_failures.py (the ring) and test_rank_errors.py (the parameter server)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,18 +42,18 @@ def test_the_thread_beats_every_period_until_stopped():
 
     comm = MPI.COMM_SELF.Dup()
     try:
-        beat = Heartbeat(comm, 0, 0.05, W.BEAT)
-        got, buf, end = [], np.zeros(1), time.monotonic() + 0.5
+        beat = Heartbeat(comm, 0, 0.05, W.BEAT, shard=3)
+        got, buf, end = [], np.zeros(2), time.monotonic() + 0.5
         while time.monotonic() < end:
             if comm.Iprobe(source=0, tag=W.BEAT):
                 comm.Recv([buf, MPI.DOUBLE], source=0, tag=W.BEAT)
-                got.append((time.monotonic(), float(buf[0])))
+                got.append((float(buf[0]), int(buf[1])))
             else:
                 time.sleep(0.002)
         beat.stop()
         assert not beat.running and beat.error is None
         assert 5 <= len(got) <= 12, len(got)
-        assert {p for _, p in got} == {0.05}
+        assert set(got) == {(0.05, 3)}
         while comm.Iprobe(source=0, tag=W.BEAT):   # the beats sent before the stop
             comm.Recv([buf, MPI.DOUBLE], source=0, tag=W.BEAT)
         time.sleep(0.2)
@@ -60,6 +61,28 @@ def test_the_thread_beats_every_period_until_stopped():
         assert beat.sent >= len(got)
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi
+def test_a_stopped_worker_that_hosts_a_ps_shard_ends_the_job_named_by_its_beats():
+    # SSP on the PS, one host: the shards live on workers 0 and 1.  Worker 1 (world rank 2)
+    # stops: the others' pushes and pulls cannot complete without shard 1, so its missing beats
+    # end the job (before, they waited for the 20 s deadline, or a --deadline of 60 s).
+    start = time.time()
+    run = run_mpi(str(REPO / "tests" / "torch_programs.py"), np=4, timeout=90, check=False,
+                  args=["fail_worker_sigstop", "victim=1", "deadline=20", "policy=ssp",
+                        "topology=ps"])
+    text = run.stderr + run.stdout + "".join(
+        o.get("stderr", "") + o.get("stdout", "") for o in run.ranks.values())
+    assert run.returncode not in (0, None) and not run.timed_out, run.report()
+    assert re.search(r"worker rank\(s\) \[2\] silent for more than 3s \(no heartbeat.*they "
+                     r"host PS shard\(s\) \[1\]", text), run.report()
+    assert "DeadlineExceeded" not in text, run.report()
+    print(f"\njob ended {start + run.elapsed - _fault_time(text):.1f} s after the stop")
+
+
+def _fault_time(text: str) -> float:
+    return float(re.search(r"^FAULT (\S+)$", text, flags=re.M).group(1))
 
 
 @pytest.mark.mpi

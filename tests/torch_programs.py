@@ -376,7 +376,8 @@ def gather_with_a_stopped_worker() -> None:
 
 # -- failures ------------------------------------------------------------
 def _fault(kind: str) -> None:
-    """BSP training on the mpi backend; at step 3 one rank suffers ``kind``.
+    """BSP training on the mpi backend (or ``policy`` on ``topology``); at step 3 one rank
+    suffers ``kind``.
 
     Prints ``FAULT <wall time>`` just before the fault so the test can measure the time from
     the fault to the end of the job.  ``deadline`` (seconds) bounds every collective wait;
@@ -386,7 +387,8 @@ def _fault(kind: str) -> None:
     pids = MPI.COMM_WORLD.allgather(os.getpid())  # before init: the server rank's pid too
     deadline = a.get("deadline", "5")  # "default": the configuration's defaults
     beats = {"heartbeat_s": float(a["heartbeat"])} if "heartbeat" in a else {}
-    mps.init(policy="bsp", backend=a.get("backend", "mpi"), server="dedicated", **beats,
+    mps.init(policy=a.get("policy", "bsp"), topology=a.get("topology", "ring"),
+             backend=a.get("backend", "mpi"), server="dedicated", **beats,
              **({} if deadline == "default" else {"deadline": float(deadline)}))
     victim = int(a.get("victim", 1))  # a worker rank
     model = _model()

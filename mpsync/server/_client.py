@@ -427,16 +427,17 @@ class SyncClient(ParameterServerCalls):
         self.comm.Send(self._header(self.iteration), dest=self.server, tag=W.ALIVE)
         self.control_sent += _MSG_BYTES
 
-    def start_heartbeat(self, period: float) -> bool:
+    def start_heartbeat(self, period: float, shard: int = -1) -> bool:
         """Beat every ``period`` seconds from a thread (:mod:`mpsync.server.heartbeat`), so
         the server suspects this worker within seconds if its process or link stops; False
-        (no thread) when ``period`` is 0 or MPI was not initialised with threads."""
+        (no thread) when ``period`` is 0 or MPI was not initialised with threads.  ``shard``:
+        the PS shard this process hosts (-1: none)."""
         from mpsync.server.heartbeat import Heartbeat
 
         self.stop_heartbeat()
         if not period > 0 or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             return False
-        self._heartbeat = Heartbeat(self.comm, self.server, period, W.BEAT)
+        self._heartbeat = Heartbeat(self.comm, self.server, period, W.BEAT, shard)
         return True
 
     def stop_heartbeat(self) -> None:

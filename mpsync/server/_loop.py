@@ -136,7 +136,8 @@ class StateServer(MessageHandlers):
         self.beat_period = np.zeros(self.table.n, dtype=np.float64)
         self.last_beat = np.zeros(self.table.n, dtype=np.float64)
         self.beats = 0
-        self._beat_buf = np.zeros(1, dtype=np.float64)
+        self._beat_buf = np.zeros(heartbeat.BEAT_LEN, dtype=np.float64)
+        self.shard_of = np.full(self.table.n, -1, dtype=np.int64)  # the PS shard it hosts
         self._stop = False
         self._resuming = None      # the parked header whose DATA has just arrived
         self._msg_spec = [self._msg, MPI.DOUBLE]
@@ -399,15 +400,18 @@ class StateServer(MessageHandlers):
 
     def _on_beat(self, src: int, nbytes: int) -> None:
         w = self.index.get(src)
-        if w is None or nbytes != 8:
+        if w is None or nbytes != 8 * heartbeat.BEAT_LEN:
             why = (f"rank {src} is not a worker of this server" if w is None else
-                   f"wrong size {nbytes} bytes (expected 8)")
+                   f"wrong size {nbytes} bytes (expected {8 * heartbeat.BEAT_LEN})")
             return self._reject(src, W.BEAT, why, nbytes)
         self.comm.Recv([self._beat_buf, MPI.DOUBLE], source=src, tag=W.BEAT)
-        period = float(self._beat_buf[0])
+        period, shard = float(self._beat_buf[0]), float(self._beat_buf[1])
         if not 0 < period <= heartbeat.MAX_PERIOD_S:
             return self._reject(src, W.BEAT, f"beat period {period!r} not in (0, "
                                              f"{heartbeat.MAX_PERIOD_S:g}] s")
+        if not (shard == int(shard) and -1 <= shard < self.table.n):
+            return self._reject(src, W.BEAT, f"shard {shard!r} is no shard index")
+        self.shard_of[w] = int(shard)
         self.beat_period[w] = period
         self.last_beat[w] = MPI.Wtime()
         self.beats += 1
@@ -421,7 +425,7 @@ class StateServer(MessageHandlers):
             bound = float(heartbeat.suspect_bound(self.beat_period[lost],
                                                   self.config.suspect_after).max())
             return self._take_out(lost, now, bound, "no heartbeat: its process stopped, its "
-                                                    "node down or its link cut")
+                                                    "node down or its link cut", gone=True)
         # A worker that has not made its first step is still starting (imports, data loading,
         # broadcasts: tens of seconds on a loaded node): it gets the start-up timeout instead.
         started = np.frombuffer(self.counters.steps, dtype=np.int64) > 0
@@ -448,15 +452,25 @@ class StateServer(MessageHandlers):
             return self._take_out(np.asarray(cause), now, self.config.silent_timeout, also)
         self._take_out(silent, now, self.config.silent_timeout, None)
 
-    def _take_out(self, silent: np.ndarray, now: float, bound: float, why: str | None) -> None:
+    def _take_out(self, silent: np.ndarray, now: float, bound: float, why: str | None,
+                  gone: bool = False) -> None:
         """Workers ``silent`` for more than ``bound`` seconds: the ring ends the job naming
-        them; the PS's policies go on without them (taken back when they speak again)."""
+        them; the PS's policies go on without them (taken back when they speak again), unless
+        they are ``gone`` (no beats) and host a shard."""
         t = self.table
         ranks = [self.ranks[w] for w in silent]
         said = f"mpsync server: worker rank(s) {ranks} silent for more than {bound:g}s" + \
             (f" ({why})" if why else "")
         if self.config.topology == "ring":
             self.log(f"{said}; the ring cannot continue without them: aborting the job")
+            self.comm.Abort(3)
+        shards = [int(self.shard_of[w]) for w in silent if self.shard_of[w] >= 0]
+        if shards and gone:
+            # The others' pushes and pulls need every shard's slice of the model.  (Only for
+            # a process known gone: a worker silent only by the older rule may be a live one
+            # waiting for that shard.)
+            self.log(f"{said}; they host PS shard(s) {shards}: the parameter server cannot "
+                     f"continue without them: aborting the job")
             self.comm.Abort(3)
         for w in silent:
             t.removed[w] = True

@@ -19,7 +19,9 @@ milliseconds) is far inside both.
 
 What the suspicion leads to is the policy's (the ZipLine paper, §4, takes a silent worker out
 of the barrier decisions): the ring cannot aggregate without it and ends the job naming it;
-the parameter server's policies go on without it and take it back when it speaks again.
+the parameter server's policies go on without it and take it back when it speaks again,
+unless it hosts a PS shard: the others' pushes and pulls cannot complete without that slice of
+the model, so the job ends naming it (the beat carries the shard it hosts).
 
 The beats tell that a process is there, not that it progresses: a worker whose training
 thread hangs with its beat thread alive is found by the older rule (no step or other message
@@ -36,11 +38,13 @@ import time
 
 import numpy as np
 
-__all__ = ["Heartbeat", "suspect_bound", "suspects", "MAX_PERIOD_S"]
+__all__ = ["Heartbeat", "suspect_bound", "suspects", "MAX_PERIOD_S", "BEAT_LEN"]
 
 # A beat period the server accepts (a larger one is a malformed message): beats rarer than
 # this could not find a fault in seconds anyway.
 MAX_PERIOD_S = 60.0
+# float64s in a beat: its period, the shard its process hosts (-1: none).
+BEAT_LEN = 2
 # A suspicion waits for this many missed periods (one late beat is not a lost one).
 _PERIODS = 4.0
 
@@ -61,12 +65,12 @@ def suspects(now: float, last_beat: np.ndarray, period: np.ndarray, floor: float
 
 
 class Heartbeat:
-    """A daemon thread sending ``[period]`` to the server (tag ``BEAT``) every ``period``
-    seconds on ``comm``.  At most one beat in flight: one that has not left (a cut link)
+    """A daemon thread sending ``[period, shard]`` to the server (tag ``BEAT``) every
+    ``period`` seconds on ``comm``; ``shard``: the PS shard this process hosts (-1: none).  At most one beat in flight: one that has not left (a cut link)
     is not piled up behind.  ``stop()`` ends it; it ends by itself if MPI fails or is
     finalized under it (a process on its way out)."""
 
-    def __init__(self, comm, server_rank: int, period: float, tag: int):
+    def __init__(self, comm, server_rank: int, period: float, tag: int, shard: int = -1):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -76,7 +80,8 @@ class Heartbeat:
         self.tag = int(tag)
         self.sent = 0
         self.error: str | None = None
-        self._buf = np.array([self.period], dtype=np.float64)  # constant: safe while in flight
+        # [period, the PS shard this process hosts or -1]; constant: safe while in flight.
+        self._buf = np.array([self.period, float(shard)], dtype=np.float64)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpsync-heartbeat", daemon=True)
         self._thread.start()

@@ -285,7 +285,10 @@ def _start_control_plane(ctx: Context) -> None:
     engine().set_heartbeat(ctx.client.alive)
     # And a thread beats whatever the training thread does, so that a stopped process, a dead
     # node or a cut link is suspected within seconds (mpsync.server.heartbeat).
-    ctx.client.start_heartbeat(ctx.config.heartbeat_s)
+    hosted = -1
+    if ctx.shard_thread is not None:
+        hosted = ctx.shard_layout.hosts.index(ctx.worker_rank)
+    ctx.client.start_heartbeat(ctx.config.heartbeat_s, hosted)
 
 
 def shutdown() -> None:
