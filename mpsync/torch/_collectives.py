@@ -234,16 +234,18 @@ class UserOps:
 
     Collectives are matched by name (:mod:`~mpsync.torch._negotiation`): an unnamed one is
     ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order
-    (as Horovod's handle-numbered names are).  ``fusion_bytes`` 0 turns tensor fusion off;
+    (as Horovod's handle-numbered names are).  ``negotiation``: the fusion threshold and cycle
+    time (:class:`mpsync.config.Negotiation`, Horovod's defaults if None); ``fusion_bytes``
+    overrides its threshold (0 turns tensor fusion off).
     ``stall_after`` (default: half the deadline, at most Horovod's 60 s) is when member 0
     reports the names some workers have not submitted.  ``heartbeat``: called at every
     submission, tells the state server this worker is alive (rate-limited by the client)."""
 
     def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None,
                  checked: bool = True, world_ranks=None, fusion_bytes: int | None = None,
-                 stall_after: float | None = None, heartbeat=None):
+                 stall_after: float | None = None, heartbeat=None, negotiation=None):
+        from mpsync.config import Negotiation
         from mpsync.torch._coordinator import Channel, Coordinator
-        from mpsync.torch._negotiation import FUSION_BYTES
         from mpsync.torch.dataplane.waiting import PeerWatch
 
         self.comm = comm
@@ -275,11 +277,13 @@ class UserOps:
         self.exchanges = 0                 # requests sent by this member
         self.joined = None                 # a joined worker's answerer (joining)
         self.all_joined: int | None = None
+        self.negotiation = negotiation or Negotiation()
         self.channel = Channel(self.meta)
         stall = min(60.0, self.deadline / 2) if stall_after is None else stall_after
         self.coordinator = Coordinator(
             self.meta, self.size, stall_after=stall, deadline=self.deadline,
-            fusion_bytes=FUSION_BYTES if fusion_bytes is None else fusion_bytes) \
+            fusion_bytes=self.negotiation.fusion_bytes if fusion_bytes is None else fusion_bytes,
+            cycle_s=self.negotiation.cycle_s) \
             if self.rank == 0 else None
         # False: no negotiation, the data step starts at once (``mpsync bench allreduce``
         # measures what negotiation costs; reductions only, nothing else may be queued).
@@ -459,7 +463,8 @@ def make_user_ops(ctx) -> UserOps:
             ctx.client.alive()
 
     return UserOps(ctx.workers.Dup(), ctx.config.deadline, None, idle,
-                   world_ranks=ctx.world_ranks, heartbeat=heartbeat)
+                   world_ranks=ctx.world_ranks, heartbeat=heartbeat,
+                   negotiation=ctx.negotiation)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -8,6 +8,12 @@ also runs the :class:`Coordinator`: it drains the requests whenever that worker 
 collective call (there is no background thread: a worker waiting for a name keeps member 0's
 part going only while member 0 is itself inside mpsync, as with order-matched collectives).
 
+Horovod's cycle time (``HOROVOD_CYCLE_TIME``, 1 ms by default) is how often its background
+thread negotiates what was queued meanwhile; here there is no thread to wake, and member 0
+answers a name as soon as it is ready when no other name waits.  What the cycle buys in
+Horovod -- names queued close together fused in one buffer -- is kept by its counterpart:
+a name ready while others still wait is held at most one cycle time for them.
+
 Why not the state server: it would add a hop through the server's loop (a thread of rank 0,
 or a dedicated rank) to every collective and compete with the policy decisions it answers;
 the workers' own member 0 answers in the same two messages without touching the server.
@@ -21,12 +27,12 @@ import time
 
 import numpy as np
 
+from mpsync.config import HOROVOD_CYCLE_MS
 from mpsync.torch import _negotiation as neg
 
 __all__ = ["Channel", "Coordinator"]
 
 _REQUEST_TAG, _ANSWER_TAG = 7401, 7402
-_CYCLE_S = 1e-3  # Horovod's HOROVOD_CYCLE_TIME default: the longest a ready name waits
 
 
 def _receive(comm, source, tag) -> list[np.ndarray]:
@@ -76,16 +82,19 @@ class Channel(_Sender):
 
 class Coordinator(_Sender):
     """Member 0's table and answers (see the module doc).  ``fusion_bytes`` 0: no fusion;
-    names waiting ``stall_after`` seconds are reported once on stderr (``report`` replaces
-    the printing, for tests)."""
+    ``cycle_s``: the longest a ready name is held back while other names wait (Horovod's
+    cycle time); names waiting ``stall_after`` seconds are reported once on stderr
+    (``report`` replaces the printing, for tests)."""
 
     def __init__(self, comm, size: int, *, stall_after: float, deadline: float,
-                 fusion_bytes: int = neg.FUSION_BYTES, report=None):
+                 fusion_bytes: int = neg.FUSION_BYTES, cycle_s: float = HOROVOD_CYCLE_MS / 1e3,
+                 report=None):
         super().__init__(comm)
         self.table = neg.Negotiator(size)
         self.size = size
         self.stall_after, self.deadline = stall_after, deadline
         self.fusion_bytes = fusion_bytes
+        self.cycle_s = cycle_s
         self.report = report or (lambda text: print(text, file=sys.stderr, flush=True))
         self.stall_reports: list[dict] = []
         self._next_stall_check = 0.0
@@ -134,7 +143,7 @@ class Coordinator(_Sender):
         # cycle) while a lone collective pays no wait.
         if ready and not self._ready:
             self._ready_since = now
-        if ready and (not self.table.waiting or now - self._ready_since > _CYCLE_S):
+        if ready and (not self.table.waiting or now - self._ready_since >= self.cycle_s):
             self._execute(ready)
             ready = []
         self._ready = ready

@@ -7,7 +7,8 @@ for every name, the records of the workers that have submitted it; a name is *re
 every worker that has not joined has submitted it, and ready names are answered to every
 worker in the order they became ready, so every worker starts the same data steps in the same
 order whatever order it submitted them in.  Ready allreduces of one dtype and op that were
-answered together are fused into one buffer up to a byte threshold (Horovod's tensor fusion).
+answered together are fused into one buffer up to a byte threshold (Horovod's tensor fusion,
+128 MB by default as in Horovod 0.28.1, ``HOROVOD_FUSION_THRESHOLD``).
 
 A worker that gives up on a name at its deadline withdraws its record (``cancel``); the
 coordinator answers with the workers that never submitted it, so the name never runs with
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpsync.config import HOROVOD_FUSION_BYTES
 from mpsync.torch import _metadata as meta
 
 __all__ = ["SUBMIT", "CANCEL", "JOIN", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED", "FUSION_BYTES",
@@ -34,8 +36,9 @@ EXEC, CANCELLED, ALL_JOINED, EXTENDED = 11, 12, 13, 14
 
 EXTEND = "extend"  # :meth:`Negotiator.cancel`'s answer: wait one more deadline
 
-# Horovod's default HOROVOD_FUSION_THRESHOLD (64 MB).
-FUSION_BYTES = 64 << 20
+# Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD, 128 MB (horovod/common/operations.cc:
+# ``SetTensorFusionThresholdBytes(128 * 1024 * 1024)``); the variable is read in mpsync.config.
+FUSION_BYTES = HOROVOD_FUSION_BYTES
 
 
 def frame(parts) -> np.ndarray:
