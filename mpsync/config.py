@@ -5,7 +5,10 @@
 on every rank (and before ``mpirun`` starts) with one line that names the setting.
 
 Precedence: explicit arguments (CLI flags, ``init`` keywords) > environment (``MPSYNC_*``) >
-defaults.  Environment variables are read here and nowhere else.
+defaults.  Environment variables are read here and nowhere else: ``MPSYNC_*`` for
+:class:`SyncConfig`, and Horovod's own negotiation variables (``HOROVOD_FUSION_THRESHOLD``,
+``HOROVOD_CYCLE_TIME``, ``HOROVOD_CACHE_CAPACITY``) for :class:`Negotiation`, so that a Horovod
+job's settings mean the same under mpsync.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ __all__ = [
     "parse_ps_shards", "parse_bool", "debug_enabled",
     "check_output_dir", "PS_OPTIMIZERS", "parse_staleness_range", "print_user_error",
     "OPTIMIZERS", "OptimizerChoice", "optimizer_choice", "PROCESS_GROUP_BACKENDS",
-    "transport_unavailable",
+    "transport_unavailable", "Negotiation", "HOROVOD_FUSION_BYTES", "HOROVOD_CYCLE_MS",
+    "HOROVOD_CACHE_CAPACITY",
 ]
 
 # Which policies exist and where each may run: mpsync.policies (the registry).
@@ -306,6 +310,66 @@ def refuse_ps_plan(auto_plan: str, reason: str) -> None:
 
 
 DEFAULTS = SyncConfig()
+
+
+# Horovod 0.28.1's defaults for its negotiation (horovod/common/operations.cc, where the
+# background thread starts: ``SetTensorFusionThresholdBytes(128 * 1024 * 1024)``,
+# ``SetCycleTimeMs(1)``; horovod/common/global_state.h: ``cache_capacity = 1024``).
+HOROVOD_FUSION_BYTES = 128 * 1024 * 1024
+HOROVOD_CYCLE_MS = 1.0
+HOROVOD_CACHE_CAPACITY = 1024
+
+
+@dataclass(frozen=True)
+class Negotiation:
+    """How the script's collectives are negotiated (:mod:`mpsync.torch._negotiation`), from
+    Horovod's own variables so that a Horovod job's settings mean the same here:
+
+    * ``HOROVOD_FUSION_THRESHOLD`` (bytes): allreduces answered together share one buffer up
+      to this size; 0 turns fusion off;
+    * ``HOROVOD_CYCLE_TIME`` (milliseconds): the longest member 0 holds back a name that is
+      ready while other names still wait, so that names becoming ready meanwhile share its
+      buffer (a name answered alone is never held; 0: answer every burst of requests at once);
+    * ``HOROVOD_CACHE_CAPACITY``: names whose negotiation is remembered (the response cache);
+      0 turns the cache off.
+
+    Horovod reads them with ``strtol`` / ``strtof``, which turn a typo into 0 (no fusion, no
+    cache) without a word; here a value that is not a number >= 0 is refused, naming the
+    variable and the value."""
+
+    fusion_bytes: int = HOROVOD_FUSION_BYTES
+    cycle_ms: float = HOROVOD_CYCLE_MS
+    cache_capacity: int = HOROVOD_CACHE_CAPACITY
+
+    @property
+    def cycle_s(self) -> float:
+        return self.cycle_ms / 1000.0
+
+    @classmethod
+    def from_env(cls, env=None) -> "Negotiation":
+        env = os.environ if env is None else env
+        fusion = _horovod_number(env, "HOROVOD_FUSION_THRESHOLD", int, "a whole number of bytes",
+                                 cls.fusion_bytes, "0 turns fusion off; default 134217728, "
+                                                   "128 MB")
+        cycle = _horovod_number(env, "HOROVOD_CYCLE_TIME", float, "a number of milliseconds",
+                                cls.cycle_ms, "0 never holds a ready name back; default 1")
+        cache = _horovod_number(env, "HOROVOD_CACHE_CAPACITY", int, "a whole number of names",
+                                cls.cache_capacity, "0 turns the response cache off; default "
+                                                    "1024")
+        return cls(fusion, cycle, cache)
+
+
+def _horovod_number(env, var: str, kind: type, what: str, default, hint: str):
+    raw = env.get(var)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{var}={raw!r} is not {what} >= 0 ({hint}); set one or unset it")
+    return value
 
 
 @dataclass(frozen=True)

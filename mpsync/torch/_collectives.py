@@ -15,6 +15,11 @@ Every collective runs in two steps, like a request to Horovod's coordinator and 
    order of member 0's answers -- the same on every worker -- several small allreduces
    answered together sharing one buffer (tensor fusion).
 
+A name this set has negotiated before, submitted again unchanged by every worker, skips the
+exchange of records: each worker sends the number of its response cache entry, member 0
+answers with that number, and the records come from every worker's copy of the cache
+(:mod:`~mpsync.torch._response_cache`, Horovod's response cache).
+
 A name some worker never submits fails at the deadline on the workers that did, naming the
 missing workers, and is withdrawn, so it never disturbs the names after it.  A worker inside
 ``join()`` takes part in the answered collectives it has not submitted (zeros into
@@ -31,6 +36,7 @@ import torch
 
 from mpsync.torch import _metadata as meta
 from mpsync.torch import _negotiation as neg
+from mpsync.torch._response_cache import MISS
 from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
@@ -118,17 +124,19 @@ class _Op:
         self.result = None
         self.seq = 0  # the data step's number, the same on every member
 
-    def _checked(self, records: np.ndarray) -> bool:
+    def _checked(self, records: np.ndarray, known_good: bool = False) -> bool:
+        """``known_good``: the records come from the response cache (they agreed when cached,
+        and this worker's own is the one it submitted)."""
         self.records = records
-        msg = meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
+        msg = None if known_good else meta.mismatch(records, _DTYPE_NAMES, _OP_NAMES)
         if self.local_error is not None:
             self.error = self.local_error
         elif msg is not None:
             self.error = HorovodInternalError(msg)
         return self.error is None
 
-    def begin_data(self, records: np.ndarray) -> None:
-        if self._checked(records):
+    def begin_data(self, records: np.ndarray, known_good: bool = False) -> None:
+        if self._checked(records, known_good):
             self._test, self._finish = self._start(records)
 
     def test(self) -> bool:
@@ -234,16 +242,20 @@ class UserOps:
 
     Collectives are matched by name (:mod:`~mpsync.torch._negotiation`): an unnamed one is
     ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order
-    (as Horovod's handle-numbered names are).  ``fusion_bytes`` 0 turns tensor fusion off;
+    (as Horovod's handle-numbered names are).  ``negotiation``: the fusion threshold, cycle
+    time and response cache capacity (:class:`mpsync.config.Negotiation`, Horovod's defaults
+    if None); ``fusion_bytes`` overrides its threshold (0 turns tensor fusion off).  The
+    cache capacity is member 0's on every member (their caches must stay the same).
     ``stall_after`` (default: half the deadline, at most Horovod's 60 s) is when member 0
     reports the names some workers have not submitted.  ``heartbeat``: called at every
     submission, tells the state server this worker is alive (rate-limited by the client)."""
 
     def __init__(self, comm, deadline: float, hvd=None, idle=None, ranks=None,
                  checked: bool = True, world_ranks=None, fusion_bytes: int | None = None,
-                 stall_after: float | None = None, heartbeat=None):
+                 stall_after: float | None = None, heartbeat=None, negotiation=None):
+        from mpsync.config import Negotiation
         from mpsync.torch._coordinator import Channel, Coordinator
-        from mpsync.torch._negotiation import FUSION_BYTES
+        from mpsync.torch._response_cache import ResponseCache
         from mpsync.torch.dataplane.waiting import PeerWatch
 
         self.comm = comm
@@ -273,13 +285,19 @@ class UserOps:
         self.background: list = []         # a joined worker's parts in others' collectives
         self.execs = 0                     # data steps started: the same count on every member
         self.exchanges = 0                 # requests sent by this member
+        self.cache_hits = 0                # of them, submissions by a cache entry's number
         self.joined = None                 # a joined worker's answerer (joining)
         self.all_joined: int | None = None
-        self.channel = Channel(self.meta)
+        self.negotiation = negotiation or Negotiation()
+        capacity = self.meta.bcast(self.negotiation.cache_capacity if self.rank == 0 else None,
+                                   root=0)
+        self.cache = ResponseCache(capacity)
+        self.channel = Channel(self.meta, self.cache)
         stall = min(60.0, self.deadline / 2) if stall_after is None else stall_after
         self.coordinator = Coordinator(
             self.meta, self.size, stall_after=stall, deadline=self.deadline,
-            fusion_bytes=FUSION_BYTES if fusion_bytes is None else fusion_bytes) \
+            fusion_bytes=self.negotiation.fusion_bytes if fusion_bytes is None else fusion_bytes,
+            cycle_s=self.negotiation.cycle_s, cache_capacity=capacity) \
             if self.rank == 0 else None
         # False: no negotiation, the data step starts at once (``mpsync bench allreduce``
         # measures what negotiation costs; reductions only, nothing else may be queued).
@@ -323,7 +341,13 @@ class UserOps:
         if local_error is not None:
             rec[meta.Field.INVALID] = 1
         self._waiting[name] = op
-        self.channel.submit(name, np.ascontiguousarray(rec, dtype=np.int64))
+        rec = np.ascontiguousarray(rec, dtype=np.int64)
+        number = self.cache.lookup(name, self.rank, rec)
+        if number != MISS:
+            self.channel.hit(number)
+            self.cache_hits += 1
+        else:
+            self.channel.submit(name, rec)
         self.exchanges += 1
         self.watch.drain()
         if local_error is not None:
@@ -364,12 +388,22 @@ class UserOps:
             self._started = [op for op in self._started if not op.poll()]
 
     def _execute(self, parts: list) -> None:
+        """One EXEC answer (see ``Coordinator._execute``): its names, each from the response
+        cache or in full, the cache changed name by name as member 0 changed its own."""
         count = int(parts[0][1])
         group = []
+        at = 1
         for i in range(count):
-            name = neg.word_name(parts[1 + 3 * i])
-            records = parts[2 + 3 * i].reshape(self.size, -1)
-            local = neg.local_name(name, parts[3 + 3 * i], self.rank)
+            number = int(parts[0][2 + i])
+            if number != MISS:  # every worker hit this entry: the records are known good
+                name, records = self.cache.use(number)
+                local, known = name, True
+            else:
+                name = neg.word_name(parts[at])
+                records = parts[at + 1].reshape(self.size, -1)
+                local, known = neg.local_name(name, parts[at + 2], self.rank), False
+                at += 3
+                self.cache.answered(name, records)
             op = self._waiting.pop(local, None)
             if op is None:  # a joined worker, or a name this worker withdrew in the meantime
                 self.execs += 1
@@ -379,20 +413,33 @@ class UserOps:
                 continue
             if op.abandoned:
                 self._running.append(op)
-            group.append((op, records))
+            group.append((op, records, known))
+        self.cache.applied += 1
         if count > 1:  # member 0 fused these allreduces: one data step on every worker
-            for op, records in group:
-                op._checked(records)
+            for op, records, known in group:
+                op._checked(records, known)
             self.execs += 1
-            _start_fused(self, [op for op, _ in group], self.execs)
-            self._started += [op for op, _ in group if not op.abandoned]
+            _start_fused(self, [op for op, _, _ in group], self.execs)
+            self._started += [op for op, _, _ in group if not op.abandoned]
             return
-        for op, records in group:
+        for op, records, known in group:
             self.execs += 1
             op.seq = self.execs
-            op.begin_data(records)
+            op.begin_data(records, known)
             if not op.abandoned:
                 self._started.append(op)
+
+    def stats(self) -> dict:
+        """This member's negotiation counters: ``requests`` (collectives submitted),
+        ``cache_hits`` (of them, sent as a cache entry's number), ``cache_entries``; on
+        member 0 also the coordinator's (``exchanges_full``, ``exchanges_skipped``, ``hits``,
+        and the cache's ``evicted`` / ``replaced`` / ``erased`` entries)."""
+        out = {"requests": self.exchanges, "cache_hits": self.cache_hits,
+               "cache_entries": len(self.cache), "cache_capacity": self.cache.capacity}
+        if self.coordinator is not None:
+            out.update(self.coordinator.stats)
+            out.update(self.coordinator.cache.counts)
+        return out
 
     def give_up(self, op: _Op, timeout: BaseException) -> bool:
         """``op`` passed its deadline: withdraw its name if it is still waiting and raise,
@@ -459,7 +506,8 @@ def make_user_ops(ctx) -> UserOps:
             ctx.client.alive()
 
     return UserOps(ctx.workers.Dup(), ctx.config.deadline, None, idle,
-                   world_ranks=ctx.world_ranks, heartbeat=heartbeat)
+                   world_ranks=ctx.world_ranks, heartbeat=heartbeat,
+                   negotiation=ctx.negotiation)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

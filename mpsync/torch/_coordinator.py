@@ -8,6 +8,16 @@ also runs the :class:`Coordinator`: it drains the requests whenever that worker 
 collective call (there is no background thread: a worker waiting for a name keeps member 0's
 part going only while member 0 is itself inside mpsync, as with order-matched collectives).
 
+Because every member sees the same ``EXEC`` answers in the same order, every member keeps
+the same response cache (:mod:`~mpsync.torch._response_cache`): a name submitted unchanged
+by every worker travels as one entry number each way, as in Horovod's cache-hit path.
+
+Horovod's cycle time (``HOROVOD_CYCLE_TIME``, 1 ms by default) is how often its background
+thread negotiates what was queued meanwhile; here there is no thread to wake, and member 0
+answers a name as soon as it is ready when no other name waits.  What the cycle buys in
+Horovod -- names queued close together fused in one buffer -- is kept by its counterpart:
+a name ready while others still wait is held at most one cycle time for them.
+
 Why not the state server: it would add a hop through the server's loop (a thread of rank 0,
 or a dedicated rank) to every collective and compete with the policy decisions it answers;
 the workers' own member 0 answers in the same two messages without touching the server.
@@ -21,12 +31,13 @@ import time
 
 import numpy as np
 
+from mpsync.config import HOROVOD_CACHE_CAPACITY, HOROVOD_CYCLE_MS
 from mpsync.torch import _negotiation as neg
+from mpsync.torch._response_cache import ResponseCache
 
 __all__ = ["Channel", "Coordinator"]
 
 _REQUEST_TAG, _ANSWER_TAG = 7401, 7402
-_CYCLE_S = 1e-3  # Horovod's HOROVOD_CYCLE_TIME default: the longest a ready name waits
 
 
 def _receive(comm, source, tag) -> list[np.ndarray]:
@@ -56,19 +67,29 @@ class _Sender:
 
 
 class Channel(_Sender):
-    """One member's end: requests to member 0, answers from it."""
+    """One member's end: requests to member 0, answers from it.  Every request starts with
+    its kind and the number of answers this member has applied to its copy of the response
+    cache (``cache``; member 0 forgets a retired entry once every member is past it)."""
 
-    def request(self, parts) -> None:
-        self.send(neg.frame(parts), 0, _REQUEST_TAG)
+    def __init__(self, comm, cache: ResponseCache):
+        super().__init__(comm)
+        self.cache = cache
+
+    def request(self, kind: int, parts=(), extra=()) -> None:
+        self.send(neg.frame([[kind, self.cache.applied, *extra], *parts]), 0, _REQUEST_TAG)
 
     def submit(self, name: str, rec: np.ndarray) -> None:
-        self.request([[neg.SUBMIT], rec, neg.name_words(name)])
+        self.request(neg.SUBMIT, [rec, neg.name_words(name)])
+
+    def hit(self, number: int) -> None:
+        """Submit the name of cache entry ``number``, with this member's record there."""
+        self.request(neg.HIT, extra=[number])
 
     def cancel(self, name: str) -> None:
-        self.request([[neg.CANCEL], neg.name_words(name)])
+        self.request(neg.CANCEL, [neg.name_words(name)])
 
     def join(self) -> None:
-        self.request([[neg.JOIN]])
+        self.request(neg.JOIN)
 
     def answers(self) -> list[list[np.ndarray]]:
         return [neg.unframe(buf) for _src, buf in _receive(self.comm, 0, _ANSWER_TAG)]
@@ -76,16 +97,28 @@ class Channel(_Sender):
 
 class Coordinator(_Sender):
     """Member 0's table and answers (see the module doc).  ``fusion_bytes`` 0: no fusion;
-    names waiting ``stall_after`` seconds are reported once on stderr (``report`` replaces
-    the printing, for tests)."""
+    ``cycle_s``: the longest a ready name is held back while other names wait (Horovod's
+    cycle time); ``cache_capacity``: the response cache's (0: none;
+    :mod:`~mpsync.torch._response_cache`); names waiting ``stall_after`` seconds are
+    reported once on stderr (``report`` replaces the printing, for tests).
+
+    ``stats``: ``exchanges_full`` (names answered with every worker's records),
+    ``exchanges_skipped`` (names answered from the cache: every worker sent its entry's
+    number, and the answer is that number), ``hits`` (such requests received)."""
 
     def __init__(self, comm, size: int, *, stall_after: float, deadline: float,
-                 fusion_bytes: int = neg.FUSION_BYTES, report=None):
+                 fusion_bytes: int = neg.FUSION_BYTES, cycle_s: float = HOROVOD_CYCLE_MS / 1e3,
+                 cache_capacity: int = HOROVOD_CACHE_CAPACITY, report=None):
         super().__init__(comm)
         self.table = neg.Negotiator(size)
         self.size = size
         self.stall_after, self.deadline = stall_after, deadline
         self.fusion_bytes = fusion_bytes
+        self.cycle_s = cycle_s
+        self.cache = ResponseCache(cache_capacity, keep_retired=True)
+        self._hits: dict[tuple[str, int], int] = {}  # (name, worker) -> entry it hit
+        self._applied = [0] * size  # answers each member has applied, as it last said
+        self.stats = {"exchanges_full": 0, "exchanges_skipped": 0, "hits": 0}
         self.report = report or (lambda text: print(text, file=sys.stderr, flush=True))
         self.stall_reports: list[dict] = []
         self._next_stall_check = 0.0
@@ -98,11 +131,29 @@ class Coordinator(_Sender):
             self.send(buf, w, _ANSWER_TAG)
 
     def _execute(self, ready: list) -> None:
+        """One EXEC answer per fusion group: its head the kind, the count and per name its
+        cache entry (-1: answered in full, its name, records and numbers follow).  The cache
+        changes name by name, in the order every member applies them."""
         for group in neg.fusion_groups(ready, self.fusion_bytes):
-            parts = [[neg.EXEC, len(group)]]
+            head, body = [neg.EXEC, len(group)], []
             for name, recs, numbers in group:
-                parts += [neg.name_words(name), recs, numbers]
-            self._broadcast(parts)
+                hit = self._common_hit(name)
+                if hit is not None and self.cache.live(hit):
+                    self.cache.use(hit)
+                    head.append(hit)
+                    self.stats["exchanges_skipped"] += 1
+                else:
+                    self.cache.answered(name, recs)
+                    head.append(-1)
+                    body += [neg.name_words(name), recs, numbers]
+                    self.stats["exchanges_full"] += 1
+            self.cache.applied += 1
+            self._broadcast([head] + body)
+
+    def _common_hit(self, name: str) -> int | None:
+        """The entry every worker hit for the answered ``name``, if they all hit one."""
+        hits = {self._hits.pop((name, w), None) for w in range(self.size)}
+        return hits.pop() if len(hits) == 1 and None not in hits else None
 
     def step(self) -> bool:
         """Drain the requests, answer what became ready; True if anything arrived."""
@@ -112,14 +163,28 @@ class Coordinator(_Sender):
         for src, buf in requests:
             parts = neg.unframe(buf)
             kind = int(parts[0][0])
+            self._applied[src] = max(self._applied[src], int(parts[0][1]))
             if kind == neg.SUBMIT:
-                ready += self.table.submit(src, neg.word_name(parts[2]), parts[1], now)
+                name = neg.word_name(parts[2])
+                self._hits.pop((name, src), None)
+                ready += self.table.submit(src, name, parts[1], now)
+            elif kind == neg.HIT:
+                number = int(parts[0][2])
+                entry = self.cache.entry(number)
+                if entry is None:
+                    raise RuntimeError(f"response cache out of step: worker {src} hit entry "
+                                       f"{number}, unknown to member 0 (a bug in mpsync)")
+                name, records = entry
+                self._hits[(name, src)] = number
+                self.stats["hits"] += 1
+                ready += self.table.submit(src, name, records[src], now)
             elif kind == neg.CANCEL:
                 name = neg.word_name(parts[1])
                 missing = self.table.cancel(src, name, now, self.deadline)
                 if missing == neg.EXTEND:
                     self.send(neg.frame([[neg.EXTENDED], parts[1]]), src, _ANSWER_TAG)
                 elif missing is not None:
+                    self._hits.pop((name, src), None)
                     self.send(neg.frame([[neg.CANCELLED], parts[1], missing]), src,
                               _ANSWER_TAG)
             elif kind == neg.JOIN:
@@ -134,10 +199,12 @@ class Coordinator(_Sender):
         # cycle) while a lone collective pays no wait.
         if ready and not self._ready:
             self._ready_since = now
-        if ready and (not self.table.waiting or now - self._ready_since > _CYCLE_S):
+        if ready and (not self.table.waiting or now - self._ready_since >= self.cycle_s):
             self._execute(ready)
             ready = []
         self._ready = ready
+        if requests and self.cache.retired:
+            self.cache.forget_retired(min(self._applied))
         if now >= self._next_stall_check:
             self._next_stall_check = now + min(1.0, self.stall_after / 4)
             stalled = self.table.stalled(now, self.stall_after)

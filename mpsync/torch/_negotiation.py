@@ -7,7 +7,10 @@ for every name, the records of the workers that have submitted it; a name is *re
 every worker that has not joined has submitted it, and ready names are answered to every
 worker in the order they became ready, so every worker starts the same data steps in the same
 order whatever order it submitted them in.  Ready allreduces of one dtype and op that were
-answered together are fused into one buffer up to a byte threshold (Horovod's tensor fusion).
+answered together are fused into one buffer up to a byte threshold (Horovod's tensor fusion,
+128 MB by default as in Horovod 0.28.1, ``HOROVOD_FUSION_THRESHOLD``).  A name negotiated
+before, submitted unchanged by every worker, skips the exchange of records (the response
+cache, :mod:`~mpsync.torch._response_cache`); the table sees it as any submission.
 
 A worker that gives up on a name at its deadline withdraws its record (``cancel``); the
 coordinator answers with the workers that never submitted it, so the name never runs with
@@ -22,20 +25,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpsync.config import HOROVOD_FUSION_BYTES
 from mpsync.torch import _metadata as meta
 
-__all__ = ["SUBMIT", "CANCEL", "JOIN", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED", "FUSION_BYTES",
-           "frame", "unframe", "name_words", "word_name", "Negotiator", "fusion_groups",
-           "stall_text", "unnamed_key", "local_name", "UNNAMED"]
+__all__ = ["SUBMIT", "CANCEL", "JOIN", "HIT", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED",
+           "FUSION_BYTES", "frame", "unframe", "name_words", "word_name", "Negotiator",
+           "fusion_groups", "stall_text", "unnamed_key", "local_name", "UNNAMED"]
 
-# Message kinds: worker -> coordinator, then coordinator -> worker.
-SUBMIT, CANCEL, JOIN = 1, 2, 3
+# Message kinds: worker -> coordinator, then coordinator -> worker.  HIT: a SUBMIT by the
+# number of a response cache entry (mpsync.torch._response_cache).
+SUBMIT, CANCEL, JOIN, HIT = 1, 2, 3, 4
 EXEC, CANCELLED, ALL_JOINED, EXTENDED = 11, 12, 13, 14
 
 EXTEND = "extend"  # :meth:`Negotiator.cancel`'s answer: wait one more deadline
 
-# Horovod's default HOROVOD_FUSION_THRESHOLD (64 MB).
-FUSION_BYTES = 64 << 20
+# Horovod 0.28.1's default HOROVOD_FUSION_THRESHOLD, 128 MB (horovod/common/operations.cc:
+# ``SetTensorFusionThresholdBytes(128 * 1024 * 1024)``); the variable is read in mpsync.config.
+FUSION_BYTES = HOROVOD_FUSION_BYTES
 
 
 def frame(parts) -> np.ndarray:

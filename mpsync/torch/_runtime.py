@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mpsync import job_end, policies
-from mpsync.config import ConfigError, SyncConfig, refuse_ps_plan
+from mpsync.config import ConfigError, Negotiation, SyncConfig, refuse_ps_plan
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
 from mpsync.server.shard_plan import shards_unavailable
@@ -86,6 +86,9 @@ class Context:
     process_sets: dict = field(default_factory=dict)  # id -> (ProcessSet, UserOps | None)
     next_process_set_id: int = 0
     timeline: tuple | None = None   # (path, first event) from start_timeline
+    # Fusion threshold, cycle time, response cache capacity of the script's collectives
+    # (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME, HOROVOD_CACHE_CAPACITY), read at init.
+    negotiation: Negotiation = field(default_factory=Negotiation)
     backend: object | None = None
     # What DistributedOptimizer aggregates with: ``backend``, or ``backend`` behind an
     # EmulatedLink when ``comm_delay`` or ``comm_bandwidth`` > 0 (metrics and broadcasts are
@@ -155,6 +158,10 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
         return _CONTEXT
     # Validation needs no communicator: a bad setting fails identically on every rank.
     config = job.config_of(policy, topology, backend, server, **policy_options)
+    try:
+        negotiation = Negotiation.from_env()
+    except ConfigError as e:
+        job.raise_user_error(e)
     # Horovod is imported for backend='horovod' on every topology (on the PS it runs the
     # workers' barriers and broadcasts), so its absence is checked whatever the topology.
     if config.backend == "horovod" and importlib.util.find_spec("horovod") is None:
@@ -179,7 +186,8 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
                   workers=workers if is_worker else None, server_rank=server_rank,
                   dedicated=dedicated,
                   worker_rank=world_ranks.index(rank) if is_worker else -1,
-                  world_ranks=world_ranks, stats_path=stats_path, trace_path=trace_path)
+                  world_ranks=world_ranks, stats_path=stats_path, trace_path=trace_path,
+                  negotiation=negotiation)
     _CONTEXT = ctx
     if not is_worker:
         _serve_and_exit(ctx)  # never returns
@@ -268,7 +276,7 @@ def _start_backend(ctx: Context, one_host: bool) -> None:
     from mpsync.torch._collectives import UserOps, make_user_ops
 
     ctx.user_ops = make_user_ops(ctx)
-    ctx.peers = UserOps(ctx.workers.Dup(), ctx.config.deadline)
+    ctx.peers = UserOps(ctx.workers.Dup(), ctx.config.deadline, negotiation=ctx.negotiation)
 
 
 def _start_control_plane(ctx: Context) -> None:

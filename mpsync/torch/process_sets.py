@@ -119,7 +119,7 @@ def add_process_set(process_set) -> ProcessSet:
 
         ops = UserOps(sub, ctx.config.deadline, None, ctx.user_ops.idle, ranks=ps.ranks,
                       world_ranks=[ctx.world_ranks[w] for w in ps.ranks],
-                      heartbeat=ctx.user_ops.heartbeat)
+                      heartbeat=ctx.user_ops.heartbeat, negotiation=ctx.negotiation)
         # A DistributedOptimizer over this set aggregates here (BSP; see optimizer).
         ops.aggregator = MPIAggregator(sub.Dup(), deadline=ctx.config.deadline,
                                        thread_min_bytes=None)
