@@ -187,8 +187,8 @@ def _all_output(run) -> str:
 def test_a_cut_link_ends_the_job_within_30s_naming_the_ranks_on_that_node(policy, topology):
     # Rank 0 (the server) alone on node1, workers round-robin over node2..node4: node3 holds
     # world rank 2 only.  Worker 0 (node2) cuts node3's cable after 5 steps.  Nothing is set
-    # but the defaults: what ends the job is the server's silence detection (10 s) and the
-    # launcher losing the node (the agent's 13 s), not a test timeout.
+    # but the defaults: what ends the job is the server's heartbeat suspicion (3 s) and the
+    # launcher losing the node (the agent's 6 s), not a test timeout.
     with Cluster("cut", "--nodes", "4", "--bandwidth", "1gbit") as c:
         mpirun_extra = [a for a in c.mpirun_args("--np", "5")
                         if a not in ("--allow-run-as-root", "--oversubscribe")]

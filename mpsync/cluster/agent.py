@@ -18,9 +18,11 @@ refusal, means the node is reachable).  When nothing has answered for ``ALIVE_TI
 seconds (the node's link is cut) it ends the remote command, closes this host's connections to
 the node (see ``drop_connections``) and exits 255, as ssh does; mpirun then counts that node's
 daemon as lost and ends the job instead of waiting for it for the quarter of an hour TCP takes.
-``ALIVE_TIMEOUT`` is longer than mpsync's default silence timeout (10 s), so mpsync's state
-server names the silent ranks before Open MPI reports the lost node, and short enough that a cut
-link ends a job well within 30 s.
+``ALIVE_TIMEOUT`` is longer than the state server's heartbeat suspicion (3 s by default,
+mpsync.server.heartbeat), so mpsync names the silent ranks before Open MPI reports the lost
+node, and short enough that a cut link ends a job within seconds of that: mpirun, which waits
+for every node's daemon after an abort, waits for this session to end.  (A real ssh gets the
+same from ``-o ServerAliveInterval=1 -o ServerAliveCountMax=6``.)
 
 Standard library only: it runs before (and outside) any virtual environment.
 """
@@ -33,7 +35,7 @@ import sys
 import time
 
 ALIVE_INTERVAL = 1.0
-ALIVE_TIMEOUT = 13.0
+ALIVE_TIMEOUT = 6.0
 PROBE_PORT = 9  # discard: nothing listens there, so a reachable node answers with a refusal
 SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")
 
