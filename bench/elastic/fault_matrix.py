@@ -7,7 +7,7 @@
 
 Faults (world rank 0 is the state server on node1; worker k is world rank k+1 on node k+2):
 
-* ``kill``: SIGKILL worker 1;  ``stop``: SIGSTOP worker 1 (found by the deadline);
+* ``kill``: SIGKILL worker 1;  ``stop``: SIGSTOP worker 1 (found by its missing heartbeats);
 * ``link``: cut node3's cable at the switch (worker 1's node);
 * ``server``: SIGKILL the state server's rank;
 * ``shard``: SIGKILL worker 0, which hosts PS shard 0 (PS policies; one shard per node).
