@@ -136,6 +136,8 @@ class StateServer(MessageHandlers):
         self.beat_period = np.zeros(self.table.n, dtype=np.float64)
         self.last_beat = np.zeros(self.table.n, dtype=np.float64)
         self.beats = 0
+        self._last_house = self.t0   # when housekeeping last ran (its beat rule's own clock)
+        self._beat_status = MPI.Status()
         self._beat_buf = np.zeros(heartbeat.BEAT_LEN, dtype=np.float64)
         self.shard_of = np.full(self.table.n, -1, dtype=np.int64)  # the PS shard it hosts
         self._stop = False
@@ -417,10 +419,23 @@ class StateServer(MessageHandlers):
         self.beats += 1
 
     # -- silent workers ----------------------------------------------------------------------
+    def _drain_beats(self) -> None:
+        """Receive every beat already here (the loop serves one message per probe; after a
+        burst, or a pause of the server's own, beats may be queued behind others)."""
+        status = self._beat_status
+        while self.comm.Iprobe(MPI.ANY_SOURCE, W.BEAT, status):
+            self._on_beat(status.Get_source(), status.Get_count(MPI.BYTE))
+
     def _find_silent(self, now: float) -> None:
         t = self.table
+        self._drain_beats()
+        away, self._last_house = now - self._last_house, now
+        # The server itself was away (a long policy computation, a compile, its host's load):
+        # the beats it did not receive then say nothing of the workers.  Judge at the next
+        # round, against beats received since.
         lost = heartbeat.suspects(now, self.last_beat, self.beat_period,
-                                  self.config.suspect_after, t.active)
+                                  self.config.suspect_after, t.active) \
+            if away < 1.0 else np.empty(0, dtype=np.int64)
         if lost.size:
             bound = float(heartbeat.suspect_bound(self.beat_period[lost],
                                                   self.config.suspect_after).max())
