@@ -157,6 +157,11 @@ def test_train_every_policy_end_to_end(tmp_path):
         assert m["total_samples"] >= 3 * m["config"]["train_samples"] * 0.9, \
             (policy, m["total_samples"], {k: w["samples"] for k, w in workers.items()})
         assert 0.0 <= m["wait_fraction"] < 1.0
+        # Worker 0's start-up, part by part, in the order it passed them.
+        clock = m["startup_clock"]
+        parts = ["process", "main", "torch_imported", "data_and_model", "init", "ready"]
+        assert [p for p in parts if p in clock] == parts, clock
+        assert [clock[p] for p in parts] == sorted(clock[p] for p in parts), clock
         # The emulated device time: per iteration, the slower worker (factor 2) sleeps
         # longer.  (In total the two can come out equal: under a local-step policy the fast
         # worker takes about twice the iterations.)

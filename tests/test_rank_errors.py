@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -272,3 +274,31 @@ def test_an_error_before_init_ends_a_script_job():
     assert ended - error_at <= LIMIT, run.report()
     assert "MPSYNC-RANK-FAILED rank 2" in run.rank_err(2), run.report()
     assert "ValueError: a bug in the script before init" in run.rank_err(2), run.report()
+
+
+@pytest.mark.mpi
+def test_an_error_on_a_rank_ends_a_job_started_by_horovodrun():
+    # horovodrun (its mpirun path) starts the ranks; mpsync's abort hook ends the job all the
+    # same, naming the rank, and nothing is left running.
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable))
+    assert horovodrun, "horovodrun is installed with Horovod (make setup)"
+    tag = f"hvdrun-{os.getpid()}"
+    env = dict(os.environ, MPSYNC_TEST_TAG=tag,
+               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS_DIR)]))
+    t0 = time.monotonic()
+    try:
+        res = subprocess.run([horovodrun, "-np", "4", "--mpi-args",
+                              "--oversubscribe --allow-run-as-root", sys.executable,
+                              str(TESTS_DIR / "torch_programs.py"), "fail_worker_raises",
+                              "victim=1"], capture_output=True, text=True, env=env,
+                             timeout=HARD_TIMEOUT, cwd="/tmp")
+    finally:
+        left = tagged_pids(tag)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text[-3000:]
+    assert "MPSYNC-RANK-FAILED rank 2 (worker 1)" in text, text[-3000:]
+    assert "deliberate failure on worker 1" in text, text[-3000:]
+    assert not left, f"ranks still running after horovodrun returned: {left}"
+    assert time.monotonic() - t0 < HARD_TIMEOUT

@@ -127,12 +127,34 @@ def cell(a, policy: str, fault: str) -> dict:
                    resumed_round=ckpt.get("round"),
                    resume_s=(m["resumed_at_clock"] - t_fault) if m.get("resumed_at_clock")
                    else None, restart_s=r.get("restart_s"))
+        row["restart_parts"] = restart_parts(r, m.get("startup_clock") or {})
         path = ckpt.get("path")
         if path and os.path.exists(path):
             row["lost_s"] = t_fault - os.stat(path).st_mtime
     row.update(final_acc=m.get("final_acc"), reached_target=m.get("time_to_target_s")
                is not None, wall_s=m.get("wall_s"))
     return row
+
+
+_PARTS = ("process", "main", "checkpoint_read", "torch_imported", "data_and_model", "init",
+          "ready")
+
+
+def restart_parts(restart: dict, clock: dict) -> dict:
+    """Seconds of each part of a restart, from the failed job's end (the supervisor's
+    ``detected_at``): ``supervisor`` (to its relaunch), ``launch`` (mpirun, the remote
+    daemons, the resumed worker 0's exec), then worker 0's start-up part by part (its
+    ``startup_clock`` in metrics.json, mpsync.apps.trainer)."""
+    if not clock or "detected_at" not in restart:
+        return {}
+    parts, prev = {}, restart["detected_at"]
+    stamps = [("supervisor", restart.get("restarted_at"))] + \
+        [("launch" if k == "process" else k, clock.get(k)) for k in _PARTS]
+    for name, at in stamps:
+        if at is not None:
+            parts[name] = round(at - prev, 3)
+            prev = at
+    return parts
 
 
 def manual(a, policy: str) -> dict:

@@ -56,7 +56,8 @@ from mpsync.apps.devices import check_device_before_launch, check_device_flag
 from mpsync.apps.heterogeneity import Heterogeneity
 from mpsync.apps.model_names import MODELS
 from mpsync.apps.train_checkpoints import check_resume_before_launch, reshard
-from mpsync.apps.trainer import build_optimizer_choice, train, world_rank, world_size
+from mpsync.apps.trainer import STARTUP_CLOCK, build_optimizer_choice, mark_startup, \
+    process_start_clock, train, world_rank, world_size
 from mpsync.config import BACKENDS, DEFAULTS, SERVER_PLACEMENTS, TOPOLOGIES, ZIPLINE_VARIANTS, \
     OPTIMIZERS, PS_OPTIMIZERS, ConfigError, SyncConfig, check_output_dir, parse_staleness_range, \
     print_user_error
@@ -317,6 +318,10 @@ def main(args) -> int:
     # A rank: from here on, an error nothing catches ends the whole job at once (the abort
     # hook; mps.init puts its own in place, naming the worker, once it knows it).
     job_end.install_abort_hooks(None, job_end.rank_label(), prog="mpsync train")
+    started = process_start_clock()
+    if started is not None:
+        STARTUP_CLOCK["process"] = started
+    mark_startup("main")
     try:
         build_config(args)
         workers = _workers_launched(args)
@@ -334,6 +339,7 @@ def main(args) -> int:
                           f" (written by {resume['workers']} workers: data re-sharded over "
                           f"{workers})" if resume["workers"] != workers else ""), flush=True)
             resume = reshard(resume, workers)
+            mark_startup("checkpoint_read")
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
         from mpsync.apps.checkpoint import CheckpointError  # torch
 

@@ -33,6 +33,27 @@ from mpsync.config import OptimizerChoice, SyncConfig, optimizer_choice
 __all__ = ["train", "finish", "world_rank", "world_size", "Worker", "build_optimizer_choice"]
 
 
+# When this rank's start-up passed each of its parts, seconds since the epoch (worker 0's go
+# to metrics.json as ``startup_clock``): what a restart's cost is made of.
+STARTUP_CLOCK: dict[str, float] = {}
+
+
+def process_start_clock() -> float | None:
+    """When this process was started (exec), seconds since the epoch; None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def mark_startup(part: str) -> None:
+    STARTUP_CLOCK[part] = time.time()
+
+
 def world_rank() -> int:
     """This process's rank in the job, from the launcher's environment (before MPI_Init)."""
     return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
@@ -124,6 +145,7 @@ class Worker:
         import mpsync.torch as mps
         from mpsync.apps.models import build_model
 
+        mark_startup("torch_imported")
         torch.set_num_threads(1)
         # Data and model are built before init: the state server counts a registered worker
         # that stays quiet for longer than silent_timeout as gone, and a loaded machine is
@@ -141,7 +163,9 @@ class Worker:
                                                 args.slowdown_schedule, args.iter_time,
                                                 args.comm_delay)
             w.model = build_model(w.ds.input_shape, w.ds.n_classes, args.seed, args.model)
+        mark_startup("data_and_model")
         mps.init(**init_kw, **outputs)
+        mark_startup("init")
         # Only workers get here (a dedicated server serves inside init and exits).
         w.mps, w.n = mps, mps.size()
         if w.n != workers or mps.rank() != w.me:
@@ -211,6 +235,7 @@ class Worker:
         self.start_time = time.perf_counter()
         # When a resumed run is ready to train: a supervisor's restart cost ends here.
         self.resumed_at_clock = time.time() if self.resume is not None else None
+        mark_startup("ready")
         if self.me == 0 and not args.no_progress:
             from tqdm import tqdm
 
@@ -416,6 +441,10 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         # launcher subtracts its own start from to time the start-up.
         "train_start_clock": w.evals[0].get("wall_clock") if w.evals else None,
         "resumed_at_clock": w.resumed_at_clock,
+        # Worker 0's start-up, part by part (STARTUP_CLOCK): process, main (the interpreter and
+        # mpsync's modules), checkpoint_read, torch_imported, data_and_model, init (MPI, the
+        # state server, the shards, Numba's cached kernels), ready (optimizer and broadcast).
+        "startup_clock": dict(STARTUP_CLOCK),
         "final_param_sha256": _param_sha256(w.model),
         "server": server,
         **_switches(w),

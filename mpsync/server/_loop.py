@@ -136,6 +136,8 @@ class StateServer(MessageHandlers):
         self.beat_period = np.zeros(self.table.n, dtype=np.float64)
         self.last_beat = np.zeros(self.table.n, dtype=np.float64)
         self.beats = 0
+        self.beat_gap = np.zeros(self.table.n, dtype=np.float64)
+        self.beat_gap_at = np.zeros(self.table.n, dtype=np.int64)
         self._last_house = self.t0   # when housekeeping last ran (its beat rule's own clock)
         self._beat_status = MPI.Status()
         self._beat_buf = np.zeros(heartbeat.BEAT_LEN, dtype=np.float64)
@@ -415,7 +417,13 @@ class StateServer(MessageHandlers):
             return self._reject(src, W.BEAT, f"shard {shard!r} is no shard index")
         self.shard_of[w] = int(shard)
         self.beat_period[w] = period
-        self.last_beat[w] = MPI.Wtime()
+        now = MPI.Wtime()
+        if self.last_beat[w] > 0 and now - self.last_beat[w] > self.beat_gap[w]:
+            # The longest wait between two beats, and the worker's iteration then: how close
+            # a live worker came to being suspected (stats).
+            self.beat_gap[w] = now - self.last_beat[w]
+            self.beat_gap_at[w] = self.table.iteration[w]
+        self.last_beat[w] = now
         self.beats += 1
 
     # -- silent workers ----------------------------------------------------------------------
@@ -433,17 +441,20 @@ class StateServer(MessageHandlers):
         # The server itself was away (a long policy computation, a compile, its host's load):
         # the beats it did not receive then say nothing of the workers.  Judge at the next
         # round, against beats received since.
+        started = np.frombuffer(self.counters.steps, dtype=np.int64) > 0
         lost = heartbeat.suspects(now, self.last_beat, self.beat_period,
-                                  self.config.suspect_after, t.active) \
+                                  self.config.suspect_after, t.active & started,
+                                  self.beat_gap) \
             if away < 1.0 else np.empty(0, dtype=np.int64)
         if lost.size:
             bound = float(heartbeat.suspect_bound(self.beat_period[lost],
-                                                  self.config.suspect_after).max())
-            return self._take_out(lost, now, bound, "no heartbeat: its process stopped, its "
-                                                    "node down or its link cut", gone=True)
+                                                  self.config.suspect_after,
+                                                  self.beat_gap[lost]).max())
+            return self._take_out(lost, now, round(bound, 1),
+                                  "no heartbeat: its process stopped, its node down or its "
+                                  "link cut", gone=True)
         # A worker that has not made its first step is still starting (imports, data loading,
         # broadcasts: tens of seconds on a loaded node): it gets the start-up timeout instead.
-        started = np.frombuffer(self.counters.steps, dtype=np.int64) > 0
         silent = np.flatnonzero(t.active & ~t.waiting & (
             (started & (now - t.last_heard > self.config.silent_timeout)) |
             (~started & (now - self.t0 > self.config.startup_timeout))))

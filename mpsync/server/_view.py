@@ -85,6 +85,8 @@ class ServerView:
                 "held_pulls": int(c["held_pulls"][w]),
                 "removed": bool(t["removed"][w]), "done": bool(t["done"][w]),
                 "beat_period_s": float(s.beat_period[w]),
+                "beat_gap_max_s": round(float(s.beat_gap[w]), 4),
+                "beat_gap_at_iteration": int(s.beat_gap_at[w]),
             }
         now = round(MPI.Wtime() - s.t0, 3)
         return {"policy": s.config.policy, "topology": s.config.topology,

@@ -11,11 +11,15 @@ float64 (its period) every ``heartbeat_s`` seconds on the control communicator, 
 training thread is doing: torch's kernels, MPI's waits and sleeps release the GIL, and
 Python hands it over every 5 ms otherwise.  The beats stop only when the process or its link
 does.  The server suspects a worker whose beats stopped for :func:`suspect_bound`, a few
-periods with a floor of ``suspect_after`` seconds (3 s by default): the floor covers a beat
-thread descheduled on a loaded node (on a 2-core VM at load 25 a runnable thread waits up to
-a few hundred milliseconds) and an MPI transport's retransmission after a lost packet; four
-periods that one late beat is not a lost one.  The link's own latency (microseconds to
-milliseconds) is far inside both.
+periods with a floor of ``suspect_after`` seconds (3 s by default), and never below three
+times the longest wait between two of that worker's beats the server has seen: the floor covers
+a beat thread descheduled on a loaded node and an MPI transport's retransmission after a lost
+packet; four periods that one late beat is not a lost one; the measured gaps what a loaded
+node does to this worker (on this 2-core VM with 13 busy processes, live workers' beats came
+up to 2 s apart, mostly while a process was starting: the training thread holds the GIL while
+it loads a shared library).  The rule applies from a worker's first step on (before it,
+start-up has ``startup_timeout``).  The link's own latency (microseconds to milliseconds) is
+far inside all of these.
 
 What the suspicion leads to is the policy's (the ZipLine paper, §4, takes a silent worker out
 of the barrier decisions): the ring cannot aggregate without it and ends the job naming it;
@@ -47,26 +51,33 @@ MAX_PERIOD_S = 60.0
 BEAT_LEN = 2
 # A suspicion waits for this many missed periods (one late beat is not a lost one).
 _PERIODS = 4.0
+# ... and for this many times the longest wait between two beats the worker has shown: a
+# loaded node delays a live worker's beats (its thread waits for a core, or for the GIL while
+# the training thread loads a library), and what it did once it may do again, a bit worse.
+_GAPS = 3.0
 
 
-def suspect_bound(period, floor: float):
-    """Seconds without a beat after which a worker beating every ``period`` seconds is
-    suspected: ``max(floor, 4 x period)`` (module doc); works on arrays."""
-    return np.maximum(floor, _PERIODS * np.asarray(period, dtype=np.float64))
+def suspect_bound(period, floor: float, worst_gap=0.0):
+    """Seconds without a beat after which a worker beating every ``period`` seconds, whose
+    longest wait between two beats so far was ``worst_gap``, is suspected:
+    ``max(floor, 4 x period, 3 x worst_gap)`` (module doc); works on arrays."""
+    return np.maximum(np.maximum(floor, _PERIODS * np.asarray(period, dtype=np.float64)),
+                      _GAPS * np.asarray(worst_gap, dtype=np.float64))
 
 
 def suspects(now: float, last_beat: np.ndarray, period: np.ndarray, floor: float,
-             eligible: np.ndarray) -> np.ndarray:
-    """Indices of the workers suspected at ``now``: eligible (active), beating (a period
-    was received, > 0) and silent for longer than their :func:`suspect_bound`."""
+             eligible: np.ndarray, worst_gap=0.0) -> np.ndarray:
+    """Indices of the workers suspected at ``now``: eligible (active, started), beating (a
+    period was received, > 0) and silent for longer than their :func:`suspect_bound`."""
     beating = period > 0
-    late = (now - last_beat) > suspect_bound(period, floor)
+    late = (now - last_beat) > suspect_bound(period, floor, worst_gap)
     return np.flatnonzero(eligible & beating & late)
 
 
 class Heartbeat:
     """A daemon thread sending ``[period, shard]`` to the server (tag ``BEAT``) every
-    ``period`` seconds on ``comm``; ``shard``: the PS shard this process hosts (-1: none).  At most one beat in flight: one that has not left (a cut link)
+    ``period`` seconds on ``comm``; ``shard``: the PS shard this process hosts (-1: none).
+    At most one beat in flight: one that has not left (a cut link)
     is not piled up behind.  ``stop()`` ends it; it ends by itself if MPI fails or is
     finalized under it (a process on its way out)."""
 
