@@ -30,9 +30,10 @@ the model, so the job ends naming it (the beat carries the shard it hosts).
 The beats tell that a process is there, not that it progresses: a worker whose training
 thread hangs with its beat thread alive is found by the older rule (no step or other message
 for ``silent_timeout`` while the others wait for it) and by the collectives' deadlines.
-Departure from the papers: ESync's state server and ZipLine learn of a worker's state only
-from its reports; neither bounds how long detection takes.  The beat is mpsync's, as in
-Horovod elastic and torchft, which find a lost peer by heartbeat too.
+Beside the papers: ESync's state server and ZipLine learn of a worker's state only from its
+reports, and neither bounds how long detection takes.  The beat is an addition of mpsync's,
+as in Horovod elastic and torchft, which find a lost peer by heartbeat too; no policy's
+decisions change.
 """
 
 from __future__ import annotations
