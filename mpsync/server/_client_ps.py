@@ -44,7 +44,12 @@ class ParameterServerCalls:
         Sharded: every shard applies its slice first, and only then is the push counted by
         the state server, so its staleness rules count updates that are in on every shard."""
         if self.shards is not None:
-            if delta.size:   # empty: nothing left to apply (the server's optimizer), counted
+            # Empty (the server's optimizer, no gradient since the last push): an idle
+            # iteration's push still reaches every shard before it is counted, so the pull
+            # after it reads one round on every shard (ServerUpdates.take); a last push
+            # (``final``) reaches none: it ends this worker's rounds, and its pull, which no
+            # rule holds, must not settle a round the others are still pushing into.
+            if delta.size or not final:
                 self.shards.push(np.ascontiguousarray(delta))
             self._call(W.PUSH, f"push {iteration}",
                        header=self._header(iteration, count=0, flag=int(final)))

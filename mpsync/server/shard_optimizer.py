@@ -17,9 +17,9 @@ When the server applies it (``ShardOptimizer``):
   each worker's gradient as it arrives, as MXNet's asynchronous kvstore does;
 * once per round (BSP, the synchronous kvstore): :meth:`ShardOptimizer.merge` adds each push
   of the round to a pending sum, and :meth:`ShardOptimizer.flush` runs one step on their mean
-  before the round's weights are read.  Mean over the pushes merged: with equal mini-batches
-  that is the gradient of the workers' batches concatenated, so a BSP round is one step of
-  single-process training on that batch.
+  before the round's weights are read: the sum over the n workers (``ServerUpdates.scale``),
+  which with equal mini-batches is the gradient of the workers' batches concatenated, so a
+  BSP round is one step of single-process training on that batch.
 
 The arithmetic follows ``torch.optim.SGD`` and ``torch.optim.Adam`` / ``AdamW`` as documented
 (their algorithm boxes), element-wise over the range, with the state in the weights' dtype;
@@ -219,15 +219,17 @@ class ShardOptimizer:
             entry[0] += grad
             entry[1] += 1
 
-    def flush(self, weights: np.ndarray, through: int | None = None) -> int:
-        """One step on the mean of each pending round's pushes, oldest round first, for the
-        rounds up to ``through`` (None: all); how many steps it took (0: the weights are
-        untouched)."""
+    def flush(self, weights: np.ndarray, through: int | None = None,
+              scale: float | None = None) -> int:
+        """One step on each pending round's pushes, oldest round first, for the rounds up to
+        ``through`` (None: all): on their sum times ``scale`` (None: their mean, the sum over
+        the pushes merged); how many steps it took (0: the weights are untouched)."""
         due = [r for r in sorted(self._pending) if through is None or r <= through]
         for r in due:
             total, count = self._pending.pop(r)
-            if count > 1:
-                total *= 1.0 / count
+            factor = 1.0 / count if scale is None else float(scale)
+            if factor != 1.0:
+                total *= factor
             self._step(weights, total)
             self._spare.append(total)
         return len(due)
@@ -385,10 +387,26 @@ class ServerUpdates:
     round before it) after the others' first pushes, nor a joined worker's last pull after
     the others' next pushes: such a push is merged into its own round and waits for it.  A
     worker's push never joins a round already stepped on (one that was taken out and came
-    back): it goes to the oldest open round."""
+    back): it goes to the oldest open round.
 
-    def __init__(self, per_round: bool):
+    An empty push (a worker's idle iteration: it waits in a collective of the script's own
+    and has no new gradient) is that worker's push of its round with nothing to merge: it
+    moves the worker on to its next round, as every shard receives it, so that its pull after
+    it reads the round on every shard.  (Skipped, the worker's pull read the round on the
+    shards where another worker's pull had stepped on it first and the round before on the
+    others.)  A worker's last push (``final``) is sent to no shard: it ends its rounds.
+
+    ``scale`` (per round): a round's step is on the sum of its pushes times ``scale``, the
+    policy's ``PolicySpec.ps_update_scale`` (1/n for BSP), whoever pushed; None: the mean
+    over the pushes merged.  As Horovod's join, where a joined rank adds zeros and an
+    average divides by the size of the process set (the allreduce's postscale factor is
+    1/size whoever joined): a worker that joined or idles contributes nothing and still
+    counts, as on the ring (``Strategy._divisor``) and as with the workers' own optimizer
+    (each delta scaled by 1/n on arrival), so the three agree after a join."""
+
+    def __init__(self, per_round: bool, scale: float | None = None):
         self.per_round = bool(per_round)
+        self.scale = None if scale is None else float(scale)
         self.settings: OptimizerSettings | None = None
         self.optimizer: ShardOptimizer | None = None
         self.round_of: dict[int, int] = {}   # worker -> the round of its latest push
@@ -408,7 +426,14 @@ class ServerUpdates:
 
     def take(self, weights: np.ndarray, grad: np.ndarray, worker: int) -> str | None:
         """Worker ``worker``'s pushed gradient for this range: stepped on, or merged into
-        its round."""
+        its round; an empty one moves the worker on to its next round (class doc)."""
+        if grad.size == 0:
+            if self.per_round:
+                # Every shard receives the empty push before the state server counts it, so
+                # the worker's pull after it settles this round on every shard (window: a
+                # push counted and sent to no shard let the pull read two rounds).
+                self.round_of[worker] = max(self.round_of.get(worker, 0), self.stepped) + 1
+            return None
         if self.settings is None:
             return "a gradient before the optimizer's settings"
         if weights is None or grad.shape != weights.shape:
@@ -447,7 +472,7 @@ class ServerUpdates:
         (``None``: of every round merged, when every worker's pushes are in); how many."""
         due = self._due(worker)
         if due:
-            self.optimizer.flush(weights, due[-1])
+            self.optimizer.flush(weights, due[-1], self.scale)
             self.stepped = max(self.stepped, due[-1])
         return len(due)
 

@@ -159,7 +159,16 @@ class ShardClient:
         self._send_slices(LOAD, flat, flat, "load")
 
     def push(self, delta: np.ndarray) -> None:
-        """Apply ``delta`` on every shard; returns once every shard has applied its slice."""
+        """Apply ``delta`` on every shard; returns once every shard has applied its slice.
+        Empty: every shard is told of a push with nothing in it (the server's optimizer: an
+        idle iteration's push, ``ServerUpdates.take``), once the layout is fixed."""
+        if delta.size == 0:
+            if self.bounds is None:
+                raise ValueError("an empty push before the parameter server's layout is fixed "
+                                 "(the first push or pull fixes it)")
+            empty = np.ascontiguousarray(delta)
+            self._send_slices(PUSH, empty, empty, "push", empty=True)
+            return
         self._send_slices(PUSH, delta, self.checked_push(delta), "push")
 
     def checked_push(self, delta: np.ndarray) -> np.ndarray:
@@ -290,13 +299,17 @@ class ShardClient:
             raise RuntimeError(f"the optimizer state was refused by {', '.join(refused)} "
                                f"(see its log line)")
 
-    def _send_slices(self, kind: int, flat: np.ndarray, wire: np.ndarray, what: str) -> None:
-        self.layout(flat.size)
+    def _send_slices(self, kind: int, flat: np.ndarray, wire: np.ndarray, what: str,
+                     empty: bool = False) -> None:
+        """``wire``'s slice to each shard (``empty``: ``wire`` itself, of no elements, to
+        every shard)."""
+        if not empty:
+            self.layout(flat.size)
         self._check_lost(what)
         tag = kind + wire_code(wire.dtype)
         acks = [self.replies.Irecv([self._acks[k], MPI.INT64_T], source=h, tag=ACK)
                 for k, h in enumerate(self.hosts)]
-        sends = [self.comm.Isend([wire[a:b], MPI.BYTE], dest=h, tag=tag)
+        sends = [self.comm.Isend([wire if empty else wire[a:b], MPI.BYTE], dest=h, tag=tag)
                  for (a, b), h in zip(self.bounds, self.hosts)]
         self._wait(acks + sends, what, list(range(self.count)) * 2)
         self.bytes_sent += wire.nbytes
@@ -414,7 +427,11 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     thread = None
     if me in layout.hosts:
         spec = policies.get(config.policy)
-        updates = (ServerUpdates(per_round=spec.ps_average)
+        # A round's step divides by the n workers, as the workers' own deltas are scaled
+        # (ServerUpdates: Horovod's join semantics, whoever pushed in the round).
+        updates = (ServerUpdates(per_round=spec.ps_average,
+                                 scale=spec.ps_update_scale(config, n) if spec.ps_average
+                                 else None)
                    if config.ps_optimizer == "server" else None)
         thread = ShardThread(ShardServer(requests, replies, layout.hosts.index(me), n,
                                          spec.ps_update_scale(config, n),
