@@ -387,7 +387,10 @@ class ServerUpdates:
     round before it) after the others' first pushes, nor a joined worker's last pull after
     the others' next pushes: such a push is merged into its own round and waits for it.  A
     worker's push never joins a round already stepped on (one that was taken out and came
-    back): it goes to the oldest open round.
+    back): it goes to the oldest open round -- this shard's: a push that comes while the
+    others' pulls of a round are on their way may find that round stepped on on one shard and
+    open on another (tests/test_ps_round_windows.py keeps that window, still open, as an
+    expected failure).
 
     An empty push (a worker's idle iteration: it waits in a collective of the script's own
     and has no new gradient) is that worker's push of its round with nothing to merge: it
