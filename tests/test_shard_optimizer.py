@@ -4,6 +4,8 @@ amsgrad), AdamW; a round's merge-then-step against one step on the mean gradient
 taken from torch param groups, their wire form, and what is refused; BSP's rounds counted per
 worker; a checkpoint's state saved and restored."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -45,6 +47,57 @@ def test_steps_equal_torch_optim_over_20_steps_in_float64(case):
         ours.step(w, g)
     np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-12, atol=1e-15)
     assert not np.allclose(w, w0)
+
+
+def _numpy_steps(cls, kw, w, grads):
+    """The shard's steps as numpy operations, one pass each (what the compiled pass fuses)."""
+    s = settings_from_group(cls.__name__.lower(), {**_DEFAULTS[cls], **kw})
+    m = v = vmax = None
+    for t, grad in enumerate(grads, start=1):
+        g = grad.copy()
+        if s.kind == "sgd":
+            if s.weight_decay:
+                g += w * s.weight_decay
+            if s.momentum:
+                m = g.copy() if m is None else m * s.momentum + g * (1.0 - s.dampening)
+                g = g + m * s.momentum if s.nesterov else m
+            w = w - g * s.lr
+            continue
+        if s.weight_decay:
+            if s.kind == "adamw":
+                w = w * (1.0 - s.lr * s.weight_decay)
+            else:
+                g += w * s.weight_decay
+        m = (np.zeros_like(w) if m is None else m) * s.beta1 + g * (1.0 - s.beta1)
+        v = (np.zeros_like(w) if v is None else v) * s.beta2 + (g * g) * (1.0 - s.beta2)
+        if s.amsgrad:
+            vmax = np.maximum(np.zeros_like(w) if vmax is None else vmax, v)
+        denominator = np.sqrt(vmax if s.amsgrad else v) * (1.0 / math.sqrt(1.0 - s.beta2 ** t)) + s.eps
+        w = w - (m / denominator) * (s.lr / (1.0 - s.beta1 ** t))
+    return w
+
+
+_DEFAULTS = {torch.optim.SGD: {"momentum": 0, "dampening": 0, "nesterov": False,
+                               "weight_decay": 0},
+             torch.optim.Adam: {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0,
+                                "amsgrad": False},
+             torch.optim.AdamW: {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+                                 "amsgrad": False}}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_the_compiled_step_is_numpys_operations_to_the_bit(case, dtype):
+    cls, kw = case
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(1_001).astype(dtype)
+    grads = [rng.standard_normal(1_001).astype(dtype) for _ in range(6)]
+    settings = settings_from_group(cls.__name__.lower(), {**_DEFAULTS[cls], **kw})
+    opt = ShardOptimizer(settings, w0.size, dtype)
+    w = w0.copy()
+    for grad in grads:
+        opt.step(w, grad)
+    np.testing.assert_array_equal(w, _numpy_steps(cls, kw, w0.copy(), grads))
 
 
 @pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam])

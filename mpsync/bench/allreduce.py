@@ -42,7 +42,8 @@ the PS topology's exchange (:mod:`mpsync.bench.ps_exchange`): ``ps_ms`` (``SyncC
 of the delta + ``pull`` of the weights over the shard servers, policy asp, float32) at the same
 sizes, next to the ring's ``mpsync_ms`` (ring vs PS); ``ps_shard_ms``, the shard exchange
 without the state server's round trips; their baseline ``ps_raw_ms``, a plain mpi4py program
-sending the same slices between the same ranks with blocking receivers, in the same job
+sending the same slices between the same ranks to echo threads (the faster of a blocking
+and a polling receiver), in the same job
 (``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of idling (``*_paced_ms``); and the
 data bytes one worker's exchange moved (``ps_wire_bytes``) beside the analytic minima
 (``ps_min_bytes``, ``ring_min_bytes``).

@@ -164,7 +164,7 @@ class SyncClient(ParameterServerCalls):
         # Replies to requests sent without waiting (push_pull), collected before the next
         # call that waits for a reply: (request, buffer, seq, what).
         self._later: list = []
-        self._later_bufs = (W.new_msg(), W.new_msg())
+        self._later_bufs = (W.new_msg(),)   # push_pull's reply, collected at the next call
         self._version = 0        # the model version in the latest pull reply collected
         self.iteration = 0
         # Control-plane bytes on this worker's link (headers, replies, their payloads).

@@ -89,12 +89,12 @@ class ParameterServerCalls:
                                  "(pull_is_sure() is False): push, then pull")
             self.sure_pulls -= 1
 
-        def tell_server():
-            for tag, buf in zip((W.PUSH, W.PULL), self._later_bufs):
-                request = self.comm.Irecv([buf, MPI.DOUBLE], source=self.server, tag=W.REPLY)
-                self.comm.Send(self._header(iteration), dest=self.server, tag=tag)
-                self._later.append((request, buf, self._seq, f"{W.TAG_NAMES[tag]} {iteration}"))
-            self.control_sent += 2 * _MSG_BYTES
+        def tell_server():   # one header for both (``PUSH_PULL``), its reply the pull's
+            buf = self._later_bufs[0]
+            request = self.comm.Irecv([buf, MPI.DOUBLE], source=self.server, tag=W.REPLY)
+            self.comm.Send(self._header(iteration), dest=self.server, tag=W.PUSH_PULL)
+            self._later.append((request, buf, self._seq, f"push_pull {iteration}"))
+            self.control_sent += _MSG_BYTES
 
         if gated:
             self.shards.push_pull(wire, out, applied=tell_server)

@@ -18,6 +18,8 @@ from mpsync.server import rules, wire as W
 
 __all__ = ["MessageHandlers"]
 
+_NO_PAYLOAD = np.empty(0)   # a sharded PS's push: the data went to the shard servers
+
 
 class MessageHandlers:
     """The handlers of :class:`~mpsync.server.StateServer` (a base class of it: they share
@@ -107,18 +109,42 @@ class MessageHandlers:
 
     def _on_push(self, src, w, msg, now):
         data = self._payload(src, w, W.PUSH, msg, now, int(msg[W.COUNT]), "push")
-        if data is None:
-            return
+        if data is not None and self._count_push(src, w, msg, now, data, W.PUSH):
+            self._send_reply(src, msg[W.SEQ], version=self.weights.version)
+
+    def _on_push_pull(self, src, w, msg, now):
+        """Sharded PS: a push the shards applied (or, ASP, are applying) and the pull after
+        it, in one header (``SyncClient.push_pull``): counted as a push, then answered as a
+        pull, one reply, the pull's.  Half the messages of a PUSH and a PULL, for the
+        exchange every ASP iteration and every sure SSP/DSSP pull makes."""
+        if int(msg[W.COUNT]) != 0:
+            return self._reject(src, W.PUSH_PULL, "push_pull with a payload: the shard "
+                                                  "servers hold the model")
+        if self._count_push(src, w, msg, now, _NO_PAYLOAD, W.PUSH_PULL):
+            self._on_pull(src, w, msg, now)
+
+    def _count_push(self, src, w, msg, now, data, tag) -> bool:
+        """Apply (a sharded PS: count) worker ``w``'s push; False if it was refused."""
         problem = self.weights.apply(data)
         if problem:
-            return self._reject(src, W.PUSH, problem)
+            self._reject(src, tag, problem)
+            return False
         self.counters.pushes[w] += 1
         self.policy.on_push(w, now)
+        if not self.table.compute[w] > 0:
+            # A worker that reports no steps (ASP, SSP, DSSP: push and pull are its only
+            # messages) is paced by its pushes: the serve loop wakes up for the next one
+            # (``rules.next_report_due``) instead of sleeping through it.  A reporting one
+            # (ElasticBSP) keeps its report intervals, which ZipLine predicts from.
+            last = self.table.last_event[w]
+            if last == last:
+                self.table.interval[w] = now - last
+            self.table.last_event[w] = now
         if msg[W.FLAG] == 1:
             # Its last push: a staleness rule must not wait for a worker that stopped training.
             self.table.final_pushed[w] = True
         self.events.add(now - self.t0, w, "push", int(msg[W.ITER]))
-        self._send_reply(src, msg[W.SEQ], version=self.weights.version)
+        return True
 
     def _on_pull(self, src, w, msg, now):
         if not self.weights.ready or (msg[W.FLAG] != 1 and not self.policy.may_pull(w)):
@@ -164,7 +190,7 @@ class MessageHandlers:
     _HANDLERS = {W.REGISTER: _on_register, W.STEP: _on_step, W.RESET: _on_reset,
                  W.IMPORTANCE: _on_importance, W.PS_INIT: _on_ps_init, W.PUSH: _on_push,
                  W.PULL: _on_pull, W.STATS: _on_stats, W.SHUTDOWN: _on_shutdown,
-                 W.LOSS: _on_loss, W.ALIVE: _on_alive}
+                 W.LOSS: _on_loss, W.ALIVE: _on_alive, W.PUSH_PULL: _on_push_pull}
 
     def _retry_held(self, now: float) -> None:
         """Decide again on the held replies, at ``now``: the receipt time of the message that

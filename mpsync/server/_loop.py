@@ -218,8 +218,12 @@ class StateServer(MessageHandlers):
                 src, tag = get_source(), get_tag()
                 if probed and (tag < W.REPLY or src != me):  # else: a reply to our own client
                     receive(src, tag, get_count(MPI.BYTE))
-                    last_msg = clock()
-                    sleep = _SLEEP_MIN_S
+                    if tag != W.PUSH_PULL:
+                        # (no hot window after a push_pull: its reply is collected at the
+                        # worker's next call, and polling would take a core that the shards
+                        # and workers of its exchange need where ranks share cores)
+                        last_msg = clock()
+                        sleep = _SLEEP_MIN_S
                     due_stale = True
                     if self._check_gone:  # a shutdown arrived: was it the last one?
                         self._check_gone = False

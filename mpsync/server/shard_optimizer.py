@@ -254,57 +254,25 @@ class ShardOptimizer:
 
     def _sgd(self, w: np.ndarray, g: np.ndarray, s: OptimizerSettings) -> None:
         # torch.optim.SGD: g += wd·w; b = μ·b + (1-τ)·g (b = g the first time);
-        # g = g + μ·b (Nesterov) or b; w -= lr·g.  Scratch buffers, no temporaries.
-        t = self._buffer("_t")
-        if s.weight_decay:
-            np.multiply(w, s.weight_decay, out=t)
-            g += t
-        if s.momentum:
-            first = self._momentum is None
-            b = self._buffer("_momentum")
-            if first:
-                np.copyto(b, g)
-            else:
-                b *= s.momentum
-                np.multiply(g, 1.0 - s.dampening, out=t)
-                b += t
-            if s.nesterov:
-                np.multiply(b, s.momentum, out=t)
-                g += t
-            else:
-                g = b
-        np.multiply(g, s.lr, out=t)
-        w -= t
+        # g = g + μ·b (Nesterov) or b; w -= lr·g.  One compiled pass (``_sgd_pass``).
+        first = s.momentum and self._momentum is None
+        b = self._buffer("_momentum") if s.momentum else w
+        numbers = np.array([s.weight_decay, s.momentum, 1.0 - s.dampening, s.lr], w.dtype)
+        _sgd_pass(w, g, b, numbers, bool(s.weight_decay), bool(s.momentum), bool(first),
+                  bool(s.nesterov))
 
     def _adam(self, w: np.ndarray, g: np.ndarray, s: OptimizerSettings) -> None:
         # torch.optim.Adam / AdamW: (AdamW: w *= 1 - lr·wd; Adam: g += wd·w);
         # m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; (amsgrad: v̂ = max(v̂, v));
-        # w -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps).  Scratch buffers only.
-        t = self._buffer("_t")
-        if s.weight_decay:
-            if s.kind == "adamw":
-                w *= 1.0 - s.lr * s.weight_decay
-            else:
-                np.multiply(w, s.weight_decay, out=t)
-                g += t
+        # w -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps).  One compiled pass.
         m, v = self._buffer("_momentum"), self._buffer("_second")
-        m *= s.beta1
-        np.multiply(g, 1.0 - s.beta1, out=t)
-        m += t
-        v *= s.beta2
-        np.multiply(g, g, out=g)
-        g *= 1.0 - s.beta2
-        v += g
-        if s.amsgrad:
-            vmax = self._buffer("_max_second")
-            np.maximum(vmax, v, out=vmax)
-            v = vmax
-        np.sqrt(v, out=t)
-        t *= 1.0 / math.sqrt(1.0 - s.beta2 ** self.steps)
-        t += s.eps
-        np.divide(m, t, out=t)
-        t *= s.lr / (1.0 - s.beta1 ** self.steps)
-        w -= t
+        vmax = self._buffer("_max_second") if s.amsgrad else v
+        numbers = np.array([1.0 - s.lr * s.weight_decay, s.weight_decay, s.beta1,
+                            1.0 - s.beta1, s.beta2, 1.0 - s.beta2,
+                            1.0 / math.sqrt(1.0 - s.beta2 ** self.steps), s.eps,
+                            s.lr / (1.0 - s.beta1 ** self.steps)], w.dtype)
+        decay = 0 if not s.weight_decay else (2 if s.kind == "adamw" else 1)
+        _adam_pass(w, g, m, v, vmax, numbers, decay, bool(s.amsgrad))
 
     def export(self) -> dict[str, np.ndarray]:
         """The state that outlives a checkpoint, by ``STATE_BUFFERS`` name (the buffers the
@@ -517,3 +485,67 @@ class ServerUpdates:
         self._restored = (None if kind is None else
                           (kind, steps, {n: a.copy() for n, a in buffers.items()}))
         return None
+
+
+# -- the steps, compiled ----------------------------------------------------------------------
+# One pass over the range per step where numpy made 6-12 (each operation a pass, through
+# scratch buffers); element by element the same operations in the same order and dtype as
+# those numpy calls were (the scalars rounded to the weights' dtype first, as numpy rounds a
+# Python float against an array), so the result is the same to the bit
+# (tests/test_shard_optimizer.py compares with torch.optim).  Without the interpreter's lock:
+# the trainer on the shard's rank runs meanwhile.
+import numba  # noqa: E402
+
+import mpsync.sched._numba  # noqa: E402,F401  (mpsync's stamped cache for these kernels)
+
+# error_model="numpy": a division by zero gives inf or NaN, as numpy's does, with no check per
+# element (Python's model raises, and its check keeps the loop from being vectorized).
+_kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@_kernel
+def _sgd_pass(w, g, b, numbers, decay, momentum, first, nesterov):
+    """``ShardOptimizer._sgd`` on every element: ``numbers`` = [wd, μ, 1-τ, lr] in ``w``'s
+    dtype; ``b`` the momentum buffer (unused without momentum)."""
+    wd, mu, keep, lr = numbers[0], numbers[1], numbers[2], numbers[3]
+    for i in range(w.size):
+        gi = g[i]
+        if decay:
+            gi = gi + w[i] * wd
+        if momentum:
+            if first:
+                bi = gi
+            else:
+                bi = b[i] * mu + gi * keep
+            b[i] = bi
+            if nesterov:
+                gi = gi + bi * mu
+            else:
+                gi = bi
+        w[i] = w[i] - gi * lr
+
+
+@_kernel
+def _adam_pass(w, g, m, v, vmax, numbers, decay, amsgrad):
+    """``ShardOptimizer._adam`` on every element: ``numbers`` = [1 - lr·wd, wd, β1, 1-β1,
+    β2, 1-β2, 1/sqrt(1-β2^t), eps, lr/(1-β1^t)] in ``w``'s dtype; ``decay`` 0 none, 1
+    Adam's (on the gradient), 2 AdamW's (on the weights); ``vmax`` amsgrad's buffer."""
+    shrink, wd, b1, k1, b2, k2 = numbers[0], numbers[1], numbers[2], numbers[3], numbers[4], \
+        numbers[5]
+    c2, eps, c1 = numbers[6], numbers[7], numbers[8]
+    for i in range(w.size):
+        gi = g[i]
+        wi = w[i]
+        if decay == 2:
+            wi = wi * shrink
+        elif decay == 1:
+            gi = gi + wi * wd
+        mi = m[i] * b1 + gi * k1
+        m[i] = mi
+        vi = v[i] * b2 + (gi * gi) * k2
+        v[i] = vi
+        if amsgrad:
+            old = vmax[i]
+            vi = old if (old >= vi or old != old) else vi   # np.maximum: NaN wins
+            vmax[i] = vi
+        w[i] = wi - (mi / (np.sqrt(vi) * c2 + eps)) * c1

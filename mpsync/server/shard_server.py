@@ -14,6 +14,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpsync.server import _shard_loop
 from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates, pack_state
 from mpsync.server.weights import WeightStore, numpy_cast
@@ -51,6 +52,10 @@ IDLE_AFTER_S = 0.05
 # it (as the state server's loop does for reports; a sleep overshoots by ~0.1 ms here).
 # Intervals longer than PACE_MAX_S are not paced pushes (a worker in join, a checkpoint).
 WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S = 300e-6, 1e-3, 1.0
+# The compiled loop polls, yielding the core, for HOT_S after each message: the pull that
+# follows a push once the state server granted it (SSP's and DSSP's asked path) finds the
+# shard awake.  (The Python loop does not: its polls hold the interpreter's lock.)
+HOT_S = 1e-3
 
 
 def wire_code(dtype) -> int:
@@ -80,6 +85,10 @@ class ShardServer:
     so a paced push finds the shard awake; it does not sleep while a pull's reply is still in
     flight.
 
+    Where Open MPI is the MPI, pushes and pulls in the store's dtype are served by a compiled
+    loop without the interpreter's lock (``_shard_loop``; ``compiled=False``: this loop
+    alone); it hands every other message to this loop, which works as described here.
+
     Nothing a worker sends or fails to take stops the shard: a message it cannot use is
     received, logged and dropped (a push refused that way is answered ``REFUSED``); a pull
     reply a worker does not take within ``deadline`` (it gave up waiting) is cancelled and
@@ -89,7 +98,7 @@ class ShardServer:
 
     def __init__(self, comm, replies, index: int, n_workers: int, scale: float, *,
                  deadline: float = 20.0, startup: float = 120.0, worker_names=None, log=None,
-                 updates: ServerUpdates | None = None, cast=numpy_cast):
+                 updates: ServerUpdates | None = None, cast=numpy_cast, compiled: bool = True):
         self.comm = comm
         self.replies = replies
         self.index = index
@@ -102,8 +111,8 @@ class ShardServer:
         self.worker_names = (list(worker_names) if worker_names is not None
                              else [f"worker {w}" for w in range(n_workers)])
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.bytes_received = 0
-        self.bytes_sent = 0
+        self._bytes_received = 0   # by the Python loop (``bytes_received`` adds the compiled's)
+        self._bytes_sent = 0
         self.dropped = 0     # messages received and not used (logged)
         self.started = time.monotonic()
         self.heard = np.full(n_workers, self.started)
@@ -117,10 +126,48 @@ class ShardServer:
         self._barrier_epoch, self._barrier_weights = 0, None
         self._ack = np.zeros(2, dtype=np.int64)
         self._spares: list[np.ndarray] = []    # weight buffers to add into (_spare)
-        # Per worker: its last push (perf_counter) and when its next is due (inf: unknown).
-        self._last_push = [0.0] * n_workers
-        self._push_due = [float("inf")] * n_workers
-        self._next_due = float("inf")
+        # Per worker: its last push (perf_counter) and when its next is due (inf: unknown);
+        # [when the next push is due].
+        self._last_push = np.zeros(n_workers)
+        self._push_due = np.full(n_workers, np.inf)
+        self._times = np.array([np.inf])
+        # The compiled loop (``_shard_loop``) where this MPI allows it, and the buffer its
+        # pushes sum into (then the weights: the two take turns).
+        self._loop: _shard_loop.ShardLoop | None = None
+        self._others: list[np.ndarray] = []
+        if compiled and comm is not None:
+            reason = _shard_loop.unavailable_reason()
+            if reason is None:
+                self._loop = _shard_loop.ShardLoop(
+                    comm, replies, self.heard, self.state, self._last_push, self._push_due,
+                    self._times, tags=(PUSH, PUSH_PULL, PULL, ACK, DATA, OK, REFUSED, UNHEARD,
+                                       HEARD_FROM),
+                    sleeps=(SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S, IDLE_AFTER_S,
+                            WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S, HOT_S),
+                    deadline=self.deadline)
+            else:
+                self.log(f"mpsync PS shard {index}: no compiled loop ({reason}); the Python "
+                         f"loop serves")
+
+    @property
+    def bytes_received(self) -> int:
+        """Data bytes received, counted by both loops (read from any thread at any time)."""
+        return self._bytes_received + self._compiled_count(_shard_loop.C_RECEIVED)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes_sent + self._compiled_count(_shard_loop.C_SENT)
+
+    def _compiled_count(self, cell: int) -> int:
+        return 0 if self._loop is None else int(self._loop.cells[cell])
+
+    @property
+    def _next_due(self) -> float:
+        return float(self._times[0])
+
+    @_next_due.setter
+    def _next_due(self, value: float) -> None:
+        self._times[0] = value
 
     @property
     def left(self) -> int:
@@ -128,11 +175,17 @@ class ShardServer:
         return int(np.count_nonzero(self.state != GONE))
 
     def serve(self) -> dict:
+        if self._loop is not None:
+            self._loop.warm_up()   # most models are float32; another dtype loads at its first push
         status = MPI.Status()
         probe = self.comm.Iprobe
         clock, sched_yield = time.perf_counter, os.sched_yield
         sleep, last = SLEEP_MIN_S, clock()
         while self.left > 0 or self._sending:
+            if self._compiled_serves():
+                self._serve_compiled()
+                sleep, last = SLEEP_MIN_S, clock()
+                continue
             if self._sending:
                 self._progress_replies()
             if probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
@@ -159,7 +212,53 @@ class ShardServer:
     def stats(self) -> dict:
         return {"shard": self.index, "elements": self.store.size, "version": self.store.version,
                 "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
-                "dropped": self.dropped}
+                "dropped": self.dropped, "compiled_loop": self._loop is not None,
+                "served_compiled": self._compiled_count(_shard_loop.C_SERVED)}
+
+    # -- the compiled loop ----------------------------------------------------------------
+    def _compiled_serves(self) -> bool:
+        """Can the compiled loop serve now?  It keeps its own replies in flight: so no reply
+        of the Python loop's is, no pull waits for the initial weights, the workers run the
+        optimizer, and the store is float32 or float64."""
+        weights = self.store.weights
+        return (self._loop is not None and self.updates is None and weights is not None
+                and not self._sending and not self._waiting_pulls
+                and weights.dtype.kind == "f" and weights.itemsize >= 4)
+
+    def _serve_compiled(self) -> None:
+        """One call of the compiled loop (``_shard_loop``), then what it handed back."""
+        store, loop = self.store, self._loop
+        if store.weights is self._barrier_weights:
+            store.detach()   # a barrier's pulls read them: the sums go elsewhere from now on
+        weights = store.weights
+        buffers = [weights]
+        for other in self._others:   # two more that nothing reads, for the sums
+            if (other.shape == weights.shape and other.dtype == weights.dtype
+                    and not any(other is b for b in buffers) and not self._reading(other)):
+                buffers.append(other)
+        while len(buffers) < _shard_loop.BUFFERS:
+            buffers.append(np.empty_like(weights))
+        outcome = loop.serve(tuple(buffers), store.scale, wire_code(weights.dtype),
+                             store.version, time.monotonic() + 0.5)
+        cells = loop.cells
+        store.version = int(cells[_shard_loop.C_VERSION])
+        store.weights = buffers[int(cells[_shard_loop.C_CURRENT])]
+        self._others = [b for b in buffers if b is not store.weights]
+        for request, buffer, worker, since in loop.in_flight():
+            self._sending.append(_Reply(request, worker, buffers[buffer], since))
+        src, tag, count = (int(cells[i]) for i in (_shard_loop.C_SOURCE, _shard_loop.C_TAG,
+                                                    _shard_loop.C_COUNT))
+        if outcome == _shard_loop.PROBED:
+            self._handle(src, tag, count)
+        elif outcome == _shard_loop.RECEIVED:
+            self._handle(src, tag, count, loop.pull_arg.view(np.uint8))
+        elif outcome == _shard_loop.REFUSED:
+            self._refuse(src, "push", "push with NaN or inf")
+        elif outcome == _shard_loop.MPI_FAILED:
+            code = int(cells[_shard_loop.C_ERROR])
+            raise RuntimeError(f"PS shard {self.index}: an MPI call of its compiled loop "
+                               f"failed ({MPI.Get_error_string(code)}, code {code})")
+        # STUCK: the late reply is among those handed over; ``_progress_replies`` cancels it
 
     def silent_workers(self, now: float | None = None) -> list[tuple[int, float]]:
         """``(worker, seconds)`` for each worker that has not said goodbye and whose last
@@ -172,8 +271,10 @@ class ShardServer:
             (self.state != GONE) & (quiet > limit))]
 
     # -- requests -------------------------------------------------------------------------
-    def _handle(self, src: int, tag: int, nbytes: int) -> None:
-        payload = self._receive(src, tag, nbytes)
+    def _handle(self, src: int, tag: int, nbytes: int, payload=None) -> None:
+        """Receive (unless the compiled loop did: ``payload``) and serve one request."""
+        if payload is None:
+            payload = self._receive(src, tag, nbytes)
         self.heard[src] = time.monotonic()
         if self.state[src] == UNHEARD:
             self.state[src] = HEARD_FROM
@@ -227,7 +328,7 @@ class ShardServer:
                 self._recv.clear()
             buf = self._recv[nbytes] = np.empty(nbytes, dtype=np.uint8)
         self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
-        self.bytes_received += nbytes
+        self._bytes_received += nbytes
         return buf
 
     def _drop(self, src: int, what: str) -> None:
@@ -294,8 +395,7 @@ class ShardServer:
         still read lives on in its reply)."""
         weights, spares = self.store.weights, self._spares
         free = next((i for i, b in enumerate(spares) if b.size == weights.size
-                     and b.dtype == weights.dtype and not self._reading(b)
-                     and not any(r.buf is b for r in self._abandoned)), None)
+                     and b.dtype == weights.dtype and not self._reading(b)), None)
         buf = np.empty_like(weights) if free is None else spares.pop(free)
         spares.append(weights)
         del spares[:-3]
@@ -340,8 +440,10 @@ class ShardServer:
 
     # -- replies --------------------------------------------------------------------------
     def _reading(self, buf) -> bool:
-        """Is ``buf`` read by a reply in flight or kept as a barrier's weights?"""
-        return buf is self._barrier_weights or any(r.buf is buf for r in self._sending)
+        """Is ``buf`` read by a reply in flight (or cancelled, until the cancel is confirmed:
+        Open MPI may still be sending it) or kept as a barrier's weights?"""
+        return (buf is self._barrier_weights or any(r.buf is buf for r in self._sending)
+                or any(r.buf is buf for r in self._abandoned))
 
     def _at_barrier(self, epoch: int) -> np.ndarray:
         """The weights a pull at barrier ``epoch`` reads: the store as the first such pull
@@ -381,7 +483,7 @@ class ShardServer:
         """Send ``buf`` without blocking the shard (``_progress_replies`` completes it)."""
         request = self.replies.Isend([buf, MPI.BYTE], dest=src, tag=tag)
         if request.Test():
-            self.bytes_sent += buf.nbytes
+            self._bytes_sent += buf.nbytes
         else:
             self._sending.append(_Reply(request, src, buf, time.monotonic()))
 
@@ -392,7 +494,7 @@ class ShardServer:
         now, still = time.monotonic(), []
         for reply in self._sending:
             if reply.request.Test():
-                self.bytes_sent += reply.buf.nbytes
+                self._bytes_sent += reply.buf.nbytes
             elif now - reply.since > self.deadline:
                 reply.request.Cancel()
                 self._abandoned.append(reply)   # its buffer lives until the cancel takes effect

@@ -15,7 +15,8 @@ What each policy needs from the shards follows from that order:
 
 * ASP (DSSP §I.A): no pull waits for any count, so a push and the pull after it are one
   message each way per shard (``push_pull``), and the worker tells the state server of both
-  while the shards work, collecting its replies later (``SyncClient.push_pull``).
+  in one header (``PUSH_PULL``) while the shards work, collecting its reply later
+  (``SyncClient.push_pull``).
 * SSP / DSSP (DSSP Alg. 1): staleness is decided once, by the state server, over pushes that
   are in on *every* shard, so a granted pull reads, on every shard, at least every update the
   bound requires.  A shard may also hold newer updates of other workers (a pull is not one
@@ -41,8 +42,8 @@ launch (mpirun, Slurm, a hostfile, horovodrun) needs no extra ranks laid out per
 node's link carries 1/S of every worker's traffic, and the shard's lifetime is its host
 rank's, so a dead shard is a dead rank that Open MPI reports and ends the job for.  Needs
 MPI_THREAD_MULTIPLE (the trainer and its shard thread call MPI at once).  A shard thread
-shares its host's interpreter lock; it sleeps between polls (below) and numpy and MPI release
-the lock while they move and add bytes.
+serves pushes and pulls in compiled code that does not take its host's interpreter lock
+(``_shard_loop``, where Open MPI is the MPI); what it hands to Python shares that lock.
 
 Wire (two ``Dup`` s of the workers' communicator, nothing else on them): requests go on one,
 replies on the other, so a reply that comes after its worker gave up waiting (its receive
@@ -381,7 +382,7 @@ class ShardClient:
                                    f"and is not asked again", names, what)
 
     def _wait(self, requests, what: str, shard_of) -> None:
-        """Wait for ``requests``, sleeping 20 µs doubling to 1 ms after the first 2 ms;
+        """Wait for ``requests``: polling for ``SPIN_S``, then sleeping 20 µs doubling to 1 ms;
         past the deadline, raise naming the shards that did not answer."""
         start = time.perf_counter()
         sleep = SLEEP_MIN_S
@@ -396,9 +397,18 @@ class ShardClient:
                 names = [self.names[k] for k in late]
                 raise DeadlineExceeded(f"no answer from {', '.join(names)} to {what} within "
                                        f"the {self.deadline:g}s deadline", names, what)
-            if elapsed > 2e-3:
+            if elapsed < SPIN_S:
+                time.sleep(0)   # lets the shard thread of this rank and other ranks run
+            else:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, SLEEP_MAX_S)
+
+
+# A wait polls, letting go of the interpreter's lock and the core between polls, for this
+# long before it sleeps: long enough for the bytes of a large model to move (a worker copies
+# the shards' replies itself in Open MPI's shared memory transport, only while it polls: a
+# sleep then delays the copy), short enough that a pull the state server holds sleeps.
+SPIN_S = 0.02
 
 
 def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
@@ -438,7 +448,7 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
                                          deadline=config.deadline,
                                          startup=config.startup_timeout,
                                          worker_names=worker_names, log=log, updates=updates,
-                                         cast=cast))
+                                         cast=cast, compiled=config.server_fast_path))
     if me == 0:
         (log or (lambda t: print(t, file=sys.stderr, flush=True)))(
             f"mpsync: parameter server in {layout.count} shard(s) over {layout.nodes} "

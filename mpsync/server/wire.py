@@ -40,12 +40,13 @@ DATA = 110
 LOSS = 111          # the worker's mean training loss (AGG) over COUNT iterations; no reply
 ALIVE = 112         # the worker is busy outside its steps (its script's collectives); no reply
 BEAT = 113          # the heartbeat thread: one float64, its period; no reply (not a request)
+PUSH_PULL = 114     # sharded PS: a push the shards took and the pull after it; reply as PULL's
 REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN, LOSS,
-                ALIVE)
+                ALIVE, PUSH_PULL)
 TAG_NAMES = {REGISTER: "register", STEP: "step", RESET: "reset", IMPORTANCE: "importance",
              PS_INIT: "ps_init", PUSH: "push", PULL: "pull", STATS: "stats",
              SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss", ALIVE: "alive",
-             BEAT: "beat"}
+             BEAT: "beat", PUSH_PULL: "push_pull"}
 
 # Reply tags.
 REPLY = 120

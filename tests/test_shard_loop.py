@@ -1,0 +1,184 @@
+"""A PS shard's compiled request loop (``mpsync.server._shard_loop``), in one process: a shard
+thread and a worker's client over ``COMM_SELF``, the compiled loop against the Python loop
+on the same requests.  Multi-rank jobs through it are in test_ps_shards.py and the other PS
+tests (every shard runs it where Open MPI is the MPI)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpsync.server import _shard_loop
+from mpsync.server.shard_server import (ACK, OK, PULL, PUSH, REFUSED, ShardServer, ShardThread,
+                                        wire_code)
+from mpsync.server.shards import ShardClient
+
+pytestmark = pytest.mark.skipif(_shard_loop.unavailable_reason() is not None,
+                                reason="the compiled loop binds Open MPI")
+
+
+class _Shard:
+    """A shard thread of ``n`` elements and this process's client of it (one worker)."""
+
+    def __init__(self, n: int, dtype, *, compiled: bool, scale: float = 1.0,
+                 deadline: float = 5.0):
+        self.requests, self.replies = MPI.COMM_SELF.Dup(), MPI.COMM_SELF.Dup()
+        self.logs: list[str] = []
+        self.server = ShardServer(self.requests, self.replies, 0, 1, scale, deadline=deadline,
+                                  log=self.logs.append, compiled=compiled)
+        self.thread = ShardThread(self.server)
+        self.client = ShardClient(self.requests, self.replies, [0], ["PS shard 0"], 10.0)
+        self.dtype, self.n = np.dtype(dtype), n
+
+    def raw_push(self, payload: np.ndarray, tag: int) -> np.ndarray:
+        """Send ``payload`` as it is (no client check) and return the shard's ACK."""
+        ack = np.zeros(2, np.int64)
+        reply = self.replies.Irecv([ack, MPI.INT64_T], source=0, tag=ACK)
+        self.requests.Send([payload, MPI.BYTE], dest=0, tag=tag)
+        reply.Wait()
+        return ack
+
+    def pulled(self) -> np.ndarray:
+        out = np.empty(self.n, self.dtype)
+        self.client.pull(out)
+        return out
+
+    def close(self) -> dict:
+        self.client.close()
+        stats = self.thread.join(10.0)
+        assert stats is not None, "the shard thread did not end after the goodbye"
+        self.requests.Free()
+        self.replies.Free()
+        return stats
+
+
+def _updates(n: int, dtype, steps: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.standard_normal(n).astype(dtype) / 3 for _ in range(steps)]
+
+
+def _serve_sequence(compiled: bool, dtype, scale: float) -> tuple[list, dict]:
+    """INIT, then pushes, push+pulls and pulls in turn; every weight vector read."""
+    n = 10_007
+    shard = _Shard(n, dtype, compiled=compiled, scale=scale)
+    shard.client.init(np.linspace(-1, 1, n).astype(dtype))
+    reads = []
+    for step, delta in enumerate(_updates(n, dtype, 12)):
+        if step % 3 == 0:
+            shard.client.push(delta)
+            reads.append(shard.pulled())
+        else:
+            out = np.empty(n, dtype)
+            shard.client.push_pull(shard.client.checked_push(delta), out)
+            reads.append(out)
+    return reads, shard.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_the_compiled_loop_serves_the_same_bits_as_the_python_loop(dtype, scale):
+    compiled, stats = _serve_sequence(True, dtype, scale)
+    python, python_stats = _serve_sequence(False, dtype, scale)
+    assert stats["compiled_loop"] and not python_stats["compiled_loop"]
+    # 4 pushes, 4 pulls and 8 push+pulls served without the interpreter (INIT: Python)
+    assert stats["served_compiled"] == 16, stats
+    assert stats["version"] == python_stats["version"] == 12
+    assert stats["bytes_received"] == python_stats["bytes_received"]
+    assert stats["bytes_sent"] == python_stats["bytes_sent"]
+    for step, (a, b) in enumerate(zip(compiled, python)):
+        assert np.array_equal(a, b), f"step {step}: the compiled loop's weights differ"
+
+
+def test_a_push_with_nan_or_inf_is_refused_and_leaves_the_weights_untouched():
+    n = 5_003
+    shard = _Shard(n, np.float32, compiled=True)
+    shard.client.init(np.ones(n, np.float32))
+    before = shard.pulled()
+    tag = PUSH + wire_code(np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        delta = np.full(n, 0.25, np.float32)
+        delta[n - 1] = bad          # the last element: the whole pass ran before it was seen
+        version, status = shard.raw_push(delta, tag)
+        assert status == REFUSED and version == 0
+        assert np.array_equal(shard.pulled(), before)
+    version, status = shard.raw_push(np.full(n, 0.25, np.float32), tag)   # it serves on
+    assert (version, status) == (1, OK)
+    assert np.array_equal(shard.pulled(), before + np.float32(0.25))
+    stats = shard.close()
+    assert stats["dropped"] == 3
+    assert sum("refused the push of worker 0: push with NaN or inf" in line
+               for line in shard.logs) == 3, shard.logs
+
+
+def test_a_push_of_the_wrong_size_goes_to_the_python_loop_and_is_refused_naming_it():
+    shard = _Shard(1_000, np.float32, compiled=True)
+    shard.client.init(np.zeros(1_000, np.float32))
+    version, status = shard.raw_push(np.ones(999, np.float32), PUSH + wire_code(np.float32))
+    assert status == REFUSED
+    shard.client.push(np.ones(1_000, np.float32))      # and the compiled loop serves on
+    assert np.array_equal(shard.pulled(), np.ones(1_000, np.float32))
+    shard.close()
+    assert any("push before ps_init or of the wrong length" in line for line in shard.logs), \
+        shard.logs
+
+
+def test_a_pull_in_another_dtype_is_served_by_the_python_loop_cast():
+    shard = _Shard(2_000, np.float32, compiled=True)
+    weights = np.linspace(0, 1, 2_000).astype(np.float32)
+    shard.client.init(weights)
+    out = np.empty(2_000, np.float64)
+    pull_arg = np.zeros(1, np.int64)
+    reply = shard.replies.Irecv([out, MPI.BYTE], source=0)
+    shard.requests.Send([pull_arg, MPI.INT64_T], dest=0, tag=PULL + wire_code(np.float64))
+    reply.Wait()
+    assert np.array_equal(out, weights.astype(np.float64))
+    assert shard.close()["served_compiled"] == 0
+
+
+def test_the_compiled_loop_records_who_it_heard_and_when_the_next_push_is_due():
+    shard = _Shard(1_000, np.float32, compiled=True)
+    server = shard.server
+    shard.client.init(np.zeros(1_000, np.float32))
+    for _ in range(4):                 # a push every 20 ms, as between a job's iterations
+        time.sleep(0.02)
+        before = time.monotonic()
+        shard.client.push(np.ones(1_000, np.float32))
+        assert before <= server.heard[0] <= time.monotonic()
+    assert server.stats()["served_compiled"] >= 4
+    # the next push is expected one interval (~20 ms) after the last one
+    due_in = server._next_due - time.perf_counter()
+    assert 0.0 < due_in < 0.05, due_in
+    assert server.silent_workers() == []
+    shard.close()
+
+
+def test_a_pull_reply_nobody_takes_is_cancelled_at_the_deadline_and_the_shard_serves_on():
+    n = 1 << 20        # 4 MB: a rendezvous send, which completes only once it is received
+    shard = _Shard(n, np.float32, compiled=True, deadline=0.5)
+    shard.client.init(np.zeros(n, np.float32))
+    # a pull whose worker gave up: no receive is posted for its reply
+    shard.requests.Send([np.zeros(1, np.int64), MPI.INT64_T], dest=0,
+                        tag=PULL + wire_code(np.float32))
+    deadline = time.monotonic() + 10
+    while not any("did not take its pull reply" in line for line in shard.logs):
+        assert time.monotonic() < deadline, shard.logs
+        time.sleep(0.05)
+    # it serves on (that worker gave up and asks it nothing more: another push is ACKed)
+    assert tuple(shard.raw_push(np.ones(n, np.float32), PUSH + wire_code(np.float32))) == (1, OK)
+    stats = shard.close()
+    assert stats["dropped"] == 1 and stats["version"] == 1
+    assert np.array_equal(shard.server.store.weights, np.ones(n, np.float32))
+
+
+def test_without_the_compiled_loop_a_shard_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(_shard_loop, "unavailable_reason", lambda: "this is not Open MPI")
+    requests = MPI.COMM_SELF.Dup()
+    logs: list[str] = []
+    server = ShardServer(requests, requests, 3, 1, 1.0, log=logs.append)
+    assert logs == ["mpsync PS shard 3: no compiled loop (this is not Open MPI); the Python "
+                    "loop serves"]
+    assert not server.stats()["compiled_loop"]
+    requests.Free()
