@@ -231,11 +231,11 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
            last_push, push_due, times, tags, sleeps, deadline, until):
     """The loop (module doc).  ``tags``: PUSH, PUSH_PULL, PULL, ACK, DATA, OK, REFUSED,
     UNHEARD, HEARD_FROM; ``sleeps``: SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S, IDLE_AFTER_S,
-    WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S, HOT_S (``shard_server``'s constants)."""
+    WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S (``shard_server``'s constants)."""
     push_t, push_pull_t, pull_t, ack_t, data_t = tags[0], tags[1], tags[2], tags[3], tags[4]
     ok, refused, unheard, heard_from = tags[5], tags[6], tags[7], tags[8]
     sleep_min, sleep_max, sleep_idle, idle_after = sleeps[0], sleeps[1], sleeps[2], sleeps[3]
-    wake_margin, due_slack, pace_max, hot = sleeps[4], sleeps[5], sleeps[6], sleeps[7]
+    wake_margin, due_slack, pace_max = sleeps[4], sleeps[5], sleeps[6]
     status_p, flag_p = status.ctypes.data, scratch.ctypes.data
     count_p = flag_p + 4
     ack_p = cells.ctypes.data + 8 * C_ACK
@@ -273,10 +273,8 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
                         nxt = d
                 times[T_NEXT_DUE] = nxt
                 ahead = nxt - now
-            if -due_slack < ahead < wake_margin or now - last < hot:
-                # A push is due about now, or a message came within ``hot`` (the pull after
-                # a push, when the state server grants it): poll for it, others run first.
-                _sched_yield()
+            if -due_slack < ahead < wake_margin:
+                _sched_yield()   # a push is due about now: poll for it, others run first
                 continue
             pause = min(sleep, ahead - wake_margin) if ahead > 0 else sleep
             _usleep(np.uint32(max(pause, 0.0) * 1e6))

@@ -52,10 +52,6 @@ IDLE_AFTER_S = 0.05
 # it (as the state server's loop does for reports; a sleep overshoots by ~0.1 ms here).
 # Intervals longer than PACE_MAX_S are not paced pushes (a worker in join, a checkpoint).
 WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S = 300e-6, 1e-3, 1.0
-# The compiled loop polls, yielding the core, for HOT_S after each message: the pull that
-# follows a push once the state server granted it (SSP's and DSSP's asked path) finds the
-# shard awake.  (The Python loop does not: its polls hold the interpreter's lock.)
-HOT_S = 1e-3
 
 
 def wire_code(dtype) -> int:
@@ -143,7 +139,7 @@ class ShardServer:
                     self._times, tags=(PUSH, PUSH_PULL, PULL, ACK, DATA, OK, REFUSED, UNHEARD,
                                        HEARD_FROM),
                     sleeps=(SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S, IDLE_AFTER_S,
-                            WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S, HOT_S),
+                            WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S),
                     deadline=self.deadline)
             else:
                 self.log(f"mpsync PS shard {index}: no compiled loop ({reason}); the Python "
