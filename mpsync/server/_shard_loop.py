@@ -4,25 +4,26 @@ the interpreter's lock (:class:`~mpsync.server.shard_server.ShardServer` keeps e
 Why: a shard is a thread of a worker rank.  In Python its loop took ~30 interpreter-level
 calls per push (probe, receive, a finiteness check with a temporary, the add, the ACK, the
 reply, the backoff) and every one of them needed the rank's interpreter lock, which the
-trainer on the same rank holds while it runs Python: a push waited for the trainer's
-switch interval as often as for the wire.  Here one Numba function, compiled ``nogil``,
-calls Open MPI directly (the bindings of ``_fastpath``) and serves, until it has to hand a
-message back:
+trainer on the same rank holds while it runs Python.  Here one Numba function, compiled
+``nogil``, calls Open MPI directly (the bindings of ``_fastpath``) and serves, until it has
+to hand a message back:
 
 * ``PUSH`` and ``PUSH_PULL`` in the store's own dtype, of the shard's exact size: the slice is
-  received, then one pass reads the weights and the delta and writes their sum (scaled as the
-  policy says, in the store's dtype, as ``WeightStore.apply`` computes it) into the shard's
-  second buffer, checking every value of the delta on the way; only if all were finite does
-  that buffer become the weights (a refused push leaves them untouched, without a separate
-  checking pass).  ACK, then for ``PUSH_PULL`` the new weights as ``DATA``.
+  received and added (scaled as the policy says, in the store's dtype, as
+  ``WeightStore.apply`` computes it) only if every value of it is finite, so a refused push
+  leaves the weights untouched.  Where no reply in flight reads the weights, in place: a
+  checking pass, then the add.  Where one does, one pass reads the weights and the delta and
+  writes their sum into a buffer nothing reads, checking on the way, and that buffer becomes
+  the weights only if all were finite.  ACK, then for ``PUSH_PULL`` the new weights as
+  ``DATA``.
 * ``PULL`` in the store's dtype without a barrier: the weights as ``DATA``.
 
 Replies go out with ``MPI_Isend`` and stay in flight while the loop serves on (a slow link to
-one worker does not hold another's push): the weights are three buffers, and a push sums into
-one that no reply in flight reads; the shard waits for a reply only when none is free.  On
-every return to Python the replies still in flight are handed over (``ShardLoop.in_flight``),
-and the Python loop completes them, or cancels one its worker has not taken within the
-deadline, as before.  Every other message (``INIT``, ``LOAD``, a barrier's pull, another dtype,
+one worker does not hold another's push): the weights take turns in three buffers, a push
+that comes while replies read the weights sums into one that none reads, and the shard waits
+for a reply only when no buffer is free.  On every return to Python the replies still in
+flight are handed over (``ShardLoop.in_flight``), and the Python loop completes them, or
+cancels one its worker has not taken within the deadline, as before.  Every other message (``INIT``, ``LOAD``, a barrier's pull, another dtype,
 a malformed one, ``BYE``, ``WATCH``, the optimizer's) is left to the Python loop: probed and not
 received, or, for a pull whose barrier is only known from its payload, received and handed
 over with it.  A refused push is ACKed here and handed back for its log line.  The
@@ -182,6 +183,25 @@ def add_checked(weights, delta, scale, out):
 
 
 @_jit
+def add_checked_in_place(weights, delta, scale):
+    """``weights += scale * delta`` (rounded as :func:`add_checked`) if every value of
+    ``delta`` is finite, else False and the weights untouched: a checking pass, then the
+    add, for weights no reply reads (their cache lines stay warm: no third array to write)."""
+    for i in range(delta.size):
+        x = delta[i]
+        if (x - x) != 0:
+            return False
+    s = scale[0]
+    if s == 1:
+        for i in range(weights.size):
+            weights[i] += delta[i]
+    else:
+        for i in range(weights.size):
+            weights[i] += delta[i] * s
+    return True
+
+
+@_jit
 def _expect_next_push(src, now, last_push, push_due, times, pace_max):
     """``ShardServer._expect_next_push``: worker ``src`` pushed at ``now``; its next push is
     due one interval later (none if the interval was longer than ``pace_max``)."""
@@ -291,7 +311,9 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
             return PROBED
         current = cells[C_CURRENT]
         target = -1
-        if is_push:
+        if is_push and _readers(flight, current) == 0:
+            target = current    # nothing reads the weights: the push is added in place
+        elif is_push:
             # The sum goes to a buffer no reply reads (a reply's worker may take it late).
             while True:
                 for b in range(BUFFERS):
@@ -324,7 +346,10 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
             _expect_next_push(src, now, last_push, push_due, times, pace_max)
             source = w0 if current == 0 else (w1 if current == 1 else w2)
             out = w0 if target == 0 else (w1 if target == 1 else w2)
-            applied = add_checked(source, delta, scale, out)
+            if target == current:
+                applied = add_checked_in_place(source, delta, scale)
+            else:
+                applied = add_checked(source, delta, scale, out)
             if applied:
                 cells[C_CURRENT] = target
                 cells[C_VERSION] += 1
