@@ -230,6 +230,19 @@ def _progress(flight, flight_since, cells, status_p, flag_p, scratch, now, deadl
 
 
 @_jit
+def _await_a_reply(flight, flight_since, cells, status_p, flag_p, scratch, deadline):
+    """No buffer or row is free: yield the core, then progress the replies in flight.  -1
+    to go on, else the outcome to return (MPI_FAILED, its error in the cells, or STUCK)."""
+    _sched_yield()
+    done = _progress(flight, flight_since, cells, status_p, flag_p, scratch,
+                     _monotonic(cells), deadline)
+    if done < -1:
+        cells[C_ERROR] = -2 - done
+        return MPI_FAILED
+    return STUCK if done == 1 else -1
+
+
+@_jit
 def _readers(flight, buffer):
     n = 0
     for row in range(flight.shape[0]):
@@ -322,14 +335,10 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
                         break
                 if target >= 0:
                     break
-                _sched_yield()
-                done = _progress(flight, flight_since, cells, status_p, flag_p, scratch,
-                                 _monotonic(cells), deadline)
-                if done != 0:
-                    if done < -1:
-                        cells[C_ERROR] = -2 - done
-                        return MPI_FAILED
-                    return STUCK
+                outcome = _await_a_reply(flight, flight_since, cells, status_p, flag_p,
+                                         scratch, deadline)
+                if outcome >= 0:
+                    return outcome
         payload = delta.ctypes.data if is_push else pull_arg.ctypes.data
         err = _recv(payload, count, h_byte, src, tag, requests, status_p)
         if err != 0:
@@ -366,14 +375,10 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
         # The weights as DATA, left in flight.
         row = _free_row(flight)
         while row < 0:
-            _sched_yield()
-            done = _progress(flight, flight_since, cells, status_p, flag_p, scratch,
-                             _monotonic(cells), deadline)
-            if done != 0:
-                if done < -1:
-                    cells[C_ERROR] = -2 - done
-                    return MPI_FAILED
-                return STUCK
+            outcome = _await_a_reply(flight, flight_since, cells, status_p, flag_p, scratch,
+                                     deadline)
+            if outcome >= 0:
+                return outcome
             row = _free_row(flight)
         current = cells[C_CURRENT]
         weights = w0 if current == 0 else (w1 if current == 1 else w2)
