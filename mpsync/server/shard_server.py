@@ -122,13 +122,13 @@ class ShardServer:
         self._barrier_epoch, self._barrier_weights = 0, None
         self._ack = np.zeros(2, dtype=np.int64)
         self._spares: list[np.ndarray] = []    # weight buffers to add into (_spare)
-        # Per worker: its last push (perf_counter) and when its next is due (inf: unknown);
-        # [when the next push is due].
+        # Per worker: its last push (perf_counter, CLOCK_MONOTONIC as the compiled loop's
+        # clock) and when its next is due (inf: unknown); ``_times[0]``: the earliest of those.
         self._last_push = np.zeros(n_workers)
         self._push_due = np.full(n_workers, np.inf)
         self._times = np.array([np.inf])
-        # The compiled loop (``_shard_loop``) where this MPI allows it, and the buffer its
-        # pushes sum into (then the weights: the two take turns).
+        # The compiled loop (``_shard_loop``) where this MPI allows it, and the two buffers
+        # besides the weights that it may sum a push into (the three take turns).
         self._loop: _shard_loop.ShardLoop | None = None
         self._others: list[np.ndarray] = []
         if compiled and comm is not None:
