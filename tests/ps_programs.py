@@ -19,6 +19,7 @@ import torch
 torch.set_num_threads(1)
 
 import mpsync.torch as mps  # noqa: E402
+from mpsync.server import wire as W  # noqa: E402
 
 BASE = 1000   # worker j's pushes are counted in the j-th base-1000 digit of every coordinate
 
@@ -68,6 +69,7 @@ def staleness_over_shards() -> None:
              staleness_high=3)
     bound = {"ssp": 2, "dssp": 3}.get(policy, steps)   # asp: none
     exchanges = _count_one_exchanges()
+    server_calls = _count_server_calls()
     me, n = mps.rank(), mps.size()
     model = torch.nn.Linear(10, 6).double()
     with torch.no_grad():
@@ -93,6 +95,9 @@ def staleness_over_shards() -> None:
                                  f"pushes, worker {bad[1]} more than {bound} behind")
         worst_gap = max(worst_gap, gap)
         shards_differ += int(len({tuple(c) for c in counts}) > 1)
+    # (before shutdown, whose last push and pull are separate requests)
+    asked = {name: server_calls.get(getattr(W, name), 0)
+             for name in ("PUSH", "PULL", "PUSH_PULL")}
     mps.shutdown()
     server = mps.stats(server=False)["server"]
     final = _decode(_flat_params(model).numpy(), n)
@@ -100,7 +105,7 @@ def staleness_over_shards() -> None:
         raise AssertionError(f"after shutdown the model holds {final.min(axis=0)} to "
                              f"{final.max(axis=0)} pushes per worker, each made {steps}")
     _result(rank=me, worst_gap=worst_gap, bound=bound, torn_pulls=shards_differ,
-            one_exchanges=exchanges[0],
+            one_exchanges=exchanges[0], asked=asked,
             controller_grants=sum(server["policy_state"].get("controller_grants", []))
             if server else None)
 
@@ -117,6 +122,21 @@ def _count_one_exchanges() -> list:
         return exchange(*args, **kw)
 
     shards.push_pull = counted
+    return calls
+
+
+def _count_server_calls() -> dict:
+    """Count the requests this worker sends the state server and waits for, by wire tag."""
+    from mpsync.torch import _runtime
+
+    client, calls = _runtime.context().client, {}
+    call = client._call
+
+    def counted(tag, *args, **kw):
+        calls[tag] = calls.get(tag, 0) + 1
+        return call(tag, *args, **kw)
+
+    client._call = counted
     return calls
 
 

@@ -157,6 +157,12 @@ def test_staleness_bound_holds_on_every_shard_with_a_lagging_shard(policy):
     # The fast workers read the pulls the server was sure to grant in one exchange, without
     # asking (SyncClient.pull_is_sure), and asked for the rest: held at the bound.
     assert all(0 < by_worker[w]["one_exchanges"] < steps for w in (1, 2)), res
+    # Every other pull was asked for in one request that counted the push and granted the
+    # pull (SyncClient.push_then_pull), no separate PUSH and PULL (one PULL: the initial
+    # weights).
+    for w, r in by_worker.items():
+        assert r["asked"] == {"PUSH": 0, "PULL": 1,
+                              "PUSH_PULL": steps - r["one_exchanges"]}, (w, res)
 
 
 @pytest.mark.mpi

@@ -19,8 +19,9 @@ transport), each the median over repeats of the slowest worker's time:
 * ``ps_ssp_ms``: the same under ssp, whose bound never binds here (the workers are in
   step): one exchange per shard while the state server's last reply says the pull is sure
   (``SyncClient.pull_is_sure``; ``ps_ssp_sure_share``: how often it was); beside it
-  ``ps_ssp_asked_ms``, the path of a pull the bound may hold: ``push``, then ``pull``
-  (two exchanges, the state server's count and grant between them);
+  ``ps_ssp_asked_ms``, the path of a pull the bound may hold: the push to the shards, the
+  state server's count and grant in one exchange, the pull from the shards
+  (``SyncClient.push_then_pull``);
 * ``*_paced_ms``: each of these after ``PACE_S`` without any message (as
   between a training job's iterations, where a shard or server that sleeps while idle has
   to wake up for the push).
@@ -143,8 +144,9 @@ def _bounded_exchange(ps: _Session, max_repeats, budget) -> dict:
     """Under ssp (the bound never binds: the workers are in step): ``ps_ssp_ms``, a push
     and a pull as ``ParameterServer._push_pull`` runs them, in one exchange per shard while
     the state server's last reply says the pull is sure (``SyncClient.pull_is_sure``); and
-    ``ps_ssp_asked_ms``, the two exchanges with the state server's grant between them that
-    a pull the bound may hold takes (``push``, then ``pull``).  Each paced too."""
+    ``ps_ssp_asked_ms``, what a pull the bound may hold takes: the push to the shards, the
+    state server's count and grant, the pull from the shards (``SyncClient.push_then_pull``,
+    as ``ParameterServer._push_pull`` runs it).  Each paced too."""
     if ps.client is None:
         return {}
     client, delta, weights = ps.client, ps.delta, ps.weights
@@ -157,13 +159,11 @@ def _bounded_exchange(ps: _Session, max_repeats, budget) -> dict:
             sure[0] += 1
             client.push_pull(delta, weights, it[0], gated=True)
         else:
-            client.push(delta, it[0])
-            client.pull(weights, it[0])
+            client.push_then_pull(delta, weights, it[0])
 
     def asked():
         it[0] += 1
-        client.push(delta, it[0])
-        client.pull(weights, it[0])
+        client.push_then_pull(delta, weights, it[0])
 
     row = timed(ps.workers, {"ps_ssp_ms": exchange, "ps_ssp_asked_ms": asked},
                 max_repeats, budget)

@@ -1,6 +1,7 @@
 """The parameter-server calls of the worker's state-server client (``SyncClient``): the
-initial weights, push and pull, and push and pull in one exchange (ASP's, and SSP's and
-DSSP's while their bound cannot bind) whose state-server replies are collected later (the
+initial weights, push and pull, push and pull in one exchange (ASP's, and SSP's and
+DSSP's while their bound cannot bind) whose state-server replies are collected later, and
+the push, grant and pull of a pull the bound may hold in three round trips (the
 plumbing, ``_call``, ``_header``, ``_wait``, is ``SyncClient``'s, in
 :mod:`mpsync.server._client`).
 """
@@ -101,6 +102,27 @@ class ParameterServerCalls:
         else:
             self.shards.push_pull(wire, out, meanwhile=tell_server)
         return self._version
+
+    def push_then_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int) -> int:
+        """Sharded PS, a pull the state server may hold (SSP's and DSSP's while their bound
+        may bind): push ``delta`` to every shard, then one exchange with the state server
+        that counts the push and grants the pull (``PUSH_PULL``, its reply held while the
+        rule holds the pull), then read the weights into ``out``.  Three round trips, each
+        one the rule needs: the push is counted only once it is in on every shard, the pull
+        is granted only once counted, and the weights are read only once granted.
+        :meth:`push` and :meth:`pull` make four (a reply to the push, then the pull's
+        request).  Returns the model version of the grant."""
+        if self.shards is None:
+            raise ValueError("push_then_pull needs the sharded parameter server (without "
+                             "shards: push, then pull)")
+        if not out.flags.c_contiguous:
+            raise ValueError("push_then_pull needs a contiguous array for the weights")
+        self.shards.push(np.ascontiguousarray(delta))
+        self._call(W.PUSH_PULL, f"push_pull {iteration}", header=self._header(iteration))
+        version = int(self._rep[W.R_VERSION])
+        self.sure_pulls = int(self._rep[W.R_EXTRA])
+        self.shards.pull(out)
+        return version
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False,
              barrier: int = 0) -> int:

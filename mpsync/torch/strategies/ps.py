@@ -277,7 +277,8 @@ class ParameterServer(LocalStepsThenAggregate):
         server never holds a pull (ASP), or is sure to grant this one (SSP and DSSP while
         their bound cannot bind: ``SyncClient.pull_is_sure``), both are one exchange
         (``SyncClient.push_pull``), its weights received straight into the fusion buffer
-        and copied to the base."""
+        and copied to the base; else, sharded, the push is counted and the pull granted in
+        one exchange with the state server (``SyncClient.push_then_pull``)."""
         flat, delta = self.buf.flat, self._delta_into_base()
         one = (not barrier and self._shards_direct and not self.code and delta.size
                and flat.dtype in _NUMPY_FLOATS)
@@ -292,12 +293,12 @@ class ParameterServer(LocalStepsThenAggregate):
             self.version = self.client.push_pull(delta, flat.numpy(), self.iteration,
                                                  gated=gated)
             np.copyto(self._base, flat.numpy())
-        else:
+        elif barrier or self.client.shards is None:
             self.client.push(delta, self.iteration)
-            if barrier:
-                self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
-            else:
-                self.version = self.client.pull(self._base, self.iteration)
+            self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
+            self._land(self._base)
+        else:   # a pull the bound may hold: push, the grant, the pull in three round trips
+            self.version = self.client.push_then_pull(delta, self._base, self.iteration)
             self._land(self._base)
         self.buf.unpack_to_params()
         self._delay()
