@@ -59,7 +59,7 @@ def test_an_idle_push_is_sent_to_every_shard_and_a_last_push_to_none():
         def __init__(self):
             self.pushed = []
 
-        def push(self, delta):
+        def push(self, delta, finite=False):
             self.pushed.append(delta.size)
 
     class Client(ParameterServerCalls):

@@ -17,7 +17,7 @@ from mpi_harness import REPO, run_mpi
 from mpsync.config import ConfigError, SyncConfig
 from mpsync.server.shard_plan import (SINGLE_HOST_SHARDS, place_shards, plan_layout,
                                       resolve_shard_count, shard_bounds)
-from mpsync.server.weights import all_finite
+from mpsync.server.weights import all_finite, subtract_checked
 
 PROGRAMS = str(Path(__file__).resolve().parent / "ps_programs.py")
 
@@ -35,6 +35,24 @@ def test_the_finiteness_check_of_pushes_finds_every_nan_and_inf(dtype):
             spoiled[at] = bad
             assert not all_finite(spoiled), (bad, at)
             assert not all_finite(spoiled[at:at + 1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_workers_delta_is_numpys_subtraction_and_its_check_finds_every_nan_and_inf(dtype):
+    # (one pass: Δ written over the base and checked as it is written)
+    rng = np.random.default_rng(1)
+    new, base = (rng.standard_normal(4099).astype(dtype) * 1e3 for _ in range(2))
+    out = base.copy()
+    assert subtract_checked(new, out)
+    assert np.array_equal(out, np.subtract(new, base)) and out.dtype == dtype
+    big = np.finfo(dtype).max
+    for at in (0, 2048, 4098):
+        for bad_new, bad_base in ((np.nan, 0.0), (np.inf, 0.0), (big, -big)):   # overflow too
+            spoiled, out = new.copy(), base.copy()
+            spoiled[at], out[at] = bad_new, bad_base
+            assert not subtract_checked(spoiled, out), (at, bad_new, bad_base)
+    with pytest.raises(ValueError, match="differ"):
+        subtract_checked(new, base.astype(np.float16))
 
 
 def test_torch_converts_to_and_from_a_float16_wire_as_numpy_does():

@@ -39,9 +39,12 @@ class ParameterServerCalls:
         data = np.ascontiguousarray(flat, dtype=np.float64)
         self._call(W.PS_INIT, "ps_init", header=self._header(count=data.size), data=data)
 
-    def push(self, delta: np.ndarray, iteration: int, final: bool = False) -> int:
+    def push(self, delta: np.ndarray, iteration: int, final: bool = False,
+             finite: bool = False) -> int:
         """Send an update; the server applies it on arrival.  ``final``: this worker's last
         push (others' pulls stop waiting for it under SSP/DSSP).  Returns the model version.
+        ``finite`` (sharded): every value of ``delta`` is known to be finite
+        (``ShardClient.checked_push``).
         Sharded: every shard applies its slice first, and only then is the push counted by
         the state server, so its staleness rules count updates that are in on every shard."""
         if self.shards is not None:
@@ -51,7 +54,7 @@ class ParameterServerCalls:
             # (``final``) reaches none: it ends this worker's rounds, and its pull, which no
             # rule holds, must not settle a round the others are still pushing into.
             if delta.size or not final:
-                self.shards.push(np.ascontiguousarray(delta))
+                self.shards.push(np.ascontiguousarray(delta), finite)
             self._call(W.PUSH, f"push {iteration}",
                        header=self._header(iteration, count=0, flag=int(final)))
         else:
@@ -71,7 +74,7 @@ class ParameterServerCalls:
         return self.sure_pulls > 0
 
     def push_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,
-                  gated: bool = False) -> int:
+                  gated: bool = False, finite: bool = False) -> int:
         """Sharded PS: push ``delta`` and read the weights after it into ``out`` in one round
         trip per shard (``ShardClient.push_pull``), for a pull the state server never holds
         (ASP) or, ``gated``, one it is sure to grant (:meth:`pull_is_sure`: SSP, DSSP while
@@ -80,8 +83,8 @@ class ParameterServerCalls:
         told of the push and the pull while the shards work; ``gated``, once every shard
         has applied the push (the staleness rules count only pushes that are in on every
         shard, which the sure pulls of others rely on).  Returns the model version of the
-        latest pull reply collected."""
-        wire = self.shards.checked_push(np.ascontiguousarray(delta))   # before any send
+        latest pull reply collected.  ``finite``: as :meth:`push`'s."""
+        wire = self.shards.checked_push(np.ascontiguousarray(delta), finite)  # before any send
         if self._later:
             self._collect_later()
         if gated:
@@ -103,7 +106,8 @@ class ParameterServerCalls:
             self.shards.push_pull(wire, out, meanwhile=tell_server)
         return self._version
 
-    def push_then_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int) -> int:
+    def push_then_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,
+                       finite: bool = False) -> int:
         """Sharded PS, a pull the state server may hold (SSP's and DSSP's while their bound
         may bind): push ``delta`` to every shard, then one exchange with the state server
         that counts the push and grants the pull (``PUSH_PULL``, its reply held while the
@@ -111,13 +115,13 @@ class ParameterServerCalls:
         one the rule needs: the push is counted only once it is in on every shard, the pull
         is granted only once counted, and the weights are read only once granted.
         :meth:`push` and :meth:`pull` make four (a reply to the push, then the pull's
-        request).  Returns the model version of the grant."""
+        request).  Returns the model version of the grant.  ``finite``: as :meth:`push`'s."""
         if self.shards is None:
             raise ValueError("push_then_pull needs the sharded parameter server (without "
                              "shards: push, then pull)")
         if not out.flags.c_contiguous:
             raise ValueError("push_then_pull needs a contiguous array for the weights")
-        self.shards.push(np.ascontiguousarray(delta))
+        self.shards.push(np.ascontiguousarray(delta), finite)
         self._call(W.PUSH_PULL, f"push_pull {iteration}", header=self._header(iteration))
         version = int(self._rep[W.R_VERSION])
         self.sure_pulls = int(self._rep[W.R_EXTRA])

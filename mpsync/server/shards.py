@@ -159,10 +159,11 @@ class ShardClient:
         PS from the ring, whose workers all hold ``flat``."""
         self._send_slices(LOAD, flat, flat, "load")
 
-    def push(self, delta: np.ndarray) -> None:
+    def push(self, delta: np.ndarray, finite: bool = False) -> None:
         """Apply ``delta`` on every shard; returns once every shard has applied its slice.
         Empty: every shard is told of a push with nothing in it (the server's optimizer: an
-        idle iteration's push, ``ServerUpdates.take``), once the layout is fixed."""
+        idle iteration's push, ``ServerUpdates.take``), once the layout is fixed.
+        ``finite``: as :meth:`checked_push`'s."""
         if delta.size == 0:
             if self.bounds is None:
                 raise ValueError("an empty push before the parameter server's layout is fixed "
@@ -170,16 +171,21 @@ class ShardClient:
             empty = np.ascontiguousarray(delta)
             self._send_slices(PUSH, empty, empty, "push", empty=True)
             return
-        self._send_slices(PUSH, delta, self.checked_push(delta), "push")
+        self._send_slices(PUSH, delta, self.checked_push(delta, finite), "push")
 
-    def checked_push(self, delta: np.ndarray) -> np.ndarray:
+    def checked_push(self, delta: np.ndarray, finite: bool = False) -> np.ndarray:
         """``delta`` as it goes on the wire (cast into the wire buffer if the wire's dtype
         differs).  What a shard would refuse is refused here, before anything is sent, so
         that a push is applied on every shard or on none: values that are not finite *on the
-        wire* (a float16 wire turns a delta above 65504 into inf)."""
+        wire* (a float16 wire turns a delta above 65504 into inf).  ``finite``: the caller
+        found every value of ``delta`` finite as it computed it (``weights.subtract_checked``),
+        so a wire of ``delta`` itself is not read again (a cast one still is: it can
+        overflow)."""
         wire = self._on_wire(delta)
         if wire is not delta:
             self.cast(wire, delta)
+        elif finite:
+            return wire
         if not all_finite(wire):
             if all_finite(delta):
                 big = float(np.max(np.abs(delta)))

@@ -12,6 +12,7 @@ import torch
 
 from mpsync.server.shard_optimizer import settings_of
 from mpsync.server.shard_server import ALL_PUSHES_IN
+from mpsync.server.weights import subtract_checked
 from mpsync.torch.strategies.base import spec_of
 from mpsync.torch.strategies.local_steps import LocalStepsThenAggregate
 
@@ -240,13 +241,17 @@ class ParameterServer(LocalStepsThenAggregate):
 
     def _delta_into_base(self) -> np.ndarray:
         """Δ = w_local - base, written over ``_base``, in the store's dtype (with the server's
-        optimizer: the gradient, :meth:`_gradient_into_base`)."""
+        optimizer: the gradient, :meth:`_gradient_into_base`).  ``_delta_finite``: every value
+        of Δ was found finite in the pass that computed it (the push need not read it again:
+        ``ShardClient.checked_push``)."""
+        self._delta_finite = False
         if self.server_optimizer:
             return self._gradient_into_base()
         if self.staged:   # on the device, then one copy to the host
             self._host.copy_(torch.sub(_stored(self.buf.pack_params()), self._base_dev))
             return self._base
-        np.subtract(_stored(self.buf.pack_params()).numpy(), self._base, out=self._base)
+        self._delta_finite = subtract_checked(_stored(self.buf.pack_params()).numpy(),
+                                              self._base)
         return self._base
 
     def _gradient_into_base(self) -> np.ndarray:
@@ -280,6 +285,7 @@ class ParameterServer(LocalStepsThenAggregate):
         and copied to the base; else, sharded, the push is counted and the pull granted in
         one exchange with the state server (``SyncClient.push_then_pull``)."""
         flat, delta = self.buf.flat, self._delta_into_base()
+        finite = self._delta_finite
         one = (not barrier and self._shards_direct and not self.code and delta.size
                and flat.dtype in _NUMPY_FLOATS)
         gated = one and not self._one_exchange
@@ -291,14 +297,15 @@ class ParameterServer(LocalStepsThenAggregate):
                 self.buf.unpack_to_params()
                 return self._delay()
             self.version = self.client.push_pull(delta, flat.numpy(), self.iteration,
-                                                 gated=gated)
+                                                 gated=gated, finite=finite)
             np.copyto(self._base, flat.numpy())
         elif barrier or self.client.shards is None:
-            self.client.push(delta, self.iteration)
+            self.client.push(delta, self.iteration, finite=finite)
             self.version = self.client.pull(self._base, self.iteration, barrier=barrier)
             self._land(self._base)
         else:   # a pull the bound may hold: push, the grant, the pull in three round trips
-            self.version = self.client.push_then_pull(delta, self._base, self.iteration)
+            self.version = self.client.push_then_pull(delta, self._base, self.iteration,
+                                                      finite=finite)
             self._land(self._base)
         self.buf.unpack_to_params()
         self._delay()
