@@ -218,12 +218,15 @@ class StateServer(MessageHandlers):
                 src, tag = get_source(), get_tag()
                 if probed and (tag < W.REPLY or src != me):  # else: a reply to our own client
                     receive(src, tag, get_count(MPI.BYTE))
-                    if tag != W.PUSH_PULL:
-                        # (no hot window after a push_pull: its reply is collected at the
-                        # worker's next call, and polling would take a core that the shards
-                        # and workers of its exchange need where ranks share cores)
-                        last_msg = clock()
-                        sleep = _SLEEP_MIN_S
+                    last_msg = clock()
+                    sleep = _SLEEP_MIN_S
+                    if tag == W.PUSH_PULL:
+                        # No hot window after a push_pull: the worker's next message comes
+                        # after its exchange with the shards at the soonest, and polling
+                        # would take a core that the shards and workers of that exchange
+                        # need where ranks share cores.  The backoff still starts over (a
+                        # stream of push_pulls is no idle server).
+                        last_msg -= hot_s
                     due_stale = True
                     if self._check_gone:  # a shutdown arrived: was it the last one?
                         self._check_gone = False
