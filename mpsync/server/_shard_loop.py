@@ -31,7 +31,9 @@ server-side optimizer (``ps_optimizer='server'``) is served by the Python loop a
 
 Idle, the loop sleeps as the Python one did (20 µs doubling to 1 ms, 4 ms after 50 ms of
 silence) but never past a worker's next push: it keeps ``ShardServer``'s per-worker push
-clocks, in the same arrays, so a paced push finds the shard polling.  It writes each worker's
+clocks, in the same arrays, so a paced push finds the shard polling; and for ``DUE_SLACK_S``
+after a push alone (not ``PUSH_PULL``) it polls for the pull that follows once the state
+server grants it.  It writes each worker's
 last-heard time (``CLOCK_MONOTONIC``, what ``time.monotonic`` reads) into the shard's own
 ``heard`` table, which the liveness checks read while it runs.
 """
@@ -277,6 +279,7 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
     sleep = sleep_min
     last = _monotonic(cells)
     sending = False
+    pull_by = 0.0   # a worker's pull is expected until then (after its push alone)
     while True:
         now = _monotonic(cells)
         if sending:
@@ -306,8 +309,8 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
                         nxt = d
                 times[T_NEXT_DUE] = nxt
                 ahead = nxt - now
-            if -due_slack < ahead < wake_margin:
-                _sched_yield()   # a push is due about now: poll for it, others run first
+            if -due_slack < ahead < wake_margin or now < pull_by:
+                _sched_yield()   # a push or pull is due about now: poll, others run first
                 continue
             pause = min(sleep, ahead - wake_margin) if ahead > 0 else sleep
             _usleep(np.uint32(max(pause, 0.0) * 1e6))
@@ -371,6 +374,10 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
                 return REFUSED
         cells[C_SERVED] += 1
         if kind == push_t:
+            # A push alone is followed by its worker's pull once the state server grants it
+            # (SyncClient.push_then_pull; the grant takes ~0.2 ms here): poll for it
+            # rather than sleep through it in the backoff's steps.
+            pull_by = now + due_slack
             continue
         # The weights as DATA, left in flight.
         row = _free_row(flight)
