@@ -106,6 +106,7 @@ def staleness_over_shards() -> None:
                              f"{final.max(axis=0)} pushes per worker, each made {steps}")
     _result(rank=me, worst_gap=worst_gap, bound=bound, torn_pulls=shards_differ,
             one_exchanges=exchanges[0], asked=asked,
+            compiled=server["messages"]["compiled_push_pulls"] if server else None,
             controller_grants=sum(server["policy_state"].get("controller_grants", []))
             if server else None)
 

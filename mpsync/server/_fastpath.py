@@ -19,6 +19,9 @@ What it serves, and what it leaves to the Python loop:
   query modes; the capability test stays in Python), ``FAST_EBSP`` (steps whose barrier is
   planned; resets and monitoring-phase steps may plan the next barrier, ZipLine, so they
   stay in Python: ``rules.fast_hands_over``).
+* The sharded parameter server's ``PUSH_PULL`` (count the push the shards applied, grant the
+  pull) where the policy's pull rule is compiled (``pull_rules``: ASP, SSP) and the pull is
+  granted at once; a pull the rule holds, and a worker's last push, are handed over.
 * A message of another type, from a rank that is no worker, or of the wrong size is left in
   the queue: the Python loop probes it again.  A message received here that it does not
   complete (malformed, from a worker taken out, an ElasticBSP case above) is handed to the
@@ -49,7 +52,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpsync.server import rules, wire as W
+from mpsync.server import pull_rules, rules, wire as W
 
 __all__ = ["FastPath", "ServeResult", "ServeState", "ClientPath", "QueryBinding", "query",
            "unavailable_reason", "REPLY_OUT_OF_ORDER"]
@@ -135,7 +138,7 @@ class FastPath:
     """
 
     def __init__(self, comm, index: dict, kind: int, policy, tables, counters, events, request,
-                 t0, eps):
+                 t0, eps, ps=None):
         self.kind = kind
         self.policy = policy
         n_cells, src_at, tag_at = _status_layout()
@@ -146,13 +149,19 @@ class FastPath:
         eb = policy.cells if kind == rules.FAST_EBSP else rules.new_ebsp_tables(0)
         self.esync = es
         self._no_members = np.zeros(0, np.int64)
+        if ps is None:   # no parameter server's requests served here
+            n = len(tables.iteration)
+            ps = pull_rules.new_ps_tables(np.zeros(n, np.int64), np.zeros((n, 2)),
+                                          np.zeros(n, np.bool_), np.zeros(n, np.bool_),
+                                          np.zeros(n, np.int64), np.zeros(n, np.int64))
+        self.ps = ps
 
         def bind(c):
             return _new_state(
                 MPI._handleof(c), MPI._handleof(MPI.DOUBLE), MPI._handleof(MPI.BYTE),
                 MPI.ANY_SOURCE, MPI.ANY_TAG, src_at, tag_at, np.zeros(n_cells, np.int32),
                 np.zeros(2, np.int32), request, W.new_msg(), worker_of, tables, counters,
-                events, es, eb, float(t0), float(eps), kind)
+                events, es, eb, ps, float(t0), float(eps), kind)
 
         self.state = bind(comm)
         self._bind = bind
@@ -241,7 +250,7 @@ class ServeState(structref.StructRefProxy):
 
 _STATE_FIELDS = ("comm", "h_double", "h_byte", "any_source", "any_tag", "src_at", "tag_at",
                  "status", "scratch", "request", "reply", "worker_of", "tables", "counters",
-                 "events", "esync_tables", "ebsp_tables", "t0", "eps", "kind")
+                 "events", "esync_tables", "ebsp_tables", "ps_tables", "t0", "eps", "kind")
 structref.define_constructor(ServeState, _ServeStateType, _STATE_FIELDS)
 structref.define_boxing(_ServeStateType, ServeState)
 
@@ -249,12 +258,12 @@ structref.define_boxing(_ServeStateType, ServeState)
 @_jit
 def _new_state(comm, h_double, h_byte, any_source, any_tag, src_at, tag_at, status, scratch,
                request, reply, worker_of, tables, counters, events, esync_tables, ebsp_tables,
-               t0, eps, kind):
+               ps_tables, t0, eps, kind):
     """A :class:`ServeState` (compiled once into Numba's cache, unlike a proxy's own
     constructor, which is compiled in every process)."""
     return ServeState(comm, h_double, h_byte, any_source, any_tag, src_at, tag_at, status,
                       scratch, request, reply, worker_of, tables, counters, events,
-                      esync_tables, ebsp_tables, t0, eps, kind)
+                      esync_tables, ebsp_tables, ps_tables, t0, eps, kind)
 
 
 @_jit
@@ -277,6 +286,10 @@ def _serve(st, members, last_msg, hot_s, until, max_messages, epoch, first_by):
     comm, h_double, h_byte, kind = st.comm, st.h_double, st.h_byte, st.kind
     any_source, any_tag = np.int32(st.any_source), np.int32(st.any_tag)
     src_at, tag_at, t0, eps = st.src_at, st.tag_at, st.t0, st.eps
+    ps = st.ps_tables
+    # The sharded PS's PUSH_PULL, where the policy's pull rule is compiled (pull_rules).
+    push_pulls = (kind == rules.FAST_BASE and ps.cells[pull_rules.PS_READY] == 1
+                  and ps.cells[pull_rules.PS_BOUND] != pull_rules.NOT_SERVED)
     status_p = status.ctypes.data
     flag_p = scratch.ctypes.data
     count_p = flag_p + 4
@@ -296,7 +309,8 @@ def _serve(st, members, last_msg, hot_s, until, max_messages, epoch, first_by):
                 return _result(QUIET, handled, last_msg, -1, -1, -1, 0.0, 0)
             continue
         src, tag = status[src_at], status[tag_at]
-        if (tag != W.STEP and tag != W.RESET) or src < 0 or src >= worker_of.shape[0]:
+        if (tag != W.STEP and tag != W.RESET and not (tag == W.PUSH_PULL and push_pulls)) \
+                or src < 0 or src >= worker_of.shape[0]:
             return _result(PROBED, handled, last_msg, src, tag, -1, 0.0, 0)
         w = worker_of[src]
         if w < 0:
@@ -313,6 +327,27 @@ def _serve(st, members, last_msg, hot_s, until, max_messages, epoch, first_by):
         if rules.request_problem(msg) != 0 or tables.removed[w] or \
                 rules.fast_hands_over(kind, tag, np.int64(msg[W.ITER]), epoch, eb, w):
             return _result(RECEIVED, handled, last_msg, src, tag, w, now, 0)
+        if tag == W.PUSH_PULL:
+            # Served here only when the pull is granted at once (else the Python loop holds
+            # it) and the push is not a worker's last (its bookkeeping is the Python loop's).
+            if msg[W.COUNT] != 0 or msg[W.FLAG] != 0 or ps.done[w] or \
+                    not pull_rules.ps_pull_granted(tables, ps, w, False):
+                return _result(RECEIVED, handled, last_msg, src, tag, w, now, 0)
+            rules.record_heard(tables, w, now)
+            extra = pull_rules.ps_push_pull(tables, ps, w, now)
+            rules.log_event(events, now - t0, w, rules.K_PUSH, msg[W.ITER])
+            rules.fill_reply(reply, W.SYNC, 0, tables.round[w], msg[W.SEQ], extra, 0,
+                             ps.cells[pull_rules.PS_VERSION])
+            err = _send(reply.ctypes.data, W.MSG_LEN, h_double, src, W.REPLY, comm)
+            if err != 0:
+                return _result(MPI_FAILED, handled, last_msg, src, tag, w, now, err)
+            rules.log_event(events, _wtime() - t0, w, rules.K_PULL, ps.pushes[w])
+            ps.cells[pull_rules.PS_SERVED] += 1
+            handled += 1
+            # No hot window after it (the Python loop's rule, ``_loop``): this worker's next
+            # message comes after its exchange with the shards at the soonest.
+            last_msg = now - hot_s
+            continue
         rules.record_heard(tables, w, now)
         t = now - t0
         if tag == W.RESET:

@@ -19,8 +19,9 @@ polls a core at 100 %): it polls with ``Iprobe`` and has four speeds.
 
 Where Open MPI and the policy allow it (``_fastpath``), the hot window runs in compiled code:
 when a probe finds a message, one call receives, checks, records, decides and answers the
-step and reset messages, and keeps polling for ``hot_s``; it leaves every other message, and
-any it cannot complete, to this loop, which then handles them exactly as without it.
+step and reset messages (and the sharded PS's push-and-pull requests it can grant at once,
+``pull_rules``), and keeps polling for ``hot_s``; it leaves every other message, and any it
+cannot complete, to this loop, which then handles them exactly as without it.
 
 A payload header (PS init/push, OSP importance) whose DATA message has not arrived yet is
 parked, not waited for: the loop keeps serving everyone else and finishes the request when
@@ -38,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.config import ConfigError
-from mpsync.server import heartbeat, _fastpath, rules, wire as W
+from mpsync.server import heartbeat, _fastpath, pull_rules, rules, wire as W
 from mpsync.server._handlers import MessageHandlers
 from mpsync.server.policies import make_policy
 from mpsync.server._stats import EventLog, ServerCounters, rss_kb
@@ -122,8 +123,10 @@ class StateServer(MessageHandlers):
         self.rejected: dict[tuple, int] = {}
         # Well-formed requests served by each loop ("python" counts the handed-over ones too).
         # Served in compiled code, in Python, received in compiled code and handed over, and
-        # the due reports that found the compiled loop already waiting for them (wake-ahead).
-        self.messages = {"compiled": 0, "python": 0, "handed_over": 0, "awaited": 0}
+        # the due reports that found the compiled loop already waiting for them (wake-ahead);
+        # of the compiled ones, the sharded PS's push-and-pull requests (pull_rules).
+        self.messages = {"compiled": 0, "python": 0, "handed_over": 0, "awaited": 0,
+                         "compiled_push_pulls": 0}
         self._msg = W.new_msg()
         self._reply = W.new_msg()
         self._reply_spec = [self._reply, MPI.DOUBLE]
@@ -163,9 +166,16 @@ class StateServer(MessageHandlers):
         kind = rules.FAST_KINDS.get(spec.fast_path)
         if fast_path and _fastpath.unavailable_reason() is None and kind is not None \
                 and not self.policy.holds_steps:
+            # The sharded PS's push-and-pull requests too, where the policy's rule is
+            # compiled (pull_rules); the store's version and the largest lead travel in
+            # ``ps.cells`` across each call (``_serve_compiled``).
+            t = self.table
+            self.ps = pull_rules.new_ps_tables(t.pushes, t.push_table, t.final_pushed, t.done,
+                                               self.counters.pushes, self.counters.pulls)
+            self.ps.cells[pull_rules.PS_BOUND] = self.policy.compiled_pull_bound()
             self.fast = _fastpath.FastPath(comm, self.index, kind, self.policy, self.cells,
                                            self.counters.cells, self.events.cells, self._msg,
-                                           self.t0, config.esync_slack)
+                                           self.t0, config.esync_slack, ps=self.ps)
             self.fast.warm_up()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -198,7 +208,7 @@ class StateServer(MessageHandlers):
                     # what it leaves to this loop.  Entered only when a message is waiting (a
                     # call costs about a microsecond, several times an idle poll), or to wait
                     # there for a report that is due.
-                    done = fast.serve(last_msg, hot_s, next_housekeeping, first_by=first_by)
+                    done = self._serve_compiled(last_msg, hot_s, next_housekeeping, first_by)
                     if first_by:
                         first_by = 0.0
                         messages["awaited"] += done.handled > 0
@@ -267,6 +277,19 @@ class StateServer(MessageHandlers):
             time.sleep(nap)
             sleep = min(sleep * 2, _SLEEP_IDLE_MAX_S if quiet > _IDLE_AFTER_S else _SLEEP_MAX_S)
         return self.stats()
+
+    def _serve_compiled(self, last_msg, hot_s, until, first_by):
+        """``FastPath.serve``, with the store's version and the largest lead handed to it
+        and back (``pull_rules.PSTables.cells``; Python keeps them as attributes)."""
+        cells = self.ps.cells
+        cells[pull_rules.PS_VERSION] = self.weights.version
+        cells[pull_rules.PS_MAX_GAP] = self.counters.max_gap
+        cells[pull_rules.PS_READY] = self.weights.remote
+        done = self.fast.serve(last_msg, hot_s, until, first_by=first_by)
+        self.weights.version = int(cells[pull_rules.PS_VERSION])
+        self.counters.max_gap = int(cells[pull_rules.PS_MAX_GAP])
+        self.messages["compiled_push_pulls"] = int(cells[pull_rules.PS_SERVED])
+        return done
 
     def _keep_house(self, now: float) -> bool:
         """What needs no message: silent workers, expired payload headers, memory samples;

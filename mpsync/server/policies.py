@@ -22,7 +22,7 @@ import numpy as np
 
 from mpsync import sched
 from mpsync.policies import PolicyError
-from mpsync.server import rules
+from mpsync.server import pull_rules, rules
 from mpsync.server.wire import SYNC
 
 __all__ = ["WorkerTable", "Policy", "BSP", "ASP", "SSP", "DSSP", "make_policy",
@@ -100,6 +100,13 @@ class Policy:
         worker reads those pulls from the shards without asking first.  0: ask each time."""
         return 0
 
+    def compiled_pull_bound(self) -> int:
+        """The staleness bound with which the compiled serve loop may answer this policy's
+        push-and-pull requests (``pull_rules``: ``BOUND_NONE`` never holds a pull), or
+        ``pull_rules.NOT_SERVED``: the Python loop answers them (this base's pushes are
+        only counted, but its pull rule may be any)."""
+        return pull_rules.NOT_SERVED
+
     def on_membership_change(self) -> None:
         """A worker shut down or was taken out: decisions must not wait for it any more."""
 
@@ -154,6 +161,8 @@ class BSP(Policy):
 class ASP(Policy):
     """Never wait (DSSP §I.A): every iteration pushes and pulls whatever is current."""
 
+    def compiled_pull_bound(self):
+        return pull_rules.BOUND_NONE if _pull_rules_are(self, ASP) else pull_rules.NOT_SERVED
 
 
 def warm_up_staleness():
@@ -170,8 +179,19 @@ class SSP(Policy):
     def sure_pulls(self, w):
         return pull_sure_within(self.t, w, self.config.staleness)
 
+    def compiled_pull_bound(self):
+        return int(self.config.staleness) if _pull_rules_are(self, SSP) else \
+            pull_rules.NOT_SERVED
+
     def warm_up(self):
         warm_up_staleness()
+
+
+def _pull_rules_are(policy: Policy, cls: type) -> bool:
+    """Whether ``policy`` counts a push and rules on a pull as ``cls`` does (a subclass, a
+    plugin's, may change either; then the Python loop serves its requests)."""
+    return all(getattr(type(policy), name) is getattr(cls, name)
+               for name in ("on_push", "may_pull", "sure_pulls"))
 
 
 class DSSP(Policy):

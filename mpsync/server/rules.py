@@ -62,6 +62,8 @@ EVENT_KINDS = ("register", "report", "sync", "reset", "push", "shutdown", "remov
 K_REPORT = EVENT_KINDS.index("report")
 K_SYNC = EVENT_KINDS.index("sync")
 K_RESET = EVENT_KINDS.index("reset")
+K_PUSH = EVENT_KINDS.index("push")
+K_PULL = EVENT_KINDS.index("pull")
 
 _MAX = float(W.MAX_ITER)
 _TIME_SLOTS = (W.COMPUTE, W.AGG, W.WAIT)

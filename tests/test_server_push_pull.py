@@ -1,0 +1,170 @@
+"""The sharded parameter server's push-and-pull request (``PUSH_PULL``) served by the compiled
+loop (``server/pull_rules.py``): the same decisions as the policy objects, the same tables,
+counters, events and replies as the Python loop, and what it must leave to the Python loop.
+
+One process talks to its own server over ``COMM_SELF`` (real MPI messages to itself); the
+rules for many workers are checked against the policy objects on random tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpsync.config import SyncConfig
+from mpsync.server import StateServer, pull_rules, rules, wire as W
+from mpsync.server._fastpath import PROBED, QUIET, RECEIVED
+from mpsync.server.policies import make_policy
+
+
+def _config(policy, **kw):
+    return SyncConfig.from_options(env={}, policy=policy, topology="ps", server="colocated",
+                                   silent_timeout=600.0, deadline=600.0, **kw)
+
+
+def _server(policy, fast=True):
+    comm = MPI.COMM_SELF.Dup()
+    server = StateServer(comm, _config(policy, staleness=2), workers=[0], fast_path=fast)
+    server.weights.init(np.empty(0))   # the model is on the shards (PS_INIT with no payload)
+    return comm, server
+
+
+def _send_push_pulls(comm, count, flag=0, first=1):
+    requests, bufs = [], []
+    for i in range(first, first + count):
+        msg = W.new_msg()
+        msg[W.SEQ], msg[W.ITER], msg[W.FLAG] = i, i, flag
+        bufs.append(msg)
+        requests.append(comm.Isend([msg, MPI.DOUBLE], dest=0, tag=W.PUSH_PULL))
+    return requests, bufs
+
+
+def _replies(comm, count):
+    out = []
+    for _ in range(count):
+        reply = W.new_msg()
+        comm.Recv([reply, MPI.DOUBLE], source=0, tag=W.REPLY)
+        out.append(reply)
+    return out
+
+
+def _state(server):
+    """What a request writes, without the clock's readings (the twins' clocks differ)."""
+    t, c, ev = server.table, server.counters, server.events
+    rows = ev.rows[:ev.count]
+    return {"pushes": t.pushes.tolist(), "counted": c.pushes.tolist(), "pulls": c.pulls.tolist(),
+            "version": server.weights.version, "max_gap": c.max_gap,
+            "interval_known": np.isfinite(t.interval).tolist(),
+            "events": [(int(w), rules.EVENT_KINDS[int(k)], int(v)) for _, w, k, v in rows]}
+
+
+@pytest.mark.parametrize("policy", ["asp", "ssp"])
+def test_the_compiled_loop_serves_push_pulls_as_the_python_loop_does(policy):
+    n = 6
+    comm, fast = _server(policy)
+    comm2, slow = _server(policy, fast=False)
+    try:
+        assert fast.ps.cells[pull_rules.PS_BOUND] == (-1 if policy == "asp" else 2)
+        requests, _ = _send_push_pulls(comm, n)
+        now = MPI.Wtime()
+        done = fast._serve_compiled(now, 0.05, now + 30.0, 0.0)
+        MPI.Request.Waitall(requests)
+        assert done.handled == n, done
+        compiled = _replies(comm, n)
+        requests, _ = _send_push_pulls(comm2, n)
+        status = MPI.Status()
+        for _ in range(n):
+            comm2.Probe(0, W.PUSH_PULL, status)
+            slow._receive(0, W.PUSH_PULL, status.Get_count(MPI.BYTE))
+        MPI.Request.Waitall(requests)
+        python = _replies(comm2, n)
+        for a, b in zip(compiled, python):
+            assert np.array_equal(a, b), (a, b)
+        assert [int(r[W.R_VERSION]) for r in compiled] == list(range(1, n + 1))
+        assert _state(fast) == _state(slow)
+        assert fast.table.push_table[0, 0] <= fast.table.push_table[0, 1]
+    finally:
+        comm.Free()
+        comm2.Free()
+
+
+def test_a_last_push_and_a_policy_without_a_compiled_rule_go_to_the_python_loop():
+    comm, server = _server("ssp")
+    try:
+        requests, bufs = _send_push_pulls(comm, 1, flag=1)
+        now = MPI.Wtime()
+        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
+        MPI.Request.Waitall(requests)
+        assert (done.code, done.handled) == (RECEIVED, 0), done
+        assert np.array_equal(server._msg, bufs[0])
+        assert server.table.pushes[0] == 0 and server.weights.version == 0   # untouched
+    finally:
+        comm.Free()
+    comm, server = _server("dssp")   # its controller runs at every push: Python's
+    try:
+        assert server.ps.cells[pull_rules.PS_BOUND] == pull_rules.NOT_SERVED
+        requests, _ = _send_push_pulls(comm, 1)
+        now = MPI.Wtime()
+        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
+        assert (done.code, done.tag) == (PROBED, W.PUSH_PULL), done
+        comm.Recv([W.new_msg(), MPI.DOUBLE], source=0, tag=W.PUSH_PULL)
+        MPI.Request.Waitall(requests)
+    finally:
+        comm.Free()
+
+
+def test_before_the_model_is_on_the_shards_nothing_is_served_here():
+    comm = MPI.COMM_SELF.Dup()
+    server = StateServer(comm, _config("asp"), workers=[0])
+    try:
+        requests, _ = _send_push_pulls(comm, 1)
+        now = MPI.Wtime()
+        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
+        assert (done.code, done.tag) == (PROBED, W.PUSH_PULL), done
+        comm.Recv([W.new_msg(), MPI.DOUBLE], source=0, tag=W.PUSH_PULL)
+        MPI.Request.Waitall(requests)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.parametrize("policy", ["asp", "ssp"])
+def test_the_compiled_rules_decide_as_the_policy_objects_on_random_tables(policy):
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(1, 7))
+        config = _config(policy, staleness=int(rng.integers(0, 4)))
+        p = make_policy(config, n)
+        t = p.t
+        t.pushes[:] = rng.integers(0, 6, n)
+        t.done[:] = rng.random(n) < 0.2
+        t.removed[:] = rng.random(n) < 0.2
+        t.final_pushed[:] = rng.random(n) < 0.2
+        t.compute[:] = np.where(rng.random(n) < 0.5, 0.0, 0.01)
+        t.last_event[:] = np.where(rng.random(n) < 0.3, np.nan, 1.0)
+        counted, pulls = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        ps = pull_rules.new_ps_tables(t.pushes, t.push_table, t.final_pushed, t.done, counted,
+                                      pulls)
+        ps.cells[pull_rules.PS_BOUND] = p.compiled_pull_bound()
+        w = int(rng.integers(0, n))
+        copies = [(t.cells._replace(**{f: getattr(t.cells, f).copy()
+                                       for f in t.cells._fields}),
+                   ps._replace(**{f: getattr(ps, f).copy() for f in ps._fields}))
+                  for _ in range(2)]
+        granted = pull_rules.ps_pull_granted(t.cells, ps, w, False)
+        assert granted == pull_rules.ps_pull_granted_reference(t.cells, ps, w, False)
+        # The policy objects: count the push, then rule on the pull and the sure pulls.
+        before = t.pushes.copy()
+        p.on_push(w, 2.0)
+        assert granted == p.may_pull(w), (trial, before, w)
+        sure = p.sure_pulls(w)
+        t.pushes[:] = before
+        for (tables, copy), run in zip(copies, (pull_rules.ps_push_pull,
+                                                pull_rules.ps_push_pull_reference)):
+            assert run(tables, copy, w, 2.0) == sure, (trial, run)
+            assert copy.pushes[w] == before[w] + 1
+        (t1, c1), (t2, c2) = copies
+        for f in ps._fields:
+            assert np.array_equal(getattr(c1, f), getattr(c2, f), equal_nan=True), f
+        for f in t1._fields:
+            assert np.array_equal(getattr(t1, f), getattr(t2, f), equal_nan=True), f
