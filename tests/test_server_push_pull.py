@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from mpsync.config import SyncConfig
 from mpsync.server import StateServer, pull_rules, rules, wire as W
-from mpsync.server._fastpath import PROBED, QUIET, RECEIVED
+from mpsync.server._fastpath import PROBED, RECEIVED
 from mpsync.server.policies import make_policy
 
 
@@ -104,28 +104,27 @@ def test_a_last_push_and_a_policy_without_a_compiled_rule_go_to_the_python_loop(
     comm, server = _server("dssp")   # its controller runs at every push: Python's
     try:
         assert server.ps.cells[pull_rules.PS_BOUND] == pull_rules.NOT_SERVED
-        requests, _ = _send_push_pulls(comm, 1)
-        now = MPI.Wtime()
-        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
-        assert (done.code, done.tag) == (PROBED, W.PUSH_PULL), done
-        comm.Recv([W.new_msg(), MPI.DOUBLE], source=0, tag=W.PUSH_PULL)
-        MPI.Request.Waitall(requests)
+        _assert_left_in_the_queue(comm, server)
     finally:
         comm.Free()
 
 
 def test_before_the_model_is_on_the_shards_nothing_is_served_here():
     comm = MPI.COMM_SELF.Dup()
-    server = StateServer(comm, _config("asp"), workers=[0])
     try:
-        requests, _ = _send_push_pulls(comm, 1)
-        now = MPI.Wtime()
-        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
-        assert (done.code, done.tag) == (PROBED, W.PUSH_PULL), done
-        comm.Recv([W.new_msg(), MPI.DOUBLE], source=0, tag=W.PUSH_PULL)
-        MPI.Request.Waitall(requests)
+        _assert_left_in_the_queue(comm, StateServer(comm, _config("asp"), workers=[0]))
     finally:
         comm.Free()
+
+
+def _assert_left_in_the_queue(comm, server):
+    """A PUSH_PULL the compiled loop probes and leaves for the Python loop to receive."""
+    requests, _ = _send_push_pulls(comm, 1)
+    now = MPI.Wtime()
+    done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
+    assert (done.code, done.tag, done.handled) == (PROBED, W.PUSH_PULL, 0), done
+    comm.Recv([W.new_msg(), MPI.DOUBLE], source=0, tag=W.PUSH_PULL)
+    MPI.Request.Waitall(requests)
 
 
 @pytest.mark.parametrize("policy", ["asp", "ssp"])
