@@ -150,8 +150,8 @@ def test_the_compiled_rules_decide_as_the_policy_objects_on_random_tables(policy
                                        for f in t.cells._fields}),
                    ps._replace(**{f: getattr(ps, f).copy() for f in ps._fields}))
                   for _ in range(2)]
-        granted = pull_rules.ps_pull_granted(t.cells, ps, w, False)
-        assert granted == pull_rules.ps_pull_granted_reference(t.cells, ps, w, False)
+        granted = pull_rules.ps_pull_granted(t.cells, ps, w)
+        assert granted == pull_rules.ps_pull_granted_reference(t.cells, ps, w)
         # The policy objects: count the push, then rule on the pull and the sure pulls.
         before = t.pushes.copy()
         p.on_push(w, 2.0)

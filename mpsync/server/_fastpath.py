@@ -331,7 +331,7 @@ def _serve(st, members, last_msg, hot_s, until, max_messages, epoch, first_by):
             # Served here only when the pull is granted at once (else the Python loop holds
             # it) and the push is not a worker's last (its bookkeeping is the Python loop's).
             if msg[W.COUNT] != 0 or msg[W.FLAG] != 0 or ps.done[w] or \
-                    not pull_rules.ps_pull_granted(tables, ps, w, False):
+                    not pull_rules.ps_pull_granted(tables, ps, w):
                 return _result(RECEIVED, handled, last_msg, src, tag, w, now, 0)
             rules.record_heard(tables, w, now)
             extra = pull_rules.ps_push_pull(tables, ps, w, now)

@@ -59,14 +59,13 @@ def new_ps_tables(pushes, push_table, final_pushed, done, counted, pulls) -> PST
 
 
 @jit
-def ps_pull_granted(tables, ps, w, final):
-    """Would the pull of worker ``w``'s ``PUSH_PULL`` be granted once its push is counted
-    (``final``: its last push)?  ``Policy.may_pull`` after ``on_push``: no bound, or within
-    it, SSP's rule (``policies.pull_within_staleness``: the lead of ``w`` over the slowest
-    worker that is active and has not pushed its last update, counting this push, at most
-    the bound); a last push's pull is never held."""
+def ps_pull_granted(tables, ps, w):
+    """Would the pull of worker ``w``'s ``PUSH_PULL`` (not its last push) be granted once its
+    push is counted?  ``Policy.may_pull`` after ``on_push``: no bound, or within it, SSP's
+    rule (``policies.pull_within_staleness``: the lead of ``w`` over the slowest worker that
+    is active and has not pushed its last update, counting this push, at most the bound)."""
     bound = ps.cells[PS_BOUND]
-    if bound == BOUND_NONE or final:
+    if bound == BOUND_NONE:
         return True
     if ps.final_pushed[w] or ps.done[w] or tables.removed[w]:
         return True    # not among the workers the rule compares
@@ -79,9 +78,9 @@ def ps_pull_granted(tables, ps, w, final):
     return mine - slowest <= bound
 
 
-def ps_pull_granted_reference(tables, ps, w, final) -> bool:
+def ps_pull_granted_reference(tables, ps, w) -> bool:
     bound = int(ps.cells[PS_BOUND])
-    if bound == BOUND_NONE or final:
+    if bound == BOUND_NONE:
         return True
     compared = [i for i in range(len(ps.pushes))
                 if not (ps.done[i] or tables.removed[i] or ps.final_pushed[i])]
