@@ -195,12 +195,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
 
 
 def start_reducescatter(ops, tensor, op, pre, post, compression, name):
-    rows = tensor.shape[0] if tensor.dim() else 0
-    start, count = _moves.reducescatter_rows(rows, ops.size, ops.rank)
-    return _moves.start_allreduce(
-        ops, tensor, op, pre, post, compression, name, kind=_moves.meta.REDUCESCATTER,
-        finish=lambda y: y[start:start + count].clone().to(tensor.device, tensor.dtype),
-        error=_moves.check_reducescatter(tensor, op))
+    return _moves.start_reducescatter(ops, tensor, op, pre, post, compression, name)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,

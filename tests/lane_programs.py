@@ -1,0 +1,117 @@
+"""Multi-rank program for tests/test_collective_lanes.py: the script's collectives give the
+same results whether their data step runs blocking on the progress engine's lane or
+non-blocking on the communicator, with uneven splits and rows (np 3).
+
+The lane is taken at ``thread_min_bytes`` and up; the program sets it to 1 byte (every data
+step on the lane) and to None (never), so both paths run at sizes a test can afford.  Every
+result is compared with numpy's on the inputs every rank can rebuild.  Each rank prints
+``LANES-OK <mode> rank=<r>`` or raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpsync.torch import _moves, mpi_ops
+from mpsync.torch._collectives import Average, Sum, UserOps
+from mpsync.torch.dataplane.compression import Compression
+from mpsync.torch.dataplane.progress import engine
+
+
+def _input(r: int, shape, dtype=torch.float32) -> torch.Tensor:
+    n = int(np.prod(shape))
+    return (torch.arange(n, dtype=torch.float64).reshape(shape) * (r + 1) + r).to(dtype)
+
+
+def _check(what: str, got: torch.Tensor, want: np.ndarray, rtol: float = 0.0) -> None:
+    got_np = got.to(torch.float64).numpy()
+    if got_np.shape != want.shape or not np.allclose(got_np, want, rtol=rtol, atol=0.0):
+        raise AssertionError(f"{what}: got {got_np.tolist()} want {want.tolist()}")
+
+
+def check_all(ops: UserOps, r: int, n: int, mode: str) -> None:
+    rows, first = 7, [0, 3, 5, 7]  # 7 rows over 3 members: 3, 2, 2
+
+    # reducescatter, float32: Sum and Average, with pre- and postscale
+    inputs = [_input(w, (rows, 5)).numpy().astype(np.float64) for w in range(n)]
+    total = np.sum(inputs, axis=0)
+    for op, pre, post in ((Sum, 1.0, 1.0), (Average, 2.0, 0.5)):
+        y = mpi_ops.start_reducescatter(ops, _input(r, (rows, 5)), op, pre, post, None,
+                                        f"rs.{mode}.{op}").wait()
+        want = total * pre * post / (n if op == Average else 1)
+        _check(f"reducescatter op={op}", y, want[first[r]:first[r + 1]], rtol=1e-6)
+        assert y.dtype == torch.float32, y.dtype
+
+    # reducescatter, int32 Average: the quotient truncated, as Horovod's
+    y = mpi_ops.start_reducescatter(ops, _input(r, (rows,), torch.int32), Average, 1.0, 1.0,
+                                    None, f"rs.int.{mode}").wait()
+    isum = np.sum([_input(w, (rows,), torch.int32).numpy() for w in range(n)], axis=0)
+    _check("reducescatter int32", y, np.trunc(isum / n)[first[r]:first[r + 1]])
+    assert y.dtype == torch.int32
+
+    # reducescatter, float16 (the half sum) and with Compression.fp16
+    y = mpi_ops.start_reducescatter(ops, _input(r, (rows,), torch.float16), Sum, 1.0, 1.0,
+                                    None, f"rs.half.{mode}").wait()
+    _check("reducescatter float16", y, total[:, 0][first[r]:first[r + 1]] * 0 +
+           np.sum([_input(w, (rows,)).numpy() for w in range(n)], axis=0)[first[r]:first[r + 1]],
+           rtol=1e-3)
+    y = mpi_ops.start_reducescatter(ops, _input(r, (rows, 5)), Sum, 1.0, 1.0, Compression.fp16,
+                                    f"rs.fp16.{mode}").wait()
+    _check("reducescatter fp16 wire", y, total[first[r]:first[r + 1]], rtol=1e-3)
+    assert y.dtype == torch.float32
+
+    # alltoall, uneven splits: member w sends (w + k) % 3 rows to member k
+    splits = [(r + k) % 3 for k in range(n)]
+    send = _input(r, (sum(splits), 2))
+    got, recv_splits = _moves.start_alltoall(ops, send, splits, f"a2a.{mode}").wait()
+    want = []
+    for w in range(n):
+        ws = [(w + k) % 3 for k in range(n)]
+        at = sum(ws[:r])
+        want.append(_input(w, (sum(ws), 2)).numpy()[at:at + ws[r]])
+    _check("alltoall", got, np.concatenate(want).astype(np.float64))
+    assert recv_splits.tolist() == [(w + r) % 3 for w in range(n)], recv_splits
+
+    # allreduce with Compression.fp16, a length the members do not divide (padding) and one
+    # they do
+    for length in (10, 9):
+        y = _moves.start_allreduce(ops, _input(r, (length,)), Average, 1.0, 1.0,
+                                   Compression.fp16, f"arh.{length}.{mode}").wait()
+        want = np.mean([_input(w, (length,)).numpy() for w in range(n)], axis=0)
+        _check(f"fp16 allreduce of {length}", y, want.astype(np.float64), rtol=2e-3)
+        assert y.dtype == torch.float32
+
+    # grouped allreduce (fused into one buffer), prescaled; the inputs stay as they were
+    parts = [_input(r, (4,)), _input(r, (3, 2)), _input(r, (5,))]
+    before = [p.clone() for p in parts]
+    ys = mpi_ops.start_grouped_allreduce(ops, parts, Sum, 3.0, 1.0, None, f"gar.{mode}",
+                                         False).wait()
+    for i, (p, y) in enumerate(zip(parts, ys)):
+        want = 3.0 * np.sum([_input(w, tuple(p.shape)).numpy() for w in range(n)], axis=0)
+        _check(f"grouped part {i}", y, want.astype(np.float64), rtol=1e-6)
+        assert torch.equal(p, before[i]), f"grouped allreduce wrote into its input {i}"
+
+    # allgather of a tensor whose size-1 dimension has an odd stride (read without a copy only
+    # where its strides are row-major)
+    odd = torch.empty(2, 2)[:, :1]
+    odd.copy_(torch.tensor([[r + 0.5], [r + 1.5]]))
+    y = _moves.start_allgather(ops, odd, f"ag.odd.{mode}").wait()
+    _check("allgather, odd strides", y, np.array([[w + 0.5 + d] for w in range(n)
+                                                  for d in (0, 1)]))
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    r, n = world.Get_rank(), world.Get_size()
+    assert n == 3, "run on 3 ranks: the rows and splits are uneven over 3"
+    ops = UserOps(world.Dup(), 60.0)
+    eng = engine()
+    for mode, threshold in (("lane", 1), ("no-lane", None)):
+        eng.thread_min_bytes = threshold
+        calls = eng.counts["lane_calls"]
+        check_all(ops, r, n, mode)
+        used = eng.counts["lane_calls"] - calls
+        assert (used > 0) == (mode == "lane"), (mode, used)
+        print(f"LANES-OK {mode} rank={r} lane_calls={used}", flush=True)

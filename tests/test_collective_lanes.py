@@ -1,0 +1,41 @@
+"""The script's collectives on both of the progress engine's paths: a data step run blocking
+on the lane and one run non-blocking give the same results (reducescatter as one
+``Reduce_scatter``, alltoall with uneven splits, the fp16 half sum, a fused grouped allreduce,
+an allgather read without a copy), 3 ranks."""
+
+from __future__ import annotations
+
+from mpi_harness import run_mpi
+
+
+def test_lane_and_non_blocking_paths_give_numpys_results():
+    run = run_mpi("lane_programs:main", np=3, timeout=180)
+    out = run.stdout + "".join(r.get("stdout", "") for r in run.ranks.values())
+    for mode in ("lane", "no-lane"):
+        for r in range(3):
+            assert f"LANES-OK {mode} rank={r}" in out, (mode, r, out[-3000:])
+
+
+def test_the_scratch_pool_reuses_the_smallest_buffer_that_fits_and_keeps_a_bounded_amount():
+    import torch
+
+    from mpsync.torch.dataplane.scratch import ScratchPool
+
+    pool = ScratchPool(keep_bytes=1000)
+    a = pool.take(400, torch.float32)
+    assert a.dtype == torch.float32 and a.numel() == 100
+    b = pool.take(100)
+    pool.give(a)
+    pool.give(b)
+    pool.give(b)  # a second give of the same buffer keeps one
+    assert pool.kept_bytes() == 500 and pool.allocated == 2
+    small = pool.take(60, torch.int16)  # the 100-byte buffer fits: reused, not the 400
+    assert small.numel() == 30 and pool.reused == 1 and pool.kept_bytes() == 400
+    assert small.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    pool.give(small)
+    big = pool.take(2000)  # nothing fits: a new one
+    assert pool.allocated == 3 and big.numel() == 2000
+    pool.give(big)  # 2,500 bytes kept would pass the bound: the largest is dropped
+    assert pool.kept_bytes() == 500
+    odd = pool.take(7, torch.float32)  # whole elements only
+    assert odd.numel() == 1
