@@ -104,13 +104,11 @@ class _Op:
     """A collective in flight: waiting for its name to be negotiated, then for its data step.
 
     ``start(records)`` starts the data step and returns ``(test, finish)``; ``finish()``
-    gives the result that ``synchronize(handle)`` returns.  ``fusion``, for a collective that
-    may share a data step with others (:func:`mpsync.torch._moves.start_fused_allreduce` and
-    ``start_fused_allgather``): an allreduce's ``(source, prescale, finish_from, reduce)`` --
+    gives the result that ``synchronize(handle)`` returns.  ``fusion``, for a reduction that
+    may share a buffer with others: ``(source, prescale, finish_from, reduce)`` --
     ``source()`` is this worker's tensor to pack (read, never written), ``prescale`` the factor
     its packed copy is scaled by, ``finish_from(x)`` the result from the reduced ``x``,
-    ``reduce(buf)`` starts reducing a buffer in place and returns its ``test``; an
-    allgather's ``(source, deliver)`` -- ``deliver(out)`` the result from its gathered rows."""
+    ``reduce(buf)`` starts reducing a buffer in place and returns its ``test``."""
 
     def __init__(self, ops: "UserOps", what: str, name, start, local_error=None,
                  fusion=None):
@@ -185,14 +183,55 @@ class _Op:
 
 
 def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
-    """One data step for several collectives member 0 answered together (allreduces, or large
-    allgathers): :mod:`mpsync.torch._moves` packs them."""
-    from mpsync.torch import _moves
+    """One data step for several allreduces: their tensors packed into one scratch buffer (one
+    copy of each, straight from the caller's tensor, prescaled on the way), reduced in place,
+    and each result copied out of it when its op completes; the buffer goes back to the pool
+    after the last one (:mod:`~mpsync.torch.dataplane.scratch`: a fresh buffer of this size
+    would cost its page faults at every step)."""
+    from mpsync.torch.dataplane.scratch import pool
 
-    if int(group[0].records[ops.rank, meta.Field.KIND]) == meta.ALLGATHER:
-        _moves.start_fused_allgather(ops, group, seq)
-    else:
-        _moves.start_fused_allreduce(ops, group, seq)
+    kind = int(group[0].records[ops.rank, meta.Field.KIND])
+    if kind != meta.ALLREDUCE:  # member 0 fuses allgathers and reduce-scatters too
+        from mpsync.torch import _moves
+
+        start = _moves.start_fused_allgather if kind == meta.ALLGATHER else \
+            _moves.start_fused_reducescatter
+        start(ops, group, seq)
+        return
+    xs = [op.fusion[0]() for op in group]
+    total = sum(x.numel() for x in xs)
+    buf = pool().take(total * xs[0].element_size(), xs[0].dtype)[:total]
+    views, at = [], 0
+    for op, x in zip(group, xs):
+        view = buf[at:at + x.numel()].view(x.shape)
+        at += x.numel()
+        if op.fusion[1] == 1.0:
+            view.copy_(x)
+        elif view.is_floating_point():
+            torch.mul(x, op.fusion[1], out=view)
+        else:  # integers: Horovod's truncating scale, on the packed copy
+            from mpsync.torch._moves import _scale_
+
+            _scale_(view.copy_(x), op.fusion[1])
+        views.append(view)
+    test = group[0].fusion[3](buf)
+    left = [len(group)]
+
+    def finish(op, view):
+        try:
+            result = op.fusion[2](view)  # scales the view in place, then delivers it
+            if isinstance(result, torch.Tensor) and \
+                    result.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                result = result.clone()  # the buffer goes back to the pool: the caller's own
+            return result
+        finally:
+            left[0] -= 1
+            if left[0] == 0:
+                pool().give(buf)
+
+    for op, view in zip(group, views):
+        op._test, op._finish = test, (lambda op=op, view=view: finish(op, view))
+        op.seq = seq
 
 
 class _Group:

@@ -214,7 +214,9 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
         y = compression.decompress(_scale_(out.view(count, *wire.shape[1:]), post), ctx)
         return y.to(tensor.device, tensor.dtype)
 
-    return ops.submit("reducescatter", name, rec, start)
+    fusion = (lambda: _readable(wire) if prescale == 1.0 else _scale_(_host(wire), prescale),
+              finish)
+    return ops.submit("reducescatter", name, rec, start, fusion=fusion)
 
 
 def _reduce_scatter_by_alltoall(ops: UserOps, x: torch.Tensor, counts: np.ndarray, finish):
@@ -441,45 +443,6 @@ def _give_after_last(count: int, *bufs):
     return taken
 
 
-def start_fused_allreduce(ops: UserOps, group: list, seq: int) -> None:
-    """One data step for several allreduces (``group``: their ops, each with its ``fusion``):
-    their tensors packed into one scratch buffer (one copy of each, straight from the
-    caller's tensor, prescaled on the way), reduced in place, and each result copied out of
-    it when its op completes; the buffer goes back to the pool after the last one (a fresh
-    buffer of this size would cost its page faults at every step)."""
-    from mpsync.torch.dataplane.scratch import pool
-
-    xs = [op.fusion[0]() for op in group]
-    total = sum(x.numel() for x in xs)
-    buf = pool().take(total * xs[0].element_size(), xs[0].dtype)[:total]
-    views, at = [], 0
-    for op, x in zip(group, xs):
-        view = buf[at:at + x.numel()].view(x.shape)
-        at += x.numel()
-        if op.fusion[1] == 1.0:
-            view.copy_(x)
-        elif view.is_floating_point():
-            torch.mul(x, op.fusion[1], out=view)
-        else:  # integers: Horovod's truncating scale, on the packed copy
-            _scale_(view.copy_(x), op.fusion[1])
-        views.append(view)
-    test = group[0].fusion[3](buf)
-    taken = _give_after_last(len(group), buf)
-
-    def finish(op, view):
-        try:
-            result = op.fusion[2](view)  # scales the view in place, then delivers it
-            if isinstance(result, torch.Tensor) and \
-                    result.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
-                result = result.clone()  # the buffer goes back to the pool: the caller's own
-            return result
-        finally:
-            taken()
-
-    for op, view in zip(group, views):
-        op._test, op._finish, op.seq = test, (lambda op=op, view=view: finish(op, view)), seq
-
-
 def start_fused_allgather(ops: UserOps, group: list, seq: int) -> None:
     """One ``Allgatherv`` for several allgathers (``group``: their ops, each with its
     ``fusion`` = (its readable tensor, delivery of its result)): each member sends its parts
@@ -515,6 +478,57 @@ def start_fused_allgather(ops: UserOps, group: list, seq: int) -> None:
             at += n
         taken()
         return group[i].fusion[1](out)
+
+    for i, op in enumerate(group):
+        op._test, op._finish, op.seq = test, (lambda i=i: finish(i)), seq
+
+
+def start_fused_reducescatter(ops: UserOps, group: list, seq: int) -> None:
+    """One reduce-scatter for several (``group``: their ops, one dtype and op, each with its
+    ``fusion`` = (its prescaled readable tensor, its finish from its reduced rows)): the
+    parts bound for each member packed together, reduced as one
+    (:func:`_reduce_scatter_by_alltoall` when large, else ``Ireduce_scatter``), and each op's
+    rows taken from this member's share."""
+    from mpi4py import MPI
+
+    from mpsync.torch.dataplane.scratch import pool
+
+    xs = [op.fusion[0]() for op in group]
+    per_row = [int(np.prod(x.shape[1:], dtype=np.int64)) for x in xs]
+    spans = [[reducescatter_rows(x.shape[0], ops.size, m) for m in range(ops.size)]
+             for x in xs]                                  # per op, per member: (first, rows)
+    counts = np.array([sum(spans[i][m][1] * per_row[i] for i in range(len(xs)))
+                       for m in range(ops.size)], dtype=np.int64)
+    packed = pool().take(int(counts.sum()) * xs[0].element_size(), xs[0].dtype)
+    at = 0
+    for m in range(ops.size):
+        for i, x in enumerate(xs):
+            first, n = spans[i][m]
+            k = n * per_row[i]
+            packed[at:at + k].copy_(x.reshape(-1)[first * per_row[i]:first * per_row[i] + k])
+            at += k
+    reduced: list = []
+    if engine().use_lane(packed.numel() * packed.element_size()):
+        test, summed = _reduce_scatter_by_alltoall(ops, packed, counts, lambda out: out)
+    else:
+        mine = torch.empty(int(counts[ops.rank]), dtype=packed.dtype)
+        req = ops.comm.Ireduce_scatter(packed.numpy(), mine.numpy(), counts, op=MPI.SUM)
+
+        def test():  # holds the buffers: the request alone does not keep them alive
+            return req.Test() and packed is not None and mine is not None
+
+        def summed():
+            return mine
+    taken = _give_after_last(len(group), packed)
+
+    def finish(i: int):
+        if not reduced:
+            reduced.append(summed())
+        at = sum(spans[j][ops.rank][1] * per_row[j] for j in range(i))
+        k = spans[i][ops.rank][1] * per_row[i]
+        part = reduced[0][at:at + k]
+        taken()
+        return group[i].fusion[1](part)
 
     for i, op in enumerate(group):
         op._test, op._finish, op.seq = test, (lambda i=i: finish(i)), seq

@@ -212,27 +212,25 @@ def stall_text(stalled: dict[str, list[int]], warn_after: float, deadline: float
     return "\n".join(lines)
 
 
-# An allgather gathering fewer bytes than this runs alone: fusing small ones cost more in
-# packing and copying out than the data steps it saved (np 2 and 4, 4-64 KB: 1.01-1.15x the
-# unfused time; 16-64 MB: 0.65-1.02x; bench/collectives/README.md).
-FUSE_ALLGATHER_MIN_BYTES = 256 << 10
+# float16 / bfloat16 codes (mpsync.torch._collectives.DTYPES): a reduce-scatter of halves runs
+# as the half sum, one at a time
+_HALF_CODES = (2, 3)
 
 
 def _fusion_key(recs: np.ndarray):
     """What ready collectives must share to run as one data step (None: alone): allreduces
-    their dtype and op, allgathers of ``FUSE_ALLGATHER_MIN_BYTES`` or more their dtype.
-    Reduce-scatters run alone: packed into one they took 1.04-1.45x the time of one each."""
+    and reduce-scatters their kind, dtype and op, allgathers their kind and dtype."""
     F = meta.Field
     if meta.mismatch(recs, _CODES, _CODES) is not None:
         return None
     kind = int(recs[0, F.KIND])
-    if kind not in (meta.ALLREDUCE, meta.ALLGATHER) or \
+    if kind not in (meta.ALLREDUCE, meta.ALLGATHER, meta.REDUCESCATTER) or \
             np.any(recs[:, F.KIND] != kind):  # a joined worker answers on its own
         return None
-    if kind == meta.ALLGATHER and _step_bytes(recs) < FUSE_ALLGATHER_MIN_BYTES:
-        return None
     r = recs[0]
-    return kind, int(r[F.DTYPE]), int(r[F.OP]) if kind == meta.ALLREDUCE else -1
+    if kind == meta.REDUCESCATTER and int(r[F.DTYPE]) in _HALF_CODES:
+        return None
+    return kind, int(r[F.DTYPE]), int(r[F.OP]) if kind != meta.ALLGATHER else -1
 
 
 def _step_bytes(recs: np.ndarray) -> int:
@@ -265,8 +263,8 @@ _CODES = _Codes()
 
 def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     """``ready`` (name, records) in order, cut into the groups that run as one data step:
-    consecutive allreduces (or large allgathers) with the same dtype (and op) and no mismatch,
-    up to ``threshold`` bytes, as Horovod fuses them; everything else alone.
+    consecutive allreduces (or allgathers, or reduce-scatters) with the same dtype and op and
+    no mismatch, up to ``threshold`` bytes, as Horovod fuses them; everything else alone.
     ``threshold`` 0 turns fusion off."""
     groups: list[list] = []
     key = None
