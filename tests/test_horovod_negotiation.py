@@ -4,7 +4,6 @@ named collectives in different orders, skip part of a sequence, submit late, and
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
 
 from mpi_harness import run_mpi
@@ -89,27 +88,6 @@ def test_fusion_groups_consecutive_matching_allreduces_up_to_the_threshold(thres
     other = np.stack([_rec(dtype=0), _rec(dtype=0)])
     mixed = ready[:1] + [("d", other, np.array([-1, -1]))] + ready[1:]
     assert [len(g) for g in neg.fusion_groups(mixed, 1 << 20)] == [1, 1, 2]
-
-
-def test_allgathers_and_reducescatters_fuse_by_kind_and_dtype_but_not_halves():
-    from mpsync.torch._collectives import DTYPES
-
-    def item(name, kind, dtype=1, rows=(3, 5)):
-        recs = np.stack([meta.record(2, kind, dtype=dtype, shape=(r, 2), op=1, row_bytes=8,
-                                     nbytes=r * 8) for r in rows])
-        return name, recs, np.array([-1, -1])
-
-    ag = [item(f"g{i}", meta.ALLGATHER) for i in range(3)]
-    # an allgather's step moves every member's rows: 8 x 8 bytes here, so 2 fit in 128
-    assert [len(g) for g in neg.fusion_groups(ag, 128)] == [2, 1]
-    rs = [item(f"r{i}", meta.REDUCESCATTER, rows=(4, 4)) for i in range(2)]
-    assert [len(g) for g in neg.fusion_groups(ag[:1] + rs + [item("a", meta.ALLREDUCE, rows=(4, 4))],
-                                              1 << 20)] == [1, 2, 1]
-    halves = [item(f"h{i}", meta.REDUCESCATTER, dtype=DTYPES.index(d), rows=(4, 4))
-              for i, d in enumerate((torch.float16, torch.bfloat16, torch.float16))]
-    assert [len(g) for g in neg.fusion_groups(halves, 1 << 20)] == [1, 1, 1]
-    assert sorted(neg._HALF_CODES) == sorted(DTYPES.index(d)
-                                             for d in (torch.float16, torch.bfloat16))
 
 
 @pytest.mark.mpi

@@ -190,14 +190,6 @@ def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
     would cost its page faults at every step)."""
     from mpsync.torch.dataplane.scratch import pool
 
-    kind = int(group[0].records[ops.rank, meta.Field.KIND])
-    if kind != meta.ALLREDUCE:  # member 0 fuses allgathers and reduce-scatters too
-        from mpsync.torch import _moves
-
-        start = _moves.start_fused_allgather if kind == meta.ALLGATHER else \
-            _moves.start_fused_reducescatter
-        start(ops, group, seq)
-        return
     xs = [op.fusion[0]() for op in group]
     total = sum(x.numel() for x in xs)
     buf = pool().take(total * xs[0].element_size(), xs[0].dtype)[:total]
@@ -455,7 +447,7 @@ class UserOps:
                 self._running.append(op)
             group.append((op, records, known))
         self.cache.applied += 1
-        if count > 1:  # member 0 fused these collectives: one data step on every worker
+        if count > 1:  # member 0 fused these allreduces: one data step on every worker
             for op, records, known in group:
                 op._checked(records, known)
             self.execs += 1

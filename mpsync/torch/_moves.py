@@ -214,9 +214,7 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
         y = compression.decompress(_scale_(out.view(count, *wire.shape[1:]), post), ctx)
         return y.to(tensor.device, tensor.dtype)
 
-    fusion = (lambda: _readable(wire) if prescale == 1.0 else _scale_(_host(wire), prescale),
-              finish)
-    return ops.submit("reducescatter", name, rec, start, fusion=fusion)
+    return ops.submit("reducescatter", name, rec, start)
 
 
 def _reduce_scatter_by_alltoall(ops: UserOps, x: torch.Tensor, counts: np.ndarray, finish):
@@ -354,8 +352,7 @@ def start_allgather(ops: UserOps, tensor: torch.Tensor, name):
         test = _allgatherv(ops, _bytes_view(x), _bytes_view(out), rows * _row_bytes(x))
         return test, lambda: out.to(tensor.device)
 
-    fusion = (lambda: _readable(tensor), lambda out: out.to(tensor.device))
-    return ops.submit("allgather", name, rec, start, error, fusion=fusion)
+    return ops.submit("allgather", name, rec, start, error)
 
 
 def start_broadcast(ops: UserOps, tensor: torch.Tensor, root: int, name, out=None,
@@ -424,114 +421,6 @@ def start_alltoall(ops: UserOps, tensor: torch.Tensor, splits, name):
                               torch.from_numpy(recv_rows.astype(np.int32)))
 
     return ops.submit("alltoall", name, rec, start, error)
-
-
-# -- fused data steps (several collectives answered together: Horovod's tensor fusion) ---------
-def _give_after_last(count: int, *bufs):
-    """A function to call as each of ``count`` results is taken; the last call returns
-    ``bufs`` to the scratch pool."""
-    from mpsync.torch.dataplane.scratch import pool
-
-    left = [count]
-
-    def taken() -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            for buf in bufs:
-                pool().give(buf)
-
-    return taken
-
-
-def start_fused_allgather(ops: UserOps, group: list, seq: int) -> None:
-    """One ``Allgatherv`` for several allgathers (``group``: their ops, each with its
-    ``fusion`` = (its readable tensor, delivery of its result)): each member sends its parts
-    one after another; each result is copied out of the gathered bytes when its op completes.
-    Both buffers come from the scratch pool and go back after the last result."""
-    from mpsync.torch.dataplane.scratch import pool
-
-    xs = [op.fusion[0]() for op in group]
-    rows = [_rows(op.records) for op in group]           # per op: rows of each member
-    row_bytes = [_row_bytes(x) for x in xs]
-    sizes = np.array([r * b for r, b in zip(rows, row_bytes)])  # (ops, members) bytes
-    counts = sizes.sum(axis=0)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    send = pool().take(int(counts[ops.rank]))
-    at = 0
-    for x, n in zip(xs, sizes[:, ops.rank]):
-        send[at:at + n].copy_(x.reshape(-1).view(torch.uint8))
-        at += n
-    recv = pool().take(int(counts.sum()))
-    test = _allgatherv(ops, send.numpy(), recv.numpy(), counts)
-    taken = _give_after_last(len(group), send, recv)
-    # where op i's part of member m starts in the gathered bytes
-    starts = displs[None, :] + np.concatenate([np.zeros((1, ops.size), dtype=np.int64),
-                                               np.cumsum(sizes, axis=0)[:-1]])
-
-    def finish(i: int):
-        x = xs[i]
-        out = torch.empty((int(rows[i].sum()), *x.shape[1:]), dtype=x.dtype)
-        flat, at = out.reshape(-1).view(torch.uint8), 0
-        for m in range(ops.size):
-            n = int(sizes[i, m])
-            flat[at:at + n].copy_(recv[starts[i, m]:starts[i, m] + n])
-            at += n
-        taken()
-        return group[i].fusion[1](out)
-
-    for i, op in enumerate(group):
-        op._test, op._finish, op.seq = test, (lambda i=i: finish(i)), seq
-
-
-def start_fused_reducescatter(ops: UserOps, group: list, seq: int) -> None:
-    """One reduce-scatter for several (``group``: their ops, one dtype and op, each with its
-    ``fusion`` = (its prescaled readable tensor, its finish from its reduced rows)): the
-    parts bound for each member packed together, reduced as one
-    (:func:`_reduce_scatter_by_alltoall` when large, else ``Ireduce_scatter``), and each op's
-    rows taken from this member's share."""
-    from mpi4py import MPI
-
-    from mpsync.torch.dataplane.scratch import pool
-
-    xs = [op.fusion[0]() for op in group]
-    per_row = [int(np.prod(x.shape[1:], dtype=np.int64)) for x in xs]
-    spans = [[reducescatter_rows(x.shape[0], ops.size, m) for m in range(ops.size)]
-             for x in xs]                                  # per op, per member: (first, rows)
-    counts = np.array([sum(spans[i][m][1] * per_row[i] for i in range(len(xs)))
-                       for m in range(ops.size)], dtype=np.int64)
-    packed = pool().take(int(counts.sum()) * xs[0].element_size(), xs[0].dtype)
-    at = 0
-    for m in range(ops.size):
-        for i, x in enumerate(xs):
-            first, n = spans[i][m]
-            k = n * per_row[i]
-            packed[at:at + k].copy_(x.reshape(-1)[first * per_row[i]:first * per_row[i] + k])
-            at += k
-    reduced: list = []
-    if engine().use_lane(packed.numel() * packed.element_size()):
-        test, summed = _reduce_scatter_by_alltoall(ops, packed, counts, lambda out: out)
-    else:
-        mine = torch.empty(int(counts[ops.rank]), dtype=packed.dtype)
-        req = ops.comm.Ireduce_scatter(packed.numpy(), mine.numpy(), counts, op=MPI.SUM)
-
-        def test():  # holds the buffers: the request alone does not keep them alive
-            return req.Test() and packed is not None and mine is not None
-
-        def summed():
-            return mine
-    taken = _give_after_last(len(group), packed)
-
-    def finish(i: int):
-        if not reduced:
-            reduced.append(summed())
-        at = sum(spans[j][ops.rank][1] * per_row[j] for j in range(i))
-        k = spans[i][ops.rank][1] * per_row[i]
-        part = reduced[0][at:at + k]
-        taken()
-        return group[i].fusion[1](part)
-
-    for i, op in enumerate(group):
-        op._test, op._finish, op.seq = test, (lambda i=i: finish(i)), seq
 
 
 def start_barrier(ops: UserOps):

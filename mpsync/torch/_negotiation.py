@@ -212,33 +212,14 @@ def stall_text(stalled: dict[str, list[int]], warn_after: float, deadline: float
     return "\n".join(lines)
 
 
-# float16 / bfloat16 codes (mpsync.torch._collectives.DTYPES): a reduce-scatter of halves runs
-# as the half sum, one at a time
-_HALF_CODES = (2, 3)
-
-
 def _fusion_key(recs: np.ndarray):
-    """What ready collectives must share to run as one data step (None: alone): allreduces
-    and reduce-scatters their kind, dtype and op, allgathers their kind and dtype."""
     F = meta.Field
     if meta.mismatch(recs, _CODES, _CODES) is not None:
         return None
-    kind = int(recs[0, F.KIND])
-    if kind not in (meta.ALLREDUCE, meta.ALLGATHER, meta.REDUCESCATTER) or \
-            np.any(recs[:, F.KIND] != kind):  # a joined worker answers on its own
+    if np.any(recs[:, F.KIND] != meta.ALLREDUCE):  # a joined worker answers on its own
         return None
     r = recs[0]
-    if kind == meta.REDUCESCATTER and int(r[F.DTYPE]) in _HALF_CODES:
-        return None
-    return kind, int(r[F.DTYPE]), int(r[F.OP]) if kind != meta.ALLGATHER else -1
-
-
-def _step_bytes(recs: np.ndarray) -> int:
-    """Bytes of one collective's data step: an allgather's gathered rows, else its tensor."""
-    F = meta.Field
-    if int(recs[0, F.KIND]) == meta.ALLGATHER:
-        return int(np.sum(recs[:, F.DIMS] * recs[:, F.ROW_BYTES]))
-    return int(recs[0, F.NBYTES])
+    return int(r[F.DTYPE]), int(r[F.OP])
 
 
 def local_name(name: str, numbers: np.ndarray, worker: int) -> str:
@@ -263,15 +244,14 @@ _CODES = _Codes()
 
 def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     """``ready`` (name, records) in order, cut into the groups that run as one data step:
-    consecutive allreduces (or allgathers, or reduce-scatters) with the same dtype and op and
-    no mismatch, up to ``threshold`` bytes, as Horovod fuses them; everything else alone.
-    ``threshold`` 0 turns fusion off."""
+    consecutive allreduces with the same dtype and op and no mismatch, up to ``threshold``
+    bytes; everything else alone.  ``threshold`` 0 turns fusion off."""
     groups: list[list] = []
     key = None
     total = 0
     for item in ready:
         k = _fusion_key(item[1]) if threshold > 0 else None
-        nbytes = _step_bytes(item[1])  # item: (name, records, numbers)
+        nbytes = int(item[1][0, meta.Field.NBYTES])  # item: (name, records, numbers)
         if k is not None and k == key and total + nbytes <= threshold:
             groups[-1].append(item)
             total += nbytes
