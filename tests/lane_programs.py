@@ -92,6 +92,20 @@ def check_all(ops: UserOps, r: int, n: int, mode: str) -> None:
         _check(f"grouped part {i}", y, want.astype(np.float64), rtol=1e-6)
         assert torch.equal(p, before[i]), f"grouped allreduce wrote into its input {i}"
 
+    # grouped allgather (rows differ by member) and grouped reducescatter (prescaled)
+    gparts = [_input(r, (r + 1 + i, 3)) for i in range(3)]
+    ys = mpi_ops.start_grouped_allgather(ops, gparts, f"gag.{mode}").wait()
+    for i, y in enumerate(ys):
+        want = np.concatenate([_input(w, (w + 1 + i, 3)).numpy() for w in range(n)])
+        _check(f"grouped allgather part {i}", y, want.astype(np.float64))
+    rparts = [_input(r, (rows + i, 2)) for i in range(3)]
+    ys = mpi_ops.start_grouped_reducescatter(ops, rparts, Average, 2.0, 1.0, None,
+                                             f"grs.{mode}").wait()
+    for i, y in enumerate(ys):
+        start, count = _moves.reducescatter_rows(rows + i, n, r)
+        want = 2.0 * np.mean([_input(w, (rows + i, 2)).numpy() for w in range(n)], axis=0)
+        _check(f"grouped reducescatter part {i}", y, want[start:start + count], rtol=1e-6)
+
     # allgather of a tensor whose size-1 dimension has an odd stride (read without a copy only
     # where its strides are row-major)
     odd = torch.empty(2, 2)[:, :1]

@@ -1,7 +1,7 @@
 """The script's collectives on both of the progress engine's paths: a data step run blocking
 on the lane and one run non-blocking give the same results (reducescatter as one
-``Reduce_scatter``, alltoall with uneven splits, the fp16 half sum, a fused grouped allreduce,
-an allgather read without a copy), 3 ranks."""
+``Ireduce_scatter`` or as an alltoall and a sum, alltoall with uneven splits, the fp16 half sum, a fused grouped allreduce,
+an allgather read without a copy, the grouped forms), 3 ranks."""
 
 from __future__ import annotations
 
