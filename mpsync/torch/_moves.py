@@ -168,10 +168,11 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
 def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float,
                         postscale: float, compression, name):
     """Member ``rank``'s rows of the reduction of ``tensor`` over the members (rows split as
-    :func:`reducescatter_rows`), as one ``Reduce_scatter``: each member receives and reduces
-    only its own rows, (N-1)/N of the tensor's bytes in and out, half of what an allreduce
-    moves.  float16/bfloat16 (MPI has no sum for them) go through :func:`sum_half_` and keep
-    their rows."""
+    :func:`reducescatter_rows`): each member receives and reduces only its own rows, (N-1)/N
+    of the tensor's bytes in and out, half of what an allreduce moves.  One
+    ``Ireduce_scatter`` below the lane's size, else :func:`_reduce_scatter_by_alltoall`.
+    float16/bfloat16 (MPI has no sum for them) go through :func:`sum_half_` and keep their
+    rows."""
     rows = tensor.shape[0] if tensor.dim() else 0
     first, count = reducescatter_rows(rows, ops.size, ops.rank)
 
