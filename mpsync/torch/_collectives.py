@@ -105,9 +105,10 @@ class _Op:
 
     ``start(records)`` starts the data step and returns ``(test, finish)``; ``finish()``
     gives the result that ``synchronize(handle)`` returns.  ``fusion``, for a reduction that
-    may share a buffer with others: ``(source, prescale, finish_from, reduce)`` --
-    ``source()`` is this worker's tensor to pack (read, never written), ``prescale`` the factor
-    its packed copy is scaled by, ``finish_from(x)`` the result from the reduced ``x``,
+    may share a buffer with others: ``(source, pack, finish_from, reduce)`` --
+    ``source()`` is this worker's tensor to pack (read, never written), ``pack(view, x)``
+    copies it into its place in the buffer, prescaled, ``finish_from(x)`` the result from the
+    reduced ``x``,
     ``reduce(buf)`` starts reducing a buffer in place and returns its ``test``."""
 
     def __init__(self, ops: "UserOps", what: str, name, start, local_error=None,
@@ -197,14 +198,7 @@ def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
     for op, x in zip(group, xs):
         view = buf[at:at + x.numel()].view(x.shape)
         at += x.numel()
-        if op.fusion[1] == 1.0:
-            view.copy_(x)
-        elif view.is_floating_point():
-            torch.mul(x, op.fusion[1], out=view)
-        else:  # integers: Horovod's truncating scale, on the packed copy
-            from mpsync.torch._moves import _scale_
-
-            _scale_(view.copy_(x), op.fusion[1])
+        op.fusion[1](view, x)
         views.append(view)
     test = group[0].fusion[3](buf)
     left = [len(group)]

@@ -149,8 +149,16 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
     def prepare():
         return _scale_(_own_buffer(wire, tensor), prescale)
 
-    def source():  # what a fused step packs (the packing is the copy), prescaled after it
+    def source():  # what a fused step packs (the packing is the copy)
         return _readable(wire)
+
+    def pack(view, x):  # x into its place in a fused step's buffer, prescaled on the way
+        if prescale == 1.0:
+            view.copy_(x)
+        elif view.is_floating_point():
+            torch.mul(x, prescale, out=view)
+        else:  # integers: Horovod's truncating scale, on the packed copy
+            _scale_(view.copy_(x), prescale)
 
     def finish_from(x):
         y = compression.decompress(_scale_(x, post), ctx)
@@ -160,7 +168,7 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
         x = prepare()
         return _reduce_started(ops, x, op), lambda: finish_from(x)
 
-    fusion = (source, prescale, finish_from, lambda buf: _reduce_started(ops, buf, op)) \
+    fusion = (source, pack, finish_from, lambda buf: _reduce_started(ops, buf, op)) \
         if kind == meta.ALLREDUCE else None
     return ops.submit(meta.KIND_NAMES[kind], name, rec, start, error, fusion=fusion)
 
