@@ -204,7 +204,8 @@ def loss_reports() -> None:
         opt.step()
         step += 1
     opt.synchronize()
-    server = mps.stats()["server"]
+    stats = mps.stats()
+    server = stats["server"]
     mps.shutdown()
-    _result(rank=mps.rank(), steps=step, refused=refused,
+    _result(rank=mps.rank(), steps=step, refused=refused, sent=stats["local"]["loss_reports"],
             training_loss=(server.get("policy_state") or {}).get("training_loss"))

@@ -171,6 +171,7 @@ class SyncClient(ParameterServerCalls):
         self._control_sent = 0
         self._control_received = 0
         self._fast_steps = 0     # compiled steps: a request and a reply each (control bytes)
+        self.loss_reports = 0    # LOSS messages sent (report_loss)
         self.wait_s = 0.0        # total time spent waiting for the server
         self.last_rtt = 0.0      # duration of the last blocking call (any kind)
         # ESync §4.2 delayed ACK: the round trip of a state query, as the worker experiences
@@ -413,6 +414,7 @@ class SyncClient(ParameterServerCalls):
                               count=max(int(count), 1), flag=0 if finite else W.NOT_FINITE)
         self.comm.Send(header, dest=self.server, tag=W.LOSS)
         self.control_sent += _MSG_BYTES
+        self.loss_reports += 1
 
     def alive(self) -> None:
         """Tell the server this worker is busy outside its steps (a script's own collectives:

@@ -199,12 +199,15 @@ def stats(server: bool = True) -> dict:
 
 
 def _local_counters(ctx) -> dict:
-    """This worker's counters, with the bytes its control-plane and shard clients counted
-    and the traffic of the shard server it hosts (``shard_sent``/``shard_received``)."""
+    """This worker's counters, with the bytes its control-plane and shard clients counted,
+    the traffic of the shard server it hosts (``shard_sent``/``shard_received``) and the
+    training-loss reports it sent to the state server (``loss_reports``)."""
     local = ctx.counters.as_dict()
+    local["loss_reports"] = 0
     if ctx.client is not None:
         local["control_sent"] += ctx.client.control_sent
         local["control_received"] += ctx.client.control_received
+        local["loss_reports"] = ctx.client.loss_reports
     if ctx.shards is not None:
         local["data_sent"] += ctx.shards.bytes_sent
         local["data_received"] += ctx.shards.bytes_received
