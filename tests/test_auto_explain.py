@@ -36,17 +36,27 @@ def _metrics(policy: str, ttt: float | None, decisions=(), switches=(),
 def _decisions() -> list[dict]:
     ranked = [Ranked(Candidate(p, "ring"), t, 1000.0, 1.0, 0.0, (), 0.0)
               for p, t in (("esync", 6.0), ("ebsp", 8.0), ("bsp", 12.0))]
-    m = Measurements.from_speeds([1, 4], topologies=("ring",))
+    m = Measurements.from_speeds([1, 4], topologies=("ring",), ps_gain=1.4, ps_gain_sd=0.1,
+                                 ps_gain_note="measured 1.40 +- 0.10 from the noise scale")
     d = Decider(Candidate("ebsp", "ring"))
     d.decide(ranked, m, 2.5, "first measurement")
     return [r.as_dict() for r in d.records]
 
 
 def test_explain_reads_a_train_run(tmp_path, capsys):
+    from mpsync.auto.noise import GradientNoise
+
     switches = [{"from": "ebsp", "to": "esync", "round": 40, "wall_s": 2.7}]
-    report.write_metrics(_metrics("auto", 5.5, _decisions(), switches), tmp_path)
+    noise = GradientNoise(2)
+    for i in range(8):
+        noise.add(0.5 * i, i % 2, 2.0, 1.0, 3)
+    metrics = _metrics("auto", 5.5, _decisions(), switches)
+    metrics["auto_gradient_noise"] = noise.estimate().as_dict()
+    report.write_metrics(metrics, tmp_path)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert "full-update gain it ranked with: measured 1.40 +- 0.10" in out, out
+    assert "the gain at the end of the run: measured 1.33" in out, out
     assert "| 2.5 s | first measurement | ebsp/ring -> esync/ring | yes |" in out, out
     assert "predicted time to 10,000 BSP-equivalent samples" in out
     assert "| 1 | esync/ring | 6.0 s |" in out

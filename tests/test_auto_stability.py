@@ -230,8 +230,9 @@ def test_the_server_policy_does_not_judge_a_ring_policy_by_the_loss():
 
 def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
     """``opt.report_loss`` in a user's own loop (not ``mpsync train``) feeds auto's loss watch
-    on the server, about every 0.1 s per worker; a loss of several numbers, or epoch 0, is
-    refused with a message naming it."""
+    on the server, about every 0.1 s per worker, and its estimate of the job's gradient noise
+    (pairs of consecutive steps' gradients, one pair per 0.2 s per worker); a loss of several
+    numbers, or epoch 0, is refused with a message naming it."""
     from mpi_harness import run_mpi
 
     run = run_mpi("auto_programs:loss_reports", np=3, timeout=120)
@@ -241,11 +242,17 @@ def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
         assert any("one number" in m for m in r["refused"]) and \
             any("1-based" in m for m in r["refused"]), r["refused"]
     watch = res[1]["training_loss"]
-    # Two workers for 1.5 s, at most one report per 0.1 s each: about 14 each on an idle
-    # machine, fewer where steps are slow (a busy CI node), never more than 16.  The server
-    # counted at most what both sent, and most of it: a report needs no reply, so the last
-    # ones may still be on their way when worker 1's stats request is answered.
+    # Two workers for 1.5 s and 8 reports each at least, at most one report per 0.1 s each:
+    # about 14 each on an idle machine.  The server counted at most what both sent, and most
+    # of it: a report needs no reply, so the last ones may still be on their way when worker
+    # 1's stats request is answered.
     sent = {r: res[r]["sent"] for r in res}
-    assert all(5 <= n <= 16 for n in sent.values()), sent
+    assert all(8 <= n for n in sent.values()), (sent, res[1]["steps"])
+    assert all(n <= 2 + 10 * res[r]["seconds"] for r, n in sent.items()), res
     assert (sent[1] + sent[2]) // 2 <= watch["reports"] <= sent[1] + sent[2], (watch, sent)
+    noise = res[1]["gradient_noise"]
+    # (one pair per 0.2 s per worker at most, the first at the first steps)
+    most = sum(1 + 5 * res[r]["seconds"] for r in res)
+    assert 3 <= noise["pairs"] <= most and noise["workers"] == 2, (noise, most)
+    assert 1.0 <= noise["gain"] <= 2.0 and "gradient pairs" in noise["note"], noise
     assert watch["initial"] is not None and 1.0 < watch["initial"] < 4.0, watch

@@ -498,6 +498,10 @@ def _print_summary(m: dict) -> None:
           f"time to target {'-' if ttt is None else f'{ttt:.1f}s'}")
     for d in m.get("decisions") or ():
         print(f"  auto at {d['at_s']:.1f}s ({d['trigger']}): {d['reason']}")
+    noise = m.get("auto_gradient_noise")
+    if noise:
+        print(f"  auto's full-update gain for this job (the parameter server's progress per "
+              f"sample over the ring's): {noise['note']}")
     for s in m.get("switches") or ():
         print(f"  auto switched {s['from']}/{s.get('from_topology', 'ring')} -> "
               f"{s['to']}/{s.get('to_topology', 'ring')} after round {s['round']} "

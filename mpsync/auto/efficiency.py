@@ -61,7 +61,10 @@ first comparisons (0.78-1.26 measured per sample): 0.01 per step.
 
 Fitted on 4 workers, the digits MLP and the wide MLP, lr 0.05 with momentum 0.9 only: the gain
 of full updates grows with n and with the learning rate until it turns into divergence, and
-none of that is validated here.  Every new comparison checks the model:
+none of that is validated here.  So a live run measures its own gain, from its gradient noise
+scale (``mpsync.auto.noise``), with ``PS_FULL_UPDATE_GAIN`` as the prior the measurement
+overrides as it accumulates (``efficiency(..., gain=)``, ``Measurements.ps_gain``); the
+staleness and local-step costs stay the fitted constants.  Every new comparison checks the model:
 ``python -m mpsync.auto.explain OUT`` sets each policy's measured progress per sample beside
 the efficiency auto predicted for it; and a live switch is confirmed on measured throughput
 (``Decider.confirm_switch``).
@@ -93,11 +96,13 @@ def excess_staleness(rates) -> tuple[float, float]:
     return excess, worst
 
 
-def ps_efficiency(rates) -> tuple[float, float, float]:
+def ps_efficiency(rates, gain: float | None = None) -> tuple[float, float, float]:
     """(efficiency, excess staleness, stalest worker's staleness) of a parameter server that
-    applies every update in full on arrival, workers iterating at ``rates``."""
+    applies every update in full on arrival, workers iterating at ``rates``; ``gain``: the
+    job's own full-update gain (``mpsync.auto.noise``; None: ``PS_FULL_UPDATE_GAIN``)."""
     excess, worst = excess_staleness(rates)
-    return PS_FULL_UPDATE_GAIN / (1.0 + PS_EXCESS_STALENESS_COST * excess), excess, worst
+    gain = PS_FULL_UPDATE_GAIN if gain is None else gain
+    return gain / (1.0 + PS_EXCESS_STALENESS_COST * excess), excess, worst
 
 
 def _rates(row: dict, compute_s) -> list[float]:
@@ -109,15 +114,20 @@ def _rates(row: dict, compute_s) -> list[float]:
     return [1.0 / c for c in compute_s]
 
 
-def efficiency(row: dict, stale_reads: bool, compute_s) -> tuple[float, str]:
+def efficiency(row: dict, stale_reads: bool, compute_s, gain: float | None = None,
+               gain_sd: float = 0.0) -> tuple[float, str]:
     """(efficiency > 0, the reason in words) of one simulated candidate: ``row`` from
     ``mpsync.simulate.simulate``; ``stale_reads``: the parameter server applies updates in
-    full as they arrive; ``compute_s``: the workers' iteration times."""
+    full as they arrive; ``compute_s``: the workers' iteration times; ``gain``/``gain_sd``:
+    the full-update gain the job measured (``mpsync.auto.noise``; None: the fitted one)."""
     eff, why = 1.0, []
     if stale_reads and len(compute_s) > 1:
-        e, excess, worst = ps_efficiency(_rates(row, compute_s))
+        e, excess, worst = ps_efficiency(_rates(row, compute_s), gain)
         eff *= e
-        why.append(f"every update applied in full (x{PS_FULL_UPDATE_GAIN:.2f}), "
+        source = ("fitted" if gain is None
+                  else f"+-{gain_sd:.2f}, measured in the run with the fitted prior")
+        shown = PS_FULL_UPDATE_GAIN if gain is None else gain
+        why.append(f"every update applied in full (x{shown:.2f}, {source}), "
                    f"staleness {excess:.2f} beyond n - 1 on average "
                    f"(stalest worker {worst:.1f})")
     local = (row.get("local_steps_per_round") or {}).get("mean") or 1.0

@@ -179,6 +179,12 @@ def run_table(out) -> str:
         for i, r in enumerate(last["ranking"], 1):
             lines.append(f"| {i} | {r['candidate']} | {r['predicted_time_to_target_s']:.1f} s"
                          f" | {r['samples_per_s']:.0f} | {r['efficiency']:.2f} |")
+        note = (last.get("measurements") or {}).get("ps_gain_note")
+        if note:
+            lines += ["", f"the parameter server's full-update gain it ranked with: {note}"]
+    noise = m.get("auto_gradient_noise")
+    if noise:
+        lines += ["", f"the gain at the end of the run: {noise['note']}"]
     return "\n".join(lines)
 
 

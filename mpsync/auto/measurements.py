@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mpsync.auto.efficiency import PS_FULL_UPDATE_GAIN
+
 __all__ = ["Measurements", "Window", "DEFAULT_TARGET_SAMPLES", "CHANGE_FLOOR_S",
-           "NOISE_MULTIPLE", "NOISE_REPORTS"]
+           "NOISE_MULTIPLE", "NOISE_REPORTS", "GAIN_CHANGE_FLOOR"]
 
 # Samples of BSP-equivalent progress a job needs to reach its target when nothing says more
 # (the digits task of ``mpsync train`` reaches 0.9 after about 9-10k samples under BSP,
@@ -36,6 +38,9 @@ NOISE_MULTIPLE = 3.0
 # Recent compute reports per worker the noise is estimated from (the median itself is over
 # the window's own few: it must follow a real change quickly).
 NOISE_REPORTS = 16
+# The job's measured full-update gain (``mpsync.auto.noise``) changed when it moved by more
+# than this and by NOISE_MULTIPLE standard errors: a ranking is redone on what the job learned.
+GAIN_CHANGE_FLOOR = 0.1
 # A standard deviation from the median absolute deviation (exact for normal draws).
 _MAD_SIGMA = 1.4826
 
@@ -53,6 +58,10 @@ class Measurements:
     the spread of its recent reports); empty where unknown (stated or summed speeds).
     ``target_samples``: BSP-equivalent samples to the target (``DEFAULT_TARGET_SAMPLES``).
     ``topologies``: where candidates may run (the live ring job: ``("ring",)``).
+    ``ps_gain``: the parameter server's progress per sample over the ring's for full updates,
+    as this job measured it (``mpsync.auto.noise``), ``ps_gain_sd`` its standard deviation,
+    ``ps_gain_note`` what it rests on; None: the fitted constant
+    (``mpsync.auto.efficiency.PS_FULL_UPDATE_GAIN``).
     """
 
     compute_s: tuple[float, ...]
@@ -69,6 +78,9 @@ class Measurements:
     source: str = ""
     notes: tuple[str, ...] = field(default=())
     compute_noise_s: tuple[float, ...] = field(default=())
+    ps_gain: float | None = None
+    ps_gain_sd: float = 0.0
+    ps_gain_note: str = ""
 
     def __post_init__(self):
         if not self.compute_s or not all(c > 0 and math.isfinite(c) for c in self.compute_s):
@@ -78,6 +90,8 @@ class Measurements:
             raise ValueError(f"aggregation_s must be >= 0 seconds, got {self.aggregation_s}")
         if not self.target_samples > 0:
             raise ValueError(f"target_samples must be > 0, got {self.target_samples}")
+        if self.ps_gain is not None and not (math.isfinite(self.ps_gain) and self.ps_gain > 0):
+            raise ValueError(f"ps_gain must be a number > 0 (or None), got {self.ps_gain!r}")
 
     @property
     def n(self) -> int:
@@ -119,6 +133,18 @@ class Measurements:
                     f"(+-{noise * 1e3:.1f} ms standard error; {len(moved)} worker(s) moved "
                     f"by > {tolerance:.0%}, > {CHANGE_FLOOR_S * 1e3:g} ms and > "
                     f"{NOISE_MULTIPLE:g}x their standard error)")
+        if other.ps_gain is None and self.ps_gain is not None and \
+                abs(self.ps_gain - PS_FULL_UPDATE_GAIN) > GAIN_CHANGE_FLOOR:
+            return (f"statistical efficiency: the parameter server's full-update gain "
+                    f"measured in the run, {self.ps_gain:.2f} +-{self.ps_gain_sd:.2f} (the "
+                    f"fitted {PS_FULL_UPDATE_GAIN:.2f} before)")
+        if other.ps_gain is not None and self.ps_gain is not None:
+            b, a = other.ps_gain, self.ps_gain
+            error = math.hypot(self.ps_gain_sd, other.ps_gain_sd)
+            if abs(a - b) > GAIN_CHANGE_FLOOR and abs(a - b) > NOISE_MULTIPLE * error:
+                return (f"statistical efficiency: the parameter server's full-update gain "
+                        f"{b:.2f} -> {a:.2f} (+-{error:.2f}; > {GAIN_CHANGE_FLOOR:g} and > "
+                        f"{NOISE_MULTIPLE:g}x its standard error)")
         if other.aggregation_s and self.aggregation_s is not None:
             b, a = other.aggregation_s, self.aggregation_s
             # An aggregation of a few ms moves with the machine's load: compare above a floor.

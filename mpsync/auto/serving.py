@@ -41,6 +41,7 @@ import time
 from mpsync.auto.decider import Decider, DecisionRecord
 from mpsync.auto.gathering import Gathering
 from mpsync.auto.measurements import Window
+from mpsync.auto.noise import GradientNoise
 from mpsync.auto.stability import LossWatch
 from mpsync.auto.ranking import Candidate, Ranked
 from mpsync.config import parse_auto_plan
@@ -129,6 +130,9 @@ class AutoPolicy(Policy):
         # The training loss under each policy; where a decision switched, the policy it left
         # (the one to go back to if the new one diverges); None: nothing to go back to.
         self.losses, self.back_to = LossWatch(), None
+        # The job's gradient noise, reported with the losses: its own full-update gain for
+        # the parameter server's candidates, the fitted constant as the prior (``noise``).
+        self.noise = GradientNoise(table.n)
         self.rollback = False       # the switch pending leaves the PS from earlier weights
         self.problems: list[str] = []
         # Why auto switches on the ring only although auto_ps was asked for, or None.
@@ -328,6 +332,18 @@ class AutoPolicy(Policy):
     def on_loss(self, w, k, loss, count, now):
         self.losses.add(now, loss, count)
 
+    def on_gradient_noise(self, w, noise, signal, pairs, now):
+        self.noise.add(now, w, noise, signal, pairs)
+
+    def _with_gain(self, m, now: float):
+        """``m`` with the job's full-update gain as measured now (the prior alone until
+        enough gradient pairs came in: then ``ps_gain`` stays None, the fitted constant)."""
+        est = self.noise.estimate(now)
+        if est.measured is None:
+            return dataclasses.replace(m, ps_gain_note=est.note)
+        return dataclasses.replace(m, ps_gain=round(est.gain, 4), ps_gain_sd=round(est.sd, 4),
+                                   ps_gain_note=est.note)
+
     def _watch_loss(self, now: float) -> None:
         """The running PS policy applying updates in full undoes the run's progress
         (``LossWatch``): back to the policy the decision left (the ring auto started on, if
@@ -397,7 +413,8 @@ class AutoPolicy(Policy):
         if now - self.t0 < WARM_UP_S or not self.window.ready(
                 MIN_REPORTS, early=EARLY_REPORTS, agree=EARLY_AGREEMENT):
             return
-        m = self.window.measurements(topologies=self.topologies, source="live reports")
+        m = self._with_gain(self.window.measurements(topologies=self.topologies,
+                                                     source="live reports"), now)
         trigger = self.decider.wants_ranking(m)
         if trigger is not None and ("compute" in trigger or "workers" in trigger):
             # A worker's speed changed: the rates before and after a switch compare not (an
@@ -482,13 +499,15 @@ class AutoPolicy(Policy):
                 "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
                 "problems": self.problems, "ring_only": self.ring_only,
                 "training_loss": self.losses.describe(),
+                "gradient_noise": self.noise.estimate().as_dict(),
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
                 "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),
                 "metrics": {"decisions": decisions, "policy_timeline": self.timeline,
                             "auto_topologies": list(self.topologies),
                             "auto_ring_only": self.ring_only,
-                            "auto_training_loss": self.losses.describe()}}
+                            "auto_training_loss": self.losses.describe(),
+                            "auto_gradient_noise": self.noise.estimate().as_dict()}}
 
 
 def _thread_level() -> int:

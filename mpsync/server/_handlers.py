@@ -75,6 +75,10 @@ class MessageHandlers:
     def _on_loss(self, src, w, msg, now):
         loss = float("inf") if msg[W.FLAG] == W.NOT_FINITE else msg[W.AGG]
         self.policy.on_loss(w, int(msg[W.ITER]), loss, max(int(msg[W.COUNT]), 1), now)
+        if msg[W.L_PAIRS] >= 1:
+            noise = float(msg[W.L_NOISE])
+            self.policy.on_gradient_noise(w, noise, float(msg[W.L_POWER]) - noise,
+                                          int(msg[W.L_PAIRS]), now)
         # No reply, as for a reset.
 
     def _on_alive(self, src, w, msg, now):

@@ -117,6 +117,12 @@ class Policy:
         """Worker ``w``'s mean training loss over ``count`` iterations up to ``k`` (``inf``:
         not finite); read by ``auto`` (``mpsync.auto.stability``), ignored by the rest."""
 
+    def on_gradient_noise(self, w: int, noise: float, signal: float, pairs: int,
+                          now: float) -> None:
+        """Worker ``w``'s ``pairs`` consecutive-step gradient pairs since its last report:
+        summed ½|g₁ - g₂|² (``noise``) and g₁ · g₂ (``signal``); read by ``auto``
+        (``mpsync.auto.noise``), ignored by the rest."""
+
     def describe(self) -> dict:
         return {}
 

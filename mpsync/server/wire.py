@@ -10,6 +10,12 @@ Request layout (worker -> server)::
 
     [SEQ, ITER, COMPUTE, ROUND, AGG, WAIT, COUNT, FLAG]
 
+A LOSS request carries the worker's gradient noise in three slots it has no other use for
+(``mpsync.auto.noise``): COMPUTE and WAIT hold ``L_NOISE``, the summed ½|g₁ - g₂|² of pairs
+of consecutive steps' gradients, and ``L_POWER``, their summed ½(|g₁|² + |g₂|²) (both >= 0,
+as those slots must be; the dot product g₁ · g₂ is their difference); ROUND holds
+``L_PAIRS``, how many pairs (0: none since the last report).
+
 Reply layout (server -> worker)::
 
     [ACTION, LOCAL_ITERS, ROUND, SEQ, EXTRA, COUNT, VERSION, 0]
@@ -23,6 +29,8 @@ MSG_LEN = 8
 
 # Request slots.
 SEQ, ITER, COMPUTE, ROUND, AGG, WAIT, COUNT, FLAG = range(8)
+# A LOSS request's gradient-noise slots (module doc).
+L_NOISE, L_POWER, L_PAIRS = COMPUTE, WAIT, ROUND
 # Reply slots.
 R_ACTION, R_LOCAL, R_ROUND, R_SEQ, R_EXTRA, R_COUNT, R_VERSION = range(7)
 

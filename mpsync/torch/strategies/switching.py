@@ -56,6 +56,7 @@ from collections import deque
 import torch
 
 from mpsync.config import parse_auto_plan, refuse_ps_plan
+from mpsync.torch.strategies.gradient_pairs import GradientPairs
 from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_start_code, auto_target, \
     hosts_shards
 from mpsync.server.shard_plan import shards_unavailable
@@ -125,6 +126,9 @@ class Switching(Strategy):
         self.__dict__["ring_only"] = None
         # The training loss since the last report to the server (``note_progress``).
         self.__dict__["_loss"] = [0.0, 0, time.perf_counter()]
+        # Consecutive steps' gradients, sent with the loss reports (the server's estimate of
+        # the job's gradient noise scale: mpsync.auto.noise).
+        self.__dict__["_pairs"] = GradientPairs([p for buf in buffers for p in buf.params])
         # [perf_counter, tensors, sum and count of the losses noted from them]
         self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
         if hosts_shards(config):
@@ -308,6 +312,8 @@ class Switching(Strategy):
 
     # -- the interface -------------------------------------------------------------------------
     def step(self, compute_time, closure=None):
+        if closure is None:        # (a closure makes this step's gradients inside the step)
+            self._pairs.observe()  # the worker's own gradients, before any aggregation
         loss = self.inner.step(compute_time, closure)
         self._switch_if_told()
         self._snapshot_if_due()
@@ -360,7 +366,7 @@ class Switching(Strategy):
         now = time.perf_counter()
         if self.client is not None and (now - acc[2] >= LOSS_REPORT_EVERY_S
                                         or not math.isfinite(loss)):
-            self.client.report_loss(acc[0] / acc[1], acc[1])
+            self.client.report_loss(acc[0] / acc[1], acc[1], self._pairs.take())
             acc[:] = [0.0, 0, now]
 
     def zero_grad(self, set_to_none: bool = True) -> bool:

@@ -1,0 +1,214 @@
+"""``auto``'s statistical efficiency measured in the run: the gradient noise scale from
+consecutive steps' gradients (mpsync.torch.strategies.gradient_pairs on the worker,
+mpsync.auto.noise on the server), the full-update gain it implies, the fitted constant as
+its prior, and the ranking and the decision log reading it.  The live path (real ranks, a
+script's loop) is tests/test_auto_stability.py's loss-report test."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mpsync.auto import Candidate, Measurements
+from mpsync.auto.efficiency import PS_FULL_UPDATE_GAIN
+from mpsync.auto.noise import MIN_PAIRS, MIN_REPORTS, PRIOR_SD, GradientNoise, gain_from_ratio
+from mpsync.auto.ranking import rank_candidates
+from mpsync.torch.strategies.gradient_pairs import GradientPairs
+
+
+def test_the_gain_runs_from_1_for_noisy_gradients_to_n_for_exact_ones():
+    """(φ + n) / (φ + 1): averaging n gradients loses nothing where one worker's batch is
+    far below the noise scale, everything (n times the steps) where there is no noise."""
+    assert gain_from_ratio(1e9, 4) == pytest.approx(1.0, abs=1e-8)
+    assert gain_from_ratio(math.inf, 4) == 1.0
+    assert gain_from_ratio(0.0, 4) == 4.0
+    assert gain_from_ratio(1.0, 4) == pytest.approx(2.5)
+    assert gain_from_ratio(3.0, 1) == 1.0                  # one worker: nothing averaged
+    # The fitted 1.22 at 4 workers is a noise scale of about 12.6 batches.
+    assert gain_from_ratio(12.6, 4) == pytest.approx(PS_FULL_UPDATE_GAIN, abs=0.005)
+
+
+def _pairs(rng, true_g, sigma, b, count):
+    """``count`` pairs of minibatch gradients of ``b`` samples: the true gradient plus the mean
+    of b per-sample deviations of standard deviation ``sigma`` per coordinate; summed as a
+    worker reports them."""
+    d = true_g.size
+    noise = signal = 0.0
+    for _ in range(count):
+        g1 = true_g + rng.normal(0.0, sigma / math.sqrt(b), d)
+        g2 = true_g + rng.normal(0.0, sigma / math.sqrt(b), d)
+        noise += 0.5 * float(np.sum((g1 - g2) ** 2))
+        signal += float(g1 @ g2)
+    return noise, signal
+
+
+def test_the_measured_noise_scale_recovers_a_known_one_and_overrides_the_prior():
+    """Gradients with a known noise scale (tr Σ / |G|² = d σ² / |G|²): before MIN_REPORTS
+    reports the estimate is the prior alone; with 40 reports of 5 pairs from 4 workers the
+    measured ratio is within 15% of the truth, its gain close to the true one, and the
+    combined gain follows the measurement (its spread far below the prior's)."""
+    rng = np.random.default_rng(11)
+    d, b, sigma = 200, 8, 1.0
+    true_g = rng.normal(0.0, 0.1, d)
+    phi_true = d * sigma ** 2 / (b * float(true_g @ true_g))
+    est = GradientNoise(4)
+    for i in range(MIN_REPORTS - 1):
+        est.add(0.1 * i, i % 4, *_pairs(rng, true_g, sigma, b, 5), 5)
+    early = est.estimate(0.5)
+    assert early.measured is None and early.gain == PS_FULL_UPDATE_GAIN and \
+        early.sd == PRIOR_SD, early
+    assert "prior" in early.note and f"needs {MIN_PAIRS}" in early.note, early.note
+    for i in range(MIN_REPORTS - 1, 40):
+        est.add(0.1 * i, i % 4, *_pairs(rng, true_g, sigma, b, 5), 5)
+    late = est.estimate(4.0)
+    assert late.ratio == pytest.approx(phi_true, rel=0.15), (late, phi_true)
+    assert late.measured == pytest.approx(gain_from_ratio(phi_true, 4), abs=0.1), late
+    assert late.measured_sd < PRIOR_SD / 3, late
+    assert abs(late.gain - late.measured) < abs(PS_FULL_UPDATE_GAIN - late.measured) / 2, late
+    assert late.workers == 4 and late.pairs == 200 and "gradient noise scale" in late.note
+
+
+def test_reports_older_than_the_window_and_bad_reports_are_left_out():
+    est = GradientNoise(2, window_s=5.0)
+    assert not est.add(0.0, 0, float("nan"), 1.0, 3)
+    assert not est.add(0.0, 0, 1.0, 1.0, 0)
+    assert not est.add(0.0, 0, -1.0, 1.0, 2)
+    assert est.refused == 3
+    for i in range(10):
+        est.add(float(i), 0, 1.0, 1.0, 2)      # φ = 1
+    assert est.estimate(9.0).reports == 6      # t = 4..9 within 5 s of 9
+    assert est.estimate(9.0).ratio == pytest.approx(1.0)
+    # Gradients whose common part is lost in their noise (g1 · g2 <= 0): no gain.
+    lost = GradientNoise(4)
+    for i in range(10):
+        lost.add(float(i), i % 4, 5.0, -0.1, 2)
+    assert lost.estimate(9.0).measured == 1.0 and math.isinf(lost.estimate(9.0).ratio)
+
+
+def _model_and_data(seed=0, n=4096, d=16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = x @ torch.randn(d, generator=g) + 0.5 * torch.randn(n, generator=g)
+    model = torch.nn.Linear(d, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model, x, y
+
+
+def _grad_of(model, x, y):
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+
+
+def test_gradient_pairs_sum_the_dot_and_half_squared_difference_of_consecutive_steps():
+    """Two observed steps: exactly g1 · g2 and ½|g1 - g2|²; nothing before ``every_s`` has
+    passed on its clock; a sparse or missing gradient is skipped, not measured."""
+    model, x, y = _model_and_data()
+    clock = [0.0]
+    pairs = GradientPairs(list(model.parameters()), every_s=1.0, clock=lambda: clock[0])
+    _grad_of(model, x[:32], y[:32])
+    g1 = model.weight.grad.detach().clone().reshape(-1)
+    pairs.observe()
+    _grad_of(model, x[32:64], y[32:64])
+    g2 = model.weight.grad.detach().clone().reshape(-1)
+    pairs.observe()
+    noise, signal, count = pairs.take()
+    assert count == 1
+    assert signal == pytest.approx(float(g1 @ g2), rel=1e-5)
+    assert noise == pytest.approx(0.5 * float((g1 - g2) @ (g1 - g2)), rel=1e-5)
+    assert pairs.take() == (0.0, 0.0, 0)
+    pairs.observe()                       # clock 0 < next (1.0): nothing taken
+    _grad_of(model, x[:32], y[:32])
+    pairs.observe()
+    assert pairs.take()[2] == 0
+    clock[0] = 2.0
+    model.weight.grad = None
+    pairs.observe()                       # no gradient: no first half either
+    _grad_of(model, x[:32], y[:32])
+    pairs.observe()
+    assert pairs._first is not None and pairs.take()[2] == 0
+
+
+def test_gradient_pairs_of_a_real_model_measure_its_noise_scale():
+    """A linear regression at fixed weights: the ratio from 300 consecutive pairs of batch-32
+    gradients is within 20% of tr(Σ) / (b |G|²) computed from every sample's gradient."""
+    model, x, y = _model_and_data(seed=1)
+    with torch.no_grad():
+        model.weight.fill_(0.3)
+    # Per-sample gradients of the mean-squared error: 2 (w·x - y) x.
+    residual = (x @ model.weight.detach().reshape(-1) - y)
+    per_sample = 2.0 * residual[:, None] * x
+    true_g = per_sample.mean(0)
+    trace = float(per_sample.var(0, unbiased=False).sum())
+    b = 32
+    phi_true = trace / (b * float(true_g @ true_g))
+    pairs = GradientPairs(list(model.parameters()), every_s=0.0, clock=lambda: 0.0)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(600):
+        idx = torch.randint(0, x.shape[0], (b,), generator=gen)
+        _grad_of(model, x[idx], y[idx])
+        pairs.observe()
+    noise, signal, count = pairs.take()
+    assert count == 300
+    assert noise / signal == pytest.approx(phi_true, rel=0.2), (noise / signal, phi_true)
+
+
+def _equal_speeds(**kw):
+    return Measurements(compute_s=(0.05,) * 4, aggregation_s=0.004, topologies=("ring", "ps"),
+                        **kw)
+
+
+def test_the_ranking_reads_the_measured_gain_and_a_moved_gain_is_a_change():
+    """The PS's full-update candidates' efficiency is the job's measured gain where there is
+    one (the ring's is untouched): at equal speeds a gain of 1 (noisy gradients) ranks the
+    ring's BSP ahead of SSP on the PS, a gain of 3 ranks SSP first; the reason says
+    measured; a gain moved beyond its error is a change that asks for a new ranking."""
+    bsp, ssp = Candidate("bsp", "ring"), Candidate("ssp", "ps", (("staleness", 3),))
+    low = rank_candidates(_equal_speeds(ps_gain=1.0, ps_gain_sd=0.05), [bsp, ssp])
+    high = rank_candidates(_equal_speeds(ps_gain=3.0, ps_gain_sd=0.05), [bsp, ssp])
+    prior = rank_candidates(_equal_speeds(), [bsp, ssp])
+    eff = {r.candidate.label: r.efficiency for r in low}
+    assert eff[ssp.label] == pytest.approx(1.0, abs=0.05) and eff[bsp.label] == 1.0
+    assert low[0].candidate == bsp and high[0].candidate == ssp, (low, high)
+    by_label = {r.candidate.label: r for r in high}
+    assert by_label[ssp.label].efficiency == pytest.approx(3.0, abs=0.15)
+    assert any("measured in the run" in why for why in by_label[ssp.label].reasons)
+    assert any("fitted" in why for r in prior for why in r.reasons if "in full" in why)
+    first = _equal_speeds(ps_gain=1.6, ps_gain_sd=0.2).change_from(_equal_speeds(), 0.3)
+    assert first is not None and "measured in the run, 1.60" in first, first
+    assert _equal_speeds(ps_gain=1.25, ps_gain_sd=0.2).change_from(_equal_speeds(), 0.3) is None
+    before = _equal_speeds(ps_gain=1.2, ps_gain_sd=0.03)
+    assert _equal_speeds(ps_gain=1.25, ps_gain_sd=0.03).change_from(before, 0.3) is None
+    moved = _equal_speeds(ps_gain=1.6, ps_gain_sd=0.03).change_from(before, 0.3)
+    assert moved is not None and "statistical efficiency" in moved and "1.20 -> 1.60" in moved
+    with pytest.raises(ValueError, match="ps_gain"):
+        _equal_speeds(ps_gain=float("nan"))
+
+
+def test_the_server_policy_puts_the_measured_gain_in_its_measurements_and_log():
+    """AutoPolicy (no MPI) fed the workers' gradient pairs: the measurements it ranks on
+    carry the job's gain and a note saying what it rests on; describe() and the metrics show
+    the estimate."""
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+
+    pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
+    try:
+        m = Measurements(compute_s=(0.05,) * 4)
+        assert pol._with_gain(m, 0.0).ps_gain is None
+        assert "prior" in pol._with_gain(m, 0.0).ps_gain_note
+        for i in range(20):
+            pol.on_gradient_noise(i % 4, 3.0, 1.0, 2, 0.1 * i)      # φ = 3: gain 7 / 4
+        m2 = pol._with_gain(m, 2.0)
+        assert m2.ps_gain is not None and 1.0 < m2.ps_gain < 1.75, m2
+        assert "B_noise / batch = 3.00" in m2.ps_gain_note, m2.ps_gain_note
+        assert m2.as_dict()["ps_gain"] == m2.ps_gain      # (what a decision record keeps)
+        shown = pol.describe()
+        assert shown["gradient_noise"]["pairs"] == 40
+        assert shown["metrics"]["auto_gradient_noise"]["measured"] == pytest.approx(1.75)
+    finally:
+        if pol.ranker is not None:
+            pol.ranker.close()
