@@ -152,13 +152,15 @@ def diverging_on_the_ps() -> None:
     me, step, t0, on_ps_since = mps.rank(), 0, time.perf_counter(), None
     on_ps, rolled = [], None
     budget = float(a.get("budget", "60"))
-    # Every step on one worker sees the same batch: its gradient has no sampling noise, so
-    # the gain of the PS's full updates the job measures (mpsync.auto.noise) is near n and
-    # the ranking moves it to the PS, which this test needs.
+    # Every step on one worker sees the same batch, and so does its probe: its gradient has
+    # no sampling noise, so the gain of the PS's full updates the job measures
+    # (mpsync.auto.noise) is n and the ranking moves it to the PS, which this test needs.
     x, y = _data(64, seed=1000 * me)
     while time.perf_counter() - t0 < budget:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.probe_gradient_noise(lambda: torch.nn.functional.cross_entropy(model(x), y)
+                                 .backward())
         time.sleep(0.02)
         now = time.perf_counter()
         diverged = on_ps_since is not None and now - on_ps_since > 4.0
@@ -180,13 +182,40 @@ def diverging_on_the_ps() -> None:
             timeline=state.get("policy_timeline"))
 
 
+def idle_after_join() -> None:
+    """``auto`` on the ring only, both workers at 0.15 s iterations for 5 s; then worker 1
+    stops and joins (``synchronize``) while worker 0 trains 5 s more.  Worker 1's idle
+    iterations go at most 50 ms apart (it answers the others' rounds quickly); what they
+    report is its usual iteration, not a worker 3x faster."""
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
+             auto_ps=False, deadline=60)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    me, step, t0 = mps.rank(), 0, time.perf_counter()
+    until = 5.0 if me == 1 else 10.0
+    while time.perf_counter() - t0 < until:
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.15)
+        opt.step()
+        step += 1
+    opt.synchronize()
+    server = mps.stats()["server"]
+    mps.shutdown()
+    state = server.get("policy_state") or {}
+    _result(rank=me, steps=step, decisions=state.get("decisions"))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
 
 
 def loss_reports() -> None:
     """A script's own loop under ``auto`` reporting its loss (``opt.report_loss``): a tensor
-    each step, every 0.02 s, for 1.5 s and 8 reports; bad arguments first (each must be refused)."""
+    each step, every 0.02 s, for 1.5 s and 8 reports; bad arguments first (each must be
+    refused)."""
     mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=60)
     model = _model()
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
@@ -208,6 +237,9 @@ def loss_reports() -> None:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.report_loss(loss, epoch=1)
+        x2, y2 = _data(8, seed=1000 * mps.rank() + step + 500)
+        opt.probe_gradient_noise(
+            lambda: torch.nn.functional.cross_entropy(model(x2), y2).backward())
         time.sleep(0.02)
         opt.step()
         step += 1

@@ -177,3 +177,17 @@ def test_leaving_a_diverging_ps_restarts_the_ring_from_earlier_weights():
     assert len({r["digest"] for r in res.values()}) == 1
     assert not any(d["chosen"].split(" ")[0].endswith("/ps")
                    for d in decisions[decisions.index(back[0]) + 1:] if d["switch"])
+
+
+def test_a_joined_workers_idle_iterations_are_not_a_cluster_change():
+    """Worker 1 joins 5 s before worker 0 ends (both iterate every 0.15 s): its idle
+    iterations, 50 ms apart, report its usual iteration, so auto decides once and never
+    again: nothing in the cluster changed."""
+    run = run_mpi("auto_programs:idle_after_join", np=3, timeout=120)
+    res = run.results()
+    assert sorted(res) == [1, 2], run.report()
+    decisions = res[1]["decisions"]
+    assert any(d["trigger"] == "first measurement" for d in decisions), decisions
+    changed = [(d["at_s"], d["trigger"]) for d in decisions if "changed" in d["trigger"]]
+    assert not changed, changed
+    assert res[1]["steps"] > res[2]["steps"] + 15, res

@@ -295,6 +295,16 @@ class Worker:
         return bool(self.args.time_budget and self.wall() >= self.args.time_budget)
 
     # -- one iteration ---------------------------------------------------------------------------
+    def _probe(self) -> None:
+        """The next batch's gradients at this step's weights (``probe_gradient_noise``)."""
+        import torch
+
+        index = (self.index + 1) % self.per_epoch
+        xb, yb = self.shard.batch(self.epoch, index, self.args.batch_size)
+        x = torch.from_numpy(xb).to(self.device, non_blocking=True)
+        y = torch.from_numpy(yb).to(self.device, non_blocking=True)
+        self.loss_fn(self.model(x), y).backward()
+
     def step(self) -> int:
         """One local iteration (forward, backward, emulated device time, ``opt.step()``);
         returns the strategy's round before the step."""
@@ -309,6 +319,7 @@ class Worker:
         loss = self.loss_fn(self.model(xb_t), yb_t)
         loss.backward()
         self.opt.report_loss(loss, epoch=self.epoch + 1)   # auto's loss watch, OSP's Alg. 1
+        self.opt.probe_gradient_noise(self._probe)         # auto's noise scale, once a second
         self.hetero.pad(time.perf_counter() - t_iter, self.wall())
         round_before = self.opt.strategy.round
         self.opt.step()

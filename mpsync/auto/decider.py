@@ -74,8 +74,10 @@ class Decider:
         self.last_switch_s = float("-inf")
         self._seen = 0                   # consecutive checks that saw a change
         self.refuted: set[str] = set()   # switched to, measured worse: not again on this basis
-        # Switched to, and the training diverged under it (``stability``): not again in this
-        # run (a learning rate too large for it stays so whatever the cluster does).
+        # Switched to, and the training diverged under it (``stability``): not again until
+        # a worker's speed or the number of workers changes (the staleness it would run at
+        # changes with them; a learning rate too large for it stays so, and the loss watch
+        # rules it out again).
         self.unstable: dict[str, str] = {}
         # At the first decision: a candidate predicted faster by less than min_gain (within
         # the model's uncertainty; but by a fifth of it at least: a tie is no reason to pay a
@@ -101,7 +103,15 @@ class Decider:
             return None
         self._seen = 0
         self.refuted.clear()
-        return f"cluster changed: {change}"
+        trigger = f"cluster changed: {change}"
+        if self.unstable and ("compute" in change or "workers" in change):
+            # A worker's speed or the number of workers changed: the staleness a candidate
+            # applying full updates runs at, and with it whether it diverges, is another one.
+            # (Should it diverge again, the loss watch rules it out again.)
+            trigger += (f"; re-admitted: {', '.join(sorted(self.unstable))} (ruled out as "
+                        f"unstable on the cluster as it was)")
+            self.unstable.clear()
+        return trigger
 
     def decide(self, ranked: list[Ranked], m: Measurements, now_s: float, trigger: str,
                *, cost_s: float = 0.0) -> DecisionRecord:
@@ -122,7 +132,15 @@ class Decider:
             reason = f"{self.current.label} is not a candidate; {best.candidate.label} ranks first"
         else:
             gain = here.predicted_time_to_target_s / best.predicted_time_to_target_s - 1.0
-            if gain < self.min_gain and self.explore and gain >= self.min_gain / 5:
+            # Not on the PS's full updates while the job has not measured their gain: there
+            # the fitted constant's error is a divergence (``efficiency``), not a few %.
+            unmeasured = best.candidate.topology == "ps" and m.ps_gain is None
+            if gain < self.min_gain and self.explore and gain >= self.min_gain / 5 \
+                    and unmeasured:
+                reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
+                          f"{self.current.label}, within the model's uncertainty, with the "
+                          f"parameter server's gain not yet measured in the run: stay")
+            elif gain < self.min_gain and self.explore and gain >= self.min_gain / 5:
                 chosen, switch = best.candidate, True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty "
@@ -156,14 +174,15 @@ class Decider:
                  unstable: list[Candidate], measured: dict | None = None) -> DecisionRecord:
         """The training diverges under the running policy (``reason``: what the loss did):
         switch to ``back_to`` now, whatever the dwell time (every step under it is lost
-        progress), and never choose ``unstable`` again in this run."""
+        progress), and choose none of ``unstable`` again until a worker's speed or the number
+        of workers changes (``wants_ranking`` re-admits them then)."""
         for c in unstable:
             self.unstable[c.label] = reason
         record = DecisionRecord(
             at_s=now_s, trigger="training loss", measurements=dict(measured or {}),
             ranking=[], previous=self.current.label, chosen=back_to.label, switch=True,
-            reason=(f"{reason}: back to {back_to.label}; not chosen again in this run: "
-                    f"{', '.join(sorted(c.label for c in unstable))}"))
+            reason=(f"{reason}: back to {back_to.label}; not chosen again until the cluster "
+                    f"changes: {', '.join(sorted(c.label for c in unstable))}"))
         self.records.append(record)
         self.current = back_to
         self.last_switch_s = now_s

@@ -133,12 +133,14 @@ class Measurements:
                     f"(+-{noise * 1e3:.1f} ms standard error; {len(moved)} worker(s) moved "
                     f"by > {tolerance:.0%}, > {CHANGE_FLOOR_S * 1e3:g} ms and > "
                     f"{NOISE_MULTIPLE:g}x their standard error)")
-        if other.ps_gain is None and self.ps_gain is not None and \
+        if "ps" not in self.topologies:
+            pass       # (the gain is the parameter server's: nothing to rank it for)
+        elif other.ps_gain is None and self.ps_gain is not None and \
                 abs(self.ps_gain - PS_FULL_UPDATE_GAIN) > GAIN_CHANGE_FLOOR:
             return (f"statistical efficiency: the parameter server's full-update gain "
                     f"measured in the run, {self.ps_gain:.2f} +-{self.ps_gain_sd:.2f} (the "
                     f"fitted {PS_FULL_UPDATE_GAIN:.2f} before)")
-        if other.ps_gain is not None and self.ps_gain is not None:
+        elif other.ps_gain is not None and self.ps_gain is not None:
             b, a = other.ps_gain, self.ps_gain
             error = math.hypot(self.ps_gain_sd, other.ps_gain_sd)
             if abs(a - b) > GAIN_CHANGE_FLOOR and abs(a - b) > NOISE_MULTIPLE * error:

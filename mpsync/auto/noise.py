@@ -16,9 +16,10 @@ up to n where it is far above (φ -> 0).  Pollux (OSDI 2021) §3.1 turns the sam
 into its per-job statistical efficiency, updated as the job trains.
 
 How it is measured (:class:`GradientNoise`, fed by the workers).  §A.1 of the paper estimates
-|G|² and tr(Σ) from gradients of two batch sizes at the same weights (data-parallel
-replicas before and after their average).  Here each worker takes two *consecutive* steps'
-gradients g₁, g₂ (b samples each, its own data); the two-batch estimators with B_small = b,
+|G|² and tr(Σ) from gradients of two batch sizes at the same weights.  Here each worker, about
+once a second, sets its step's gradient g₁ (b samples) beside the gradient g₂ of another batch
+of b at the same weights (a probe: ``DistributedOptimizer.probe_gradient_noise``, which
+``mpsync train`` calls with its next batch); the two-batch estimators with B_small = b,
 B_big = 2b reduce to
 
     |G|²  ≈ g₁ · g₂                (Eq. A.2 with |G_big|² = |g₁ + g₂|² / 4)
@@ -28,13 +29,14 @@ so ``φ = (|g₁ - g₂|² / 2) / (g₁ · g₂)``, with no batch size needed.  
 numerator and denominator are averaged separately over many pairs (every worker's, the last
 ``window_s`` seconds) and divided once.
 
-Departure [noise-consecutive-steps]: the paper's pairs are at the same weights; consecutive
-steps are one update apart, which every policy has (the ring's local-step policies and the
-parameter server never average gradients, so a same-weights pair exists under BSP only).  The
-true gradient moves by that one update between the two; the move adds to |g₁ - g₂|² and takes
-from g₁ · g₂, so φ reads high (the gain low) by as much as one step changes the gradient:
-small for the learning rates that train stably, and on the side that keeps ``auto`` from the
-parameter server.
+Departure [noise-probe-batch]: the paper pairs the data-parallel workers' gradients before
+and after their average, which costs nothing where the gradients are averaged every step;
+``auto`` runs local-step policies and the parameter server, which never average gradients, so
+each worker pays one extra forward and backward per probe instead.  Consecutive steps'
+gradients, which cost nothing, were tried first and read the noise wrong: one update apart,
+at the learning rates jobs train at the gradient moves as much as its noise (at lr 0.1
+without momentum g₁ · g₂ summed below 0, "no gain", in a job whose parameter server made
+1.7-1.9x the ring's progress per sample).
 
 The uncertainty: a jackknife over the reports in the window (each report is one worker's
 pairs since its last), on the gain's scale (bounded in [1, n]).  The fitted constant of
@@ -172,7 +174,7 @@ class GradientNoise:
         sd = (w_prior + w_meas) ** -0.5
         phi_words = "inf" if math.isinf(phi) else f"{phi:.2f}"
         note = (f"measured {measured:.2f} +- {measured_sd:.2f} from the gradient noise scale "
-                f"(B_noise / batch = {phi_words}, {pairs} consecutive-step gradient pairs of "
+                f"(B_noise / batch = {phi_words}, {pairs} same-weights gradient pairs of "
                 f"{workers} worker(s), last {self.window_s:g} s), {prior_note}: "
                 f"{gain:.2f} +- {sd:.2f}")
         return GainEstimate(gain, sd, measured, measured_sd, phi, pairs, k, workers, note)

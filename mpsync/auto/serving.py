@@ -348,7 +348,7 @@ class AutoPolicy(Policy):
         """The running PS policy applying updates in full undoes the run's progress
         (``LossWatch``): back to the policy the decision left (the ring auto started on, if
         that was another such policy), and no candidate applying updates in full is chosen
-        again in this run."""
+        again until a worker's speed or the number of workers changes (``Decider``)."""
         reason = self.losses.check(now)
         if reason is None or self.back_to is None or self.planned:
             return

@@ -26,7 +26,8 @@ minibatch losses, which is large against the loss itself late in a run and small
 progress made.  Before the run has made ``min_progress`` of its initial loss there is no
 progress to undo, and nothing fires.  The serving side (``serving.AutoPolicy``) switches back
 to the policy it left and does not choose the diverging one (or, on the PS, any full-update
-candidate) again in this run.  Nothing is predicted, nothing is raced: the figures come from
+candidate) again until a worker's speed or the number of workers changes.  Nothing is
+predicted, nothing is raced: the figures come from
 the training the job does anyway, at one 64-byte message per worker every 0.1 s
 (``mpsync.torch.strategies.switching``).
 """

@@ -119,7 +119,7 @@ class Policy:
 
     def on_gradient_noise(self, w: int, noise: float, signal: float, pairs: int,
                           now: float) -> None:
-        """Worker ``w``'s ``pairs`` consecutive-step gradient pairs since its last report:
+        """Worker ``w``'s ``pairs`` same-weights gradient pairs since its last report:
         summed ½|g₁ - g₂|² (``noise``) and g₁ · g₂ (``signal``); read by ``auto``
         (``mpsync.auto.noise``), ignored by the rest."""
 

@@ -12,7 +12,7 @@ Request layout (worker -> server)::
 
 A LOSS request carries the worker's gradient noise in three slots it has no other use for
 (``mpsync.auto.noise``): COMPUTE and WAIT hold ``L_NOISE``, the summed ½|g₁ - g₂|² of pairs
-of consecutive steps' gradients, and ``L_POWER``, their summed ½(|g₁|² + |g₂|²) (both >= 0,
+of two batches' gradients at the same weights, and ``L_POWER``, their summed ½(|g₁|² + |g₂|²) (both >= 0,
 as those slots must be; the dot product g₁ · g₂ is their difference); ROUND holds
 ``L_PAIRS``, how many pairs (0: none since the last report).
 

@@ -57,6 +57,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     diverge at a learning rate the ring converges at); OSP schedules its syncs by the loss and
     the epoch.  A script that never calls it trains the same, without that watch.
 
+    ``probe_gradient_noise(closure)``: after backward, before ``step()`` (mpsync's own API):
+    under ``policy="auto"``, about once a second, runs ``closure`` (another batch's forward
+    and ``backward()`` at the same weights) to measure the job's gradient noise scale, which
+    tells auto how much the parameter server's full updates gain over the ring's average
+    (``mpsync.auto.noise``); this step's gradients are put back and the closure's batch is not
+    trained on.  Returns whether it ran the closure.  Without it auto ranks with its fitted
+    constant.
+
     ``synchronize()``: right after backward (gradients not yet stepped on: Horovod's gradient
     clipping idiom) it makes the gradients final: under BSP it averages them now and the
     ``step()`` inside ``skip_synchronize()`` does not average again; local-step policies step
@@ -333,6 +341,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         strategy.iteration += 1
         self._counters.iterations += 1
         return loss
+
+    def probe_gradient_noise(self, closure) -> bool:
+        """See the class doc: True if ``closure`` ran (a probe was due under ``auto``)."""
+        probe = getattr(self._ready(), "probe_noise", None)
+        if probe is None:
+            return False
+        # The closure's backward is no pass of this step's (backward_passes_per_step).
+        passes, counted = self._passes, set(self._counted)
+        try:
+            return probe(closure)
+        finally:
+            self._passes, self._counted = passes, counted
 
     def report_loss(self, loss, epoch: int | None = None) -> None:
         """This iteration's training loss (a number or a one-element tensor) and, if given,

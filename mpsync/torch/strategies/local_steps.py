@@ -85,7 +85,7 @@ class LocalStepsThenAggregate(Strategy):
             return False
         pace = self._pace()
         self.iteration += 1
-        if self.is_sync(self.ask(pace, self.iteration)):
+        if self.is_sync(self.ask(self._usual_compute(), self.iteration)):
             self._aggregate()
             self.local_steps = 0
             self.followers_round(joined=False)  # the others run theirs at their next step
@@ -166,7 +166,7 @@ class DeltaAveraging(LocalStepsThenAggregate):
         try:
             while True:
                 self.iteration += 1
-                if self.is_sync(self.ask(pace, self.iteration)):
+                if self.is_sync(self.ask(self._usual_compute(), self.iteration)):
                     _, active = self._aggregate(contributing=pending)
                     pending, self.local_steps = False, 0
                     self.followers_round()

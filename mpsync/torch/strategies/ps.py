@@ -357,7 +357,7 @@ class ParameterServer(LocalStepsThenAggregate):
             while not everyone.Test():
                 if reports:
                     self.iteration += 1
-                    if self.is_sync(self.ask(pace, self.iteration)):
+                    if self.is_sync(self.ask(self._usual_compute(), self.iteration)):
                         self._aggregate()
                 else:
                     self.reset(0.0)

@@ -126,8 +126,9 @@ class Switching(Strategy):
         self.__dict__["ring_only"] = None
         # The training loss since the last report to the server (``note_progress``).
         self.__dict__["_loss"] = [0.0, 0, time.perf_counter()]
-        # Consecutive steps' gradients, sent with the loss reports (the server's estimate of
-        # the job's gradient noise scale: mpsync.auto.noise).
+        # Same-weights gradient pairs (DistributedOptimizer.probe_gradient_noise), sent with
+        # the loss reports (the server's estimate of the job's gradient noise scale:
+        # mpsync.auto.noise).
         self.__dict__["_pairs"] = GradientPairs([p for buf in buffers for p in buf.params])
         # [perf_counter, tensors, sum and count of the losses noted from them]
         self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
@@ -312,8 +313,6 @@ class Switching(Strategy):
 
     # -- the interface -------------------------------------------------------------------------
     def step(self, compute_time, closure=None):
-        if closure is None:        # (a closure makes this step's gradients inside the step)
-            self._pairs.observe()  # the worker's own gradients, before any aggregation
         loss = self.inner.step(compute_time, closure)
         self._switch_if_told()
         self._snapshot_if_due()
@@ -351,6 +350,10 @@ class Switching(Strategy):
 
     def synchronize_gradients(self) -> None:
         self.inner.synchronize_gradients()
+
+    def probe_noise(self, second) -> bool:
+        """A same-weights gradient pair, if one is due (``gradient_pairs``)."""
+        return self._pairs.probe(second)
 
     def note_progress(self, epoch: int, loss: float) -> None:
         """The running strategy's (OSP's epoch and loss), and the server's: every
