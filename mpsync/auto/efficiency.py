@@ -66,23 +66,22 @@ scale (``mpsync.auto.noise``), with ``PS_FULL_UPDATE_GAIN`` as the prior the mea
 overrides as it accumulates (``efficiency(..., gain=)``, ``Measurements.ps_gain``); the
 staleness and local-step costs stay the fitted constants.
 
-A measured gain is ranked at its estimate minus ``MEASURED_GAIN_RISK_SDS`` standard
-deviations: the noise scale says what full updates gain where the learning rate suits them,
-and where it does not they diverge (at equal speeds, 50 ms iterations, lr 0.05 with momentum
-0.9, SSP and ASP on the PS made 0.27 and 0.26 of BSP's progress per sample, one run of two
-diverging for each: bench/auto/README.md).  The risk is one-sided (a divergence costs
-seconds, a gain a little smaller than estimated costs little), so the PS must win on what
-the measurement can vouch for.  The fitted constant alone (before the run has measured) is
-ranked as it is: the offline advice and the comparisons it was fitted on rest on it.  Every new comparison checks the model:
-``python -m mpsync.auto.explain OUT`` sets each policy's measured progress per sample beside
-the efficiency auto predicted for it; and a live switch is confirmed on measured throughput
-(``Decider.confirm_switch``).
+A measured gain bounds the gain from above, and is used to lower the fitted one, never to
+raise it: ranked at ``min(measured - MEASURED_GAIN_RISK_SDS sd, PS_FULL_UPDATE_GAIN)``.  The
+noise scale's formula assumes a learning rate tuned for each batch size; at the job's own
+learning rate, full updates gain that at most, and where the learning rate is too large for
+n full updates they diverge, which no noise measurement sees.  Measured here (digits, 4
+workers, equal speeds, 50 ms iterations, bench/auto/README.md): early in training both jobs
+measured a gain of about 3.3 (B_noise / b about 0.3); at lr 0.1 without momentum SSP and ASP
+on the PS made 2.27 and 1.82 of BSP's progress per sample, at lr 0.05 with momentum 0.9 they
+diverged or crawled (0.16-0.27).  Where the measurement says the gradients are noisy (a gain
+near 1, as late in training), the PS is not worth its risk, and the ranking knows it.
 """
 
 from __future__ import annotations
 
 __all__ = ["PS_FULL_UPDATE_GAIN", "PS_EXCESS_STALENESS_COST", "LOCAL_STEP_COST",
-           "MEASURED_GAIN_RISK_SDS",
+           "MEASURED_GAIN_RISK_SDS", "ranked_gain",
            "efficiency", "excess_staleness", "ps_efficiency"]
 
 PS_FULL_UPDATE_GAIN = 1.22
@@ -92,6 +91,15 @@ MEASURED_GAIN_RISK_SDS = 1.0
 PS_EXCESS_STALENESS_COST = 0.67
 LOCAL_STEP_COST = 0.01
 _FLOOR = 0.05
+
+
+def ranked_gain(gain: float | None, sd: float = 0.0) -> float:
+    """The full-update gain the ranking uses for a measured ``gain`` +- ``sd`` (None: the
+    fitted constant): an upper bound, ranked at its lower bound, never above the fitted
+    constant (module doc: what the noise scale cannot see is a divergence)."""
+    if gain is None:
+        return PS_FULL_UPDATE_GAIN
+    return max(min(gain - MEASURED_GAIN_RISK_SDS * sd, PS_FULL_UPDATE_GAIN), _FLOOR)
 
 
 def excess_staleness(rates) -> tuple[float, float]:
@@ -135,16 +143,14 @@ def efficiency(row: dict, stale_reads: bool, compute_s, gain: float | None = Non
     the full-update gain the job measured (``mpsync.auto.noise``; None: the fitted one)."""
     eff, why = 1.0, []
     if stale_reads and len(compute_s) > 1:
-        # A measured gain is ranked at its lower bound (module doc: the downside of full
-        # updates is a divergence, not a gain a little smaller than estimated).
-        used = None if gain is None else max(gain - MEASURED_GAIN_RISK_SDS * gain_sd, _FLOOR)
+        used = None if gain is None else ranked_gain(gain, gain_sd)
         e, excess, worst = ps_efficiency(_rates(row, compute_s), used)
         eff *= e
         if gain is None:
             gain_words = f"x{PS_FULL_UPDATE_GAIN:.2f}, fitted"
         else:
-            gain_words = (f"x{gain:.2f} +-{gain_sd:.2f} measured in the run with the fitted "
-                          f"prior, ranked at x{used:.2f}")
+            gain_words = (f"at most x{gain:.2f} +-{gain_sd:.2f} measured in the run with the "
+                          f"fitted prior, ranked at x{used:.2f}")
         why.append(f"every update applied in full ({gain_words}), "
                    f"staleness {excess:.2f} beyond n - 1 on average "
                    f"(stalest worker {worst:.1f})")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpsync.auto.efficiency import PS_FULL_UPDATE_GAIN
+from mpsync.auto.efficiency import ranked_gain
 
 __all__ = ["Measurements", "Window", "DEFAULT_TARGET_SAMPLES", "CHANGE_FLOOR_S",
            "NOISE_MULTIPLE", "NOISE_REPORTS", "GAIN_CHANGE_FLOOR"]
@@ -38,8 +38,9 @@ NOISE_MULTIPLE = 3.0
 # Recent compute reports per worker the noise is estimated from (the median itself is over
 # the window's own few: it must follow a real change quickly).
 NOISE_REPORTS = 16
-# The job's measured full-update gain (``mpsync.auto.noise``) changed when it moved by more
-# than this and by NOISE_MULTIPLE standard errors: a ranking is redone on what the job learned.
+# The job's full-update gain as the ranking uses it (``mpsync.auto.noise``,
+# ``efficiency.ranked_gain``: its lower bound, at most the fitted constant) changed when it
+# moved by more than this: a ranking is redone on what the job learned.
 GAIN_CHANGE_FLOOR = 0.1
 # A standard deviation from the median absolute deviation (exact for normal draws).
 _MAD_SIGMA = 1.4826
@@ -133,20 +134,14 @@ class Measurements:
                     f"(+-{noise * 1e3:.1f} ms standard error; {len(moved)} worker(s) moved "
                     f"by > {tolerance:.0%}, > {CHANGE_FLOOR_S * 1e3:g} ms and > "
                     f"{NOISE_MULTIPLE:g}x their standard error)")
-        if "ps" not in self.topologies:
-            pass       # (the gain is the parameter server's: nothing to rank it for)
-        elif other.ps_gain is None and self.ps_gain is not None and \
-                abs(self.ps_gain - PS_FULL_UPDATE_GAIN) > GAIN_CHANGE_FLOOR:
-            return (f"statistical efficiency: the parameter server's full-update gain "
-                    f"measured in the run, {self.ps_gain:.2f} +-{self.ps_gain_sd:.2f} (the "
-                    f"fitted {PS_FULL_UPDATE_GAIN:.2f} before)")
-        elif other.ps_gain is not None and self.ps_gain is not None:
-            b, a = other.ps_gain, self.ps_gain
-            error = math.hypot(self.ps_gain_sd, other.ps_gain_sd)
-            if abs(a - b) > GAIN_CHANGE_FLOOR and abs(a - b) > NOISE_MULTIPLE * error:
-                return (f"statistical efficiency: the parameter server's full-update gain "
-                        f"{b:.2f} -> {a:.2f} (+-{error:.2f}; > {GAIN_CHANGE_FLOOR:g} and > "
-                        f"{NOISE_MULTIPLE:g}x its standard error)")
+        if "ps" in self.topologies:
+            # The gain as the ranking uses it (``efficiency.ranked_gain``): a measured gain
+            # above the fitted constant ranks as the constant, and changes nothing.
+            b = ranked_gain(other.ps_gain, other.ps_gain_sd)
+            a = ranked_gain(self.ps_gain, self.ps_gain_sd)
+            if abs(a - b) > GAIN_CHANGE_FLOOR:
+                return (f"statistical efficiency: the parameter server's full-update gain as "
+                        f"ranked {b:.2f} -> {a:.2f} ({self.ps_gain_note or 'measured'})")
         if other.aggregation_s and self.aggregation_s is not None:
             b, a = other.aggregation_s, self.aggregation_s
             # An aggregation of a few ms moves with the machine's load: compare above a floor.
