@@ -29,7 +29,7 @@ so ``φ = (|g₁ - g₂|² / 2) / (g₁ · g₂)``, with no batch size needed.  
 numerator and denominator are averaged separately over many pairs (every worker's, the last
 ``window_s`` seconds) and divided once.
 
-Departure [noise-probe-batch]: the paper pairs the data-parallel workers' gradients before
+Where this departs from the paper: it pairs the data-parallel workers' gradients before
 and after their average, which costs nothing where the gradients are averaged every step;
 ``auto`` runs local-step policies and the parameter server, which never average gradients, so
 each worker pays one extra forward and backward per probe instead.  Consecutive steps'
