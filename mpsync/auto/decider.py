@@ -135,12 +135,12 @@ class Decider:
             # Not on the PS's full updates while the job has not measured their gain: there
             # the fitted constant's error is a divergence (``efficiency``), not a few %.
             unmeasured = best.candidate.topology == "ps" and m.ps_gain is None
-            if gain < self.min_gain and self.explore and gain >= self.min_gain / 5 \
-                    and unmeasured:
+            tryable = self.explore and self.min_gain / 5 <= gain < self.min_gain
+            if tryable and unmeasured:
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty, with the "
                           f"parameter server's gain not yet measured in the run: stay")
-            elif gain < self.min_gain and self.explore and gain >= self.min_gain / 5:
+            elif tryable:
                 chosen, switch = best.candidate, True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty "

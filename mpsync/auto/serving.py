@@ -495,11 +495,12 @@ class AutoPolicy(Policy):
     # -- what it says about itself -----------------------------------------------------------------
     def describe(self):
         decisions = [r.as_dict() for r in self.decider.records]
+        noise = self.noise.estimate().as_dict()
         return {"running": auto_target(self.code)[0], "decisions": decisions,
                 "policy_timeline": self.timeline, "ranker": getattr(self.ranker, "mode", None),
                 "problems": self.problems, "ring_only": self.ring_only,
                 "training_loss": self.losses.describe(),
-                "gradient_noise": self.noise.estimate().as_dict(),
+                "gradient_noise": noise,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
                 "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),
@@ -507,7 +508,7 @@ class AutoPolicy(Policy):
                             "auto_topologies": list(self.topologies),
                             "auto_ring_only": self.ring_only,
                             "auto_training_loss": self.losses.describe(),
-                            "auto_gradient_noise": self.noise.estimate().as_dict()}}
+                            "auto_gradient_noise": noise}}
 
 
 def _thread_level() -> int:
