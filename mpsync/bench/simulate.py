@@ -297,7 +297,9 @@ def run_speed(args) -> int:
     run in its own process after one small run per tree has filled Numba's cache."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    policies = [p.strip() for p in (args.policies or ",".join(registry.names())).split(",")
+    # auto is no policy of its own to simulate: it chooses among the others as a run goes
+    simulated = [p for p in registry.names() if p != registry.AUTO]
+    policies = [p.strip() for p in (args.policies or ",".join(simulated)).split(",")
                 if p.strip()]
     here = str(Path(__file__).resolve().parents[2])
     trees = [("after", here)] + ([("before", args.baseline)] if args.baseline else [])
