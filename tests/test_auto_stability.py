@@ -6,7 +6,6 @@ an earlier divergence do not trip it."""
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,8 @@ import pytest
 from mpsync.auto.decider import Decider
 from mpsync.auto.ranking import Candidate, Ranked
 from mpsync.auto.stability import LossWatch
+
+from auto_ring_driver import RingDriver, ring_auto
 
 STEP_S = 0.1          # one report every 0.1 s from each of 4 workers
 
@@ -178,48 +179,10 @@ def test_the_server_policy_does_not_judge_a_ring_policy_by_the_loss():
     the watch guards the PS's full updates only (a ring policy after them inherits their
     weights; going back to the PS for that, and ruling the ring out, once cost a run 40 s).
     Leaving a diverging PS is tests/test_auto_switch.py's."""
-    from mpsync.config import SyncConfig
-    from mpsync.server.policies import make_policy
-    from mpsync.server.wire import SYNC
-
-    pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
-    pol.decider.explore = False
-    pol._start_on(pol.candidates[0], measuring=False)   # (BSP: its rounds drive this)
-    pol.warm_up()
-    rng = np.random.default_rng(3)
-    tick_s, now, diverged = 0.01, 0.0, False
-    k, state, due = [0] * 4, ["step"] * 4, [0.0] * 4
-
-    def run(period_s, until, limit_s):
-        """Ring workers stepping every period_s[w]: LOCAL, held, or SYNC (the collective
-        completes, and every worker resets, once all four were told SYNC)."""
-        nonlocal now
-        end = now + limit_s
-        while now < end:
-            now = round(now + tick_s, 6)
-            for w in range(4):
-                d = None
-                if state[w] == "step" and now >= due[w]:
-                    k[w] += 1
-                    loss = 2.3 if diverged else _converging(now)
-                    pol.on_loss(w, k[w], loss * math.exp(rng.normal(0.0, 0.2)), 1, now)
-                    d = pol.on_step(w, k[w], period_s[w], now)
-                    state[w] = "held"
-                elif state[w] == "held":
-                    d = pol.decide_held(w, k[w], now)
-                if d is not None:
-                    state[w] = "agg" if d[0] == SYNC else "step"
-                    due[w] = now + period_s[w]
-            if all(s == "agg" for s in state):
-                for w in range(4):
-                    pol.on_reset(w, int(pol.t.round[w]) + 1, now + 0.002)
-                    state[w], due[w] = "step", now + period_s[w]
-            # Real time for the helper's answer: 60 s of this clock is 12 s or more of the
-            # machine's, room for the helper's start (its imports) on a loaded host.
-            time.sleep(0.002)
-            if until():
-                return True
-        return False
+    diverged = False
+    pol = ring_auto()
+    driver = RingDriver(pol, lambda now, _: 2.3 if diverged else _converging(now))
+    run = driver.run
 
     try:
         assert run([0.05] * 4, lambda: len(pol.decider.records) >= 1, 60.0), pol.problems
@@ -234,7 +197,7 @@ def test_the_server_policy_does_not_judge_a_ring_policy_by_the_loss():
         assert not run(slowed, lambda: pol.decider.records[-1].trigger == "training loss", 5.0), \
             [r.as_dict() for r in pol.decider.records]
         # The rise was seen (the watch measured it), and nothing was done about it.
-        assert pol.losses.check(now) is not None
+        assert pol.losses.check(driver.now) is not None
         assert pol.running_candidate.label == chosen and pol.switch_after is None
         assert not pol.decider.unstable
         assert pol.describe()["training_loss"]["reports"] > 100

@@ -513,6 +513,8 @@ def _print_summary(m: dict) -> None:
     if noise:
         print(f"  auto's full-update gain for this job (the parameter server's progress per "
               f"sample over the ring's): {noise['note']}")
+    for p in m.get("auto_progress") or ():
+        print(f"  auto measured at {p['at_s']:.1f}s: {p['note']}")
     for s in m.get("switches") or ():
         print(f"  auto switched {s['from']}/{s.get('from_topology', 'ring')} -> "
               f"{s['to']}/{s.get('to_topology', 'ring')} after round {s['round']} "

@@ -12,7 +12,8 @@ switches at most once; what it decided, on what, and why, is in ``records``.
 
 A switch is a prediction until measured: after it, :meth:`Decider.confirm_switch` sets the progress
 per second measured under the new policy (its measured samples per second times the
-efficiency the ranking gave it) beside the same figure measured under the policy it left,
+efficiency the ranking gave it, moved into what the training loss's progress since the switch
+allows: ``mpsync.auto.progress``) beside the same figure measured under the policy it left,
 and switches back when the new one measured more than ``min_gain`` worse.  A candidate
 refuted so is not chosen again until the cluster changes.  Nothing is thrown away: both
 figures come from training the job does anyway.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpsync.auto.measurements import Measurements
+from mpsync.auto.progress import ProgressRatio, clamp
 from mpsync.auto.ranking import Candidate, Ranked
 
 __all__ = ["Decider", "DecisionRecord"]
@@ -188,31 +190,57 @@ class Decider:
         self.last_switch_s = now_s
         return record
 
-    def confirm_switch(self, left: Candidate, left_rate: float, rate: float, now_s: float,
-                measured_s: float) -> DecisionRecord:
+    def confirm_switch(self, left: Candidate, left_rate: float | None, rate: float,
+                       now_s: float, measured_s: float, progress: ProgressRatio | None = None,
+                       judged: bool = True) -> DecisionRecord:
         """The last switch (from ``left``) measured: the job's iterations per second (every
-        worker's, the same batch each) under ``left`` before it and under the running policy
-        for ``measured_s`` seconds since.  Progress per second is that times each one's
-        efficiency in the ranking that switched; the record switches back when the new
+        worker's, the same batch each) under ``left`` before it (None: too little of it ran
+        on the cluster as it is now; the ranking's prediction of ``left`` stands in, scaled
+        by the running policy's measured rate over its predicted one) and under the running
+        policy for ``measured_s`` seconds since.  Progress per second is that times each one's
+        efficiency in the ranking that switched, the running one's moved into what
+        ``progress`` (the training loss's progress per sample since the switch against
+        before it, ``mpsync.auto.progress``; None: not measured) allows (where ``judged``;
+        otherwise the measurement is only recorded); the record switches back when the new
         policy's is more than ``min_gain`` below the left one's."""
         switched = next((r for r in reversed(self.records) if r.switch), None)
         eff = {} if switched is None else {r["candidate"]: r["efficiency"]
                                            for r in switched.ranking}
-        now_p = rate * eff.get(self.current.label, 1.0)
-        left_p = left_rate * eff.get(left.label, 1.0)
-        gain = now_p / left_p - 1.0 if left_p > 0 else 0.0
+        model, left_eff = eff.get(self.current.label, 1.0), eff.get(left.label, 1.0)
+        now_eff, efficiency_words = model, ""
+        predicted = left_rate is None
+        if predicted:
+            speed = {} if switched is None else {r["candidate"]: r["samples_per_s"]
+                                                 for r in switched.ranking}
+            here, there = speed.get(self.current.label), speed.get(left.label)
+            left_rate = rate * there / here if here and there else rate
         measured = {"left": left.label, "left_iterations_per_s": round(left_rate, 2),
-                    "iterations_per_s": round(rate, 2), "measured_s": round(measured_s, 2),
-                    "left_progress_per_s": round(left_p, 1), "progress_per_s": round(now_p, 1)}
+                    "left_rate_predicted": predicted,
+                    "iterations_per_s": round(rate, 2), "measured_s": round(measured_s, 2)}
+        if progress is not None and not judged:
+            measured["progress"] = progress.as_dict()
+        elif progress is not None:
+            lo, hi = progress.bracket(left_eff)
+            now_eff = clamp(model, lo, hi)
+            measured.update(progress=progress.as_dict(),
+                            efficiency_bracket=[round(lo, 3), round(hi, 3)],
+                            efficiency_model=round(model, 3), efficiency=round(now_eff, 3))
+            moved = "moved to" if now_eff != model else "kept at"
+            efficiency_words = (f"; its efficiency {model:.2f} {moved} {now_eff:.2f}: "
+                                f"{progress.note}, which allows {lo:.2f}-{hi:.2f}")
+        now_p = rate * now_eff
+        left_p = left_rate * left_eff
+        gain = now_p / left_p - 1.0 if left_p > 0 else 0.0
+        measured.update(left_progress_per_s=round(left_p, 1), progress_per_s=round(now_p, 1))
         back = gain < -self.min_gain
         if back:
             reason = (f"measured {self.current.label} {-gain:.0%} slower in progress per second "
                       f"than {left.label} ({now_p:.1f} vs {left_p:.1f} iterations/s x efficiency "
-                      f"over {measured_s:.1f}s): back to {left.label}")
+                      f"over {measured_s:.1f}s{efficiency_words}): back to {left.label}")
             self.refuted.add(self.current.label)
         else:
             reason = (f"measured {self.current.label} at {gain:+.0%} progress per second against "
-                      f"{left.label} ({now_p:.1f} vs {left_p:.1f}): confirmed")
+                      f"{left.label} ({now_p:.1f} vs {left_p:.1f}{efficiency_words}): confirmed")
         record = DecisionRecord(at_s=now_s, trigger="confirmation", measurements=measured,
                                 ranking=[], previous=self.current.label,
                                 chosen=left.label if back else self.current.label,

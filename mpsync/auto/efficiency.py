@@ -93,13 +93,20 @@ LOCAL_STEP_COST = 0.01
 _FLOOR = 0.05
 
 
-def ranked_gain(gain: float | None, sd: float = 0.0) -> float:
+def ranked_gain(gain: float | None, sd: float = 0.0, lo: float | None = None,
+                hi: float | None = None) -> float:
     """The full-update gain the ranking uses for a measured ``gain`` +- ``sd`` (None: the
     fitted constant): an upper bound, ranked at its lower bound, never above the fitted
-    constant (module doc: what the noise scale cannot see is a divergence)."""
-    if gain is None:
-        return PS_FULL_UPDATE_GAIN
-    return max(min(gain - MEASURED_GAIN_RISK_SDS * sd, PS_FULL_UPDATE_GAIN), _FLOOR)
+    constant (module doc: what the noise scale cannot see is a divergence); then moved into
+    [``lo``, ``hi``], what the progress the job made on the parameter server allows
+    (``mpsync.auto.progress``; None: not measured)."""
+    used = PS_FULL_UPDATE_GAIN if gain is None else \
+        min(gain - MEASURED_GAIN_RISK_SDS * sd, PS_FULL_UPDATE_GAIN)
+    if lo is not None:
+        used = max(used, lo)
+    if hi is not None:
+        used = min(used, hi)
+    return max(used, _FLOOR)
 
 
 def excess_staleness(rates) -> tuple[float, float]:
@@ -136,21 +143,29 @@ def _rates(row: dict, compute_s) -> list[float]:
 
 
 def efficiency(row: dict, stale_reads: bool, compute_s, gain: float | None = None,
-               gain_sd: float = 0.0) -> tuple[float, str]:
+               gain_sd: float = 0.0, gain_bracket: tuple | None = None) -> tuple[float, str]:
     """(efficiency > 0, the reason in words) of one simulated candidate: ``row`` from
     ``mpsync.simulate.simulate``; ``stale_reads``: the parameter server applies updates in
     full as they arrive; ``compute_s``: the workers' iteration times; ``gain``/``gain_sd``:
-    the full-update gain the job measured (``mpsync.auto.noise``; None: the fitted one)."""
+    the full-update gain the job measured (``mpsync.auto.noise``; None: the fitted one);
+    ``gain_bracket``: (lowest, highest) gain the progress the job made on the parameter
+    server allows (``mpsync.auto.progress``; None: not measured)."""
     eff, why = 1.0, []
     if stale_reads and len(compute_s) > 1:
-        used = None if gain is None else ranked_gain(gain, gain_sd)
+        lo, hi = gain_bracket if gain_bracket is not None else (None, None)
+        used = ranked_gain(gain, gain_sd, lo, hi)
         e, excess, worst = ps_efficiency(_rates(row, compute_s), used)
         eff *= e
         if gain is None:
             gain_words = f"x{PS_FULL_UPDATE_GAIN:.2f}, fitted"
         else:
             gain_words = (f"at most x{gain:.2f} +-{gain_sd:.2f} measured in the run with the "
-                          f"fitted prior, ranked at x{used:.2f}")
+                          f"fitted prior")
+        if gain_bracket is not None:
+            gain_words += (f"; x{lo:.2f}-{hi:.2f} by the progress measured on the parameter "
+                           f"server")
+        if gain is not None or gain_bracket is not None:
+            gain_words += f", ranked at x{used:.2f}"
         why.append(f"every update applied in full ({gain_words}), "
                    f"staleness {excess:.2f} beyond n - 1 on average "
                    f"(stalest worker {worst:.1f})")

@@ -182,6 +182,11 @@ def run_table(out) -> str:
         note = (last.get("measurements") or {}).get("ps_gain_note")
         if note:
             lines += ["", f"the parameter server's full-update gain it ranked with: {note}"]
+        bracket = (last.get("measurements") or {}).get("ps_progress_note")
+        if bracket:
+            lines += ["", f"bounded by the progress measured on the parameter server: {bracket}"]
+    for p in m.get("auto_progress") or ():
+        lines += ["", f"the progress measured after the switch, at {p['at_s']:.1f} s: {p['note']}"]
     noise = m.get("auto_gradient_noise")
     if noise:
         lines += ["", f"the gain at the end of the run: {noise['note']}"]

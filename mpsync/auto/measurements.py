@@ -63,6 +63,9 @@ class Measurements:
     as this job measured it (``mpsync.auto.noise``), ``ps_gain_sd`` its standard deviation,
     ``ps_gain_note`` what it rests on; None: the fitted constant
     (``mpsync.auto.efficiency.PS_FULL_UPDATE_GAIN``).
+    ``ps_gain_lo``/``ps_gain_hi``: the gain the progress measured on the parameter server
+    allows (``mpsync.auto.progress``), ``ps_progress_note`` what it rests on; None: not
+    measured.
     """
 
     compute_s: tuple[float, ...]
@@ -82,6 +85,17 @@ class Measurements:
     ps_gain: float | None = None
     ps_gain_sd: float = 0.0
     ps_gain_note: str = ""
+    ps_gain_lo: float | None = None
+    ps_gain_hi: float | None = None
+    ps_progress_note: str = ""
+
+    @property
+    def ps_gain_bracket(self) -> tuple[float, float] | None:
+        """(lowest, highest) full-update gain the progress the job made on the parameter
+        server allows (``mpsync.auto.progress``), or None before any was measured."""
+        if self.ps_gain_lo is None or self.ps_gain_hi is None:
+            return None
+        return self.ps_gain_lo, self.ps_gain_hi
 
     def __post_init__(self):
         if not self.compute_s or not all(c > 0 and math.isfinite(c) for c in self.compute_s):
@@ -93,6 +107,11 @@ class Measurements:
             raise ValueError(f"target_samples must be > 0, got {self.target_samples}")
         if self.ps_gain is not None and not (math.isfinite(self.ps_gain) and self.ps_gain > 0):
             raise ValueError(f"ps_gain must be a number > 0 (or None), got {self.ps_gain!r}")
+        if (self.ps_gain_lo is None) != (self.ps_gain_hi is None) or (
+                self.ps_gain_lo is not None
+                and not 0 <= self.ps_gain_lo <= self.ps_gain_hi < math.inf):
+            raise ValueError(f"ps_gain_lo/ps_gain_hi: both None or 0 <= lo <= hi, got "
+                             f"{self.ps_gain_lo!r}, {self.ps_gain_hi!r}")
 
     @property
     def n(self) -> int:
@@ -137,11 +156,14 @@ class Measurements:
         if "ps" in self.topologies:
             # The gain as the ranking uses it (``efficiency.ranked_gain``): a measured gain
             # above the fitted constant ranks as the constant, and changes nothing.
-            b = ranked_gain(other.ps_gain, other.ps_gain_sd)
-            a = ranked_gain(self.ps_gain, self.ps_gain_sd)
+            b = ranked_gain(other.ps_gain, other.ps_gain_sd, other.ps_gain_lo,
+                            other.ps_gain_hi)
+            a = ranked_gain(self.ps_gain, self.ps_gain_sd, self.ps_gain_lo, self.ps_gain_hi)
             if abs(a - b) > GAIN_CHANGE_FLOOR:
+                why = (self.ps_progress_note
+                       if self.ps_gain_bracket != other.ps_gain_bracket else "")
                 return (f"statistical efficiency: the parameter server's full-update gain as "
-                        f"ranked {b:.2f} -> {a:.2f} ({self.ps_gain_note or 'measured'})")
+                        f"ranked {b:.2f} -> {a:.2f} ({why or self.ps_gain_note or 'measured'})")
         if other.aggregation_s and self.aggregation_s is not None:
             b, a = other.aggregation_s, self.aggregation_s
             # An aggregation of a few ms moves with the machine's load: compare above a floor.

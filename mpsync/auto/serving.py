@@ -17,6 +17,10 @@ the server's one ``WorkerTable``, and meanwhile:
   updates in full that it switched to and that undoes the run's progress (those updates can
   diverge at a learning rate the ring converges at) is left for the policy it replaced (the
   ring), and no such policy is chosen again; a ring policy is not judged;
+* measures the progress each policy makes: the training loss's rate per iteration since a
+  switch against the rate before it (``progress.PhaseProgress``) bounds the efficiency of the
+  policy switched to when the switch is confirmed, and on the parameter server the gain every
+  candidate applying updates in full is ranked with from then on;
 * switches: the SYNC replies carry the code of the policy to run after their round; a switch
   decided now takes effect after the first round no SYNC has been sent for yet, so every
   worker switches after the same round.  Each worker's messages go to the old policy until its
@@ -39,9 +43,11 @@ import sys
 import time
 
 from mpsync.auto.decider import Decider, DecisionRecord
+from mpsync.auto.efficiency import ranked_gain
 from mpsync.auto.gathering import Gathering
 from mpsync.auto.measurements import Window
 from mpsync.auto.noise import GradientNoise
+from mpsync.auto.progress import PhaseProgress
 from mpsync.auto.stability import LossWatch
 from mpsync.auto.ranking import Candidate, Ranked
 from mpsync.config import parse_auto_plan
@@ -133,6 +139,11 @@ class AutoPolicy(Policy):
         # The job's gradient noise, reported with the losses: its own full-update gain for
         # the parameter server's candidates, the fitted constant as the prior (``noise``).
         self.noise = GradientNoise(table.n)
+        # The training loss's progress per sample since each switch against before it
+        # (``progress``): what it measured, and the full-update gain (lowest, highest, why)
+        # the last measurement on the parameter server allows; None: none measured there yet.
+        self.progress_log: list[dict] = []
+        self.gain_bracket: tuple[float, float, str] | None = None
         self.rollback = False       # the switch pending leaves the PS from earlier weights
         self.problems: list[str] = []
         # Why auto switches on the ring only although auto_ps was asked for, or None.
@@ -147,6 +158,7 @@ class AutoPolicy(Policy):
         self.running_candidate, self.decider.current = candidate, candidate
         self.running = self._fresh(candidate)
         self.start = candidate if measuring else None
+        self.progress = PhaseProgress(candidate.label)
         self.timeline = [{"policy": candidate.policy, "after_round": 0, "at_s": 0.0}]
 
     def _ring_only(self, reason: str | None, say: bool = True) -> None:
@@ -310,11 +322,19 @@ class AutoPolicy(Policy):
         (``Decider.confirm_switch`` compares them after ``CONFIRM_AFTER_S``)."""
         t, steps = self.period_start or (self.t0 or now, 0)
         rate = (self.steps_done - steps) / max(now - t, 1e-9)
-        # (Under a second of the policy left is too little to measure it by.)
+        # (Under a second of the policy left is too little to measure it by: after a change
+        # of the cluster, the ranking's prediction of its rate stands in, and what is
+        # measured is the progress per sample: ``Decider.confirm_switch``.)
         measured = self._confirm_next and now - t >= 1.0 and self.steps_done > steps
-        self.left = (self._left_candidate, rate) if measured else None
+        if measured:
+            self.left = (self._left_candidate, rate)
+        elif self._confirm_next and self._left_candidate is not None:
+            self.left = (self._left_candidate, None)
+        else:
+            self.left = None
         self.period_start = (now, self.steps_done)
         self.losses.begin(now, self.running_candidate.label)
+        self.progress.begin(now, self.running_candidate.label, self.steps_done)
 
     def _confirm(self, now: float) -> None:
         if self.left is None or now - self.period_start[0] < CONFIRM_AFTER_S:
@@ -323,14 +343,37 @@ class AutoPolicy(Policy):
         (left, left_rate), self.left = self.left, None
         if left is None:
             return
+        # The progress per sample since the switch moves the efficiency of a policy that
+        # applies updates in full (the one the model cannot know: the learning rate decides);
+        # a ring policy's is only recorded: one that follows the parameter server inherits
+        # its weights, and judging it by them once cost a run 40 s (``_watch_loss``).
+        measured = self.progress.ratio(now)
+        # the gain the ranking that switched used, before this measurement moves it
+        basis = self.decider.basis
+        used = ranked_gain(None) if basis is None else ranked_gain(
+            basis.ps_gain, basis.ps_gain_sd, basis.ps_gain_lo, basis.ps_gain_hi)
+        running = self.running_candidate
         record = self.decider.confirm_switch(left, left_rate, (self.steps_done - steps) / (now - t),
-                                      now - self.t0, now - t)
+                                             now - self.t0, now - t, progress=measured,
+                                             judged=_applies_in_full(running))
+        if measured is not None:
+            self.progress_log.append({"at_s": round(now - self.t0, 3), **measured.as_dict()})
+            bracket = record.measurements.get("efficiency_bracket")
+            model = record.measurements.get("efficiency_model")
+            if bracket is not None and model and _applies_in_full(running):
+                # The efficiency is the gain over the staleness cost the model put on this
+                # candidate: the same factor turns the measured bracket into the gain's,
+                # which every candidate applying updates in full shares.
+                factor = used / model
+                self.gain_bracket = (bracket[0] * factor, bracket[1] * factor,
+                                     f"{measured.note} at {now - self.t0:.1f} s")
         if record.switch:
             self._schedule(left, now, confirm=False)   # a switch back is not raced again
             record.switch_after_round = self.switch_after
 
     def on_loss(self, w, k, loss, count, now):
         self.losses.add(now, loss, count)
+        self.progress.add(now, loss, count, self.steps_done)
 
     def on_gradient_noise(self, w, noise, signal, pairs, now):
         self.noise.add(now, w, noise, signal, pairs)
@@ -339,6 +382,10 @@ class AutoPolicy(Policy):
         """``m`` with the job's full-update gain as measured now (the prior alone until
         enough gradient pairs came in: then ``ps_gain`` stays None, the fitted constant)."""
         est = self.noise.estimate(now)
+        if self.gain_bracket is not None:
+            lo, hi, note = self.gain_bracket
+            m = dataclasses.replace(m, ps_gain_lo=round(lo, 4), ps_gain_hi=round(max(hi, lo), 4),
+                                    ps_progress_note=note)
         if est.measured is None:
             return dataclasses.replace(m, ps_gain_note=est.note)
         return dataclasses.replace(m, ps_gain=round(est.gain, 4), ps_gain_sd=round(est.sd, 4),
@@ -501,6 +548,7 @@ class AutoPolicy(Policy):
                 "problems": self.problems, "ring_only": self.ring_only,
                 "training_loss": self.losses.describe(),
                 "gradient_noise": noise,
+                "progress": self.progress_log,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
                 "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),
@@ -508,7 +556,8 @@ class AutoPolicy(Policy):
                             "auto_topologies": list(self.topologies),
                             "auto_ring_only": self.ring_only,
                             "auto_training_loss": self.losses.describe(),
-                            "auto_gradient_noise": noise}}
+                            "auto_gradient_noise": noise,
+                            "auto_progress": self.progress_log}}
 
 
 def _thread_level() -> int:
