@@ -177,6 +177,22 @@ def test_a_loss_that_rises_after_the_switch_caps_the_efficiency_below_the_model(
     assert "ssp/ps made" in r.note and "bsp/ring" in r.note
 
 
+def test_a_reference_from_the_runs_first_seconds_bounds_only_from_above():
+    """Switched 1.5 s into the run: the reference covers less than ``MIN_REFERENCE_S`` (a run's
+    first seconds are slow, and would overstate the ratio), so the bracket's lower end is 0;
+    the upper end still holds the new policy down."""
+    rng = np.random.default_rng(3)
+    progress = PhaseProgress("ebsp/ring")
+    _curve(progress, rng, 0.0, 1.5, lambda it: 2.3 * math.exp(-3e-3 * it))
+    progress.begin(1.5, "ssp/ps", 60)
+    _curve(progress, rng, 1.5, 5.5, lambda it: 2.3 * math.exp(-3e-3 * 60 - 9e-3 * (it - 60)))
+    r = progress.ratio(5.5)
+    assert r.reference_s == pytest.approx(1.5) and r.ratio > 2.0, r
+    lo, hi = r.bracket(1.0)
+    assert lo == 0.0 and hi > r.ratio, (lo, hi)
+    assert "in the 1.5 s before the switch" in r.note
+
+
 def test_a_non_finite_loss_after_the_switch_reads_diverged():
     rng = np.random.default_rng(1)
     progress = PhaseProgress("bsp/ring")

@@ -76,6 +76,14 @@ measured a gain of about 3.3 (B_noise / b about 0.3); at lr 0.1 without momentum
 on the PS made 2.27 and 1.82 of BSP's progress per sample, at lr 0.05 with momentum 0.9 they
 diverged or crawled (0.16-0.27).  Where the measurement says the gradients are noisy (a gain
 near 1, as late in training), the PS is not worth its risk, and the ranking knows it.
+
+What the noise scale cannot see, the run's own progress shows once it has run a parameter
+server policy: the training loss's rate per iteration after the switch against before it
+(``mpsync.auto.progress``) brackets that policy's efficiency, and the bracket, turned into
+the gain by the staleness factor the model put on the policy, bounds the gain every
+candidate applying updates in full is ranked with (``ranked_gain``'s ``lo``/``hi``): it can
+raise the gain above the fitted constant where the PS measurably made more progress, and
+lower it below anything the noise scale says where it crawled or diverged.
 """
 
 from __future__ import annotations

@@ -369,6 +369,13 @@ class AutoPolicy(Policy):
                                      f"{measured.note} at {now - self.t0:.1f} s")
         if record.switch:
             self._schedule(left, now, confirm=False)   # a switch back is not raced again
+            if running.topology == "ps" and left.topology == "ring" and measured is not None:
+                # Refuted by its measured progress: the parameter server's last seconds may
+                # have undone what it made (a run too young for the loss watch to judge, its
+                # loss flat at chance, stayed there on the ring for 25 s from such weights):
+                # the ring restarts from the snapshot with the lowest loss.
+                self.rollback = True
+                record.reason += "; the ring restarts from the weights of the last 4 s with the lowest loss"
             record.switch_after_round = self.switch_after
 
     def on_loss(self, w, k, loss, count, now):

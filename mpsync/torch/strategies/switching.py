@@ -75,7 +75,11 @@ LOSS_REPORT_EVERY_S = 0.1
 # the mean training loss of the iterations that started from it: a switch back to the ring
 # that leaves a diverging run (the server's AUTO_ROLLBACK) restarts from the one with the
 # lowest (the server sees a rise after a window of 1 s and two checks 0.5 s apart, so 4 s
-# reach back to before it).
+# reach back to before it).  The phase's first snapshot (the weights the ring handed over) is
+# kept whatever its age: a PS that diverged from its first steps, before the loss watch could
+# judge it, is left when its measured progress refutes it, seconds later, and every snapshot
+# of the last 4 s is then of diverged weights (a run restarted from them stayed at chance on
+# the ring for 25 s).
 SNAPSHOT_EVERY_S, SNAPSHOTS = 1.0, 4
 
 # The optimizer states that carry a step's direction from one step to the next: SGD's
@@ -132,6 +136,7 @@ class Switching(Strategy):
         self.__dict__["_pairs"] = GradientPairs([p for buf in buffers for p in buf.params])
         # [perf_counter, tensors, sum and count of the losses noted from them]
         self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
+        self.__dict__["_first_snapshot"] = None      # the PS phase's first, kept (above)
         if hosts_shards(config):
             self._ring_only_if(shards_unavailable(dtypes=[str(b.dtype) for b in buffers]))
         # The server starts on the same code (AutoPolicy): one rule for both.
@@ -235,6 +240,7 @@ class Switching(Strategy):
             if rollback:
                 rolled_back = self._roll_back(new)
             self._snapshots.clear()
+            self.__dict__["_first_snapshot"] = None
         if topology == "ps" and leaving == "ring":
             new.adopt_replicas()
             share_velocity(self.optimizer, new.n_workers)
@@ -273,15 +279,21 @@ class Switching(Strategy):
         with torch.no_grad():
             self._snapshots.append([now, [p.detach().clone() for buf in self.buffers
                                           for p in buf.params], 0.0, 0])
+        if self._first_snapshot is None:
+            self.__dict__["_first_snapshot"] = self._snapshots[-1]
 
     def _roll_back(self, new: Strategy) -> float | None:
         """The server left the PS because the training diverged there: every worker takes
-        the weights of the lowest active worker's snapshot under which that worker's loss was
-        lowest, and every velocity state is zeroed (it carries the diverging steps).  Returns
+        the weights of the lowest active worker's snapshot (the last SNAPSHOTS and the phase's
+        first) under which that worker's loss was lowest, and every velocity state is zeroed (it carries the diverging steps).  Returns
         the snapshot's age in seconds (None: the root had none with a loss noted: nothing
         rolled back)."""
         root, now = min(new.last_active), time.perf_counter()
-        noted = [s for s in self._snapshots if s[3] > 0 and math.isfinite(s[2])]
+        kept = list(self._snapshots)
+        if self._first_snapshot is not None and all(s is not self._first_snapshot
+                                                    for s in kept):
+            kept.insert(0, self._first_snapshot)
+        noted = [s for s in kept if s[3] > 0 and math.isfinite(s[2])]
         chosen = min(reversed(noted), key=lambda s: s[2] / s[3]) if noted else None
         age = torch.tensor([-1.0 if chosen is None else now - chosen[0]], dtype=torch.float64)
         self.backend.broadcast_(age, root, "rollback snapshot age")
