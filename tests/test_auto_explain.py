@@ -90,3 +90,31 @@ def test_explain_refuses_a_directory_that_is_neither(tmp_path, capsys):
     assert main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "neither compare.json" in err and "Traceback" not in err
+
+
+def test_explain_sets_the_efficiency_measured_in_auto_runs_beside_the_comparisons(tmp_path,
+                                                                                 capsys):
+    """A comparison whose auto run switched to SSP on the PS and measured its progress at the
+    confirmation: the efficiency check lists, for SSP, the efficiency auto settled on after
+    measuring (what the issue's acceptance sets beside the comparison's measurement)."""
+    from mpsync.auto.progress import ProgressRatio
+
+    bsp, ssp = Candidate("bsp", "ring"), Candidate("ssp", "ps")
+    m = Measurements.from_speeds([1, 1])
+    d = Decider(bsp)
+    d.decide([Ranked(ssp, 5.0, 1000.0, 1.2, 0.0, (), 0.0),
+              Ranked(bsp, 8.0, 900.0, 1.0, 0.0, (), 0.0)], m, 1.0, "first measurement")
+    d.confirm_switch(bsp, 10.0, 12.0, 5.0, 4.0,
+                     progress=ProgressRatio("bsp/ring", "ssp/ps", 0.1, 0.05, 1e-4, 5e-5,
+                                            1e-3, 1e-5, 40, 40))
+    runs = {"bsp": _metrics("bsp", 6.0), "ssp": _metrics("ssp", None, topology="ps"),
+            "auto": _metrics("auto", 7.0, [r.as_dict() for r in d.records])}
+    for policy, metrics in runs.items():
+        (tmp_path / policy).mkdir()
+        report.write_metrics(metrics, tmp_path / policy)
+    (tmp_path / "compare.json").write_text(json.dumps({"rows": table_rows(runs),
+                                                       "target_acc": 0.9}))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| ssp |")][-1]
+    assert "| 1.20 | 0.40 (1) | 1.22 |" in row, out

@@ -65,10 +65,23 @@ def _model_now(out: Path, rows: list[dict]) -> dict:
     return {p: _median(e) for p, e in found.items()}
 
 
+def _measured_in_run(runs) -> dict:
+    """Per policy, the efficiencies auto's runs settled on after measuring the policy's
+    progress (the confirmations that judged it: ``mpsync.auto.progress``)."""
+    found: dict = {}
+    for m in runs:
+        for d in m.get("decisions") or ():
+            eff = (d.get("measurements") or {}).get("efficiency")
+            if d.get("trigger") == "confirmation" and eff is not None:
+                found.setdefault(d["previous"].split("/")[0], []).append(eff)
+    return found
+
+
 def efficiency_check(out) -> str:
     """Markdown: each policy's measured progress per sample (BSP's median samples to the
-    target over its own) beside the efficiency auto's first ranking gave it and the one the
-    model predicts now."""
+    target over its own) beside the efficiency auto's first ranking gave it, the one it
+    settled on after measuring the policy's progress in its run, and the one the model
+    predicts now."""
     out = Path(out)
     summary = json.loads((out / "compare.json").read_text())
     samples = {r["policy"]: _median(_samples_to_target(m) for m in _runs(out, r["policy"]))
@@ -80,17 +93,20 @@ def efficiency_check(out) -> str:
         for r in ranked:
             if r["settings"] == [] and r.get("wire", "fp32") == "fp32":
                 predicted.setdefault(r["policy"], []).append(r["efficiency"])
+    in_run = _measured_in_run(_runs(out, "auto"))
     base = next((n for p, n in samples.items() if policies.is_baseline(p)), None)
     lines = ["| policy | samples to target, median | measured progress per sample (BSP = 1) "
-             "| auto's predicted efficiency (in its run) | the model's now |",
-             "|---|---|---|---|---|"]
+             "| auto's predicted efficiency (in its run) | auto's after measuring it (runs) "
+             "| the model's now |",
+             "|---|---|---|---|---|---|"]
     for p, n in samples.items():
         if p == policies.AUTO:
             continue
         eff = f"{base / n:.2f}" if base and n else "-"
-        pred = predicted.get(p)
+        pred, settled = predicted.get(p), in_run.get(p)
         lines.append(f"| {p} | {'-' if n is None else f'{n:.0f}'} | {eff} | "
                      f"{'-' if not pred else f'{_median(pred):.2f}'} | "
+                     f"{'-' if not settled else f'{_median(settled):.2f} ({len(settled)})'} | "
                      f"{'-' if now.get(p) is None else f'{now[p]:.2f}'} |")
     return "\n".join(lines)
 
