@@ -144,7 +144,8 @@ class ProgressRatio:
     @property
     def note(self) -> str:
         if self.diverged:
-            return f"{self.label}: the training loss was not finite after the switch from {self.left}"
+            return (f"{self.label}: the training loss was not finite after the switch from "
+                    f"{self.left}")
         return (f"{self.label} made {self.ratio:.2f} +- {self.sd:.2f} of {self.left}'s progress "
                 f"per sample (-d ln loss / d iteration {self.rho:.2e} +- {self.rho_se:.1e} over "
                 f"{self.reports} loss reports against {self.left_rho:.2e} +- "
@@ -177,10 +178,11 @@ class ProgressRatio:
 class PhaseProgress:
     """The loss reports of the phase running now and of the one before it (module doc).
 
-    ``label``: the policy the run starts on.  ``add(now, loss, count, iterations)``: a report of the mean of ``count`` iterations'
-    losses, ``iterations`` the job's total when it arrived.  ``begin(now, label)``: a policy
-    runs from ``now``.  ``ratio(now)``: the running policy against the one before, or None
-    while either window is short (or the one before was making no measurable progress).
+    ``label``: the policy the run starts on. ``add(now, loss, count, iterations)``: a report of
+    the mean of ``count`` iterations' losses, ``iterations`` the job's total when it arrived.
+    ``begin(now, label)``: a policy runs from ``now``. ``ratio(now)``: the running policy
+    against the one before, or None while either window is short (or the one before was making
+    no measurable progress).
     """
 
     def __init__(self, label: str | None = None, *, window_s: float = 3.0,

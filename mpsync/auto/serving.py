@@ -375,7 +375,8 @@ class AutoPolicy(Policy):
                 # loss flat at chance, stayed there on the ring for 25 s from such weights):
                 # the ring restarts from the snapshot with the lowest loss.
                 self.rollback = True
-                record.reason += "; the ring restarts from the weights of the last 4 s with the lowest loss"
+                record.reason += ("; the ring restarts from the weights with the lowest loss "
+                                  "(the last 4 s', or those it left the ring with)")
             record.switch_after_round = self.switch_after
 
     def on_loss(self, w, k, loss, count, now):

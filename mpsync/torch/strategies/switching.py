@@ -285,9 +285,9 @@ class Switching(Strategy):
     def _roll_back(self, new: Strategy) -> float | None:
         """The server left the PS because the training diverged there: every worker takes
         the weights of the lowest active worker's snapshot (the last SNAPSHOTS and the phase's
-        first) under which that worker's loss was lowest, and every velocity state is zeroed (it carries the diverging steps).  Returns
-        the snapshot's age in seconds (None: the root had none with a loss noted: nothing
-        rolled back)."""
+        first) under which that worker's loss was lowest, and every velocity state is zeroed
+        (it carries the diverging steps).  Returns the snapshot's age in seconds (None: the
+        root had none with a loss noted: nothing rolled back)."""
         root, now = min(new.last_active), time.perf_counter()
         kept = list(self._snapshots)
         if self._first_snapshot is not None and all(s is not self._first_snapshot
