@@ -43,6 +43,14 @@ def _decisions() -> list[dict]:
     return [r.as_dict() for r in d.records]
 
 
+def _write_comparison(out, runs: dict) -> None:
+    """An ``mpsync compare`` directory of one run per policy, as compare writes it."""
+    for policy, metrics in runs.items():
+        (out / policy).mkdir()
+        report.write_metrics(metrics, out / policy)
+    (out / "compare.json").write_text(json.dumps({"rows": table_rows(runs), "target_acc": 0.9}))
+
+
 def test_explain_reads_a_train_run(tmp_path, capsys):
     from mpsync.auto.noise import GradientNoise
 
@@ -74,11 +82,7 @@ def test_explain_reads_a_comparison_without_repeats(tmp_path, capsys):
     says 1/1 or 0/1, never None/None."""
     runs = {"bsp": _metrics("bsp", 6.0), "asp": _metrics("asp", None, topology="ps"),
             "auto": _metrics("auto", 5.5, _decisions())}
-    for policy, m in runs.items():
-        (tmp_path / policy).mkdir()
-        report.write_metrics(m, tmp_path / policy)
-    (tmp_path / "compare.json").write_text(json.dumps({"rows": table_rows(runs),
-                                                       "target_acc": 0.9}))
+    _write_comparison(tmp_path, runs)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "None" not in out, out
@@ -109,11 +113,7 @@ def test_explain_sets_the_efficiency_measured_in_auto_runs_beside_the_comparison
                                             1e-3, 1e-5, 40, 40))
     runs = {"bsp": _metrics("bsp", 6.0), "ssp": _metrics("ssp", None, topology="ps"),
             "auto": _metrics("auto", 7.0, [r.as_dict() for r in d.records])}
-    for policy, metrics in runs.items():
-        (tmp_path / policy).mkdir()
-        report.write_metrics(metrics, tmp_path / policy)
-    (tmp_path / "compare.json").write_text(json.dumps({"rows": table_rows(runs),
-                                                       "target_acc": 0.9}))
+    _write_comparison(tmp_path, runs)
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| ssp |")][-1]

@@ -161,14 +161,24 @@ def test_an_exponential_loss_reads_its_true_ratio(speedup):
         readings
 
 
-def test_a_loss_that_rises_after_the_switch_caps_the_efficiency_below_the_model():
-    rng = np.random.default_rng(0)
+def _decaying(it):
+    return 2.3 * math.exp(-1.5e-3 * it)
+
+
+def _across_a_switch(after_at, label, seed, end=10.0):
+    """6 s of BSP's loss decaying by 1.5e-3 per iteration, a switch to ``label`` at iteration
+    240, then ``after_at(iteration)`` until ``end``."""
+    rng = np.random.default_rng(seed)
     progress = PhaseProgress("bsp/ring")
-    _curve(progress, rng, 0.0, 6.0, lambda it: 2.3 * math.exp(-1.5e-3 * it))
-    x_s = int(6.0 * RATE)
-    level = 2.3 * math.exp(-1.5e-3 * x_s)
-    progress.begin(6.0, "ssp/ps", x_s)
-    _curve(progress, rng, 6.0, 10.0, lambda it: level * (1.0 + 2e-3 * (it - x_s)))
+    _curve(progress, rng, 0.0, 6.0, _decaying)
+    progress.begin(6.0, label, int(6.0 * RATE))
+    _curve(progress, rng, 6.0, end, after_at)
+    return progress
+
+
+def test_a_loss_that_rises_after_the_switch_caps_the_efficiency_below_the_model():
+    x_s, level = int(6.0 * RATE), _decaying(int(6.0 * RATE))
+    progress = _across_a_switch(lambda it: level * (1.0 + 2e-3 * (it - x_s)), "ssp/ps", 0)
     r = progress.ratio(10.0)
     assert r.ratio < 0 and not r.diverged
     lo, hi = r.bracket(1.0)
@@ -194,11 +204,7 @@ def test_a_reference_from_the_runs_first_seconds_bounds_only_from_above():
 
 
 def test_a_non_finite_loss_after_the_switch_reads_diverged():
-    rng = np.random.default_rng(1)
-    progress = PhaseProgress("bsp/ring")
-    _curve(progress, rng, 0.0, 6.0, lambda it: 2.3 * math.exp(-1.5e-3 * it))
-    progress.begin(6.0, "asp/ps", 240)
-    _curve(progress, rng, 6.0, 10.0, lambda it: 1.0 if it < 300 else math.inf)
+    progress = _across_a_switch(lambda it: 1.0 if it < 300 else math.inf, "asp/ps", 1)
     r = progress.ratio(10.0)
     assert r.diverged and r.bracket(1.0) == (0.0, 0.0)
     assert "not finite" in r.note
@@ -206,10 +212,7 @@ def test_a_non_finite_loss_after_the_switch_reads_diverged():
 
 def test_nothing_is_read_from_too_little_or_from_a_flat_loss():
     rng = np.random.default_rng(2)
-    progress = PhaseProgress("bsp/ring")
-    _curve(progress, rng, 0.0, 6.0, lambda it: 2.3 * math.exp(-1.5e-3 * it))
-    progress.begin(6.0, "ssp/ps", 240)
-    _curve(progress, rng, 6.0, 8.0, lambda it: 1.0)
+    progress = _across_a_switch(lambda it: 1.0, "ssp/ps", 2, end=8.0)
     assert progress.ratio(8.0) is None                 # the window after is not complete
     assert progress.ratio(8.0, min_span_s=1.0) is not None
     flat = PhaseProgress("bsp/ring")
