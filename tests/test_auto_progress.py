@@ -220,6 +220,8 @@ def test_nothing_is_read_from_too_little_or_from_a_flat_loss():
     flat.begin(6.0, "ssp/ps", 240)
     _curve(flat, rng, 6.0, 10.0, lambda it: 0.3, noise=0.3)
     assert flat.ratio(10.0) is None                    # no progress before: no reference
+    signed = _across_a_switch(lambda it: -1.0, "ssp/ps", 3)
+    assert signed.ratio(10.0) is None                  # a loss below 0 has no logarithm
     with pytest.raises(ValueError, match="window_s"):
         PhaseProgress(window_s=0)
 
@@ -251,6 +253,15 @@ def test_a_confirmation_goes_back_when_the_measured_progress_refutes_the_model()
         assert lo <= record.measurements["efficiency"] <= hi
         assert record.measurements["efficiency_model"] == 1.2
         assert "made" in record.reason and "allows" in record.reason
+    # Too little of BSP ran on the cluster as it is (a change came just before the switch):
+    # its rate is the ranking's prediction, scaled by the running policy's measured rate.
+    predicted = Decider(bsp)
+    predicted.decide([Ranked(ssp, 5.0, 1000.0, 1.2, 0.1, ("x",), 0.0),
+                      Ranked(bsp, 8.0, 900.0, 1.0, 0.1, ("x",), 0.0)], m, 1.0, "first")
+    record = predicted.confirm_switch(bsp, None, 12.0, 7.0, 4.0, progress=_ratio(0.2))
+    assert record.measurements["left_rate_predicted"] is True
+    assert record.measurements["left_iterations_per_s"] == pytest.approx(10.8)
+    assert record.switch, record.reason
     lifted = Decider(bsp)
     lifted.decide(_ranked([(ssp, 5.0, 0.9), (bsp, 8.0, 1.0)]), m, 1.0, "first measurement")
     record = lifted.confirm_switch(bsp, 10.0, 9.0, 7.0, 4.0, progress=_ratio(2.0))

@@ -118,7 +118,7 @@ def _mean_level(points) -> tuple[float, float, float]:
     mx = sum(x * w for x, _, w in points) / sw
     my = sum(y * w for _, y, w in points) / sw
     var = sum(w * (y - my) ** 2 for _, y, w in points) / max(k - 1, 1) * k / sw
-    return mx, my, math.sqrt(var * (sw / k) / sw)
+    return mx, my, math.sqrt(var / k)
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ class ProgressRatio:
     """The policy switched to (``label``) against the one left (``left``): ``ratio`` of their
     progress per sample ± ``sd``; the two rates ``rho``/``left_rho`` (per iteration of the
     job) with their standard errors, the reports each rests on; ``diverged``: the new phase
-    reported a non-finite loss."""
+    reported a non-finite loss; ``reference_s``: the seconds of the policy left its rate was
+    fitted over."""
 
     left: str
     label: str
@@ -228,7 +229,7 @@ class PhaseProgress:
 
     @staticmethod
     def _points(reports) -> list:
-        return [(float(x), math.log(max(loss, 1e-12)), c) for _, x, loss, c in reports]
+        return [(float(x), math.log(loss), c) for _, x, loss, c in reports]
 
     def ratio(self, now: float, min_span_s: float | None = None) -> ProgressRatio | None:
         """The running policy's progress per sample against the one before it, or None while
@@ -249,6 +250,8 @@ class PhaseProgress:
             return None
         if any(not math.isfinite(r[2]) for r in self.before):
             return None
+        if any(r[2] <= 0 for r in self.before) or any(r[2] <= 0 for r in after):
+            return None           # a loss of a script's own that reaches 0 or below: no log
         old = _fit(self._points(self.before))
         if old is None:
             return None
