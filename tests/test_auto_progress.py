@@ -214,14 +214,17 @@ def test_nothing_is_read_from_too_little_or_from_a_flat_loss():
     rng = np.random.default_rng(2)
     progress = _across_a_switch(lambda it: 1.0, "ssp/ps", 2, end=8.0)
     assert progress.ratio(8.0) is None                 # the window after is not complete
+    assert progress.declined == "the window after the switch is 1.5 s so far"
     assert progress.ratio(8.0, min_span_s=1.0) is not None
     flat = PhaseProgress("bsp/ring")
     _curve(flat, rng, 0.0, 6.0, lambda it: 0.3, noise=0.3)
     flat.begin(6.0, "ssp/ps", 240)
     _curve(flat, rng, 6.0, 10.0, lambda it: 0.3, noise=0.3)
     assert flat.ratio(10.0) is None                    # no progress before: no reference
+    assert flat.declined.startswith("the loss was not falling measurably"), flat.declined
     signed = _across_a_switch(lambda it: -1.0, "ssp/ps", 3)
     assert signed.ratio(10.0) is None                  # a loss below 0 has no logarithm
+    assert signed.declined == "a loss at or below 0"
     with pytest.raises(ValueError, match="window_s"):
         PhaseProgress(window_s=0)
 

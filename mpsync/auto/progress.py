@@ -183,7 +183,7 @@ class PhaseProgress:
     the mean of ``count`` iterations' losses, ``iterations`` the job's total when it arrived.
     ``begin(now, label)``: a policy runs from ``now``. ``ratio(now)``: the running policy
     against the one before, or None while either window is short (or the one before was making
-    no measurable progress).
+    no measurable progress; ``declined`` says which).
     """
 
     def __init__(self, label: str | None = None, *, window_s: float = 3.0,
@@ -201,6 +201,7 @@ class PhaseProgress:
         self.before_label: str | None = None
         self.before_span = 0.0     # the seconds that window covers
         self.start_iterations = 0  # the job's iterations when the running phase began
+        self.declined: str | None = None   # why the last ratio() read nothing
 
     def add(self, now: float, loss: float, count: int, iterations: int) -> None:
         self.current.append((float(now), int(iterations), float(loss), max(int(count), 1)))
@@ -241,38 +242,55 @@ class PhaseProgress:
         the new policy's rate is the fall from that level to the mean of its window, over the
         iterations between: a rise right after the switch counts against it, a recovery from
         the rise does not read as fast progress."""
-        if self.before_label is None or len(self.before) < self.min_reports:
-            return None
+        if self.before_label is None:
+            return self._declined("no switch yet")
+        if len(self.before) < self.min_reports:
+            return self._declined(f"{len(self.before)} loss reports before the switch "
+                                  f"(needs {self.min_reports})")
         start = self.start or 0.0
         after = self._window_after(now)
         span = now - start - self.settle_s        # (a tolerance: times are summed floats)
         if span < (self.window_s if min_span_s is None else min_span_s) - 1e-6:
-            return None
+            return self._declined(f"the window after the switch is {max(span, 0.0):.1f} s "
+                                  f"so far")
         if any(not math.isfinite(r[2]) for r in self.before):
-            return None
+            return self._declined("a loss before the switch was not finite")
         if any(r[2] <= 0 for r in self.before) or any(r[2] <= 0 for r in after):
-            return None           # a loss of a script's own that reaches 0 or below: no log
+            # a script's own objective that reaches 0 or below has no logarithm
+            return self._declined("a loss at or below 0")
         old = _fit(self._points(self.before))
         if old is None:
-            return None
+            return self._declined("the reports before the switch span no iterations")
         if any(not math.isfinite(r[2]) for r in after):
+            self.declined = None
             return ProgressRatio(self.before_label, self.label, 0.0, 0.0, -math.inf, 0.0,
                                  old.rho, old.rho_se, len(after), len(self.before),
                                  diverged=True, reference_s=self.before_span)
-        if len(after) < self.min_reports or not old.rho > SIGNIFICANT * old.rho_se:
-            return None
+        if len(after) < self.min_reports:
+            return self._declined(f"{len(after)} loss reports after the switch "
+                                  f"(needs {self.min_reports})")
+        if not old.rho > SIGNIFICANT * old.rho_se:
+            return self._declined(f"the loss was not falling measurably before the switch "
+                                  f"(-d ln loss / d iteration {old.rho:.1e} +- "
+                                  f"{old.rho_se:.1e})")
         x_s = self.start_iterations
         y_s = old.my - old.rho * (x_s - old.mx)
         mx, my, my_se = _mean_level(self._points(after))
         if not mx > x_s:
-            return None
+            return self._declined("no iterations after the switch")
         rho = (y_s - my) / (mx - x_s)
         rho_se = math.hypot(old.level_sd(x_s), my_se) / (mx - x_s)
         ratio = rho / old.rho
+        self.declined = None
         sd = math.hypot(rho_se / old.rho, ratio * old.rho_se / old.rho)
         return ProgressRatio(self.before_label, self.label, ratio, sd, rho, rho_se, old.rho,
                              old.rho_se, len(after), len(self.before),
                              reference_s=self.before_span)
+
+
+    def _declined(self, why: str) -> None:
+        self.declined = why
+        return None
 
 
 def clamp(model: float, lo: float | None, hi: float | None) -> float:

@@ -356,7 +356,9 @@ class AutoPolicy(Policy):
         record = self.decider.confirm_switch(left, left_rate, (self.steps_done - steps) / (now - t),
                                              now - self.t0, now - t, progress=measured,
                                              judged=_applies_in_full(running))
-        if measured is not None:
+        if measured is None:
+            record.measurements["progress_declined"] = self.progress.declined
+        else:
             self.progress_log.append({"at_s": round(now - self.t0, 3), **measured.as_dict()})
             bracket = record.measurements.get("efficiency_bracket")
             model = record.measurements.get("efficiency_model")
