@@ -195,3 +195,40 @@ def test_without_a_silent_worker_the_rank_that_aborted_is_named():
                           + ABORT_NOTICE, build_job(["x"], 2, cores=8, environ={}))
     assert (outcome.rank, outcome.reason, outcome.silent) == (
         1, "aborted the job (MPI_Abort, error code 1)", False)
+
+
+def _job_printing(text: str, then_sleep: float, status: int = 0):
+    import dataclasses  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    script = (f"import sys, time; sys.stderr.write({text!r}); sys.stderr.flush(); "
+              f"time.sleep({then_sleep}); sys.exit({status})")
+    return dataclasses.replace(build_job(["x"], 2, hosts="n1:1,n2:1", environ={}),
+                               argv=[sys.executable, "-c", script])
+
+
+def test_a_job_mpsync_is_ending_is_stopped_when_mpirun_waits_on_for_a_lost_node():
+    """After the state server named a lost worker and aborted, mpirun may wait for the lost
+    node's daemon; the launcher stops it within its grace (a job that stands for such an
+    mpirun: it says the line, then sleeps 60 s)."""
+    import time  # noqa: PLC0415
+    from mpsync.launch.runner import ABORT_GRACE_S, run_job  # noqa: PLC0415
+    line = ("mpsync server: worker rank(s) [2] silent for more than 3s (no heartbeat: its "
+            "process stopped, its node down or its link cut); the ring cannot continue "
+            "without them: aborting the job\n")
+    sink = io.StringIO()
+    t0 = time.monotonic()
+    outcome = run_job(_job_printing(line, 60), stderr=sink, timeout=30)
+    took = time.monotonic() - t0
+    assert not outcome.timed_out and took < ABORT_GRACE_S + 10, (took, sink.getvalue())
+    assert (outcome.exit_code, outcome.rank, outcome.host, outcome.silent) == (1, 2, "n2", True)
+    assert "rank 2 (worker 1) on n2 went silent" in sink.getvalue()
+
+
+def test_a_worker_taken_out_is_not_the_job_ending():
+    """The PS goes on without a silent worker: that line stops nothing."""
+    from mpsync.launch.runner import ABORT_GRACE_S, run_job  # noqa: PLC0415
+    line = ("mpsync server: worker rank(s) [2] silent for more than 5s; taken out of the ssp "
+            "decisions (ZipLine paper §4), the others continue\n")
+    outcome = run_job(_job_printing(line, ABORT_GRACE_S + 1.5), stderr=io.StringIO(),
+                      timeout=30)
+    assert outcome.ok and outcome.returncode == 0

@@ -187,3 +187,49 @@ def test_train_job_runs_the_requested_policy_on_the_requested_workers(slurm_env,
     assert len(metrics["workers"]) == 2
     assert metrics["total_samples"] > 0 and metrics["evals"]
     assert (out_dir / "command.sh").read_text().startswith("mpirun -np 3 ")
+
+
+def _tagged(tag: str) -> list[int]:
+    want = f"MPSYNC_TEST_TAG={tag}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if want in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("raises", r"MPSYNC-RANK-FAILED rank 2 \(worker 1\) on \S+: unhandled RuntimeError"),
+    ("sigstop", r"mpsync server: worker rank\(s\) \[2\] silent for more than [\d.]+s "
+                r"\(no heartbeat"),
+])
+def test_a_fault_on_a_rank_ends_a_job_started_by_srun(slurm_env, fault, named):
+    """Ranks started by ``srun --mpi=pmix`` (Slurm's PMIx, no mpirun): a worker's uncaught
+    error, or a worker stopped (SIGSTOP: found by its missing heartbeats), ends the step within
+    30 s, non-zero, named in one line, and no rank is left running."""
+    tag = f"srun-{fault}-{os.getpid()}"
+    env = dict(slurm_env, MPSYNC_TEST_TAG=tag, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    try:
+        res = subprocess.run(["srun", "--mpi=pmix", "-n", "4", "--overcommit", "--time=3",
+                              sys.executable, str(REPO / "tests" / "torch_programs.py"),
+                              f"fail_worker_{fault}", "victim=1"],
+                             capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT,
+                             cwd="/tmp")
+        ended = time.time()
+        while _tagged(tag) and time.time() - ended < 5:   # slurmstepd reaping its tasks
+            time.sleep(0.2)
+        left = _tagged(tag)
+    finally:
+        for pid in _tagged(tag):
+            os.kill(pid, 9)
+    text = res.stdout + res.stderr
+    assert res.returncode != 0 and not left, (res.returncode, left, text[-4000:])
+    [fault_at] = [float(line.split()[1]) for line in res.stdout.splitlines()
+                  if line.startswith("FAULT ")]
+    assert ended - fault_at <= 30, (ended - fault_at, text[-4000:])
+    assert len(re.findall(named, text)) == 1, text[-4000:]

@@ -4,6 +4,8 @@
     mpsync cluster --name el up --nodes 5 --bandwidth 1gbit
     python bench/elastic/fault_matrix.py --cluster el --cells bsp:kill,ssp:stop,esync:link
     python bench/elastic/fault_matrix.py --cluster el --manual bsp    # a restart by hand
+    python bench/elastic/fault_matrix.py --calm 10     # stragglers, no fault: no suspicion
+    python bench/elastic/fault_matrix.py --cluster el --grow  # a host added to hvd.elastic
 
 Faults (world rank 0 is the state server on node1; worker k is world rank k+1 on node k+2):
 
@@ -14,7 +16,7 @@ Faults (world rank 0 is the state server on node1; worker k is world rank k+1 on
 
 Each cell waits for a checkpoint at round >= ``--after-round``, then 2 s more, injects the
 fault at ``t_fault`` and records: ``detect_s`` (t_fault to the supervisor's "job 0 failed"
-line), ``resume_s`` (t_fault to the resumed job's first step, ``resumed_at_clock`` in
+line; ``named_s``: to the first line that names it), ``resume_s`` (t_fault to the resumed job's first step, ``resumed_at_clock`` in
 metrics.json), ``lost_s`` (t_fault minus the time the checkpoint resumed from was written:
 training thrown away) and its round, and whether the run reached ``--target-acc``.  ``--manual
 POLICY`` times a restart by hand: ``mpsync train --cluster --resume`` of a finished run's
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +40,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FAULT_RANK = {"kill": 2, "stop": 2, "server": 0, "shard": 1}
+# The first line that names the fault: the state server's suspicion, a worker's fault line,
+# Open MPI's notice of a killed rank.
+_NAMED = re.compile(r"silent for more than|mpsync: fault|noticed that process rank|"
+                    r"MPI_ABORT was invoked|job failed")
 
 
 def _pid_of_rank(tag: str, rank: int) -> int | None:
@@ -111,9 +118,13 @@ def cell(a, policy: str, fault: str) -> dict:
                             "link", "--up", "node3"], env=_env(tag))
     reader.join(5)
     text = "".join(ln for _, ln in lines)
+    (out / "launcher.log").write_text(
+        "".join(f"{t - t_fault:+9.3f} {ln}" for t, ln in lines))
     detected = next((t for t, ln in lines if "job 0 failed" in ln), None)
+    named = next((t for t, ln in lines if t >= t_fault and _NAMED.search(ln)), None)
     row = {"policy": policy, "fault": fault, "rc": rc, "deadline_s": a.deadline,
-           "detect_s": None if detected is None else detected - t_fault}
+           "detect_s": None if detected is None else detected - t_fault,
+           "named_s": None if named is None else named - t_fault}
     try:
         m = json.loads((out / "metrics.json").read_text())
     except (OSError, ValueError):
@@ -174,6 +185,103 @@ def manual(a, policy: str) -> dict:
             "reached_target": m.get("time_to_target_s") is not None}
 
 
+def grow(a, policy: str = "bsp") -> dict:
+    """A host added by the discovery script to a running ``hvd.elastic`` job on real ranks:
+    ``examples/train_digits_elastic.py`` under ``mpsync run --host-discovery-script`` on the
+    virtual cluster, 2 workers (the state server's rank beside worker 0 on node1, worker 1 on
+    node2); ``--grow-after`` seconds in, node3 is added to the script's answer.  Records
+    ``detect_s`` (the host's appearance to the supervisor's "asked for a restart" line),
+    ``resume_s`` (to the first commit the resumed job wrote with 3 workers), the workers
+    before and after, and the test accuracy the script prints at its end."""
+    out = Path(a.out) / f"grow-{policy}"
+    subprocess.run(["rm", "-rf", str(out)])
+    out.mkdir(parents=True)
+    hosts_file, script, commits = out / "hosts", out / "discover.sh", out / "commits"
+    addrs = [h.split(":")[0] for h in subprocess.run(
+        [sys.executable, "-m", "mpsync.cli", "cluster", "--name", a.cluster, "hosts"],
+        capture_output=True, text=True, check=True).stdout.strip().split(",")]
+    base, added = [f"{addrs[0]}:2", f"{addrs[1]}:1"], f"{addrs[2]}:1"
+    hosts_file.write_text("\n".join(base) + "\n")
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+    env = _env(uuid.uuid4().hex)
+    for line in subprocess.run([sys.executable, "-m", "mpsync.cli", "cluster", "--name",
+                                a.cluster, "env"], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value
+    argv = [sys.executable, "-m", "mpsync.cli", "run", "--np", "2", "--min-np", "2",
+            "--max-np", "3", "--host-discovery-script", str(script), "--discovery-interval",
+            "1", "--commit-dir", str(commits), sys.executable,
+            str(REPO / "examples" / "train_digits_elastic.py"), "--epochs", str(a.grow_epochs),
+            "--batches-per-commit", "5"]
+    lines: list[tuple[float, str]] = []
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, cwd=str(out))
+    reader = threading.Thread(target=lambda: [lines.append((time.time(), ln))
+                                              for ln in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        time.sleep(a.grow_after)
+        if proc.poll() is not None:
+            raise RuntimeError("the job ended before the host was added: "
+                               + "".join(ln for _, ln in lines[-30:]))
+        t_add = time.time()
+        hosts_file.write_text("\n".join([*base, added]) + "\n")
+        rc = proc.wait(timeout=a.timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(5)
+    (out / "launcher.log").write_text("".join(f"{t - t_add:+9.3f} {ln}" for t, ln in lines))
+    asked = next((t for t, ln in lines if "asked for a restart" in ln), None)
+    grown = sorted((json.loads(m.read_text())["seq"], m.stat().st_mtime)
+                   for m in commits.glob("commit-*/MANIFEST.json")
+                   if json.loads(m.read_text())["size"] == 3)
+    acc = [re.search(r"elastic, (\d+) workers: test accuracy ([\d.]+)", ln) for _, ln in lines]
+    acc = [m for m in acc if m]
+    return {"policy": policy, "fault": "host added", "rc": rc,
+            "detect_s": None if asked is None else asked - t_add,
+            "resume_s": None if not grown else min(t for _, t in grown) - t_add,
+            "workers": [2, int(acc[-1].group(1)) if acc else None],
+            "final_acc": float(acc[-1].group(2)) if acc else None,
+            "reached_target": bool(acc) and float(acc[-1].group(2)) >= a.target_acc,
+            "tail": None if acc else "".join(ln for _, ln in lines[-30:])}
+
+
+CALM_POLICIES = ("bsp", "ssp", "esync", "ebsp", "asp")
+
+
+def calm(a, i: int) -> dict:
+    """Slow is not dead: the 1,1,2,4 straggler job (150 ms iterations at factor 1, so 600 ms
+    on worker 3), worker 0 evaluating every second and a checkpoint every 5 rounds, no fault,
+    on this host.  Records whether anyone was suspected and each worker's longest gap between
+    two beats against the bound it was judged by."""
+    policy = CALM_POLICIES[i % len(CALM_POLICIES)]
+    out = Path(a.out) / f"calm-{i}-{policy}"
+    subprocess.run(["rm", "-rf", str(out)])
+    argv = [sys.executable, "-m", "mpsync.cli", "train", "--np", "4", "--policy", policy,
+            "--slowdown", "1,1,2,4", "--iter-time", "0.15", "--time-budget", str(a.calm_budget),
+            "--eval-every", "1", "--checkpoint-every", "5", "--out", str(out),
+            "--no-progress", "--no-plots"]
+    done = subprocess.run(argv, env=_env(uuid.uuid4().hex), capture_output=True, text=True,
+                          timeout=a.timeout)
+    text = done.stdout + done.stderr
+    row = {"policy": policy, "fault": "none (1,1,2,4 stragglers)", "rc": done.returncode,
+           "suspected": "silent for more than" in text}
+    try:
+        m = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        row["tail"] = text[-3000:]
+        return row
+    workers = m["server"]["workers"]
+    row.update(removed=[w for w, s in workers.items() if s.get("removed")],
+               beat_gap_max_s={w: s.get("beat_gap_max_s") for w, s in workers.items()},
+               evals=len(m.get("evals") or []), wall_s=m.get("wall_s"),
+               checkpoints=len(list((out / "checkpoints").glob("ckpt-*.mpsck"))))
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--cluster", default="el")
@@ -187,16 +295,24 @@ def main() -> int:
     p.add_argument("--after-round", type=int, default=10)
     p.add_argument("--deadline", type=float, default=30)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--grow", action="store_true",
+                   help="a host added by the discovery script to a running hvd.elastic job")
+    p.add_argument("--grow-after", type=float, default=15)
+    p.add_argument("--grow-epochs", type=int, default=40)
+    p.add_argument("--calm", type=int, default=0,
+                   help="runs of the straggler job without a fault (no one may be suspected)")
+    p.add_argument("--calm-budget", type=float, default=20)
     p.add_argument("--out", default="/tmp/mpsync-fault-matrix")
     p.add_argument("--json", default=str(Path(__file__).with_name("fault_matrix.jsonl")))
     a = p.parse_args()
     jobs = [("cell", *c.split(":")) for c in a.cells.split(",") if c] + \
-           [("manual", m) for m in a.manual.split(",") if m]
+           [("manual", m) for m in a.manual.split(",") if m] + \
+           [("calm", i) for i in range(a.calm)] + ([("grow",)] if a.grow else [])
     for kind, *what in jobs:
         try:
-            row = cell(a, *what) if kind == "cell" else manual(a, *what)
+            row = {"cell": cell, "manual": manual, "calm": calm, "grow": grow}[kind](a, *what)
         except Exception as e:  # noqa: BLE001 - one cell's failure is a row, not the end
-            row = {"policy": what[0], "fault": what[-1], "error": str(e)[-2000:]}
+            row = {"kind": kind, "what": what, "error": str(e)[-2000:]}
         row["at"] = time.strftime("%Y-%m-%d %H:%M:%S")
         print(json.dumps(row), flush=True)
         with open(a.json, "a") as f:

@@ -177,6 +177,11 @@ _NO_ANSWER = re.compile(r"mpsync: fault: rank \d+ \(([^)]*)\) on \S+: (?:\w+: )?
                         r"the ([\d.]+)s deadline")
 _SERVER_SILENT = re.compile(r"mpsync server: worker rank\(s\) \[([\d, ]+)\] silent for more "
                             r"than ([\d.]+)s")
+# mpsync ending the job itself because a peer is lost: the state server's or a shard's "aborting
+# (ending) the job", a worker's fault line.  mpirun may then wait for a lost node's daemon until
+# its own timeouts pass; the launcher gives it ``ABORT_GRACE_S`` to end by itself, then stops it.
+_ENDING = re.compile(r"^mpsync(?: server)?: .*(?:aborting|ending) the job\s*$|^mpsync: fault: ")
+ABORT_GRACE_S = 0.5
 
 
 class OutputFilter:
@@ -189,6 +194,7 @@ class OutputFilter:
         self.notices: list[str] = []
         self.faults: list[str] = []   # mpsync's lines naming a silent worker
         self.reported = False
+        self.ending_at: float | None = None   # when a rank said mpsync is ending the job
         self._stall = False
         self._partial = ""
         self._passed = ""   # the start of the current line, already passed on
@@ -223,6 +229,8 @@ class OutputFilter:
                 _NO_ANSWER.match(whole) or \
                 (self._stall and _MISSING.match(whole)):
             self.faults.append(whole)
+        if self.ending_at is None and _ENDING.match(whole):
+            self.ending_at = time.monotonic()
         self._stall = whole.startswith(_STALL) or (self._stall and bool(_MISSING.match(whole)))
         if self._passed:    # the rest of a line whose start was passed on
             self._passed = ""
@@ -344,16 +352,17 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
     outcome = JobOutcome(None, 0.0)
     restore = _stop_on_term(proc)
     try:
-        outcome.returncode = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        outcome.timed_out = True
-        kill_group(proc, term_grace=5.0)
+        outcome.returncode, outcome.timed_out, stopped = _wait(proc, filt, start, timeout)
+        if outcome.timed_out:
+            kill_group(proc, term_grace=5.0)
     except KeyboardInterrupt:
         outcome.interrupted = True
         kill_group(proc, term_grace=5.0)
     finally:
         restore()
-    reader.join(timeout=10)
+    # A stopped mpirun's remote sessions (a lost node's) may hold the pipe open until their
+    # own timeouts: what they would still say is teardown, not worth waiting for.
+    reader.join(timeout=0.5 if stopped else 10)
     filt.close()
     outcome.elapsed = time.monotonic() - start
     outcome.reported = filt.reported
@@ -366,6 +375,32 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
     sink.write(outcome.block(job.name))
     sink.flush()
     return outcome
+
+
+def _wait(proc: subprocess.Popen, filt: OutputFilter, start: float,
+          timeout: float | None) -> tuple[int | None, bool, bool]:
+    """(mpirun's exit status, timed out, stopped after mpsync's abort).  Once a rank has said
+    that mpsync is ending the job (a lost peer named), mpirun gets ``ABORT_GRACE_S`` to end by
+    itself: after an abort it waits for every node's daemon, a lost node's until its own
+    timeouts pass (3 s more on the virtual cluster).  Past that it is killed, and the job's
+    status is the abort's, 1.  (SIGKILL, not SIGTERM: mpirun takes a SIGTERM during an abort
+    as "hit ctrl-c again" and, in Open MPI 4.1, crashes in its PMIx teardown, printing a
+    backtrace; the ranks on live nodes are already gone, and their daemons end with it.)"""
+    while True:
+        try:
+            return proc.wait(timeout=0.1), False, False
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if timeout is not None and now - start >= timeout:
+            return None, True, False
+        if filt.ending_at is not None and now - filt.ending_at >= ABORT_GRACE_S:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            return 1, False, True
 
 
 def _pump(pipe, filt: OutputFilter) -> None:
