@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE",
+__all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE", "HOSTS_CHANGED",
            "USER_ERROR_EXIT_CODE", "SealedFileError", "DATA_TYPES", "check_data", "write_sealed",
            "read_sealed", "fsync_dir", "BackgroundWriter", "CommitStore", "Manifest",
            "newest_complete", "load_committed", "MAGIC"]
@@ -51,6 +51,9 @@ ENV_HOSTS_FILE = "MPSYNC_ELASTIC_HOSTS_FILE"     # {"version": V, "hosts": [...]
 ENV_HOSTS_VERSION = "MPSYNC_ELASTIC_HOSTS_VERSION"  # V when the job was started
 # A job that ends to be started again with new hosts exits with this (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
+# How hvd.elastic's worker 0 starts the line that says so (the launcher then reports a restart
+# asked for, not a failure).
+HOSTS_CHANGED = "mpsync elastic: the discovery script's hosts changed"
 # A job that a restart would fail the same way (a user's mistake, a refused commit) exits
 # with this, and is not restarted.
 USER_ERROR_EXIT_CODE = 2
@@ -231,6 +234,29 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def prune_rank_files(root: Path, rank: int, horizon: int) -> None:
+    """Remove ``rank``'s own file of every commit older than ``horizon`` under ``root``.  On a
+    shared disk rank 0 removes whole old commits meanwhile (``CommitStore._prune_complete``):
+    a commit that vanishes while this runs is gone as wanted, never an error (it used to fail
+    the commit being written, ending the job)."""
+    mine = f"rank-{rank:05d}.pt"
+    try:
+        with os.scandir(root) as entries:
+            names = [e.name for e in entries if e.name.startswith("commit-")]
+    except FileNotFoundError:
+        return
+    for name in names:
+        try:
+            old = int(name.split("-")[1]) < horizon
+        except ValueError:
+            continue
+        if old:
+            try:
+                os.unlink(os.path.join(root, name, mine))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
 
 
 class BackgroundWriter:
@@ -496,13 +522,5 @@ class CommitStore:
     def _prune_own(self, seq: int) -> None:
         """Every rank: its own files of commits far older than the last it wrote (on a
         node-local disk rank 0 never sees them)."""
-        if self.rank == 0:
-            return
-        horizon = seq - 4 * self.keep
-        for p in self.root.glob("commit-*/rank-*.pt"):
-            try:
-                old = int(p.parent.name.split("-")[1]) < horizon
-            except ValueError:
-                continue
-            if old and p.name == f"rank-{self.rank:05d}.pt":
-                p.unlink(missing_ok=True)
+        if self.rank != 0:
+            prune_rank_files(self.root, self.rank, seq - 4 * self.keep)

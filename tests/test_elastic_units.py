@@ -213,3 +213,39 @@ def test_hosts_watcher_writes_a_new_version_when_a_host_appears(tmp_path):
     watcher.stop()
     assert json.loads((tmp_path / "hosts.json").read_text()) == {"version": 1,
                                                                 "hosts": ["a:2", "b:2"]}
+
+
+def test_a_rank_pruning_its_old_files_is_not_failed_by_rank_0_removing_whole_commits(tmp_path):
+    # On a shared commit directory rank 0 removes old commits (rmtree) while another rank's
+    # writer removes its own old files: the two meet, and the second must not fail (pathlib's
+    # glob raised FileNotFoundError for a commit removed under it, failing that rank's commit
+    # and ending an hvd.elastic job).
+    import shutil  # noqa: PLC0415
+    from mpsync.commits import prune_rank_files  # noqa: PLC0415
+    stop, errors = threading.Event(), []
+
+    def churn():   # rank 0: commits appear and are removed
+        seq = 0
+        while not stop.is_set():
+            d = tmp_path / f"commit-{seq:09d}"
+            d.mkdir()
+            (d / "rank-00001.pt").write_bytes(b"x")
+            shutil.rmtree(tmp_path / f"commit-{seq - 3:09d}", ignore_errors=True)
+            seq += 1
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            try:
+                prune_rank_files(tmp_path, 1, horizon=10**9)
+            except OSError as e:
+                errors.append(e)
+                break
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    prune_rank_files(tmp_path, 1, horizon=10**9)
+    assert not list(tmp_path.glob("commit-*/rank-00001.pt"))
+    prune_rank_files(tmp_path / "absent", 1, horizon=5)   # no directory at all: nothing to do

@@ -232,3 +232,12 @@ def test_a_worker_taken_out_is_not_the_job_ending():
     outcome = run_job(_job_printing(line, ABORT_GRACE_S + 1.5), stderr=io.StringIO(),
                       timeout=30)
     assert outcome.ok and outcome.returncode == 0
+
+
+def test_a_job_ended_for_new_hosts_is_not_reported_as_failed():
+    from mpsync.commits import HOSTS_CHANGED, RESTART_EXIT_CODE  # noqa: PLC0415
+    _, f = _filtered(f"{HOSTS_CHANGED}: ending this job to start again on them\n" + EXIT_NOTICE)
+    outcome = JobOutcome(RESTART_EXIT_CODE, 5.0, restart_asked=f.restart_asked)
+    assert f.restart_asked and outcome.block() == "" and outcome.exit_code == RESTART_EXIT_CODE
+    # the same status without worker 0's line is a script's own exit: reported
+    assert "the job failed" in JobOutcome(RESTART_EXIT_CODE, 5.0).block()

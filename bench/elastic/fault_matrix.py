@@ -191,7 +191,8 @@ def grow(a, policy: str = "bsp") -> dict:
     virtual cluster, 2 workers (the state server's rank beside worker 0 on node1, worker 1 on
     node2); ``--grow-after`` seconds in, node3 is added to the script's answer.  Records
     ``detect_s`` (the host's appearance to the supervisor's "asked for a restart" line),
-    ``resume_s`` (to the first commit the resumed job wrote with 3 workers), the workers
+    ``resume_s`` (to the resumed job's worker 0 loading the newest commit, just before its
+    first step), the workers
     before and after, and the test accuracy the script prints at its end."""
     out = Path(a.out) / f"grow-{policy}"
     subprocess.run(["rm", "-rf", str(out)])
@@ -200,7 +201,7 @@ def grow(a, policy: str = "bsp") -> dict:
     addrs = [h.split(":")[0] for h in subprocess.run(
         [sys.executable, "-m", "mpsync.cli", "cluster", "--name", a.cluster, "hosts"],
         capture_output=True, text=True, check=True).stdout.strip().split(",")]
-    base, added = [f"{addrs[0]}:2", f"{addrs[1]}:1"], f"{addrs[2]}:1"
+    base, added = [f"{addrs[0]}:1", f"{addrs[1]}:1"], f"{addrs[2]}:1"
     hosts_file.write_text("\n".join(base) + "\n")
     script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     script.chmod(0o755)
@@ -235,14 +236,12 @@ def grow(a, policy: str = "bsp") -> dict:
     reader.join(5)
     (out / "launcher.log").write_text("".join(f"{t - t_add:+9.3f} {ln}" for t, ln in lines))
     asked = next((t for t, ln in lines if "asked for a restart" in ln), None)
-    grown = sorted((json.loads(m.read_text())["seq"], m.stat().st_mtime)
-                   for m in commits.glob("commit-*/MANIFEST.json")
-                   if json.loads(m.read_text())["size"] == 3)
+    resumed = next((t for t, ln in lines if t > t_add and "resuming from commit" in ln), None)
     acc = [re.search(r"elastic, (\d+) workers: test accuracy ([\d.]+)", ln) for _, ln in lines]
     acc = [m for m in acc if m]
     return {"policy": policy, "fault": "host added", "rc": rc,
             "detect_s": None if asked is None else asked - t_add,
-            "resume_s": None if not grown else min(t for _, t in grown) - t_add,
+            "resume_s": None if resumed is None else resumed - t_add,
             "workers": [2, int(acc[-1].group(1)) if acc else None],
             "final_acc": float(acc[-1].group(2)) if acc else None,
             "reached_target": bool(acc) and float(acc[-1].group(2)) >= a.target_acc,
@@ -297,8 +296,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--grow", action="store_true",
                    help="a host added by the discovery script to a running hvd.elastic job")
-    p.add_argument("--grow-after", type=float, default=15)
-    p.add_argument("--grow-epochs", type=int, default=40)
+    p.add_argument("--grow-after", type=float, default=10)
+    p.add_argument("--grow-epochs", type=int, default=150)
     p.add_argument("--calm", type=int, default=0,
                    help="runs of the straggler job without a fault (no one may be suspected)")
     p.add_argument("--calm-budget", type=float, default=20)

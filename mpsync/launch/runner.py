@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TextIO
 
+from mpsync.commits import HOSTS_CHANGED, RESTART_EXIT_CODE
 from mpsync.config import debug_enabled
 from mpsync.launch.hosts import Placement, placement_of
 from mpsync.launch.mpirun import clean_launch_env, forwarded_env, kill_group, mpirun_argv
@@ -104,6 +105,7 @@ class JobOutcome:
     silent: bool = False
     timed_out: bool = False
     interrupted: bool = False
+    restart_asked: bool = False
 
     @property
     def ok(self) -> bool:
@@ -126,6 +128,8 @@ class JobOutcome:
             return ""
         if self.returncode == USER_ERROR and self.signal is None and not self.timed_out:
             return ""   # each rank refused a setting in one line already
+        if self.restart_asked and self.returncode == RESTART_EXIT_CODE:
+            return ""   # hvd.elastic's worker 0 said why: new hosts, not a failure
         if self.timed_out:
             return (f"{name}: the job did not end within its time limit "
                     f"({self.elapsed:.0f} s); it was stopped\n")
@@ -195,6 +199,7 @@ class OutputFilter:
         self.faults: list[str] = []   # mpsync's lines naming a silent worker
         self.reported = False
         self.ending_at: float | None = None   # when a rank said mpsync is ending the job
+        self.restart_asked = False   # hvd.elastic ends the job to start on new hosts
         self._stall = False
         self._partial = ""
         self._passed = ""   # the start of the current line, already passed on
@@ -229,6 +234,8 @@ class OutputFilter:
                 _NO_ANSWER.match(whole) or \
                 (self._stall and _MISSING.match(whole)):
             self.faults.append(whole)
+        if whole.startswith(HOSTS_CHANGED):
+            self.restart_asked = True
         if self.ending_at is None and _ENDING.match(whole):
             self.ending_at = time.monotonic()
         self._stall = whole.startswith(_STALL) or (self._stall and bool(_MISSING.match(whole)))
@@ -365,7 +372,7 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
     reader.join(timeout=0.5 if stopped else 10)
     filt.close()
     outcome.elapsed = time.monotonic() - start
-    outcome.reported = filt.reported
+    outcome.reported, outcome.restart_asked = filt.reported, filt.restart_asked
     _read_notices(outcome, filt.notices, job)
     if not outcome.ok:
         _read_faults(outcome, filt.faults, job)

@@ -53,8 +53,8 @@ import os
 import sys
 
 from mpsync.commits import ENV_COMMIT_DIR, ENV_HOSTS_FILE, ENV_HOSTS_VERSION, \
-    RESTART_EXIT_CODE, USER_ERROR_EXIT_CODE, CommitStore, SealedFileError, load_committed, \
-    newest_complete
+    HOSTS_CHANGED, RESTART_EXIT_CODE, USER_ERROR_EXIT_CODE, CommitStore, SealedFileError, \
+    load_committed, newest_complete
 from mpsync.torch import _runtime
 from mpsync.torch.dataplane.waiting import CollectiveTimeout
 from mpsync.torch.broadcast import broadcast_object
@@ -92,6 +92,9 @@ def run(func):
                 except HostsUpdatedInterrupt:
                     finished = True
                     _close_commits(state, wait=True)
+                    if _runtime.worker_context("hvd.elastic.run").worker_rank == 0:
+                        print(f"{HOSTS_CHANGED}: ending this job to start again on them",
+                              file=sys.stderr, flush=True)
                     raise SystemExit(RESTART_EXIT_CODE) from None
         finally:
             _close_commits(state, wait=finished)
