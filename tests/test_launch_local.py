@@ -197,16 +197,16 @@ def test_without_a_silent_worker_the_rank_that_aborted_is_named():
         1, "aborted the job (MPI_Abort, error code 1)", False)
 
 
-def _job_printing(text: str, then_sleep: float, status: int = 0):
+def _job_printing(text: str, then_sleep: float, status: int = 0, hosts="n1:1,n2:1"):
     import dataclasses  # noqa: PLC0415
     import sys  # noqa: PLC0415
     script = (f"import sys, time; sys.stderr.write({text!r}); sys.stderr.flush(); "
               f"time.sleep({then_sleep}); sys.exit({status})")
-    return dataclasses.replace(build_job(["x"], 2, hosts="n1:1,n2:1", environ={}),
-                               argv=[sys.executable, "-c", script])
+    job = build_job(["x"], 2, hosts=hosts, cores=8, environ={})
+    return dataclasses.replace(job, argv=[sys.executable, "-c", script])
 
 
-def test_a_job_mpsync_is_ending_is_stopped_when_mpirun_waits_on_for_a_lost_node():
+def test_a_job_mpsync_is_ending_is_stopped_when_mpirun_waits_for_a_lost_node():
     """After the state server named a lost worker and aborted, mpirun may wait for the lost
     node's daemon; the launcher stops it within its grace (a job that stands for such an
     mpirun: it says the line, then sleeps 60 s)."""
@@ -222,6 +222,11 @@ def test_a_job_mpsync_is_ending_is_stopped_when_mpirun_waits_on_for_a_lost_node(
     assert not outcome.timed_out and took < ABORT_GRACE_S + 10, (took, sink.getvalue())
     assert (outcome.exit_code, outcome.rank, outcome.host, outcome.silent) == (1, 2, "n2", True)
     assert "rank 2 (worker 1) on n2 went silent" in sink.getvalue()
+    # On this host alone there is no daemon to wait for: mpirun is left to end the job itself.
+    t0 = time.monotonic()
+    outcome = run_job(_job_printing(line, ABORT_GRACE_S + 1.5, status=3, hosts=None),
+                      stderr=io.StringIO(), timeout=30)
+    assert outcome.exit_code == 3 and time.monotonic() - t0 >= ABORT_GRACE_S + 1.5
 
 
 def test_a_worker_taken_out_is_not_the_job_ending():

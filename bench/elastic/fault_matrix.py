@@ -116,6 +116,7 @@ def cell(a, policy: str, fault: str) -> dict:
         if fault == "link":
             subprocess.run([sys.executable, "-m", "mpsync.cli", "cluster", "--name", a.cluster,
                             "link", "--up", "node3"], env=_env(tag))
+            time.sleep(3.0)   # the next cell's first launch on node3 failed right after this
     reader.join(5)
     text = "".join(ln for _, ln in lines)
     (out / "launcher.log").write_text(

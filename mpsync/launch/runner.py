@@ -359,7 +359,8 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
     outcome = JobOutcome(None, 0.0)
     restore = _stop_on_term(proc)
     try:
-        outcome.returncode, outcome.timed_out, stopped = _wait(proc, filt, start, timeout)
+        outcome.returncode, outcome.timed_out, stopped = _wait(
+            proc, filt, start, timeout, remote=not job.placement.local)
         if outcome.timed_out:
             kill_group(proc, term_grace=5.0)
     except KeyboardInterrupt:
@@ -385,14 +386,16 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
 
 
 def _wait(proc: subprocess.Popen, filt: OutputFilter, start: float,
-          timeout: float | None) -> tuple[int | None, bool, bool]:
+          timeout: float | None, remote: bool) -> tuple[int | None, bool, bool]:
     """(mpirun's exit status, timed out, stopped after mpsync's abort).  Once a rank has said
     that mpsync is ending the job (a lost peer named), mpirun gets ``ABORT_GRACE_S`` to end by
     itself: after an abort it waits for every node's daemon, a lost node's until its own
-    timeouts pass (3 s more on the virtual cluster).  Past that it is killed, and the job's
-    status is the abort's, 1.  (SIGKILL, not SIGTERM: mpirun takes a SIGTERM during an abort
-    as "hit ctrl-c again" and, in Open MPI 4.1, crashes in its PMIx teardown, printing a
-    backtrace; the ranks on live nodes are already gone, and their daemons end with it.)"""
+    timeouts pass (3 s more on the virtual cluster).  Past that a job on ``remote`` hosts is
+    killed, mpirun and every process under it here (its ranks, its ssh sessions), and the
+    job's status is the abort's, 1.  SIGKILL, not SIGTERM: mpirun takes a SIGTERM during an
+    abort as "hit ctrl-c again" and, in Open MPI 4.1, crashes in its PMIx teardown, printing a
+    backtrace; the daemons on other nodes end their ranks when mpirun's connection closes.
+    A job on this host alone has no daemon to wait for: mpirun ends it by itself."""
     while True:
         try:
             return proc.wait(timeout=0.1), False, False
@@ -401,13 +404,34 @@ def _wait(proc: subprocess.Popen, filt: OutputFilter, start: float,
         now = time.monotonic()
         if timeout is not None and now - start >= timeout:
             return None, True, False
-        if filt.ending_at is not None and now - filt.ending_at >= ABORT_GRACE_S:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if remote and filt.ending_at is not None and now - filt.ending_at >= ABORT_GRACE_S:
+            for pid in [proc.pid, *_descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait()
             return 1, False, True
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` on this host (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _pump(pipe, filt: OutputFilter) -> None:
