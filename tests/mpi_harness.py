@@ -99,6 +99,21 @@ class MPIRun:
         return "\n".join(lines)
 
 
+def tagged_pids(tag: str) -> list[int]:
+    """The processes started with ``MPSYNC_TEST_TAG=tag`` (ranks, mpirun, srun's tasks), this
+    one aside: what a test finds still running after its job returned, and kills."""
+    want = f"MPSYNC_TEST_TAG={tag}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if want in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
 def run_mpi(target: str, np: int = 2, *, args: tuple | list = (), timeout: float = 60.0,
             env: dict | None = None, check: bool = True, mpirun_extra: tuple = ()) -> MPIRun:
     """Run ``target`` on ``np`` ranks; with ``check`` raise MPIFailure unless every rank exits 0."""

@@ -25,27 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpi_harness import REPO, TESTS_DIR, run_mpi
+from mpi_harness import REPO, TESTS_DIR, run_mpi, tagged_pids
 from mpsync import cli
 from mpsync.launch import mpirun_argv, run_with_deadline
 
 LIMIT = 30.0        # seconds from the error to the end of every rank
 HARD_TIMEOUT = 120  # the harness's; a job still running then is a hang (2 shared cores)
 RUN = ["--no-progress", "--no-plots"]
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """The processes started with ``MPSYNC_TEST_TAG=tag`` (ranks, and mpirun)."""
-    want = f"MPSYNC_TEST_TAG={tag}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if want in (d / "environ").read_bytes().split(b"\0"):
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
 
 
 _STAMP = re.compile(r"(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})<std(?:out|err)>:")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from mpi_harness import tagged_pids
+
 REPO = Path(__file__).resolve().parent.parent
 SLURM_SH = REPO / ".ci" / "slurm.sh"
 JOBS = REPO / "jobs" / "slurm"
@@ -189,19 +191,6 @@ def test_train_job_runs_the_requested_policy_on_the_requested_workers(slurm_env,
     assert (out_dir / "command.sh").read_text().startswith("mpirun -np 3 ")
 
 
-def _tagged(tag: str) -> list[int]:
-    want = f"MPSYNC_TEST_TAG={tag}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if want in (d / "environ").read_bytes().split(b"\0"):
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.parametrize("fault, named", [
     ("raises", r"MPSYNC-RANK-FAILED rank 2 \(worker 1\) on \S+: unhandled RuntimeError"),
     ("sigstop", r"mpsync server: worker rank\(s\) \[2\] silent for more than [\d.]+s "
@@ -221,11 +210,11 @@ def test_a_fault_on_a_rank_ends_a_job_started_by_srun(slurm_env, fault, named):
                              capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT,
                              cwd="/tmp")
         ended = time.time()
-        while _tagged(tag) and time.time() - ended < 5:   # slurmstepd reaping its tasks
+        while tagged_pids(tag) and time.time() - ended < 5:   # slurmstepd reaping its tasks
             time.sleep(0.2)
-        left = _tagged(tag)
+        left = tagged_pids(tag)
     finally:
-        for pid in _tagged(tag):
+        for pid in tagged_pids(tag):
             os.kill(pid, 9)
     text = res.stdout + res.stderr
     assert res.returncode != 0 and not left, (res.returncode, left, text[-4000:])

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TextIO
 
+from mpsync.cluster.agent import descendants
 from mpsync.commits import HOSTS_CHANGED, RESTART_EXIT_CODE
 from mpsync.config import debug_enabled
 from mpsync.launch.hosts import Placement, placement_of
@@ -405,33 +406,13 @@ def _wait(proc: subprocess.Popen, filt: OutputFilter, start: float,
         if timeout is not None and now - start >= timeout:
             return None, True, False
         if remote and filt.ending_at is not None and now - filt.ending_at >= ABORT_GRACE_S:
-            for pid in [proc.pid, *_descendants(proc.pid)]:
+            for pid in [proc.pid, *descendants(proc.pid)]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             proc.wait()
             return 1, False, True
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes under ``pid`` on this host (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _pump(pipe, filt: OutputFilter) -> None:
