@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE", "HOSTS_CHANGED",
-           "USER_ERROR_EXIT_CODE", "SealedFileError", "DATA_TYPES", "check_data", "write_sealed",
-           "read_sealed", "fsync_dir", "BackgroundWriter", "CommitStore", "Manifest",
-           "newest_complete", "load_committed", "MAGIC"]
+__all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE",
+           "HOSTS_CHANGED", "USER_ERROR_EXIT_CODE", "SealedFileError", "DATA_TYPES",
+           "check_data", "write_sealed", "read_sealed", "fsync_dir", "BackgroundWriter",
+           "CommitStore", "Manifest", "newest_complete", "load_committed", "MAGIC"]
 
 # What an elastic launcher tells every rank of the job it starts:
 ENV_COMMIT_DIR = "MPSYNC_ELASTIC_DIR"            # where commits go and are resumed from

@@ -246,3 +246,21 @@ def test_a_job_ended_for_new_hosts_is_not_reported_as_failed():
     assert f.restart_asked and outcome.block() == "" and outcome.exit_code == RESTART_EXIT_CODE
     # the same status without worker 0's line is a script's own exit: reported
     assert "the job failed" in JobOutcome(RESTART_EXIT_CODE, 5.0).block()
+
+
+def test_sigterm_to_the_launcher_stops_the_job_as_an_interrupt():
+    """A scheduler ending our step (SIGTERM to the launcher) stops the job's ranks: the
+    outcome is an interrupt, exit status 130, well before the job's own end."""
+    import os  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    from mpsync.launch.runner import run_job  # noqa: PLC0415
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        outcome = run_job(_job_printing("training\n", 60), stderr=io.StringIO(), timeout=30)
+    finally:
+        timer.cancel()
+    assert outcome.interrupted and outcome.exit_code == 130, outcome
+    assert time.monotonic() - t0 < 20

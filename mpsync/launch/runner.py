@@ -359,6 +359,7 @@ def run_job(job: Job, *, timeout: float | None = None, env=None, cwd: str | None
     reader.start()
     outcome = JobOutcome(None, 0.0)
     restore = _stop_on_term(proc)
+    stopped = False
     try:
         outcome.returncode, outcome.timed_out, stopped = _wait(
             proc, filt, start, timeout, remote=not job.placement.local)
