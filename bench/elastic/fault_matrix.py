@@ -16,9 +16,9 @@ Faults (world rank 0 is the state server on node1; worker k is world rank k+1 on
 
 Each cell waits for a checkpoint at round >= ``--after-round``, then 2 s more, injects the
 fault at ``t_fault`` and records: ``detect_s`` (t_fault to the supervisor's "job 0 failed"
-line; ``named_s``: to the first line that names it), ``resume_s`` (t_fault to the resumed job's first step, ``resumed_at_clock`` in
-metrics.json), ``lost_s`` (t_fault minus the time the checkpoint resumed from was written:
-training thrown away) and its round, and whether the run reached ``--target-acc``.  ``--manual
+line), ``named_s`` (to the first line that names the fault), ``resume_s`` (t_fault to the
+resumed job's first step, ``resumed_at_clock`` in metrics.json), ``lost_s`` (t_fault minus
+the time the checkpoint resumed from was written: training thrown away) and its round, and whether the run reached ``--target-acc``.  ``--manual
 POLICY`` times a restart by hand: ``mpsync train --cluster --resume`` of a finished run's
 checkpoint on the same workers, from launch to its first step.  One JSON line per cell is
 appended to ``--json`` (default bench/elastic/fault_matrix.jsonl).
@@ -193,8 +193,8 @@ def grow(a, policy: str = "bsp") -> dict:
     node2); ``--grow-after`` seconds in, node3 is added to the script's answer.  Records
     ``detect_s`` (the host's appearance to the supervisor's "asked for a restart" line),
     ``resume_s`` (to the resumed job's worker 0 loading the newest commit, just before its
-    first step), the workers
-    before and after, and the test accuracy the script prints at its end."""
+    first step), the workers before and after, and the test accuracy the script prints at
+    its end."""
     out = Path(a.out) / f"grow-{policy}"
     subprocess.run(["rm", "-rf", str(out)])
     out.mkdir(parents=True)
@@ -255,8 +255,8 @@ CALM_POLICIES = ("bsp", "ssp", "esync", "ebsp", "asp")
 def calm(a, i: int) -> dict:
     """Slow is not dead: the 1,1,2,4 straggler job (150 ms iterations at factor 1, so 600 ms
     on worker 3), worker 0 evaluating every second and a checkpoint every 5 rounds, no fault,
-    on this host.  Records whether anyone was suspected and each worker's longest gap between
-    two beats against the bound it was judged by."""
+    on this host.  Records whether anyone was suspected or taken out, and each worker's longest
+    gap between two beats (the suspicion bound is at least 3 s)."""
     policy = CALM_POLICIES[i % len(CALM_POLICIES)]
     out = Path(a.out) / f"calm-{i}-{policy}"
     subprocess.run(["rm", "-rf", str(out)])
