@@ -19,9 +19,10 @@ fault at ``t_fault`` and records: ``detect_s`` (t_fault to the supervisor's "job
 line), ``named_s`` (to the first line that names the fault), ``resume_s`` (t_fault to the
 resumed job's first step, ``resumed_at_clock`` in metrics.json), ``lost_s`` (t_fault minus
 the time the checkpoint resumed from was written: training thrown away) and its round, and
-whether the run reached ``--target-acc``.  ``--manual POLICY`` times a restart by hand: ``mpsync train --cluster --resume`` of a finished run's
-checkpoint on the same workers, from launch to its first step.  One JSON line per cell is
-appended to ``--json`` (default bench/elastic/fault_matrix.jsonl).
+whether the run reached ``--target-acc``.  ``--manual POLICY`` times a restart by hand:
+``mpsync train --cluster --resume`` of a finished run's checkpoint on the same workers, from
+launch to its first step.  One JSON line per cell is appended to ``--json`` (default
+bench/elastic/fault_matrix.jsonl).
 """
 
 from __future__ import annotations
