@@ -258,8 +258,10 @@ def test_resume_from_corrupt_checkpoint_refused(tmp_path):
     bad = tmp_path / "checkpoints" / "ckpt-000000005.mpsck"
     bad.write_bytes(bad.read_bytes()[:-3])
     run = _run(tmp_path, "--resume", str(bad), check=False)
-    assert run.returncode != 0
-    assert f"checkpoint {bad}: truncated" in run.rank_err(0)
+    assert run.returncode != 0 and not run.timed_out, run.report()
+    # Said once, by worker 0 (world rank 1: the dedicated server's rank does not read it).
+    said = [r for r in range(3) if f"checkpoint {bad}: truncated" in run.rank_err(r)]
+    assert said == [1], run.report()
     assert bad.exists()
 
 
@@ -269,11 +271,11 @@ def test_resume_from_crafted_checkpoint_refused(tmp_path):
     bad = tmp_path / "checkpoints" / "ckpt-000000007.mpsck"
     crafted_checkpoint(bad, marker)
     run = _run(tmp_path, "--resume", str(bad), check=False)
-    assert run.returncode != 0
-    lines = [ln for ln in run.rank_err(0).splitlines() if "refused" in ln]
+    assert run.returncode != 0 and not run.timed_out, run.report()
+    lines = [ln for r in range(3) for ln in run.rank_err(r).splitlines() if "refused" in ln]
     assert len(lines) == 1 and lines[0].startswith(f"mpsync train: error: checkpoint {bad}: "
                                                    f"refused"), run.report()
-    assert "Traceback" not in run.rank_err(0), run.report()
+    assert not any("Traceback" in run.rank_err(r) for r in range(3)), run.report()
     assert not marker.exists(), "resuming the crafted checkpoint ran its command"
 
 
@@ -310,7 +312,8 @@ def test_kill_and_resume_rolls_back_at_most_k_rounds(tmp_path, policy, extra, k,
         assert newest["server"]["ps_version"] == 2 * newest["round"], newest["server"]
 
     resumed = _rollback_run(tmp_path, policy, k, *extra, "--resume", str(tmp_path))
-    hit = re.search(r"resuming from \S+: round (\d+), step (\d+)", resumed.rank_out(0))
+    # Worker 0 says it (world rank 1: the dedicated server's rank does not read it).
+    hit = re.search(r"resuming from \S+: round (\d+), step (\d+)", resumed.rank_out(1))
     assert hit, resumed.report()
     resume_round, resume_step = int(hit.group(1)), int(hit.group(2))
     assert resume_round == newest["round"] > 0

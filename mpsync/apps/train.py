@@ -327,13 +327,16 @@ def main(args) -> int:
         workers = _workers_launched(args)
         config = validate(args, workers)
         resume = None
-        if args.resume:
+        if args.resume and not _is_dedicated_server(args):
             from mpsync.apps.checkpoint import latest_good  # torch
 
-            # Every rank reads and verifies the checkpoint before any communication, so a bad
-            # one fails the whole job at once with the same message.
-            path, resume = latest_good(args.resume, warn=_warn_once)
-            if world_rank() == 0:
+            # Every worker reads and verifies the checkpoint before any communication, so a
+            # bad one fails the whole job at once with the same message.  The dedicated
+            # server's rank never uses it and does not read it: the read imports torch, one
+            # process more doing so on the nodes of a restart (whose start-up is on the
+            # job's clock), and the server's start does not wait for it.
+            path, resume = latest_good(args.resume, warn=lambda msg: _warn_once(msg, args))
+            if world_rank() == _first_worker(args):
                 print(f"mpsync train: resuming from {path}: round {resume['round']}, "
                       f"step {resume['step']}" + (
                           f" (written by {resume['workers']} workers: data re-sharded over "
@@ -341,10 +344,12 @@ def main(args) -> int:
             resume = reshard(resume, workers)
             mark_startup("checkpoint_read")
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for bad input
-        from mpsync.apps.checkpoint import CheckpointError  # torch
+        from mpsync.apps.checkpoint import CheckpointError
 
         if not isinstance(e, (ConfigError, CheckpointError)):
             raise
+        if isinstance(e, CheckpointError) and args.server == "dedicated":
+            return _refuse_beside_the_server(e)
         if world_rank() == 0:
             print_user_error("mpsync train", e)
             return 2
@@ -353,6 +358,30 @@ def main(args) -> int:
         # first non-zero exit and drops output still in flight, which lost rank 0's line.
         return 0
     return train(args, config, workers, resume)
+
+
+def _is_dedicated_server(args) -> bool:
+    return args.server == "dedicated" and world_rank() == 0
+
+
+def _first_worker(args) -> int:
+    """World rank of worker 0 (rank 0 is the dedicated server's)."""
+    return 1 if args.server == "dedicated" else 0
+
+
+def _refuse_beside_the_server(error: Exception) -> int:
+    """A checkpoint the workers refuse while the dedicated server's rank, which does not read
+    it, is already starting MPI and waiting for them there: every worker starts MPI too, and
+    worker 0 says why in one line and aborts the job, the server with it (a worker that only
+    exited would leave the server waiting, under a launcher that does not end a job at a
+    non-zero exit).  The other workers return 0 (their own abort could cut worker 0's line)
+    and wait in ``MPI_Finalize`` until the abort ends them."""
+    from mpi4py import MPI
+
+    if world_rank() == 1:
+        print_user_error("mpsync train", error)
+        job_end.end_job(2, MPI.COMM_WORLD)   # never returns
+    return 0
 
 
 def _workers_launched(args) -> int:
@@ -419,8 +448,9 @@ def _run_on_cluster(args) -> int:
     return subprocess.run(argv, env=clean_launch_env(os.environ)).returncode
 
 
-def _warn_once(msg: str) -> None:
-    if world_rank() == 0:
+def _warn_once(msg: str, args) -> None:
+    """Once per job: on worker 0's rank (every worker reads the checkpoint)."""
+    if world_rank() == _first_worker(args):
         print(f"mpsync train: {msg}", file=sys.stderr)
 
 
