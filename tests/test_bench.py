@@ -63,3 +63,8 @@ def test_bench_memory_rows_per_policy():
 def test_bench_startup_refuses_a_job_without_workers_before_launching():
     r = _bench(["startup", "--np", "1"], timeout=60)
     assert r.returncode == 2 and "--np must be >= 2" in r.stderr, r.stderr
+
+
+def test_bench_startup_on_a_cluster_that_is_not_up_says_so():
+    r = _bench(["startup", "--cluster", "nosuch", "--rounds", "1"], timeout=60)
+    assert r.returncode == 2 and "cluster 'nosuch' is not up" in r.stderr, r.stderr

@@ -1,5 +1,5 @@
-"""``mpsync bench startup [--np N] [--rounds K] [--json]``: seconds from ``mpirun`` to the first
-iteration, against the floor, in the same run.
+"""``mpsync bench startup [--np N] [--rounds K] [--cluster [NAME]] [--json]``: seconds from
+``mpirun`` to the first iteration, against the floor, in the same run.
 
 Each round launches, one after the other and interleaved (the machine's load drifts), with
 the same ``mpirun`` options and ``--np`` ranks (workers plus the dedicated server rank):
@@ -17,6 +17,11 @@ the same ``mpirun`` options and ``--np`` ranks (workers plus the dedicated serve
 Each time is taken by the launcher: from just before ``mpirun`` starts to the moment the
 program reports (a ``time.time()`` printed by rank 1, or the metrics).  Reported per
 program: min/median/max over the rounds, and each median over the floor's.
+
+``--cluster`` starts every program on the virtual cluster's nodes instead (placed as
+``mpsync train --cluster`` places them, ``--cluster-placement``): the fresh start that a
+restart on that cluster is to be compared with, since each launch there also goes through
+the cluster's agent into the nodes' namespaces.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 
 from mpsync import policies
+from mpsync.launch.cluster import add_cluster_arguments, cluster_mpirun_argv
 
 __all__ = ["add_arguments", "run"]
 
@@ -88,13 +94,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks: the demo's 4 workers + 1 server rank (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
 
 
-def _launch(program: str, np_: int, work: Path, timeout: float) -> tuple[float, float]:
-    """(seconds to the first iteration, seconds to the end) of one launch."""
-    from mpsync.launch.mpirun import mpirun_argv, python_argv, run_with_deadline
+def _launch(program: str, np_: int, work: Path, timeout: float, cluster: str | None = None,
+            placement: str = "server-alone") -> tuple[float, float]:
+    """(seconds to the first iteration, seconds to the end) of one launch (on this host, or
+    on the virtual cluster ``cluster``)."""
+    from mpsync.launch.mpirun import python_argv, run_with_deadline
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if program == "mpsync_train":
@@ -108,7 +117,8 @@ def _launch(program: str, np_: int, work: Path, timeout: float) -> tuple[float, 
         script.write_text({"floor": _FLOOR, "torch_step": _TORCH_STEP,
                            "horovod_script": _HOROVOD}[program])
         command = [sys.executable, str(script)]
-    argv = mpirun_argv(np_, command, forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
+    argv = cluster_mpirun_argv(np_, command, cluster, placement=placement,
+                               forward_env=("PYTHONPATH", "OMP_NUM_THREADS"))
     start = time.time()
     res = run_with_deadline(argv, timeout, env=env)
     end = time.time()
@@ -132,16 +142,26 @@ def run(args: argparse.Namespace) -> int:
     if args.np < 2 or args.rounds < 1:
         print("mpsync bench startup: --np must be >= 2 and --rounds >= 1", file=sys.stderr)
         return 2
+    if args.cluster is not None:
+        from mpsync import cluster as vc
+
+        state = vc.load_state(args.cluster or None)
+        if state is None:
+            print(f"mpsync bench startup: cluster {args.cluster or vc.default_name()!r} is not "
+                  f"up (mpsync cluster up --nodes N)", file=sys.stderr)
+            return 2
     first: dict[str, list] = {p: [] for p in PROGRAMS}
     total: dict[str, list] = {p: [] for p in PROGRAMS}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
             for program in PROGRAMS:
-                f, t = _launch(program, args.np, Path(tmp), args.timeout)
+                f, t = _launch(program, args.np, Path(tmp), args.timeout, args.cluster,
+                               args.cluster_placement)
                 first[program].append(f)
                 total[program].append(t)
     floor = statistics.median(first["floor"])
-    result = {"np": args.np, "rounds": args.rounds,
+    result = {"np": args.np, "rounds": args.rounds, "cluster": args.cluster,
+              "cluster_placement": args.cluster_placement if args.cluster is not None else None,
               "first_iteration_s": {p: _spread(v) for p, v in first.items()},
               "total_s": {p: _spread(v) for p, v in total.items()},
               "over_floor": {p: statistics.median(v) / floor for p, v in first.items()},
@@ -151,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"start-up, mpirun -np {args.np}, {args.rounds} interleaved rounds (load average "
+    where = "" if args.cluster is None else f" on cluster {args.cluster or 'default'}"
+    print(f"start-up, mpirun -np {args.np}{where}, {args.rounds} interleaved rounds (load average "
           f"{result['load_average']:.1f}): seconds from mpirun to the first iteration")
     for p in PROGRAMS:
         s, t = result["first_iteration_s"][p], result["total_s"][p]
