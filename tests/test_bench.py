@@ -68,3 +68,8 @@ def test_bench_startup_refuses_a_job_without_workers_before_launching():
 def test_bench_startup_on_a_cluster_that_is_not_up_says_so():
     r = _bench(["startup", "--cluster", "nosuch", "--rounds", "1"], timeout=60)
     assert r.returncode == 2 and "cluster 'nosuch' is not up" in r.stderr, r.stderr
+
+
+def test_bench_startup_names_a_program_it_does_not_know():
+    r = _bench(["startup", "--programs", "floor,nonsense"], timeout=60)
+    assert r.returncode == 2 and "unknown nonsense" in r.stderr, r.stderr

@@ -94,15 +94,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks: the demo's 4 workers + 1 server rank (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    parser.add_argument("--programs", default=",".join(PROGRAMS),
+                        help=f"which to launch, comma-separated (default all: "
+                             f"{','.join(PROGRAMS)}; the ratios need floor)")
     add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
 
 
+# ``mpsync train``'s start-up, part by part (``startup_clock`` in its metrics, the order the
+# parts end in; ``process`` is the exec of worker 0's process): what a restart is compared
+# with, part for part (``bench/elastic/fault_matrix.py``'s ``restart_parts``).
+TRAIN_PARTS = ("process", "main", "checkpoint_read", "torch_imported", "data_and_model", "init",
+               "ready")
+
+
+def _parts(clock: dict, start: float) -> dict:
+    """Seconds of each part of ``mpsync train``'s start-up, from ``start`` (``mpirun``);
+    ``process`` is called ``launch`` (mpirun to worker 0's exec), as in a restart's table."""
+    parts, prev = {}, start
+    for name in TRAIN_PARTS:
+        at = clock.get(name)
+        if at is not None:
+            parts["launch" if name == "process" else name] = at - prev
+            prev = at
+    return parts
+
+
 def _launch(program: str, np_: int, work: Path, timeout: float, cluster: str | None = None,
-            placement: str = "server-alone") -> tuple[float, float]:
-    """(seconds to the first iteration, seconds to the end) of one launch (on this host, or
-    on the virtual cluster ``cluster``)."""
+            placement: str = "server-alone") -> tuple[float, float, dict]:
+    """(seconds to the first iteration, seconds to the end, ``mpsync train``'s start-up parts
+    or {}) of one launch (on this host, or on the virtual cluster ``cluster``)."""
     from mpsync.launch.mpirun import python_argv, run_with_deadline
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -125,12 +147,15 @@ def _launch(program: str, np_: int, work: Path, timeout: float, cluster: str | N
     if res.returncode != 0:
         raise RuntimeError(f"{program}: mpirun failed ({'timed out' if res.timed_out else res.returncode}):"
                            f"\n{res.stderr[-2000:]}")
+    parts: dict = {}
     if program == "mpsync_train":
-        first = json.loads((work / "train" / "metrics.json").read_text())["train_start_clock"]
+        metrics = json.loads((work / "train" / "metrics.json").read_text())
+        first = metrics["train_start_clock"]
+        parts = _parts(metrics.get("startup_clock") or {}, start)
     else:
         first = float(next(ln.split()[1] for ln in res.stdout.splitlines()
                            if ln.startswith("FIRST")))
-    return first - start, end - start
+    return first - start, end - start, parts
 
 
 def _spread(values: list[float]) -> dict:
@@ -142,6 +167,13 @@ def run(args: argparse.Namespace) -> int:
     if args.np < 2 or args.rounds < 1:
         print("mpsync bench startup: --np must be >= 2 and --rounds >= 1", file=sys.stderr)
         return 2
+    programs = [p for p in args.programs.split(",") if p]
+    unknown = [p for p in programs if p not in PROGRAMS]
+    if unknown or "floor" not in programs:
+        print(f"mpsync bench startup: --programs {args.programs}: "
+              + (f"unknown {', '.join(unknown)}; " if unknown else "")
+              + f"choose from {', '.join(PROGRAMS)}, floor among them", file=sys.stderr)
+        return 2
     if args.cluster is not None:
         from mpsync import cluster as vc
 
@@ -150,13 +182,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"mpsync bench startup: cluster {args.cluster or vc.default_name()!r} is not "
                   f"up (mpsync cluster up --nodes N)", file=sys.stderr)
             return 2
-    first: dict[str, list] = {p: [] for p in PROGRAMS}
-    total: dict[str, list] = {p: [] for p in PROGRAMS}
+    first: dict[str, list] = {p: [] for p in programs}
+    total: dict[str, list] = {p: [] for p in programs}
+    train_parts: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
-            for program in PROGRAMS:
-                f, t = _launch(program, args.np, Path(tmp), args.timeout, args.cluster,
-                               args.cluster_placement)
+            for program in programs:
+                f, t, parts = _launch(program, args.np, Path(tmp), args.timeout,
+                                      args.cluster, args.cluster_placement)
+                if parts:
+                    train_parts.append(parts)
                 first[program].append(f)
                 total[program].append(t)
     floor = statistics.median(first["floor"])
@@ -165,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
               "first_iteration_s": {p: _spread(v) for p, v in first.items()},
               "total_s": {p: _spread(v) for p, v in total.items()},
               "over_floor": {p: statistics.median(v) / floor for p, v in first.items()},
+              # The median of each part over the rounds (they need not add up to the median).
+              "mpsync_train_parts": {k: statistics.median(p[k] for p in train_parts if k in p)
+                                     for k in dict.fromkeys(k for p in train_parts for k in p)},
               "load_average": os.getloadavg()[0]}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -174,10 +212,13 @@ def run(args: argparse.Namespace) -> int:
     where = "" if args.cluster is None else f" on cluster {args.cluster or 'default'}"
     print(f"start-up, mpirun -np {args.np}{where}, {args.rounds} interleaved rounds (load average "
           f"{result['load_average']:.1f}): seconds from mpirun to the first iteration")
-    for p in PROGRAMS:
+    for p in programs:
         s, t = result["first_iteration_s"][p], result["total_s"][p]
         print(f"  {p:15s} median {s['median']:6.2f}  (min {s['min']:.2f}, max {s['max']:.2f})  "
               f"{result['over_floor'][p]:.2f}x the floor   whole run {t['median']:.2f} s")
+    if result["mpsync_train_parts"]:
+        print("  mpsync_train's start-up, median seconds per part: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in result["mpsync_train_parts"].items()))
     return 0
 
 
