@@ -118,3 +118,14 @@ def test_train_flags_and_environment_reach_the_config(monkeypatch):
     monkeypatch.setenv("MPSYNC_OVERLAP", "0")
     assert (config().bucket_mb, config().overlap) == (2.5, False)
     assert config("--bucket-mb", "8").bucket_mb == 8.0   # the flag wins
+
+
+def test_the_overlap_benchmarks_model_has_over_40_mb_of_gradients_in_three_buckets():
+    from mpsync.apps.models import build_model
+
+    model = build_model((64,), 10, 0, "big-mlp")
+    names, params = zip(*model.named_parameters())
+    buf = FusionBuffer(list(params), list(names))
+    buckets = plan_buckets([buf], cap_bytes=25 << 20)   # the default bucket size
+    assert buf.numel * 4 > 40e6
+    assert len(buckets) == 3 and all(b.nbytes <= 25 << 20 for b in buckets)

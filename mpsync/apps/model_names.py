@@ -6,4 +6,4 @@ from __future__ import annotations
 
 __all__ = ["MODELS"]
 
-MODELS = ("auto", "cnn", "mlp", "wide-mlp", "resnet")
+MODELS = ("auto", "cnn", "mlp", "wide-mlp", "big-mlp", "resnet")

@@ -53,6 +53,12 @@ class WideMLP(nn.Module):
     the order of one emulated iteration (50 ms) plus the forward and backward on a shared
     core, so at that rate communication is as long as computation.  The digits CNN's 80 KB
     would take 1 ms: no link a VM can emulate makes it matter.
+
+    ``big-mlp`` is ``width=2048, depth=4``: 12.7 M parameters, 51 MB of float32 gradients on
+    8x8 digits, in layers of 17 MB each, so that 25 MB buckets cut it in three; its backward
+    on one core and its allreduce over a 1 Gbit/s link both take a few hundred milliseconds
+    at batches of a few hundred, which is what overlapping the two needs to show
+    (``bench/overlap``).
     """
 
     def __init__(self, features: int, n_classes: int, width: int = 1024, depth: int = 3):
@@ -119,13 +125,15 @@ def build_model(input_shape: tuple[int, ...], n_classes: int, seed: int,
     """Seeded so every worker starts from the same weights even before the broadcast.
 
     ``name``: ``auto`` (the CNN for [C,H,W] images, the MLP for [D] features), ``cnn``,
-    ``mlp`` or ``wide-mlp`` (any input, flattened).
+    ``mlp``, ``wide-mlp`` or ``big-mlp`` (any input, flattened), ``resnet`` (images).
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     torch.manual_seed(seed)
     if name == "wide-mlp":
         return WideMLP(int(np.prod(input_shape)), n_classes)
+    if name == "big-mlp":
+        return WideMLP(int(np.prod(input_shape)), n_classes, width=2048, depth=4)
     if name == "resnet":
         if len(input_shape) != 3:
             raise ValueError(f"model 'resnet' takes [C,H,W] images, the data has shape "
