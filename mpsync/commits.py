@@ -42,8 +42,9 @@ from typing import Callable
 
 __all__ = ["ENV_COMMIT_DIR", "ENV_HOSTS_FILE", "ENV_HOSTS_VERSION", "RESTART_EXIT_CODE",
            "HOSTS_CHANGED", "USER_ERROR_EXIT_CODE", "SealedFileError", "DATA_TYPES",
-           "check_data", "write_sealed", "read_sealed", "fsync_dir", "BackgroundWriter",
-           "CommitStore", "Manifest", "newest_complete", "load_committed", "MAGIC"]
+           "check_data", "write_sealed", "read_sealed", "sealed_header", "fsync_dir",
+           "BackgroundWriter", "CommitStore", "Manifest", "newest_complete", "load_committed",
+           "MAGIC"]
 
 # What an elastic launcher tells every rank of the job it starts:
 ENV_COMMIT_DIR = "MPSYNC_ELASTIC_DIR"            # where commits go and are resumed from
@@ -190,11 +191,57 @@ def write_sealed(path: str | os.PathLike, state, **header) -> dict:
     return head
 
 
-def read_sealed(path: str | os.PathLike, what: str = "checkpoint"):
-    """The state stored in ``path`` by :func:`write_sealed`; SealedFileError if it is corrupt,
-    truncated, not one, or holds more than data (its pickle would call something to build it:
-    refused before that call, so nothing in the file runs)."""
-    path = Path(path)
+# What the pickles of sealed files name (``torch.save`` of :data:`DATA_TYPES`, protocol 2),
+# for :func:`sealed_header`'s scan: each is one torch's weights-only unpickler allows
+# (tests/test_checkpoint.py holds the two together), so a file that passes the scan is one
+# :func:`read_sealed` loads, as far as what its pickle names can tell.
+_SCAN_NAMES = frozenset({
+    "collections.OrderedDict", "collections.Counter", "builtins.set", "builtins.complex",
+    "builtins.bytearray", "_codecs.encode", "torch.Size", "torch.device",
+    "torch.serialization._get_layout", "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
+    "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct"})
+_SCAN_PATTERN = re.compile(r"torch\.(?:cuda\.)?(?:BFloat16|Bool|Byte|Char|ComplexDouble|"
+                           r"ComplexFloat|Double|Float|Half|Int|Long|Short)Storage|"
+                           r"torch\.(?:u?int(?:8|16|32|64)|float(?:16|32|64)|bfloat16|bool|"
+                           r"complex(?:64|128))")
+# Opcodes that build or call something without naming it in a GLOBAL (never in torch.save's
+# protocol 2 of data): a pickle with one is refused by the scan.
+_SCAN_REFUSED_OPS = frozenset({"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"})
+
+
+def _scan_pickle(payload: bytes) -> str | None:
+    """Why the pickle of a ``torch.save`` payload would not load as data (what it calls that
+    :data:`_SCAN_NAMES` does not name), without importing torch or running any of it; None
+    when it names only data.  ValueError when the payload is not a ``torch.save`` zip."""
+    import pickletools
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise ValueError("not one data.pkl")
+            data = archive.read(pickles[0])
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise ValueError(str(e)) from None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _SCAN_REFUSED_OPS:
+                return f"its pickle uses {op.name}"
+            if op.name == "GLOBAL":
+                module, name = str(arg).split(" ", 1)
+                full = f"{'builtins' if module == '__builtin__' else module}.{name}"
+                if full not in _SCAN_NAMES and not _SCAN_PATTERN.fullmatch(full):
+                    return f"its pickle calls {full}"
+    except ValueError as e:   # a malformed pickle: torch.load would fail on it too
+        return f"its pickle is malformed ({e})"
+    return None
+
+
+def _sealed_payload(path: Path, what: str) -> tuple[dict, bytes]:
+    """The header and payload of a sealed file, magic, length and sha256 checked."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -215,6 +262,34 @@ def read_sealed(path: str | os.PathLike, what: str = "checkpoint"):
                               f"payload bytes)")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise SealedFileError(f"{what} {path}: corrupt (sha256 mismatch)")
+    return header, payload
+
+
+def sealed_header(path: str | os.PathLike, what: str = "checkpoint") -> dict:
+    """The header of a sealed file that :func:`read_sealed` would load, checked as it checks
+    the file (magic, length, sha256; the pickle names only data), without importing torch and
+    without loading the state: SealedFileError as :func:`read_sealed` raises it.  What the
+    scan cannot tell (a payload that is not a ``torch.save`` zip, e.g. of an older torch) is
+    checked by loading it."""
+    path = Path(path)
+    header, payload = _sealed_payload(path, what)
+    try:
+        why = _scan_pickle(payload)
+    except ValueError:
+        read_sealed(path, what)
+        return header
+    if why is not None:
+        raise SealedFileError(f"{what} {path}: refused, not plain data ({why}); nothing in it "
+                              f"was run")
+    return header
+
+
+def read_sealed(path: str | os.PathLike, what: str = "checkpoint"):
+    """The state stored in ``path`` by :func:`write_sealed`; SealedFileError if it is corrupt,
+    truncated, not one, or holds more than data (its pickle would call something to build it:
+    refused before that call, so nothing in the file runs)."""
+    path = Path(path)
+    _, payload = _sealed_payload(path, what)
     try:
         return _load_data(payload)
     except Exception as e:  # noqa: BLE001 - whatever the payload does, one line naming it

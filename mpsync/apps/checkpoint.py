@@ -27,15 +27,16 @@ replaces it.
 from __future__ import annotations
 
 import copy
+import numbers
 import os
 import sys
 from pathlib import Path
 
 from mpsync.commits import BackgroundWriter, SealedFileError, check_data, read_sealed, \
-    write_sealed
+    sealed_header, write_sealed
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_good",
-           "list_checkpoints", "CheckpointWriter"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "checkpoint_header",
+           "latest_good", "list_checkpoints", "CheckpointWriter", "HEADER_FIELDS"]
 
 SUFFIX = ".mpsck"
 
@@ -47,12 +48,20 @@ def _name(round_: int) -> str:
     return f"ckpt-{round_:09d}{SUFFIX}"
 
 
+# Numbers of the state copied into the file's header, so that a supervisor can say what it
+# resumes from without loading the state (:func:`checkpoint_header`).
+HEADER_FIELDS = ("step", "wall_s", "workers")
+
+
 def save_checkpoint(directory: str | os.PathLike, round_: int, state: dict, *, keep: int = 2) -> Path:
     """Write ``state`` atomically as the checkpoint of ``round_``; prune older ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / _name(round_)
-    write_sealed(final, state, round=int(round_))
+    header = {k: int(v) if isinstance(v, numbers.Integral) else float(v)
+              for k, v in ((k, state.get(k)) for k in HEADER_FIELDS)
+              if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    write_sealed(final, state, round=int(round_), **header)
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return final
@@ -97,21 +106,30 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return read_sealed(path, what="checkpoint")
 
 
-def latest_good(location: str | os.PathLike, *, warn=None) -> tuple[Path, dict]:
+def checkpoint_header(path: str | os.PathLike) -> dict:
+    """The header of the checkpoint ``path`` (``round``, and :data:`HEADER_FIELDS` where the
+    writer put them), checked as :func:`load_checkpoint` checks the file but without loading
+    the state or importing torch (``mpsync.commits.sealed_header``)."""
+    return sealed_header(path, what="checkpoint")
+
+
+def latest_good(location: str | os.PathLike, *, warn=None,
+                read=load_checkpoint) -> tuple[Path, dict]:
     """The newest checkpoint under ``location`` (a file, a directory of checkpoints, or a run
-    directory with ``checkpoints/``) that passes verification.  Corrupt ones are reported via
+    directory with ``checkpoints/``) that passes verification, and ``read(path)`` of it (the
+    state; :func:`checkpoint_header` for the header only).  Corrupt ones are reported via
     ``warn`` (default: stderr) and skipped; CheckpointError when none is usable."""
     location = Path(location)
     warn = warn or (lambda msg: print(f"mpsync: {msg}", file=sys.stderr))
     if location.is_file():
-        return location, load_checkpoint(location)
+        return location, read(location)
     candidates = list_checkpoints(location) or list_checkpoints(location / "checkpoints")
     if not candidates:
         raise CheckpointError(f"--resume {location}: no checkpoint (ckpt-*{SUFFIX}) found")
     problems = []
     for path in reversed(candidates):
         try:
-            return path, load_checkpoint(path)
+            return path, read(path)
         except CheckpointError as e:
             problems.append(str(e))
             warn(f"refusing {e}; trying the previous one")

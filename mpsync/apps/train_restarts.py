@@ -34,7 +34,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from mpsync.apps.checkpoint import CheckpointError, latest_good
+from mpsync.apps.checkpoint import HEADER_FIELDS, CheckpointError, checkpoint_header, \
+    latest_good
 from mpsync.config import ConfigError
 from mpsync.launch.cluster import argv_from_namespace
 from mpsync.launch.mpirun import python_argv
@@ -187,9 +188,12 @@ def _cluster_job(state, command: list[str], attempt: Attempt, dedicated: bool, m
 def _keep_newest(out: Path, index: int) -> Path | None:
     """A directory holding the newest good checkpoint (hard-linked under OUT/restarts/, so
     that pruning by the resumed run never removes what a restart started from); None when
-    there is none (start from the beginning)."""
+    there is none (start from the beginning).  Checked without loading it (the ranks load
+    and check it again): the supervisor never imports torch, which on a restart would be a
+    second or more on the job's clock, on cores the resumed ranks start on."""
     try:
-        path, _ = latest_good(out, warn=lambda m: print(f"mpsync train: {m}", file=sys.stderr))
+        path, _ = latest_good(out, warn=lambda m: print(f"mpsync train: {m}", file=sys.stderr),
+                              read=checkpoint_header)
     except CheckpointError:
         return None
     keep = out / "restarts" / f"restart-{index}"
@@ -216,9 +220,13 @@ def restart_point(out: Path, index: int) -> Path | None:
 
 
 def _describe_checkpoint(path) -> dict:
-    path, state = latest_good(path)
-    return {"path": str(path), "round": state["round"], "step": state["step"],
-            "wall_s": state["wall_s"], "workers": state["workers"]}
+    """Where a restart resumes: the checkpoint's round, step, wall time and workers, from its
+    header (loaded only when an older writer left them out of it)."""
+    path, header = latest_good(path, read=checkpoint_header)
+    if not all(k in header for k in HEADER_FIELDS):
+        path, header = latest_good(path)
+    return {"path": str(path), "round": header["round"], "step": header["step"],
+            "wall_s": header["wall_s"], "workers": header["workers"]}
 
 
 def restart_costs(attempts: list[dict], resumed_at_clock: float | None) -> list[dict]:
