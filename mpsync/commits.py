@@ -193,7 +193,7 @@ def write_sealed(path: str | os.PathLike, state, **header) -> dict:
 
 # What the pickles of sealed files name (``torch.save`` of :data:`DATA_TYPES`, protocol 2),
 # for :func:`sealed_header`'s scan: each is one torch's weights-only unpickler allows
-# (tests/test_checkpoint.py holds the two together), so a file that passes the scan is one
+# (tests/test_checkpoint_scan.py holds the two together), so a file that passes the scan is one
 # :func:`read_sealed` loads, as far as what its pickle names can tell.
 _SCAN_NAMES = frozenset({
     "collections.OrderedDict", "collections.Counter", "builtins.set", "builtins.complex",
