@@ -208,6 +208,29 @@ def idle_after_join() -> None:
     _result(rank=me, steps=step, decisions=state.get("decisions"))
 
 
+def switch_while_joined() -> None:
+    """``auto`` from the ring: worker 1 stops after 3 steps and joins (``synchronize``);
+    worker 0 trains until the server moves the job to the PS, then 5 steps more, 30 s at
+    most.  The switch reaches worker 1 inside its join on the ring."""
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=30)
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    me, step, t0, on_ps = mps.rank(), 0, time.perf_counter(), 0
+    while time.perf_counter() - t0 < 30 and (step < 3 if me == 1 else on_ps < 5):
+        x, y = _data(8, seed=1000 * me + step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.02)
+        opt.step()
+        step += 1
+        on_ps += opt.strategy.topology == "ps"
+    opt.synchronize()
+    mps.shutdown()
+    _result(rank=me, steps=step, digest=_digest(_flat(model)), topology=opt.strategy.topology,
+            switches=[(s["from_topology"], s["to_topology"]) for s in opt.strategy.switches])
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
 

@@ -374,6 +374,12 @@ class ParameterServer(LocalStepsThenAggregate):
         """Join, push what is left, wait until every worker has pushed, pull the final
         weights."""
         self.join()
+        self.settle_joined()
+
+    def settle_joined(self) -> None:
+        """The end of :meth:`synchronize` after the join: the last push, the wait until
+        every worker's is in, the final pull.  (``auto`` calls it alone when a switch from
+        the ring reached this worker inside its join there: that join was the PS's.)"""
         t0 = time.perf_counter()
         self.client.push(self._delta_into_base(), self.iteration, final=True)
         self.backend.barrier("final push")

@@ -347,11 +347,15 @@ class Switching(Strategy):
                 inner._test_capability(inner._pace())
 
     def synchronize(self) -> None:
-        if self.topology == "ps":
-            # Its own final push and pull; no switch is told during a PS join.
-            return self.inner.synchronize()
+        # The join first, on the topology running now: a switch from the ring to the PS can
+        # reach this worker inside it (the others' rounds go on), and the join then ends as
+        # the PS's (no switch is told during a PS join: ``mpsync.auto.gathering``).  What
+        # follows it is the topology's the join ended on, or this worker would broadcast the
+        # ring's final model while the others wait in the PS's final-push barrier.
         self.join()
         inner = self.inner
+        if self.topology == "ps":
+            return inner.settle_joined()    # its final push and pull
         inner._broadcast_model(min(inner.last_active))
         inner.last_active = list(range(inner.n_workers))
         inner.settled = True
