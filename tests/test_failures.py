@@ -106,3 +106,23 @@ def test_a_stopped_worker_ends_a_run_with_default_settings_within_30s():
     # check or the live workers' collective deadline.
     assert re.search(r"rank\(s\) \[2\] silent|no word from worker 1 \(world rank 2\)", text), \
         run.report()
+
+
+@pytest.mark.parametrize("silent", [0, 1])
+def test_a_collective_timeout_tells_a_mismatched_collective_from_a_silent_worker(silent):
+    """Every peer announced a wait: one past this collective, one in another of the same
+    number, each is named with where it waits (workers that called different collectives
+    hang as a lost message does).  A silent peer is named alone."""
+    run = run_mpi("torch_programs:peer_notices", np=3, args=[f"silent={silent}"], timeout=60)
+    res = run.results()[0]
+    if silent:
+        assert res["silent"] == [2], res
+        assert res["message"].endswith("no word from worker 2 (world rank 2)"), res
+        return
+    assert res["silent"] == [], res
+    assert res["message"] == (
+        "mpi final push (collective #7) not complete after 30s deadline: worker 1 (world "
+        "rank 1) is past it, waiting in mpi the PS shards' shutdown (collective #8); worker 2 "
+        "(world rank 2) waits in mpi final model (collective #7) instead: the workers called "
+        "different collectives"), res
+

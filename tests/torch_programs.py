@@ -434,6 +434,29 @@ def fail_server_killed() -> None:
     _fault("kill_server")
 
 
+def peer_notices() -> None:
+    """Three ranks' ``PeerWatch`` notices over real messages: rank 1 announces a later
+    collective than rank 0's, rank 2 the same number under another name; then rank 0's
+    timeout names each and where it waits, and with rank 2 silent, names it only."""
+    from mpsync.torch.dataplane.waiting import PeerWatch
+
+    world = MPI.COMM_WORLD
+    watch = PeerWatch(world.Dup(), world_ranks=[0, 1, 2])
+    me = world.Get_rank()
+    mine = {0: (7, "mpi final push (collective #7)"),
+            1: (8, "mpi the PS shards' shutdown (collective #8)"),
+            2: (7, "mpi final model (collective #7)")}[me]
+    if me != 2 or _args().get("silent") != "1":
+        watch.announce(*mine)
+    world.Barrier()                   # every notice sent before rank 0 reads them
+    if me == 0:
+        time.sleep(0.2)
+        e = watch.timeout(mine[1], mine[0], 30.0)
+        _result(message=str(e), silent=e.silent_ranks)
+    world.Barrier()
+    watch.comm.Free()
+
+
 if __name__ == "__main__":
     # Script mode: ``python torch_programs.py NAME key=value ...``; no harness runner, so an
     # exception reaches mpsync's abort hook (installed by mps.init).

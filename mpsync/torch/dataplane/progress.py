@@ -244,7 +244,7 @@ class ProgressEngine:
                 beat()
                 next_beat = now + self.beat_every
             if watch is not None and not announced and waited > notice_after:
-                watch.announce(seq)
+                watch.announce(seq, what)
                 announced = True
             if waited > deadline:
                 self._expire(test, lane_event, deadline=deadline, what=what, watch=watch, seq=seq,
