@@ -209,15 +209,16 @@ def idle_after_join() -> None:
 
 
 def switch_while_joined() -> None:
-    """``auto`` from the ring: worker 1 stops after 3 steps and joins (``synchronize``);
-    worker 0 trains until the server moves the job to the PS, then 5 steps more, 30 s at
-    most.  The switch reaches worker 1 inside its join on the ring."""
-    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=30)
+    """``auto`` from the ring, planned to go to SSP on the PS after round 4: worker 1 stops
+    after 2 steps and joins (``synchronize``); worker 0 trains until it runs on the PS, then 5
+    steps more, 30 s at most.  The switch reaches worker 1 inside its join on the ring."""
+    mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated",
+             auto_plan="4:ssp", deadline=30)
     model = _model()
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     me, step, t0, on_ps = mps.rank(), 0, time.perf_counter(), 0
-    while time.perf_counter() - t0 < 30 and (step < 3 if me == 1 else on_ps < 5):
+    while time.perf_counter() - t0 < 30 and (step < 2 if me == 1 else on_ps < 5):
         x, y = _data(8, seed=1000 * me + step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
