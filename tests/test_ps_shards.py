@@ -181,10 +181,12 @@ def test_staleness_bound_holds_on_every_shard_with_a_lagging_shard(policy):
     for w, r in by_worker.items():
         assert r["asked"] == {"PUSH": 0, "PULL": 1,
                               "PUSH_PULL": steps - r["one_exchanges"]}, (w, res)
-    # SSP's were served by the state server's compiled loop where it could grant them at once
-    # (server/pull_rules.py); DSSP's controller runs in Python.
+    # Served by the state server's compiled loop where it could grant them at once
+    # (server/pull_rules.py; DSSP's controller grants above in Python).
     served = by_worker[0]["compiled"]
-    assert served > 0 if policy == "ssp" else served == 0, res
+    print(f"\n{policy}: {served} of {sum(r['asked']['PUSH_PULL'] for r in res.values())} "
+          f"asked pulls served by the compiled loop")
+    assert served > 0, res
 
 
 @pytest.mark.mpi

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from mpsync.config import SyncConfig
 from mpsync.server import StateServer, pull_rules, rules, wire as W
 from mpsync.server._fastpath import PROBED, RECEIVED
-from mpsync.server.policies import make_policy
+from mpsync.server.policies import DSSP, WorkerTable, make_policy
 
 
 def _config(policy, **kw):
@@ -25,7 +25,8 @@ def _config(policy, **kw):
 
 def _server(policy, fast=True):
     comm = MPI.COMM_SELF.Dup()
-    server = StateServer(comm, _config(policy, staleness=2), workers=[0], fast_path=fast)
+    server = StateServer(comm, _config(policy, staleness=2, staleness_low=2, staleness_high=4),
+                         workers=[0], fast_path=fast)
     server.weights.init(np.empty(0))   # the model is on the shards (PS_INIT with no payload)
     return comm, server
 
@@ -59,13 +60,15 @@ def _state(server):
             "events": [(int(w), rules.EVENT_KINDS[int(k)], int(v)) for _, w, k, v in rows]}
 
 
-@pytest.mark.parametrize("policy", ["asp", "ssp"])
+@pytest.mark.parametrize("policy", ["asp", "ssp", "dssp"])
 def test_the_compiled_loop_serves_push_pulls_as_the_python_loop_does(policy):
+    # (DSSP with one worker: every push is within s_L, Alg. 1 lines 7-9)
     n = 6
     comm, fast = _server(policy)
     comm2, slow = _server(policy, fast=False)
     try:
         assert fast.ps.cells[pull_rules.PS_BOUND] == (-1 if policy == "asp" else 2)
+        assert fast.ps.cells[pull_rules.PS_DSSP] == (policy == "dssp")
         requests, _ = _send_push_pulls(comm, n)
         now = MPI.Wtime()
         done = fast._serve_compiled(now, 0.05, now + 30.0, 0.0)
@@ -84,12 +87,17 @@ def test_the_compiled_loop_serves_push_pulls_as_the_python_loop_does(policy):
         assert [int(r[W.R_VERSION]) for r in compiled] == list(range(1, n + 1))
         assert _state(fast) == _state(slow)
         assert fast.table.push_table[0, 0] <= fast.table.push_table[0, 1]
+        if policy == "dssp":
+            assert fast.policy.r_extra.tolist() == slow.policy.r_extra.tolist() == [0]
+            assert not fast.policy.held.any() and fast.policy.describe() == \
+                slow.policy.describe()
     finally:
         comm.Free()
         comm2.Free()
 
 
 def test_a_last_push_and_a_policy_without_a_compiled_rule_go_to_the_python_loop():
+    # (A DSSP push its controller rules on: the random tables below.)
     comm, server = _server("ssp")
     try:
         requests, bufs = _send_push_pulls(comm, 1, flag=1)
@@ -101,12 +109,27 @@ def test_a_last_push_and_a_policy_without_a_compiled_rule_go_to_the_python_loop(
         assert server.table.pushes[0] == 0 and server.weights.version == 0   # untouched
     finally:
         comm.Free()
-    comm, server = _server("dssp")   # its controller runs at every push: Python's
+    # DSSP's bookkeeping for a worker out of the comparison (a push after its last) is the
+    # Python loop's: received, handed over untouched.
+    comm, server = _server("dssp")
     try:
-        assert server.ps.cells[pull_rules.PS_BOUND] == pull_rules.NOT_SERVED
-        _assert_left_in_the_queue(comm, server)
+        server.table.final_pushed[0] = True
+        requests, bufs = _send_push_pulls(comm, 1)
+        now = MPI.Wtime()
+        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
+        MPI.Request.Waitall(requests)
+        assert (done.code, done.handled) == (RECEIVED, 0), done
+        assert server.table.pushes[0] == 0 and server.weights.version == 0
     finally:
         comm.Free()
+
+    class Patient(DSSP):     # a plugin's pull rule: not the one compiled
+        def may_pull(self, w):
+            return super().may_pull(w)
+
+    plugin = Patient(WorkerTable(2), _config("dssp"))
+    assert plugin.compiled_pull_bound() == pull_rules.NOT_SERVED
+    assert plugin.compiled_controller() is None
 
 
 def test_before_the_model_is_on_the_shards_nothing_is_served_here():
@@ -167,3 +190,56 @@ def test_the_compiled_rules_decide_as_the_policy_objects_on_random_tables(policy
             assert np.array_equal(getattr(c1, f), getattr(c2, f), equal_nan=True), f
         for f in t1._fields:
             assert np.array_equal(getattr(t1, f), getattr(t2, f), equal_nan=True), f
+
+
+def test_dssps_compiled_rule_grants_what_alg1_grants_without_the_controller():
+    """DSSP on random tables: the compiled rule grants a pull exactly where the policy's
+    ``on_push`` grants it without its controller (an extra iteration left, Alg. 1 lines
+    3-5, or within s_L, lines 7-9), and then leaves r_p, the held flag and the sure pulls
+    as the policy does; everything else (the controller's grant or hold) it hands over."""
+    rng = np.random.default_rng(11)
+    served = handed = 0
+    for trial in range(400):
+        n = int(rng.integers(1, 7))
+        low = int(rng.integers(0, 3))
+        p = make_policy(_config("dssp", staleness_low=low, staleness_high=low + 3), n)
+        t = p.t
+        t.pushes[:] = rng.integers(0, 8, n)
+        t.push_table[:] = np.sort(rng.random((n, 2)), axis=1)
+        t.done[:] = rng.random(n) < 0.15
+        t.removed[:] = rng.random(n) < 0.15
+        t.final_pushed[:] = rng.random(n) < 0.15
+        p.r_extra[:] = np.where(rng.random(n) < 0.3, rng.integers(1, 3, n), 0)
+        p.held[:] = rng.random(n) < 0.3
+        ps = pull_rules.new_ps_tables(t.pushes, t.push_table, t.final_pushed, t.done,
+                                      np.zeros(n, np.int64), np.zeros(n, np.int64),
+                                      (p.r_extra.copy(), p.held.copy()))
+        ps.cells[pull_rules.PS_BOUND] = p.compiled_pull_bound()
+        w = int(rng.integers(0, n))
+        granted = pull_rules.ps_pull_granted(t.cells, ps, w)
+        assert granted == pull_rules.ps_pull_granted_reference(t.cells, ps, w), trial
+        going = ~(t.done | t.removed | t.final_pushed)
+        before, r_before, grants = t.pushes.copy(), int(p.r_extra[w]), p.granted.sum()
+        after = before + (np.arange(n) == w)          # counting this push
+        without_controller = bool(going[w]) and (
+            r_before > 0 or after[w] - after[going].min() <= low)
+        assert granted == without_controller, (trial, before, w, r_before)
+        if not granted:
+            handed += 1
+            continue
+        served += 1
+        copies = [ps._replace(**{f: getattr(ps, f).copy() for f in ps._fields})
+                  for _ in range(2)]
+        cells = [t.cells._replace(**{f: getattr(t.cells, f).copy() for f in t.cells._fields})
+                 for _ in range(2)]
+        p.on_push(w, 2.0)
+        assert p.may_pull(w) and p.granted.sum() == grants, trial
+        sure = p.sure_pulls(w)
+        t.pushes[:] = before
+        for tables, copy, run in zip(cells, copies, (pull_rules.ps_push_pull,
+                                                     pull_rules.ps_push_pull_reference)):
+            assert run(tables, copy, w, 2.0) == sure, (trial, run)
+            assert copy.r_extra.tolist() == p.r_extra.tolist(), (trial, run)
+            assert copy.held.tolist() == p.held.tolist(), (trial, run)
+    assert served > 100 and handed > 50, (served, handed)
+

@@ -171,7 +171,8 @@ class StateServer(MessageHandlers):
             # ``ps.cells`` across each call (``_serve_compiled``).
             t = self.table
             self.ps = pull_rules.new_ps_tables(t.pushes, t.push_table, t.final_pushed, t.done,
-                                               self.counters.pushes, self.counters.pulls)
+                                               self.counters.pushes, self.counters.pulls,
+                                               self.policy.compiled_controller())
             self.ps.cells[pull_rules.PS_BOUND] = self.policy.compiled_pull_bound()
             self.fast = _fastpath.FastPath(comm, self.index, kind, self.policy, self.cells,
                                            self.counters.cells, self.events.cells, self._msg,

@@ -107,6 +107,11 @@ class Policy:
         only counted, but its pull rule may be any)."""
         return pull_rules.NOT_SERVED
 
+    def compiled_controller(self):
+        """DSSP's per-worker arrays ``(r_extra, held)`` that the compiled rule reads and
+        writes as ``on_push`` does (``pull_rules``), or None: no controller."""
+        return None
+
     def on_membership_change(self) -> None:
         """A worker shut down or was taken out: decisions must not wait for it any more."""
 
@@ -247,6 +252,15 @@ class DSSP(Policy):
                                     "r_star": int(r_new + 1)})
         self.r_extra[w] = r_new
         self.held[w] = not ok
+
+    def compiled_pull_bound(self):
+        # The compiled loop grants what Alg. 1 grants without the controller (s_L, or an
+        # extra iteration left) and leaves the controller's pushes to this object.
+        return int(self.config.staleness_low) if _pull_rules_are(self, DSSP) else \
+            pull_rules.NOT_SERVED
+
+    def compiled_controller(self):
+        return (self.r_extra, self.held) if _pull_rules_are(self, DSSP) else None
 
     def warm_up(self):
         warm_up_staleness()
