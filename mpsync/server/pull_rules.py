@@ -120,10 +120,11 @@ def ps_pull_granted_reference(tables, ps, w) -> bool:
 def ps_push_pull(tables, ps, w, now):
     """Count worker ``w``'s push, received at ``now`` (not its last: a last push goes to the
     Python loop), and book the pull granted after it (:func:`ps_pull_granted` said so);
-    returns the further pulls sure to be granted (the reply's ``R_EXTRA``).  What ``_count_push`` and ``_answer_pull`` write, in
-    their order: the version, the stats, ``Policy.on_push``, the pacing of a worker that
-    reports no steps, then the pull's count and the largest lead.  (Events are logged by
-    the caller, which knows the clock origin.)"""
+    returns the further pulls sure to be granted (the reply's ``R_EXTRA``).  What
+    ``_count_push`` and ``_answer_pull`` write, in their order: the version, the stats,
+    ``Policy.on_push`` (DSSP's: r_p and the held flag), the pacing of a worker that reports
+    no steps, then the pull's count and the largest lead.  (Events are logged by the
+    caller, which knows the clock origin.)"""
     ps.cells[PS_VERSION] += 1
     ps.counted[w] += 1
     ps.pushes[w] += 1
