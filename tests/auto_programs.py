@@ -239,7 +239,7 @@ if __name__ == "__main__":
 def loss_reports() -> None:
     """A script's own loop under ``auto`` reporting its loss (``opt.report_loss``): a tensor
     each step, every 0.02 s, for 1.5 s and 8 reports; bad arguments first (each must be
-    refused)."""
+    refused); the learning rate cut 10x at step 5 (a step schedule)."""
     mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=60)
     model = _model()
     opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
@@ -262,6 +262,9 @@ def loss_reports() -> None:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        if step == 5:
+            for group in opt.param_groups:
+                group["lr"] *= 0.1
         opt.report_loss(loss, epoch=1)
         if first is None:
             first = time.perf_counter()
@@ -278,4 +281,5 @@ def loss_reports() -> None:
     _result(rank=mps.rank(), steps=step, refused=refused, sent=stats["local"]["loss_reports"],
             seconds=time.perf_counter() - t0,
             training_loss=(server.get("policy_state") or {}).get("training_loss"),
+            rate_changes=(server.get("policy_state") or {}).get("learning_rate_changes"),
             gradient_noise=(server.get("policy_state") or {}).get("gradient_noise"))

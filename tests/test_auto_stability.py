@@ -233,3 +233,7 @@ def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
     assert 3 <= noise["pairs"] <= most and noise["workers"] == 2, (noise, most)
     assert 1.0 <= noise["gain"] <= 2.0 and "gradient pairs" in noise["note"], noise
     assert watch["initial"] is not None and 1.0 < watch["initial"] < 4.0, watch
+    # The learning rate cut 10x at step 5 on both workers: each told the server at its next
+    # report, and the server took both as one change.
+    changes = res[1]["rate_changes"]
+    assert len(changes) == 1 and changes[0]["worker"] in (0, 1), changes

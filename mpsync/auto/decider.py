@@ -86,6 +86,7 @@ class Decider:
         # switch) is tried, and kept only if confirm_switch's measured progress does not
         # refute it.  The slice trains the job: nothing is lost.
         self.explore = explore
+        self._forced: str | None = None  # a trigger the next check ranks on (a new lr)
 
     @property
     def switches(self) -> int:
@@ -96,6 +97,9 @@ class Decider:
         one; later ones only for a change confirmed on ``confirm`` consecutive calls."""
         if self.basis is None:
             return "first measurement"
+        if self._forced is not None:
+            trigger, self._forced, self._seen = self._forced, None, 0
+            return trigger
         change = m.change_from(self.basis, self.change_tolerance)
         if change is None:
             self._seen = 0
@@ -114,6 +118,19 @@ class Decider:
                         f"unstable on the cluster as it was)")
             self.unstable.clear()
         return trigger
+
+    def learning_rate_changed(self, note: str) -> list[str]:
+        """The job's learning rate changed (``note`` says where): what was ruled out or
+        refuted at the old one -- a divergence, a measured progress -- is judged again, so
+        it is re-admitted and the next check ranks anew (``wants_ranking``).  Returns the
+        labels re-admitted."""
+        readmitted = sorted(set(self.unstable) | self.refuted)
+        self.unstable.clear()
+        self.refuted.clear()
+        self._forced = f"learning rate changed ({note})" + (
+            f"; re-admitted: {', '.join(readmitted)} (ruled out at the old learning rate)"
+            if readmitted else "")
+        return readmitted
 
     def decide(self, ranked: list[Ranked], m: Measurements, now_s: float, trigger: str,
                *, cost_s: float = 0.0) -> DecisionRecord:

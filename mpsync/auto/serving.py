@@ -62,6 +62,7 @@ __all__ = ["AutoPolicy", "CHECK_EVERY_S", "WARM_UP_S", "MIN_REPORTS", "live_cand
 
 CHECK_EVERY_S = 0.5      # how often the measurements are looked at (on the queries' clock)
 RANK_EVERY_S = 2.0       # and at most this often ranked again
+SAME_RATE_CHANGE_S = 2.0  # the workers' reports of one change of learning rate come within
 WARM_UP_S = 1.0          # measured under the starting policy at least this long
 CONFIRM_AFTER_S = 4.0    # a switch's progress is measured this long before it is confirmed
 MIN_REPORTS = 3          # ... and until every worker has reported this often,
@@ -144,6 +145,8 @@ class AutoPolicy(Policy):
         # the last measurement on the parameter server allows; None: none measured there yet.
         self.progress_log: list[dict] = []
         self.gain_bracket: tuple[float, float, str] | None = None
+        self._lr_changed_at = float("-inf")   # (on_learning_rate_change)
+        self.rate_changes: list[dict] = []
         self.rollback = False       # the switch pending leaves the PS from earlier weights
         self.problems: list[str] = []
         # Why auto switches on the ring only although auto_ps was asked for, or None.
@@ -388,6 +391,27 @@ class AutoPolicy(Policy):
     def on_gradient_noise(self, w, noise, signal, pairs, now):
         self.noise.add(now, w, noise, signal, pairs)
 
+    def on_learning_rate_change(self, w, k, now):
+        """A worker's learning rate changed (a schedule, by ``switching.RATE_CHANGE`` or more;
+        every worker tells: the first one counts, the others within ``SAME_RATE_CHANGE_S``
+        tell of the same change): the candidates ruled out and the parameter server's
+        measured progress bracket were judged at the old rate (how fast full updates
+        progress, and whether they diverge, is the learning rate's doing), so they are
+        dropped and the next check ranks anew."""
+        if now - self._lr_changed_at < SAME_RATE_CHANGE_S:
+            return
+        self._lr_changed_at = now
+        had = self.gain_bracket
+        self.gain_bracket = None
+        note = f"worker {w} at iteration {k}" + (
+            f"; the parameter server's measured progress bracket ({had[2]}) dropped"
+            if had is not None else "")
+        readmitted = self.decider.learning_rate_changed(note)
+        if len(self.rate_changes) < 100:
+            self.rate_changes.append({"at_s": round(now - (self.t0 or now), 3), "worker": w,
+                                      "iteration": k, "readmitted": readmitted,
+                                      "bracket_dropped": had is not None})
+
     def _with_gain(self, m, now: float):
         """``m`` with the job's full-update gain as measured now (the prior alone until
         enough gradient pairs came in: then ``ps_gain`` stays None, the fitted constant)."""
@@ -559,6 +583,7 @@ class AutoPolicy(Policy):
                 "training_loss": self.losses.describe(),
                 "gradient_noise": noise,
                 "progress": self.progress_log,
+                "learning_rate_changes": self.rate_changes,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
                 "query_overhead_s": round(self.overhead_s, 4), "queries": self.queries,
                 "running_state": self.running.describe(),

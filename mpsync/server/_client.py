@@ -403,17 +403,20 @@ class SyncClient(ParameterServerCalls):
         self.comm.Send(header, dest=self.server, tag=W.RESET)
         self.control_sent += _MSG_BYTES
 
-    def report_loss(self, loss: float, count: int = 1, noise=(0.0, 0.0, 0)) -> None:
+    def report_loss(self, loss: float, count: int = 1, noise=(0.0, 0.0, 0),
+                    lr_changed: bool = False) -> None:
         """This worker's mean training loss over its last ``count`` iterations (policy
         ``auto`` watches it: ``mpsync.auto.stability``) and its gradient noise since the last
         report, ``noise`` = (summed ½|g₁ - g₂|², summed g₁ · g₂, pairs) (``mpsync.auto.noise``);
-        no reply is awaited.  A loss below 0 (a loss that is not a divergence measure) is not
-        sent, nor is its noise."""
+        ``lr_changed``: its learning rate changed since the last report.  No reply is
+        awaited.  A loss below 0 (a loss that is not a divergence measure) is not sent, nor
+        is its noise (a change of learning rate waits for the next report)."""
         finite = math.isfinite(loss)
         if finite and loss < 0:
             return
+        flag = (0 if finite else W.NOT_FINITE) | (W.LR_CHANGED if lr_changed else 0)
         header = self._header(self.iteration, 0.0, 0, loss if finite else 0.0,
-                              count=max(int(count), 1), flag=0 if finite else W.NOT_FINITE)
+                              count=max(int(count), 1), flag=flag)
         m = self._req
         half_diff, dot, pairs = noise
         m[W.L_NOISE], m[W.L_POWER], m[W.L_PAIRS] = half_diff, max(half_diff + dot, 0.0), pairs

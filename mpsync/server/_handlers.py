@@ -73,7 +73,10 @@ class MessageHandlers:
         # messages from one rank are received in the order they were sent).
 
     def _on_loss(self, src, w, msg, now):
-        loss = float("inf") if msg[W.FLAG] == W.NOT_FINITE else msg[W.AGG]
+        flag = int(msg[W.FLAG])
+        loss = float("inf") if flag & W.NOT_FINITE else msg[W.AGG]
+        if flag & W.LR_CHANGED:
+            self.policy.on_learning_rate_change(w, int(msg[W.ITER]), now)
         self.policy.on_loss(w, int(msg[W.ITER]), loss, max(int(msg[W.COUNT]), 1), now)
         if msg[W.L_PAIRS] >= 1:
             noise = float(msg[W.L_NOISE])

@@ -122,6 +122,10 @@ class Policy:
         """Worker ``w``'s mean training loss over ``count`` iterations up to ``k`` (``inf``:
         not finite); read by ``auto`` (``mpsync.auto.stability``), ignored by the rest."""
 
+    def on_learning_rate_change(self, w: int, k: int, now: float) -> None:
+        """Worker ``w``'s learning rate changed before its iteration ``k`` (a schedule);
+        read by ``auto`` (``mpsync.auto.serving``), ignored by the rest."""
+
     def on_gradient_noise(self, w: int, noise: float, signal: float, pairs: int,
                           now: float) -> None:
         """Worker ``w``'s ``pairs`` same-weights gradient pairs since its last report:

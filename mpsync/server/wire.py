@@ -67,7 +67,9 @@ SYNC = 1
 
 # Largest payload a DATA message may announce (float64 elements): 2**31 elements = 16 GiB.
 RING_ONLY = 1        # REGISTER's FLAG: auto must not move this worker to the PS
-NOT_FINITE = 1       # LOSS's FLAG: the loss was NaN or inf (AGG is then 0)
+# LOSS's FLAG, bits: the loss was NaN or inf (AGG is then 0); the worker's learning rate
+# changed since its last report (``auto`` re-admits what it ruled out at the old one).
+NOT_FINITE, LR_CHANGED = 1, 2
 MAX_COUNT = 2 ** 31
 # Iteration numbers beyond this are rejected as corrupt (2**53: exact in float64).
 MAX_ITER = 2 ** 53

@@ -62,7 +62,8 @@ from mpsync.policies import AUTO_ROLLBACK, AUTO_TARGETS, auto_start_code, auto_t
 from mpsync.server.shard_plan import shards_unavailable
 from mpsync.torch.strategies.base import Strategy, spec_of
 
-__all__ = ["Switching", "share_velocity", "weights_digest"]
+__all__ = ["Switching", "RATE_CHANGE", "learning_rates", "rates_changed", "share_velocity",
+           "weights_digest"]
 
 # What the optimizer and the trainer set on a strategy: kept here and given to each new one.
 _CARRIED = ("wire", "op_sum", "peers", "skip_aggregation")
@@ -94,6 +95,34 @@ def _velocities(optimizer):
             value = state.get(key)
             if torch.is_tensor(value) and value.is_floating_point():
                 yield value
+
+
+def learning_rates(optimizer) -> tuple:
+    """The learning rate of each parameter group (a tensor's as a number)."""
+    return tuple(float(g["lr"]) if "lr" in g else None for g in optimizer.param_groups)
+
+
+# A learning rate this many times larger or smaller than the one the server last heard of
+# is a change ``auto`` judges its candidates again for (``note_progress``): a step schedule's
+# drop (typically 10x) is one, a warm-up or a cosine schedule a few over a run, not one per
+# step (which would re-rank every check and re-admit a diverging candidate each time).
+RATE_CHANGE = 1.5
+
+
+def rates_changed(told: tuple, now: tuple) -> bool:
+    """Has any group's learning rate moved by ``RATE_CHANGE`` or more since ``told``?"""
+    if len(told) != len(now):
+        return True
+    for a, b in zip(told, now):
+        if a is None or b is None:
+            if a is not b:
+                return True
+        elif a <= 0 or b <= 0:
+            if (a > 0) != (b > 0):
+                return True
+        elif max(a / b, b / a) >= RATE_CHANGE:
+            return True
+    return False
 
 
 def share_velocity(optimizer, n_workers: int) -> None:
@@ -128,8 +157,10 @@ class Switching(Strategy):
                              _carried=dict(wire=None, op_sum=False, peers=None,
                                            skip_aggregation=False))
         self.__dict__["ring_only"] = None
-        # The training loss since the last report to the server (``note_progress``).
+        # The training loss since the last report to the server (``note_progress``), and the
+        # learning rates the server last heard of (``rates_changed``).
         self.__dict__["_loss"] = [0.0, 0, time.perf_counter()]
+        self.__dict__["_rates"] = None
         # Same-weights gradient pairs (DistributedOptimizer.probe_gradient_noise), sent with
         # the loss reports (the server's estimate of the job's gradient noise scale:
         # mpsync.auto.noise).
@@ -385,7 +416,15 @@ class Switching(Strategy):
         now = time.perf_counter()
         if self.client is not None and (now - acc[2] >= LOSS_REPORT_EVERY_S
                                         or not math.isfinite(loss)):
-            self.client.report_loss(acc[0] / acc[1], acc[1], self._pairs.take())
+            rates = learning_rates(self.optimizer)
+            mean = acc[0] / acc[1]
+            # (from the first report: a schedule may set the rate after the optimizer's start)
+            changed = self._rates is not None and rates_changed(self._rates, rates)
+            if self._rates is None:
+                self.__dict__["_rates"] = rates
+            self.client.report_loss(mean, acc[1], self._pairs.take(), lr_changed=changed)
+            if changed and not (math.isfinite(mean) and mean < 0):   # (not sent: not told)
+                self.__dict__["_rates"] = rates
             acc[:] = [0.0, 0, now]
 
     def zero_grad(self, set_to_none: bool = True) -> bool:
