@@ -32,6 +32,8 @@ def test_a_change_is_a_move_by_the_factor_in_any_group():
     opt = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": torch.tensor(0.5)},
                            {"params": [torch.zeros(1)]}], lr=0.1)
     assert learning_rates(opt) == (0.5, 0.1)
+    opt.param_groups[1]["lr"] = None       # (an optimizer that sets its own step sizes)
+    assert learning_rates(opt) == (0.5, None)
 
 
 def test_the_decider_readmits_what_it_ruled_out_and_ranks_again_on_a_new_rate():

@@ -98,8 +98,10 @@ def _velocities(optimizer):
 
 
 def learning_rates(optimizer) -> tuple:
-    """The learning rate of each parameter group (a tensor's as a number)."""
-    return tuple(float(g["lr"]) if "lr" in g else None for g in optimizer.param_groups)
+    """The learning rate of each parameter group (a tensor's as a number; None: the group
+    has none, as an optimizer that sets its own step sizes)."""
+    return tuple(None if g.get("lr") is None else float(g["lr"])
+                 for g in optimizer.param_groups)
 
 
 # A learning rate this many times larger or smaller than the one the server last heard of
