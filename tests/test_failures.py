@@ -108,16 +108,25 @@ def test_a_stopped_worker_ends_a_run_with_default_settings_within_30s():
         run.report()
 
 
-@pytest.mark.parametrize("silent", [0, 1])
-def test_a_collective_timeout_tells_a_mismatched_collective_from_a_silent_worker(silent):
+@pytest.mark.parametrize("case", ["mismatch", "past", "silent"])
+def test_a_collective_timeout_tells_a_mismatched_collective_from_a_silent_worker(case):
     """Every peer announced a wait: one past this collective, one in another of the same
     number, each is named with where it waits (workers that called different collectives
-    hang as a lost message does).  A silent peer is named alone."""
-    run = run_mpi("torch_programs:peer_notices", np=3, args=[f"silent={silent}"], timeout=60)
+    hang as a lost message does).  Only one past it: named, and the two causes it may have.
+    A silent peer is named alone."""
+    run = run_mpi("torch_programs:peer_notices", np=3, args=[f"case={case}"], timeout=60)
     res = run.results()[0]
-    if silent:
+    if case == "silent":
         assert res["silent"] == [2], res
         assert res["message"].endswith("no word from worker 2 (world rank 2)"), res
+        return
+    if case == "past":
+        assert res["silent"] == [], res
+        assert res["message"].endswith(
+            "worker 1 (world rank 1) is past it, waiting in mpi the PS shards' shutdown "
+            "(collective #8); worker 2 (world rank 2) is past it, waiting in mpi the PS "
+            "shards' shutdown (collective #8): a collective this worker called and the "
+            "others did not, or its last message to this worker was lost"), res
         return
     assert res["silent"] == [], res
     assert res["message"] == (

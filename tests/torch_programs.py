@@ -436,17 +436,21 @@ def fail_server_killed() -> None:
 
 def peer_notices() -> None:
     """Three ranks' ``PeerWatch`` notices over real messages: rank 1 announces a later
-    collective than rank 0's, rank 2 the same number under another name; then rank 0's
-    timeout names each and where it waits, and with rank 2 silent, names it only."""
+    collective than rank 0's, rank 2 the same number under another name (``case=past``: a
+    later one too; ``silent``: none); then rank 0's timeout names each and where it
+    waits."""
     from mpsync.torch.dataplane.waiting import PeerWatch
 
     world = MPI.COMM_WORLD
     watch = PeerWatch(world.Dup(), world_ranks=[0, 1, 2])
     me = world.Get_rank()
+    case = _args().get("case", "mismatch")
     mine = {0: (7, "mpi final push (collective #7)"),
             1: (8, "mpi the PS shards' shutdown (collective #8)"),
             2: (7, "mpi final model (collective #7)")}[me]
-    if me != 2 or _args().get("silent") != "1":
+    if me == 2 and case == "past":
+        mine = (8, "mpi the PS shards' shutdown (collective #8)")
+    if me != 2 or case != "silent":
         watch.announce(*mine)
     world.Barrier()                   # every notice sent before rank 0 reads them
     if me == 0:

@@ -139,8 +139,14 @@ class PeerWatch:
         other = [] if silent else self.elsewhere(seq, what)
         if other:
             # A collective one worker called and another did not (or in another order) hangs
-            # as a lost message does; the notices tell the two apart.
-            why = ("; ".join(line for _, line in other) + ": the workers called different "
-                   "collectives")
+            # as a lost message does; the notices tell the two apart where a peer waits in
+            # another collective of the same number.  One past this collective may have left
+            # it (a broadcast's root does, once it has sent) with the message to this worker
+            # lost, or never called it.
+            mismatch = any(line.endswith(" instead") for _, line in other)
+            why = "; ".join(line for _, line in other) + (
+                ": the workers called different collectives" if mismatch else
+                ": a collective this worker called and the others did not, or its last "
+                "message to this worker was lost")
         return CollectiveTimeout(what, deadline, silent, [self.world_ranks[r] for r in silent],
                                  why=why)
