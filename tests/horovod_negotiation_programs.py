@@ -187,3 +187,34 @@ def busy_outside_steps():
     mps.barrier()
     mps.shutdown()
     print(f"BUSY-OK rank={r}", flush=True)
+
+
+def joins_in_call_order():
+    """Member 0 joins first, then is busy for 0.5 s while worker 2 joins and, 0.1 s later,
+    worker 1: the worker that joined last is worker 1, whose call came last, whatever order
+    member 0's reads matched the waiting requests in."""
+    from mpi4py import MPI
+
+    from mpsync.torch import _negotiation as neg
+    from mpsync.torch._coordinator import Channel, Coordinator
+    from mpsync.torch._response_cache import ResponseCache
+
+    comm = MPI.COMM_WORLD.Dup()
+    r = comm.Get_rank()
+    coordinator = Coordinator(comm, 3, stall_after=60.0, deadline=60.0) if r == 0 else None
+    channel = Channel(comm, ResponseCache(0))
+    comm.Barrier()
+    time.sleep({0: 0.0, 1: 0.15, 2: 0.05}[r])
+    channel.join()
+    if r == 0:
+        time.sleep(0.5)            # busy: the others' joins wait to be read together
+    last, t0 = None, time.monotonic()
+    while last is None and time.monotonic() - t0 < 30:
+        if coordinator is not None:
+            coordinator.step()
+        for parts in channel.answers():
+            if int(parts[0][0]) == neg.ALL_JOINED:
+                last = int(parts[0][1])
+        time.sleep(1e-3)
+    comm.Barrier()
+    print(f"JOINED-LAST rank={r} last={last}", flush=True)

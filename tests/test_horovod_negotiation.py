@@ -67,6 +67,9 @@ def test_joined_workers_count_as_present_and_the_last_one_is_reported():
     assert "Allgather is not supported with Join" in meta.mismatch(
         np.stack([meta.joined_record(2, 0), _rec(kind=meta.ALLGATHER)]), ["f"] * 12, {})
     assert t.join(2) == ([], None) and t.join(1) == ([], 1) and t.joined == []
+    # With the times of the calls: the last caller, whatever the order they were read in.
+    assert t.join(1, 300) == ([], None) and t.join(0, 100) == ([], None)
+    assert t.join(2, 200) == ([], 1) and t.called == {}
 
 
 def test_stalled_names_are_reported_once_with_the_missing_workers():
@@ -98,6 +101,13 @@ def test_named_collectives_in_any_order_after_errors_late_and_fused():
         for part in parts:
             assert f"PART-OK {part} rank={r}" in run.rank_out(r), run.report()
     assert "worker 1: ['late']" in run.rank_err(0), run.report()
+
+
+@pytest.mark.mpi
+def test_joins_read_together_are_taken_in_the_order_they_were_called():
+    run = run_mpi("horovod_negotiation_programs:joins_in_call_order", np=3, timeout=60)
+    for r in range(3):
+        assert f"JOINED-LAST rank={r} last=1" in run.rank_out(r), run.report()
 
 
 @pytest.mark.mpi

@@ -89,7 +89,9 @@ class Channel(_Sender):
         self.request(neg.CANCEL, [neg.name_words(name)])
 
     def join(self) -> None:
-        self.request(neg.JOIN)
+        # With the wall-clock time of the call (µs): "the worker that joined last" is the
+        # last caller (``Negotiator.join``), not the last member 0 happened to read.
+        self.request(neg.JOIN, extra=[time.time_ns() // 1000])
 
     def answers(self) -> list[list[np.ndarray]]:
         return [neg.unframe(buf) for _src, buf in _receive(self.comm, 0, _ANSWER_TAG)]
@@ -188,7 +190,8 @@ class Coordinator(_Sender):
                     self.send(neg.frame([[neg.CANCELLED], parts[1], missing]), src,
                               _ANSWER_TAG)
             elif kind == neg.JOIN:
-                newly, last = self.table.join(src)
+                newly, last = self.table.join(
+                    src, int(parts[0][2]) if parts[0].size > 2 else None)
                 ready += newly
                 if last is not None:
                     self._execute(ready)

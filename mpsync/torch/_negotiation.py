@@ -96,6 +96,7 @@ class Negotiator:
         self.waiting: dict[str, dict[int, list]] = {}  # key -> worker -> [(local, rec, t, n)]
         self.reported: set[str] = set()
         self.joined: list[int] = []  # in the order they joined
+        self.called: dict[int, int | None] = {}  # worker -> when it called join() (µs)
         self._count: dict[str, int] = {}
         self.extended: set[tuple[str, int]] = set()
         self.gave_up: dict[int, tuple[int, float]] = {}  # worker -> (arrival, when)
@@ -172,18 +173,28 @@ class Negotiator:
         have = self.waiting.get(key, {})
         return [w for w in range(self.size) if not have.get(w) and w not in self.joined]
 
-    def join(self, worker: int) -> tuple[list, int | None]:
-        """``worker`` has joined: the names that are ready without it, and the worker that
-        joined last once every worker has (the table then forgets the joins)."""
+    def join(self, worker: int, called: int | None = None) -> tuple[list, int | None]:
+        """``worker`` has joined (``called``: when it called ``join()``, wall-clock µs): the
+        names that are ready without it, and the worker that joined last once every worker
+        has (the table then forgets the joins).
+
+        The last is the last caller, where every join carried its time: member 0 reads the
+        joins between its own steps and waits, and several waiting are matched by source,
+        not by arrival, so the read order can put a worker that called 0.2 s earlier last
+        (a loaded host).  Clocks of different nodes may differ by their synchronisation's
+        error: calls closer than that are near-ties either way."""
         if worker not in self.joined:
             self.joined.append(worker)
+            self.called[worker] = called
         ready = []
         for key in list(self.waiting):
             while key in self.waiting and self._ready(key):
                 ready.append(self._take(key))
         if len(self.joined) == self.size:
             last = self.joined[-1]
-            self.joined = []
+            if all(self.called.get(w) is not None for w in self.joined):
+                last = max(self.joined, key=lambda w: (self.called[w], self.joined.index(w)))
+            self.joined, self.called = [], {}
             return ready, last
         return ready, None
 

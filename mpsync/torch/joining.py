@@ -10,8 +10,9 @@ between polls, so an ``allreduce`` the others call between two optimizer steps i
 (zeros, as in Horovod) instead of waiting for the deadline (on the PS, also while its join
 waits for the others' last pushes); an allgather, broadcast, alltoall or reducescatter raises
 on the others, as in Horovod 0.28.1.  When every worker has joined, all return the worker that
-joined last, as member 0 read the joins: it reads them at each of its own steps and while it
-waits, so joins closer together than one of its steps may be read in either order.
+joined last: the last to call ``join()``, by the wall-clock time each join carries (member 0
+reads the joins only at its own steps and while it waits, and reads several waiting ones by
+source, not arrival; ``_negotiation.Negotiator.join``).
 """
 
 from __future__ import annotations
