@@ -19,6 +19,16 @@ import mpsync.torch as mps  # noqa: E402
 from torch_programs import _args, _data, _digest, _flat, _model  # noqa: E402
 
 
+def _step(model, opt, me: int, step: int, pause: float) -> None:
+    """One training step of worker ``me`` on its ``step``-th batch of 8, ``pause`` seconds
+    of extra compute before the optimizer's step."""
+    x, y = _data(8, seed=1000 * me + step)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    time.sleep(pause)
+    opt.step()
+
+
 def _result(**kw) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
 
@@ -195,11 +205,7 @@ def idle_after_join() -> None:
     me, step, t0 = mps.rank(), 0, time.perf_counter()
     until = 5.0 if me == 1 else 10.0
     while time.perf_counter() - t0 < until:
-        x, y = _data(8, seed=1000 * me + step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        time.sleep(0.15)
-        opt.step()
+        _step(model, opt, me, step, pause=0.15)
         step += 1
     opt.synchronize()
     server = mps.stats()["server"]
@@ -219,11 +225,7 @@ def switch_while_joined() -> None:
                                    named_parameters=model.named_parameters())
     me, step, t0, on_ps = mps.rank(), 0, time.perf_counter(), 0
     while time.perf_counter() - t0 < 30 and (step < 2 if me == 1 else on_ps < 5):
-        x, y = _data(8, seed=1000 * me + step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        time.sleep(0.02)
-        opt.step()
+        _step(model, opt, me, step, pause=0.02)
         step += 1
         on_ps += opt.strategy.topology == "ps"
     opt.synchronize()
