@@ -193,7 +193,8 @@ class Negotiator:
         if len(self.joined) == self.size:
             last = self.joined[-1]
             if all(self.called.get(w) is not None for w in self.joined):
-                last = max(self.joined, key=lambda w: (self.called[w], self.joined.index(w)))
+                # (on a tie, the one read last: ``max`` keeps the first of equals)
+                last = max(reversed(self.joined), key=self.called.__getitem__)
             self.joined, self.called = [], {}
             return ready, last
         return ready, None

@@ -11,8 +11,9 @@ each other so: :class:`PeerWatch` sends a one-integer "I am waiting in collectiv
 every peer on its own communicator.  When the deadline passes, the peers that have announced
 neither that collective nor a later one are the silent ones, and :class:`CollectiveTimeout`
 names them.  A notice carries the collective's name too: where every peer has announced, one
-that waits in another collective (or is past this one) is named with it, the mark of workers
-that called different collectives (a mismatched sequence hangs as a lost message would).
+that waits in another collective of the same number is named with it (the workers called
+different collectives: a mismatched sequence hangs as a lost message would), and so is one
+past this collective (it left it, or never called it).
 Notices are sent only after ``notice_after`` seconds of waiting, so a healthy job pays one
 ``Iprobe`` per collective for them and nothing else.
 """
