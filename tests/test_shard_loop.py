@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from mpsync.server import _shard_loop
+from mpsync.server.shard_optimizer import OptimizerSettings, ServerUpdates
 from mpsync.server.shard_server import (ACK, OK, PULL, PUSH, REFUSED, ShardServer, ShardThread,
                                         wire_code)
 from mpsync.server.shards import ShardClient
@@ -24,11 +25,11 @@ class _Shard:
     """A shard thread of ``n`` elements and this process's client of it (one worker)."""
 
     def __init__(self, n: int, dtype, *, compiled: bool, scale: float = 1.0,
-                 deadline: float = 5.0):
+                 deadline: float = 5.0, updates: ServerUpdates | None = None):
         self.requests, self.replies = MPI.COMM_SELF.Dup(), MPI.COMM_SELF.Dup()
         self.logs: list[str] = []
         self.server = ShardServer(self.requests, self.replies, 0, 1, scale, deadline=deadline,
-                                  log=self.logs.append, compiled=compiled)
+                                  log=self.logs.append, compiled=compiled, updates=updates)
         self.thread = ShardThread(self.server)
         self.client = ShardClient(self.requests, self.replies, [0], ["PS shard 0"], 10.0)
         self.dtype, self.n = np.dtype(dtype), n
@@ -90,6 +91,62 @@ def test_the_compiled_loop_serves_the_same_bits_as_the_python_loop(dtype, scale)
     assert stats["bytes_sent"] == python_stats["bytes_sent"]
     for step, (a, b) in enumerate(zip(compiled, python)):
         assert np.array_equal(a, b), f"step {step}: the compiled loop's weights differ"
+
+
+# The server-side optimizer per push, as ASP, SSP and DSSP run it.
+OPTIMIZERS = [OptimizerSettings("sgd", lr=0.05),
+              OptimizerSettings("sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+              OptimizerSettings("sgd", lr=0.05, momentum=0.8, dampening=0.3),
+              OptimizerSettings("adam", lr=0.01, weight_decay=0.02),
+              OptimizerSettings("adamw", lr=0.01, weight_decay=0.05, amsgrad=True)]
+
+
+def _optimizer_sequence(compiled: bool, dtype, settings: OptimizerSettings):
+    """The settings, INIT, then gradients pushed as in ``_serve_sequence`` with a refused one
+    (NaN) among them; every weight vector read, then the optimizer's state saved."""
+    n = 10_007
+    shard = _Shard(n, dtype, compiled=compiled, updates=ServerUpdates(per_round=False))
+    shard.client.configure(settings.to_array())
+    shard.client.init(np.linspace(-1, 1, n).astype(dtype))
+    reads, refused = [], []
+    for step, grad in enumerate(_updates(n, dtype, 12)):
+        if step == 5:
+            bad = grad.copy()
+            bad[n // 2] = np.nan
+            refused.append(shard.raw_push(bad, PUSH + wire_code(dtype))[1])
+        if step % 3 == 0:
+            shard.client.push(grad)
+            reads.append(shard.pulled())
+        else:
+            out = np.empty(n, dtype)
+            shard.client.push_pull(shard.client.checked_push(grad), out)
+            reads.append(out)
+    state = shard.client.optimizer_state(dtype)
+    return reads, state, refused, shard.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("settings", OPTIMIZERS, ids=lambda s: (
+    f"{s.kind}-m{s.momentum:g}{'-nesterov' if s.nesterov else ''}"
+    f"{'-amsgrad' if s.amsgrad else ''}"))
+def test_the_server_optimizer_steps_in_the_compiled_loop_to_the_python_loops_bits(
+        dtype, settings):
+    compiled, state, refused, stats = _optimizer_sequence(True, dtype, settings)
+    python, python_state, python_refused, python_stats = \
+        _optimizer_sequence(False, dtype, settings)
+    assert refused == python_refused == [REFUSED]
+    # The first push makes the optimizer's state (Python's); the other 11 pushes, 8 of them
+    # with their pull, and the 4 pulls alone are the compiled loop's.
+    assert stats["served_compiled"] == 11 + 4, stats
+    assert python_stats["served_compiled"] == 0
+    assert stats["version"] == python_stats["version"] == 12
+    assert stats["dropped"] == python_stats["dropped"] == 1
+    for step, (a, b) in enumerate(zip(compiled, python)):
+        assert np.array_equal(a, b), f"step {step}: the compiled loop's weights differ"
+    assert not np.array_equal(compiled[-1], compiled[-2])
+    assert state["steps"] == python_state["steps"] == 12 and state.keys() == python_state.keys()
+    for name in state.keys() - {"kind", "steps"}:
+        assert np.array_equal(state[name], python_state[name]), name
 
 
 def test_a_push_with_nan_or_inf_is_refused_and_leaves_the_weights_untouched():

@@ -26,8 +26,16 @@ flight are handed over (``ShardLoop.in_flight``), and the Python loop completes 
 cancels one its worker has not taken within the deadline, as before.  Every other message (``INIT``, ``LOAD``, a barrier's pull, another dtype,
 a malformed one, ``BYE``, ``WATCH``, the optimizer's) is left to the Python loop: probed and not
 received, or, for a pull whose barrier is only known from its payload, received and handed
-over with it.  A refused push is ACKed here and handed back for its log line.  The
-server-side optimizer (``ps_optimizer='server'``) is served by the Python loop alone.
+over with it.  A refused push is ACKed here and handed back for its log line.
+
+The server-side optimizer (``ps_optimizer='server'``) applied per push (ASP, SSP, DSSP): a
+push is a gradient, checked for finiteness in one pass and then stepped on in one more
+(``shard_optimizer.step_pass``, the function ``ShardOptimizer`` steps with, so both loops
+step to the same bits), into the weights or, where a reply reads them, into a buffer none
+reads; the optimizer's state (momentum, Adam's moments) is stepped in place, nothing else
+reads it while the loop runs, and the steps taken are counted in the cells.  A step that
+would make state (the first) is the Python loop's, as is the optimizer applied once per
+round (BSP), whose pulls wait for the round's step: the shard serves those in Python.
 
 Idle, the loop sleeps as the Python one did (20 µs doubling to 1 ms, 4 ms after 50 ms of
 silence) but never past a worker's next push: it keeps ``ShardServer``'s per-worker push
@@ -46,9 +54,10 @@ from mpi4py import MPI
 from mpsync.server import _fastpath
 from mpsync.server._fastpath import (_get_count, _i32, _iprobe, _jit, _ptr, _recv,
                                      _sched_yield, _send, _status_layout, _test)
+from mpsync.server.shard_optimizer import STEP_ADAM, STEP_SGD, step_pass
 
 __all__ = ["ShardLoop", "unavailable_reason", "QUIET", "PROBED", "RECEIVED", "REFUSED",
-           "STUCK", "MPI_FAILED"]
+           "STUCK", "MPI_FAILED", "ADD", "HAND_BACK"]
 
 # Outcomes of a call (``ShardLoop.serve``).
 QUIET = 0       # ``until`` passed
@@ -60,7 +69,7 @@ MPI_FAILED = 5  # an MPI call returned an error code (in the cells)
 
 # The int64 cells shared with Python (``ShardLoop.cells``).
 C_VERSION, C_RECEIVED, C_SENT, C_CURRENT, C_SOURCE, C_TAG, C_COUNT, C_ERROR, C_SERVED, \
-    C_ACK, C_ACK_STATUS, C_CLOCK = range(12)
+    C_ACK, C_ACK_STATUS, C_STEPS, C_CLOCK = range(13)
 N_CELLS = C_CLOCK + 2   # the last two: a struct timespec
 # A reply in flight (a row of ``ShardLoop.flight``): its MPI request, the buffer it reads
 # (-1: a free row), its worker, its bytes; ``flight_since``: when it was posted.
@@ -68,6 +77,10 @@ F_REQUEST, F_BUFFER, F_WORKER, F_BYTES = range(4)
 BUFFERS = 3
 # The float64 times shared with Python: when the next push is due.
 T_NEXT_DUE = 0
+# What a push is (``ShardLoop.serve``'s ``step``): a delta to add; a gradient for the Python
+# loop's optimizer (handed back, not received); or one for ``step_pass`` (STEP_SGD,
+# STEP_ADAM).
+ADD, HAND_BACK = 0, -1
 
 unavailable_reason = _fastpath.unavailable_reason
 
@@ -98,13 +111,17 @@ class ShardLoop:
         self.sleeps = np.asarray(sleeps, np.float64)
         self.deadline = float(deadline)
         self._delta: np.ndarray | None = None
+        self._no_settings = np.zeros(8)
 
     def serve(self, buffers: tuple, scale: float, code: int, version: int,
-              until: float) -> int:
+              until: float, step: tuple | None = None) -> int:
         """Serve until ``until`` (``time.monotonic``) or a message for Python.  ``buffers``:
         the weights, then two buffers of their size and dtype that nothing reads; after the
         call, ``cells[C_CURRENT]`` says which of the three the weights are, and
-        :meth:`in_flight` the replies still being sent.  Returns an outcome (module
+        :meth:`in_flight` the replies still being sent.  ``step``: None, pushes are deltas
+        added times ``scale``; else ``(kind, settings, m, v, vmax, steps)`` with ``kind``
+        ``HAND_BACK`` or ``step_pass``'s (``ShardOptimizer.compiled_form``, then the steps
+        taken so far, which ``cells[C_STEPS]`` counts on).  Returns an outcome (module
         constants); ``cells`` hold the version and the byte counts."""
         weights = buffers[0]
         if self._delta is None or self._delta.dtype != weights.dtype or \
@@ -112,6 +129,14 @@ class ShardLoop:
             self._delta = np.empty_like(weights)
         cells = self.cells
         cells[C_VERSION], cells[C_CURRENT] = version, 0
+        if step is None:
+            none = self._delta[:0]
+            kind, settings, m, v, vmax = ADD, self._no_settings, none, none, none
+        else:
+            kind, settings, m, v, vmax, cells[C_STEPS] = step
+            if kind == HAND_BACK:
+                none = self._delta[:0]
+                settings, m, v, vmax = self._no_settings, none, none, none
         heard, state, last_push, push_due, times = self.tables
         return int(_serve(self.comms[0], self.comms[1], self.h_byte, MPI.ANY_SOURCE,
                           MPI.ANY_TAG, self.src_at, self.tag_at, self.status, self.scratch,
@@ -119,7 +144,7 @@ class ShardLoop:
                           buffers[1], buffers[2], self._delta,
                           np.asarray([scale], weights.dtype), code, heard, state, last_push,
                           push_due, times, self.tags, self.sleeps, self.deadline,
-                          float(until)))
+                          float(until), kind, settings, m, v, vmax))
 
     def in_flight(self) -> list[tuple[MPI.Request, int, int, float]]:
         """The replies the last call left in flight, handed over (their rows freed):
@@ -145,7 +170,8 @@ class ShardLoop:
                np.zeros(N_CELLS, np.int64), flight, np.zeros(1), self.pull_arg, weights,
                weights.copy(), weights.copy(), weights.copy(), weights.copy(), 0, heard,
                np.zeros(1, np.int64), heard.copy(), heard.copy(), np.zeros(1), self.tags,
-               self.sleeps, self.deadline, 0.0)
+               self.sleeps, self.deadline, 0.0, ADD, self._no_settings, weights[:0],
+               weights[:0], weights[:0])
 
 
 # -- the compiled part ------------------------------------------------------------------------
@@ -200,6 +226,20 @@ def add_checked_in_place(weights, delta, scale):
     else:
         for i in range(weights.size):
             weights[i] += delta[i] * s
+    return True
+
+
+@_jit
+def step_checked(kind, weights, delta, out, settings, m, v, vmax, cells):
+    """The optimizer's step (``step_pass``) with the gradient ``delta`` into ``out`` (may be
+    ``weights``), counted in ``cells[C_STEPS]``, if every value of ``delta`` is finite; else
+    False, and the weights and the state untouched."""
+    for i in range(delta.size):
+        x = delta[i]
+        if (x - x) != 0:
+            return False
+    cells[C_STEPS] += 1
+    step_pass(kind, weights, out, delta, m, v, vmax, settings, cells[C_STEPS], False)
     return True
 
 
@@ -263,10 +303,12 @@ def _free_row(flight):
 @_jit
 def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, status, scratch,
            cells, flight, flight_since, pull_arg, w0, w1, w2, delta, scale, code, heard, state,
-           last_push, push_due, times, tags, sleeps, deadline, until):
+           last_push, push_due, times, tags, sleeps, deadline, until, step_kind, settings, m, v,
+           vmax):
     """The loop (module doc).  ``tags``: PUSH, PUSH_PULL, PULL, ACK, DATA, OK, REFUSED,
     UNHEARD, HEARD_FROM; ``sleeps``: SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S, IDLE_AFTER_S,
-    WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S (``shard_server``'s constants)."""
+    WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S (``shard_server``'s constants); ``step_kind`` ...
+    ``vmax``: what a push is (``ShardLoop.serve``'s ``step``)."""
     push_t, push_pull_t, pull_t, ack_t, data_t = tags[0], tags[1], tags[2], tags[3], tags[4]
     ok, refused, unheard, heard_from = tags[5], tags[6], tags[7], tags[8]
     sleep_min, sleep_max, sleep_idle, idle_after = sleeps[0], sleeps[1], sleeps[2], sleeps[3]
@@ -321,7 +363,8 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
         count = scratch[1]
         kind, wire = tag - tag % 10, tag % 10
         cells[C_SOURCE], cells[C_TAG], cells[C_COUNT] = src, tag, count
-        is_push = (kind == push_t or kind == push_pull_t) and count == nbytes
+        is_push = (kind == push_t or kind == push_pull_t) and count == nbytes \
+            and step_kind != HAND_BACK
         if src < 0 or src >= n_workers or wire != code or \
                 not (is_push or kind == pull_t and count == 8):
             return PROBED
@@ -358,7 +401,10 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
             _expect_next_push(src, now, last_push, push_due, times, pace_max)
             source = w0 if current == 0 else (w1 if current == 1 else w2)
             out = w0 if target == 0 else (w1 if target == 1 else w2)
-            if target == current:
+            if step_kind == STEP_SGD or step_kind == STEP_ADAM:
+                applied = step_checked(step_kind, source, delta, out, settings, m, v, vmax,
+                                       cells)
+            elif target == current:
                 applied = add_checked_in_place(source, delta, scale)
             else:
                 applied = add_checked(source, delta, scale, out)

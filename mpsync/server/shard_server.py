@@ -215,9 +215,11 @@ class ShardServer:
     def _compiled_serves(self) -> bool:
         """Can the compiled loop serve now?  It keeps its own replies in flight: so no reply
         of the Python loop's is, no pull waits for the initial weights, the workers run the
-        optimizer, and the store is float32 or float64."""
+        optimizer or the shard's runs per push (not once per round: a pull waits for its
+        round's step), and the store is float32 or float64."""
         weights = self.store.weights
-        return (self._loop is not None and self.updates is None and weights is not None
+        return (self._loop is not None and weights is not None
+                and (self.updates is None or not self.updates.per_round)
                 and not self._sending and not self._waiting_pulls
                 and weights.dtype.kind == "f" and weights.itemsize >= 4)
 
@@ -234,9 +236,16 @@ class ShardServer:
                 buffers.append(other)
         while len(buffers) < _shard_loop.BUFFERS:
             buffers.append(np.empty_like(weights))
+        step = None
+        if self.updates is not None:   # the optimizer's step per push, or Python's
+            form = self.updates.compiled_form()
+            step = ((_shard_loop.HAND_BACK, None, None, None, None, 0) if form is None
+                    else (*form, self.updates.optimizer.steps))
         outcome = loop.serve(tuple(buffers), store.scale, wire_code(weights.dtype),
-                             store.version, time.monotonic() + 0.5)
+                             store.version, time.monotonic() + 0.5, step)
         cells = loop.cells
+        if step is not None and step[0] != _shard_loop.HAND_BACK:
+            self.updates.optimizer.steps = int(cells[_shard_loop.C_STEPS])
         store.version = int(cells[_shard_loop.C_VERSION])
         store.weights = buffers[int(cells[_shard_loop.C_CURRENT])]
         self._others = [b for b in buffers if b is not store.weights]
