@@ -17,14 +17,14 @@ from mpi4py import MPI
 from mpsync.server import _shard_loop
 from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates, pack_state
-from mpsync.server.weights import WeightStore, numpy_cast
+from mpsync.server.weights import BFLOAT16, WeightStore, numpy_cast
 
 __all__ = ["ShardServer", "ShardThread", "WIRE_DTYPES", "wire_code", "LOAD", "PUSH_PULL",
            "ALL_PUSHES_IN"]
 
 
 # Wire dtype codes (a tag's offset).
-WIRE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+WIRE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BFLOAT16)
 # Requests (worker -> shard, on the requests communicator).
 INIT, PUSH, PULL, BYE, WATCH = 300, 310, 320, 350, 360
 # Replies (shard -> worker, on a communicator of their own: see the module doc).
@@ -58,7 +58,8 @@ def wire_code(dtype) -> int:
     try:
         return WIRE_DTYPES.index(np.dtype(dtype))
     except ValueError:
-        raise TypeError(f"the parameter server stores float16/32/64, got {dtype}") from None
+        raise TypeError(f"the parameter server's wire carries float16/32/64 and bfloat16, got "
+                        f"{dtype}") from None
 
 
 class _Reply:
@@ -122,6 +123,7 @@ class ShardServer:
         self._barrier_epoch, self._barrier_weights = 0, None
         self._ack = np.zeros(2, dtype=np.int64)
         self._spares: list[np.ndarray] = []    # weight buffers to add into (_spare)
+        self._widened: np.ndarray | None = None  # a bfloat16 gradient, widened (apply_push)
         # Per worker: its last push (perf_counter, CLOCK_MONOTONIC as the compiled loop's
         # clock) and when its next is due (inf: unknown); ``_times[0]``: the earliest of those.
         self._last_push = np.zeros(n_workers)
@@ -349,6 +351,10 @@ class ShardServer:
             self._refuse(src, what, f"{payload.nbytes} bytes is not a whole number of "
                                     f"{dtype} elements ({dtype.itemsize} bytes each)")
             return REFUSED
+        if dtype == BFLOAT16 and (kind == INIT or kind == LOAD and not self.store.ready):
+            self._refuse(src, what, "bfloat16 initial weights: the store keeps a bfloat16 "
+                                    "model in float32 (send them as float32)")
+            return REFUSED
         data = payload.view(dtype)
         if kind == LOAD and self.store.ready:
             return self._load(data, src)
@@ -374,7 +380,7 @@ class ShardServer:
             return REFUSED
         if self._reading(self.store.weights):
             self.store.detach()
-        np.copyto(self.store.weights, data, casting="unsafe")
+        self.cast(self.store.weights, data)
         return OK
 
     def apply_push(self, update: np.ndarray, src: int = 0) -> str | None:
@@ -383,6 +389,13 @@ class ShardServer:
         round by the shard's optimizer; None, or why it was refused (the range is then
         unchanged)."""
         reading = self._reading(self.store.weights)
+        if update.dtype == BFLOAT16 and self.updates is not None and self.store.ready \
+                and update.size == self.store.size:
+            # The optimizer takes float gradients: widened into a scratch (exact).
+            if self._widened is None or self._widened.dtype != self.store.weights.dtype:
+                self._widened = np.empty_like(self.store.weights)
+            self.cast(self._widened, update)
+            update = self._widened
         if self.updates is None:
             # A pull's reply or a barrier still reads the current buffer: the sum goes to
             # another one (the add writes it there at the cost of adding in place).

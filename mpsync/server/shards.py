@@ -57,7 +57,8 @@ worker's use of the shard; ``WATCH`` asks how long since the shard heard from ea
 link carries about one model out and one in per synchronization.  Under ``Compression.fp16``
 both travel as float16: the shards keep the master weights in the parameters' dtype and
 workers compute on a float16 rounding of them, as in mixed-precision training; their updates
-are applied to the master copy.
+are applied to the master copy.  A bfloat16 model travels as bfloat16 the same way (its
+store is float32: ``weights.BFLOAT16``), half the bytes of the float32 it was sent as.
 
 Failures: every wait has the run's deadline.  A worker waiting for the others (``join``, a
 shard's shutdown) asks the shards who has been silent for longer than that and names them;
@@ -82,7 +83,7 @@ from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD,
                                         PULL, PUSH, PUSH_PULL, RESTORE, SAVE, SLEEP_MAX_S,
                                         SLEEP_MIN_S, STATE, UNHEARD, WATCH, WIRE_DTYPES,
                                         ShardServer, ShardThread, wire_code)
-from mpsync.server.weights import all_finite, numpy_cast
+from mpsync.server.weights import BFLOAT16, all_finite, numpy_cast
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
 
@@ -95,8 +96,9 @@ class ShardClient:
     how they name worker w.  The layout is fixed by the first call, from the model's size.
     Every wait has ``deadline``: a shard that does not answer raises ``DeadlineExceeded``
     naming it, and is not asked again (a late answer would be taken for the next one's).
-    ``wire``: the dtype on the wire (None: the model's own; float16 under Compression.fp16),
-    converted to and from by ``cast`` (``weights.numpy_cast``).
+    ``wire``: the dtype on the wire (None: the model's own; float16 under Compression.fp16,
+    ``weights.BFLOAT16`` for a bfloat16 model), converted to and from by ``cast``
+    (``weights.numpy_cast``).
     """
 
     def __init__(self, comm, replies, hosts, names, deadline: float, worker_names=None,
@@ -190,8 +192,8 @@ class ShardClient:
             if all_finite(delta):
                 big = float(np.max(np.abs(delta)))
                 raise FloatingPointError(
-                    f"push with a value of magnitude {big:.4g}, more than {wire.dtype} can "
-                    f"carry (largest {float(np.finfo(wire.dtype).max):g}): the local model "
+                    f"push with a value of magnitude {big:.4g}, more than {_name(wire.dtype)} "
+                    f"can carry (largest {_largest(wire.dtype):g}): the local model "
                     f"diverged or the wire's compression cannot send this update; no shard "
                     f"was sent any of it")
             raise FloatingPointError("push with NaN or inf: the local model diverged (no shard "
@@ -415,6 +417,15 @@ class ShardClient:
 # it polls).  Where ranks share cores, a longer poll takes the cores the others compute on
 # (4 workers on 2 cores trained at 0.9x the samples/s with 20 ms, in single runs).
 SPIN_S = 2e-3
+
+
+def _name(dtype) -> str:
+    return "bfloat16" if dtype == BFLOAT16 else str(dtype)
+
+
+def _largest(dtype) -> float:
+    # bfloat16's largest finite value: float32's exponent range, 8 bits of mantissa.
+    return 3.3895313892515355e38 if dtype == BFLOAT16 else float(np.finfo(dtype).max)
 
 
 def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):

@@ -14,18 +14,38 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WeightStore", "all_finite", "numpy_cast", "subtract_checked"]
+__all__ = ["WeightStore", "all_finite", "numpy_cast", "subtract_checked", "BFLOAT16"]
+
+# bfloat16 on the wire.  numpy has no bfloat16: its values travel as their bits (the upper
+# half of a float32's) in this 2-byte dtype of its own, which :func:`numpy_cast` and
+# :func:`all_finite` read and nothing mistakes for an integer array.  The store of a bfloat16
+# model is float32 (``mpsync.torch.strategies.ps``); the wire halves its bytes.
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
 
 
 def numpy_cast(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` between float dtypes (rounding to nearest).  The default; numpy
-    converts float16 in software (10-270 ms per million values here, subnormals the slowest),
-    so a worker passes torch's conversion (``mpsync.torch``), two orders of magnitude faster."""
-    np.copyto(dst, src, casting="unsafe")
+    """``dst[:] = src`` between float dtypes (rounding to nearest even), :data:`BFLOAT16`
+    included (to it through float32, as torch converts; a NaN stays a NaN).  The default;
+    numpy converts float16 in software (10-270 ms per million values here, subnormals the
+    slowest), so a worker passes torch's conversion (``mpsync.torch``), two orders of
+    magnitude faster."""
+    if dst.dtype == BFLOAT16:
+        if src.dtype != np.float32:
+            src = src.astype(np.float32)
+        _to_bfloat16(dst.view(np.uint16), src)
+    elif src.dtype == BFLOAT16:
+        if dst.dtype in _COMPILED:
+            _from_bfloat16(dst, src.view(np.uint16))
+        else:
+            np.copyto(dst, (src.view(np.uint16).astype(np.uint32) << 16).view(np.float32),
+                      casting="unsafe")
+    else:
+        np.copyto(dst, src, casting="unsafe")
 
 # float16's exponent field: all ones is inf or NaN.  numpy's isfinite on float16 converts
 # every value to float32 first (60x slower than this bit test on a 4 MB slice).
 _F16_EXPONENT = 0x7C00
+_BF16_EXPONENT = 0x7F80
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -34,6 +54,9 @@ def all_finite(values: np.ndarray) -> bool:
     if values.dtype == np.float16:
         bits = np.bitwise_and(values.view(np.uint16), _F16_EXPONENT)
         return values.size == 0 or int(bits.max()) != _F16_EXPONENT
+    if values.dtype == BFLOAT16:
+        bits = np.bitwise_and(values.view(np.uint16), _BF16_EXPONENT)
+        return values.size == 0 or int(bits.max()) != _BF16_EXPONENT
     if values.dtype in _COMPILED and values.flags.c_contiguous:
         return _finite(values.reshape(-1))
     return bool(np.all(np.isfinite(values)))
@@ -169,3 +192,28 @@ def _subtract_finite(new, base):
         base[i] = d
         bad |= (d - d) != 0
     return not bad
+
+
+@_check
+def _to_bfloat16(bits, src):
+    """float32 ``src`` to bfloat16 ``bits``, rounding to nearest even as torch does (a NaN
+    becomes the quiet NaN 0x7FC0; torch's vectorized conversion writes 0xFFFF, also a NaN)."""
+    words = src.view(np.uint32)
+    for i in range(src.size):
+        x = src[i]
+        if x != x:
+            bits[i] = 0x7FC0
+        else:
+            u = words[i]
+            bits[i] = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
+
+
+@_check
+def _from_bfloat16(dst, bits):
+    """bfloat16 ``bits`` to float32 or float64 ``dst``: exact (a bfloat16 is a float32 with
+    its lower half zero)."""
+    words = np.empty(1, np.uint32)
+    one = words.view(np.float32)
+    for i in range(bits.size):
+        words[0] = np.uint32(bits[i]) << 16
+        dst[i] = one[0]

@@ -22,6 +22,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mpsync import job_end, policies
@@ -29,6 +30,7 @@ from mpsync.config import ConfigError, Negotiation, SyncConfig, refuse_ps_plan
 from mpsync.server import job
 from mpsync.server.job import install_abort_hooks
 from mpsync.server.shard_plan import shards_unavailable
+from mpsync.server.weights import BFLOAT16
 from mpsync.torch.strategies.counters import LocalCounters
 
 __all__ = ["Context", "init", "shutdown", "context", "worker_context", "install_abort_hooks"]
@@ -223,10 +225,16 @@ def ring_only_without_threads(config: SyncConfig, thread_level: int) -> SyncConf
 
 
 def torch_cast(dst, src) -> None:
-    """``dst[:] = src`` (numpy arrays of float dtypes) by torch: the shard client's and its
-    shard's conversion to and from a float16 wire, 100-3000x faster than numpy's own
-    (``mpsync.server.weights.numpy_cast``) on a million values here."""
-    torch.from_numpy(dst).copy_(torch.from_numpy(src))
+    """``dst[:] = src`` (numpy arrays of float dtypes, ``weights.BFLOAT16`` included) by
+    torch: the shard client's and its shard's conversion to and from a float16 or bfloat16
+    wire, 100-3000x faster than numpy's own for float16 (``mpsync.server.weights.numpy_cast``)
+    on a million values here."""
+    if dst.dtype == BFLOAT16:
+        torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).copy_(torch.from_numpy(src))
+    elif src.dtype == BFLOAT16:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
+    else:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src))
 
 
 def _serve_and_exit(ctx: Context) -> None:

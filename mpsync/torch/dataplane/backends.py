@@ -214,6 +214,8 @@ class MPIAggregator(Aggregator):
 
     def broadcast_(self, flat, root, what="broadcast", deadline=None):
         label, seq = self._next(what)
+        if not mpi_dtype_ok(flat.dtype) and flat.is_contiguous() and flat.device.type == "cpu":
+            flat = flat.view(-1).view(torch.uint8)   # a copy moves bytes: any dtype (bfloat16)
         req = self.comm.Ibcast(self._array(flat), root=root)
         Pending(req.Test, lambda: None, label, seq, self).wait(deadline)
         return flat

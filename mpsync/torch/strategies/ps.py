@@ -12,7 +12,7 @@ import torch
 
 from mpsync.server.shard_optimizer import settings_of
 from mpsync.server.shard_server import ALL_PUSHES_IN
-from mpsync.server.weights import subtract_checked
+from mpsync.server.weights import BFLOAT16, subtract_checked
 from mpsync.torch.strategies.base import spec_of
 from mpsync.torch.strategies.local_steps import LocalStepsThenAggregate
 
@@ -39,9 +39,12 @@ class ParameterServer(LocalStepsThenAggregate):
     The weights live on the shard servers (``mpsync.server.shards``), in the parameters'
     dtype; push and pull go to every shard at once, and the state server decides when a pull
     may read (its staleness rule over whole-model push counts).  On the wire: that dtype, or
-    float16 under ``Compression.fp16`` (any compressor whose output is a float16/32/64 tensor
-    sets the wire dtype; the shards cannot run a compressor's own decompress).  A model in a
-    dtype numpy lacks (bfloat16) is stored as float32.
+    float16 under ``Compression.fp16`` (any compressor whose output is a float16/32/64 or
+    bfloat16 tensor sets the wire dtype; the shards cannot run a compressor's own
+    decompress).  A bfloat16 model (a dtype numpy lacks) is stored as float32 and travels as
+    bfloat16 (``weights.BFLOAT16``): half the bytes, nothing the worker keeps is lost on the
+    pull (its parameters are bfloat16), and the push's Δ is rounded to bfloat16 as a
+    bfloat16 ring's gradients are.
 
     Memory (at most one extra copy of the parameters): ``_base`` is the only one besides the
     fusion buffer (and a float16 wire buffer under compression).  Δ is computed into
@@ -220,18 +223,32 @@ class ParameterServer(LocalStepsThenAggregate):
 
     def _wire_dtype(self):
         """The dtype pushes and pulls travel in: what the optimizer's compressor makes of
-        the store's dtype (None: that dtype itself)."""
+        the store's dtype; without one, the parameters' own (None: the store's, bfloat16:
+        ``BFLOAT16``, whose store is float32)."""
         compression = self.wire.compression if self.wire is not None else None
+        stored = _stored(self.buf.flat).dtype
+        own = BFLOAT16 if self.buf.flat.dtype == torch.bfloat16 else None
         if compression is None:
-            return None
-        probe, _ = compression.compress(torch.zeros(1, dtype=_stored(self.buf.flat).dtype))
-        if probe.dtype == _stored(self.buf.flat).dtype:
-            return None
+            return own
+        probe, _ = compression.compress(torch.zeros(1, dtype=stored))
+        if probe.dtype == stored:
+            return own
+        if probe.dtype == torch.bfloat16:
+            return BFLOAT16
         if probe.dtype not in _NUMPY_FLOATS:
             raise ValueError(f"compression {compression!r} sends {probe.dtype} on "
-                             f"topology='ps'; the shard servers take float16, float32 or "
-                             f"float64 (use Compression.fp16 or Compression.none)")
+                             f"topology='ps'; the shard servers take float16, bfloat16, "
+                             f"float32 or float64 (use Compression.fp16 or Compression.none)")
         return probe.numpy().dtype
+
+    def _wire_ratio(self) -> float:
+        """Bytes on the wire per byte of the store (``_base``): 0.5 for a float16 wire of a
+        float32 model, or a bfloat16 model's wire (its store is float32)."""
+        if getattr(self, "_ratio", None) is None:
+            wire = self._wire_dtype()
+            stored = torch.zeros(0, dtype=_stored(self.buf.flat).dtype).element_size()
+            self._ratio = 1.0 if wire is None else np.dtype(wire).itemsize / stored
+        return self._ratio
 
     def _local_update(self) -> None:
         if self.server_optimizer:
