@@ -168,18 +168,22 @@ def shard_fault() -> None:
 
 
 def bytes_accounted() -> None:
-    """ASP on 2 shards, float32 model (``bf16=1``: bfloat16), ``steps`` steps (one push and
-    one pull each), with or without Compression.fp16: the data bytes each worker counted are
+    """ASP on 2 shards, float32 model (``bf16=1``: bfloat16, on a bfloat16 wire as across
+    nodes unless ``bf16_wire=auto``: one host's choice), ``steps`` steps (one push and one
+    pull each), with or without Compression.fp16: the data bytes each worker counted are
     exactly the model on the wire per push and per pull (plus the first pull, and worker 0's
     initial weights in float32, the store's dtype), the analytic minimum is 2·B per step, and
     control bytes were counted."""
     a = _args()
     steps, fp16, bf16 = int(a.get("steps", 6)), a.get("fp16") == "1", a.get("bf16") == "1"
+    bf16_wire = bf16 and a.get("bf16_wire") != "auto"
     mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated", deadline=60,
              ps_shards=2)
     me = mps.rank()
     model = torch.nn.Linear(50, 20)          # 1,020 float32 elements
     if bf16:
+        from mpsync.torch.strategies.ps import ParameterServer
+        ParameterServer.bfloat16_wire = True if bf16_wire else None
         model = model.to(torch.bfloat16)
     start = [p.detach().clone() for p in model.parameters()]
     compression = mps.Compression.fp16 if fp16 else mps.Compression.none
@@ -196,7 +200,7 @@ def bytes_accounted() -> None:
                for p, s in zip(model.parameters(), start)):
         raise AssertionError("the model did not train, or left its dtype")
     model_bytes = 1020 * 4
-    wire = model_bytes // 2 if fp16 or bf16 else model_bytes
+    wire = model_bytes // 2 if fp16 or bf16_wire else model_bytes
     expect = {"data_sent": steps * wire + (model_bytes if me == 0 else 0),
               "data_received": (steps + 1) * wire, "data_min": 2 * steps * wire}
     got = {k: local[k] for k in expect}

@@ -141,8 +141,33 @@ def test_a_shard_takes_bfloat16_pushes_into_its_float32_weights_and_sends_them_r
 
 
 @pytest.mark.mpi
-def test_a_bfloat16_model_trains_on_the_ps_and_moves_half_the_bytes_it_did():
-    run = run_mpi("ps_programs:bytes_accounted", np=4, timeout=180, args=["bf16=1"])
+@pytest.mark.parametrize("wire", ["bfloat16", "auto"])
+def test_a_bfloat16_model_trains_on_the_ps_on_a_bfloat16_wire_across_nodes(wire):
+    # ``auto`` on one host: float32, whose copies cost less than the conversions; the
+    # bfloat16 wire is forced as the shards spanning nodes choose it (the program checks
+    # every byte count and that the model trained, in bfloat16).
+    run = run_mpi("ps_programs:bytes_accounted", np=4, timeout=180,
+                  args=["bf16=1", f"bf16_wire={'auto' if wire == 'auto' else '1'}"])
     res = run.results()
     assert len(res) == 3, run.report()
-    assert all(r["data_received"] == 7 * 1020 * 2 for r in res.values()), res
+    each = 2 if wire == "bfloat16" else 4
+    assert all(r["data_received"] == 7 * 1020 * each for r in res.values()), res
+
+
+@pytest.mark.parametrize("nodes, dtype, expected", [
+    (2, torch.bfloat16, BFLOAT16), (1, torch.bfloat16, None), (2, torch.float32, None)])
+def test_a_bfloat16_model_goes_on_a_bfloat16_wire_where_the_shards_span_nodes(
+        nodes, dtype, expected):
+    from types import SimpleNamespace
+
+    from mpsync.torch.strategies.ps import ParameterServer
+
+    strategy = SimpleNamespace(bfloat16_wire=None, wire=None,
+                               buf=SimpleNamespace(flat=torch.zeros(4, dtype=dtype)),
+                               client=SimpleNamespace(shards=SimpleNamespace(nodes=nodes)))
+    assert ParameterServer._wire_dtype(strategy) == expected
+    strategy.bfloat16_wire = False          # the class attribute forces it either way
+    assert ParameterServer._wire_dtype(strategy) is None
+    strategy.bfloat16_wire = True
+    assert ParameterServer._wire_dtype(strategy) == (BFLOAT16 if dtype == torch.bfloat16
+                                                     else None)

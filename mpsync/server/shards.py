@@ -113,6 +113,7 @@ class ShardClient:
         self.startup = max(float(startup), self.deadline)   # for a worker never heard from
         self.wire = None
         self.cast = cast
+        self.nodes = 1   # the nodes the shards are on (``start_shards``)
         self.bounds: tuple[tuple[int, int], ...] | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -472,4 +473,5 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
             f"node(s): {'; '.join(labels)}")
     client = ShardClient(requests, replies, layout.hosts, labels, config.deadline,
                          worker_names=worker_names, startup=config.startup_timeout, cast=cast)
+    client.nodes = layout.nodes
     return client, thread, layout

@@ -41,10 +41,13 @@ class ParameterServer(LocalStepsThenAggregate):
     may read (its staleness rule over whole-model push counts).  On the wire: that dtype, or
     float16 under ``Compression.fp16`` (any compressor whose output is a float16/32/64 or
     bfloat16 tensor sets the wire dtype; the shards cannot run a compressor's own
-    decompress).  A bfloat16 model (a dtype numpy lacks) is stored as float32 and travels as
-    bfloat16 (``weights.BFLOAT16``): half the bytes, nothing the worker keeps is lost on the
-    pull (its parameters are bfloat16), and the push's Δ is rounded to bfloat16 as a
-    bfloat16 ring's gradients are.
+    decompress).  A bfloat16 model (a dtype numpy lacks) is stored as float32; where the
+    shards span nodes it travels as bfloat16 (``weights.BFLOAT16``, ``bfloat16_wire``): half
+    the bytes, nothing the worker keeps is lost on the pull (its parameters are bfloat16),
+    and the push's Δ is rounded to bfloat16 as a bfloat16 ring's gradients are.  On one node
+    the bytes are copies, which the conversions cost more than they save: float32 there
+    (``bench/allreduce/README.md``: 0.53x the float32 exchange's time across nodes at 1 Gbit/s,
+    1.5x on one host, 8.7 MB).
 
     Memory (at most one extra copy of the parameters): ``_base`` is the only one besides the
     fusion buffer (and a float16 wire buffer under compression).  Δ is computed into
@@ -66,6 +69,7 @@ class ParameterServer(LocalStepsThenAggregate):
     """
 
     staged: bool | None = None   # None: where the parameters are off the CPU (class doc)
+    bfloat16_wire: bool | None = None   # None: where the shards span nodes (class doc)
 
     def __init__(self, *args, worker_rank: int = 0, **kw):
         super().__init__(*args, **kw)
@@ -223,11 +227,14 @@ class ParameterServer(LocalStepsThenAggregate):
 
     def _wire_dtype(self):
         """The dtype pushes and pulls travel in: what the optimizer's compressor makes of
-        the store's dtype; without one, the parameters' own (None: the store's, bfloat16:
-        ``BFLOAT16``, whose store is float32)."""
+        the store's dtype; without one, the parameters' own (None: the store's; bfloat16,
+        whose store is float32: ``BFLOAT16`` where ``bfloat16_wire``, class doc)."""
         compression = self.wire.compression if self.wire is not None else None
         stored = _stored(self.buf.flat).dtype
-        own = BFLOAT16 if self.buf.flat.dtype == torch.bfloat16 else None
+        across = self.bfloat16_wire
+        if across is None:
+            across = getattr(getattr(self.client, "shards", None), "nodes", 1) > 1
+        own = BFLOAT16 if self.buf.flat.dtype == torch.bfloat16 and across else None
         if compression is None:
             return own
         probe, _ = compression.compress(torch.zeros(1, dtype=stored))
