@@ -351,7 +351,7 @@ class ShardServer:
             self._refuse(src, what, f"{payload.nbytes} bytes is not a whole number of "
                                     f"{dtype} elements ({dtype.itemsize} bytes each)")
             return REFUSED
-        if dtype == BFLOAT16 and (kind == INIT or kind == LOAD and not self.store.ready):
+        if dtype == BFLOAT16 and (kind == INIT or (kind == LOAD and not self.store.ready)):
             self._refuse(src, what, "bfloat16 initial weights: the store keeps a bfloat16 "
                                     "model in float32 (send them as float32)")
             return REFUSED

@@ -57,8 +57,9 @@ worker's use of the shard; ``WATCH`` asks how long since the shard heard from ea
 link carries about one model out and one in per synchronization.  Under ``Compression.fp16``
 both travel as float16: the shards keep the master weights in the parameters' dtype and
 workers compute on a float16 rounding of them, as in mixed-precision training; their updates
-are applied to the master copy.  A bfloat16 model travels as bfloat16 the same way (its
-store is float32: ``weights.BFLOAT16``), half the bytes of the float32 it was sent as.
+are applied to the master copy.  A bfloat16 model travels as bfloat16 the same way where
+the shards span nodes (its store is float32: ``weights.BFLOAT16``), half the bytes of the
+float32 it was sent as (``mpsync.torch.strategies.ps``).
 
 Failures: every wait has the run's deadline.  A worker waiting for the others (``join``, a
 shard's shutdown) asks the shards who has been silent for longer than that and names them;
