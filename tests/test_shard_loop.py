@@ -30,6 +30,8 @@ class _Shard:
         self.logs: list[str] = []
         self.server = ShardServer(self.requests, self.replies, 0, 1, scale, deadline=deadline,
                                   log=self.logs.append, compiled=compiled, updates=updates)
+        if compiled:   # a cold cache compiles here, not within the client's deadline
+            self.server._loop.warm_up(np.dtype(dtype), stepping=updates is not None)
         self.thread = ShardThread(self.server)
         self.client = ShardClient(self.requests, self.replies, [0], ["PS shard 0"], 10.0)
         self.dtype, self.n = np.dtype(dtype), n

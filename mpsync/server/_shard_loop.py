@@ -37,6 +37,11 @@ reads it while the loop runs, and the steps taken are counted in the cells.  A s
 would make state (the first) is the Python loop's, as is the optimizer applied once per
 round (BSP), whose pulls wait for the round's step: the shard serves those in Python.
 
+A float32 store (a bfloat16 model's, ``weights.BFLOAT16``) also serves pushes and pulls on a
+bfloat16 wire: a push's bits are widened into float32 (exact) and taken as above; a pull's
+reply is the weights rounded to bfloat16 into one of ``HALVES`` buffers of its own, which
+take turns as the weights' buffers do.
+
 Idle, the loop sleeps as the Python one did (20 µs doubling to 1 ms, 4 ms after 50 ms of
 silence) but never past a worker's next push: it keeps ``ShardServer``'s per-worker push
 clocks, in the same arrays, so a paced push finds the shard polling; and for ``DUE_SLACK_S``
@@ -54,7 +59,8 @@ from mpi4py import MPI
 from mpsync.server import _fastpath
 from mpsync.server._fastpath import (_get_count, _i32, _iprobe, _jit, _ptr, _recv,
                                      _sched_yield, _send, _status_layout, _test)
-from mpsync.server.shard_optimizer import STEP_ADAM, STEP_SGD, step_pass
+from mpsync.server.shard_optimizer import step_pass
+from mpsync.server.weights import round_to_bfloat16, widen_bfloat16
 
 __all__ = ["ShardLoop", "unavailable_reason", "QUIET", "PROBED", "RECEIVED", "REFUSED",
            "STUCK", "MPI_FAILED", "ADD", "HAND_BACK"]
@@ -72,9 +78,11 @@ C_VERSION, C_RECEIVED, C_SENT, C_CURRENT, C_SOURCE, C_TAG, C_COUNT, C_ERROR, C_S
     C_ACK, C_ACK_STATUS, C_STEPS, C_CLOCK = range(13)
 N_CELLS = C_CLOCK + 2   # the last two: a struct timespec
 # A reply in flight (a row of ``ShardLoop.flight``): its MPI request, the buffer it reads
-# (-1: a free row), its worker, its bytes; ``flight_since``: when it was posted.
+# (-1: a free row; BUFFERS + k: bfloat16 buffer k), its worker, its bytes; ``flight_since``:
+# when it was posted.
 F_REQUEST, F_BUFFER, F_WORKER, F_BYTES = range(4)
 BUFFERS = 3
+HALVES = 3   # a float32 store's replies on a bfloat16 wire
 # The float64 times shared with Python: when the next push is due.
 T_NEXT_DUE = 0
 # What a push is (``ShardLoop.serve``'s ``step``): a delta to add; a gradient for the Python
@@ -112,31 +120,38 @@ class ShardLoop:
         self.deadline = float(deadline)
         self._delta: np.ndarray | None = None
         self._no_settings = np.zeros(8)
+        # A float32 store's bfloat16 wire: a push's bits, the replies' buffers.
+        self._bits = np.empty(0, np.uint16)
+        self.halves = np.empty((HALVES, 0), np.uint16)
 
     def serve(self, buffers: tuple, scale: float, code: int, version: int,
-              until: float, step: tuple | None = None) -> int:
+              until: float, step: tuple | None = None, half_code: int = -1) -> int:
         """Serve until ``until`` (``time.monotonic``) or a message for Python.  ``buffers``:
         the weights, then two buffers of their size and dtype that nothing reads; after the
         call, ``cells[C_CURRENT]`` says which of the three the weights are, and
         :meth:`in_flight` the replies still being sent.  ``step``: None, pushes are deltas
         added times ``scale``; else ``(kind, settings, m, v, vmax, steps)`` with ``kind``
         ``HAND_BACK`` or ``step_pass``'s (``ShardOptimizer.compiled_form``, then the steps
-        taken so far, which ``cells[C_STEPS]`` counts on).  Returns an outcome (module
-        constants); ``cells`` hold the version and the byte counts."""
+        taken so far, which ``cells[C_STEPS]`` counts on).  ``half_code``: the bfloat16
+        wire's code, served where the store is float32 (module doc; its replies read
+        :attr:`halves`).  Returns an outcome (module constants); ``cells`` hold the version
+        and the byte counts."""
         weights = buffers[0]
         if self._delta is None or self._delta.dtype != weights.dtype or \
                 self._delta.size != weights.size:
             self._delta = np.empty_like(weights)
+        if weights.dtype != np.float32:
+            half_code = -1
+        elif half_code >= 0 and self._bits.size != weights.size:
+            self._bits = np.empty(weights.size, np.uint16)
+            self.halves = np.empty((HALVES, weights.size), np.uint16)
         cells = self.cells
         cells[C_VERSION], cells[C_CURRENT] = version, 0
-        if step is None:
-            none = self._delta[:0]
-            kind, settings, m, v, vmax = ADD, self._no_settings, none, none, none
-        else:
+        kind, optimizer = ADD, None
+        if step is not None:
             kind, settings, m, v, vmax, cells[C_STEPS] = step
-            if kind == HAND_BACK:
-                none = self._delta[:0]
-                settings, m, v, vmax = self._no_settings, none, none, none
+            if kind != HAND_BACK:
+                optimizer = (settings, m, v, vmax)
         heard, state, last_push, push_due, times = self.tables
         return int(_serve(self.comms[0], self.comms[1], self.h_byte, MPI.ANY_SOURCE,
                           MPI.ANY_TAG, self.src_at, self.tag_at, self.status, self.scratch,
@@ -144,7 +159,7 @@ class ShardLoop:
                           buffers[1], buffers[2], self._delta,
                           np.asarray([scale], weights.dtype), code, heard, state, last_push,
                           push_due, times, self.tags, self.sleeps, self.deadline,
-                          float(until), kind, settings, m, v, vmax))
+                          float(until), kind, optimizer, half_code, self._bits, self.halves))
 
     def in_flight(self) -> list[tuple[MPI.Request, int, int, float]]:
         """The replies the last call left in flight, handed over (their rows freed):
@@ -157,12 +172,15 @@ class ShardLoop:
             self.flight[row, F_BUFFER] = -1
         return out
 
-    def warm_up(self, dtype=np.float32) -> None:
+    def warm_up(self, dtype=np.float32, stepping: bool = False) -> None:
         """Load the loop for a ``dtype`` store from Numba's cache (compile it the first time)
         before the first push: one call on this process's own communicator that finds no
-        message and returns."""
+        message and returns.  ``stepping``: the loop that takes the server-side optimizer's
+        steps, a specialization of its own (``_serve``'s ``optimizer``)."""
         heard = np.zeros(1)
         weights = np.zeros(1, dtype)
+        optimizer = (self._no_settings, weights[:0], weights[:0], weights[:0]) if stepping \
+            else None
         flight = np.zeros((1, 4), np.int64)
         flight[:, F_BUFFER] = -1
         _serve(MPI._handleof(MPI.COMM_SELF), MPI._handleof(MPI.COMM_SELF), self.h_byte,
@@ -170,8 +188,8 @@ class ShardLoop:
                np.zeros(N_CELLS, np.int64), flight, np.zeros(1), self.pull_arg, weights,
                weights.copy(), weights.copy(), weights.copy(), weights.copy(), 0, heard,
                np.zeros(1, np.int64), heard.copy(), heard.copy(), np.zeros(1), self.tags,
-               self.sleeps, self.deadline, 0.0, ADD, self._no_settings, weights[:0],
-               weights[:0], weights[:0])
+               self.sleeps, self.deadline, 0.0, ADD, optimizer, -1, np.empty(0, np.uint16),
+               np.empty((HALVES, 0), np.uint16))
 
 
 # -- the compiled part ------------------------------------------------------------------------
@@ -303,12 +321,17 @@ def _free_row(flight):
 @_jit
 def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, status, scratch,
            cells, flight, flight_since, pull_arg, w0, w1, w2, delta, scale, code, heard, state,
-           last_push, push_due, times, tags, sleeps, deadline, until, step_kind, settings, m, v,
-           vmax):
+           last_push, push_due, times, tags, sleeps, deadline, until, step_kind, optimizer,
+           half_code, bits, halves):
     """The loop (module doc).  ``tags``: PUSH, PUSH_PULL, PULL, ACK, DATA, OK, REFUSED,
     UNHEARD, HEARD_FROM; ``sleeps``: SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S, IDLE_AFTER_S,
-    WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S (``shard_server``'s constants); ``step_kind`` ...
-    ``vmax``: what a push is (``ShardLoop.serve``'s ``step``)."""
+    WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S (``shard_server``'s constants); ``step_kind``:
+    what a push is (``ShardLoop.serve``'s ``step``), ``optimizer`` the step's ``(settings,
+    m, v, vmax)``, or None: then Numba prunes the step at compile time, and the loop most
+    jobs run compiles in 8 s, where one loop with the step in it took 22 s (cold cache, the
+    2-core VM at load 5; 7 s before the step and the bfloat16 wire came);
+    ``half_code``: the bfloat16 wire's code where the store is float32 (else -1), ``bits``
+    and ``halves`` its buffers."""
     push_t, push_pull_t, pull_t, ack_t, data_t = tags[0], tags[1], tags[2], tags[3], tags[4]
     ok, refused, unheard, heard_from = tags[5], tags[6], tags[7], tags[8]
     sleep_min, sleep_max, sleep_idle, idle_after = sleeps[0], sleeps[1], sleeps[2], sleeps[3]
@@ -363,9 +386,10 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
         count = scratch[1]
         kind, wire = tag - tag % 10, tag % 10
         cells[C_SOURCE], cells[C_TAG], cells[C_COUNT] = src, tag, count
-        is_push = (kind == push_t or kind == push_pull_t) and count == nbytes \
-            and step_kind != HAND_BACK
-        if src < 0 or src >= n_workers or wire != code or \
+        halved = wire == half_code
+        is_push = (kind == push_t or kind == push_pull_t) and step_kind != HAND_BACK \
+            and count == (nbytes // 2 if halved else nbytes)
+        if src < 0 or src >= n_workers or (wire != code and not halved) or \
                 not (is_push or kind == pull_t and count == 8):
             return PROBED
         current = cells[C_CURRENT]
@@ -385,7 +409,9 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
                                          scratch, deadline)
                 if outcome >= 0:
                     return outcome
-        payload = delta.ctypes.data if is_push else pull_arg.ctypes.data
+        payload = pull_arg.ctypes.data
+        if is_push:
+            payload = bits.ctypes.data if halved else delta.ctypes.data
         err = _recv(payload, count, h_byte, src, tag, requests, status_p)
         if err != 0:
             cells[C_ERROR] = err
@@ -398,12 +424,14 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
         if state[src] == unheard:
             state[src] = heard_from
         if is_push:
+            if halved:
+                widen_bfloat16(delta.view(np.uint32), bits)
             _expect_next_push(src, now, last_push, push_due, times, pace_max)
             source = w0 if current == 0 else (w1 if current == 1 else w2)
             out = w0 if target == 0 else (w1 if target == 1 else w2)
-            if step_kind == STEP_SGD or step_kind == STEP_ADAM:
-                applied = step_checked(step_kind, source, delta, out, settings, m, v, vmax,
-                                       cells)
+            if optimizer is not None:
+                applied = step_checked(step_kind, source, delta, out, optimizer[0],
+                                       optimizer[1], optimizer[2], optimizer[3], cells)
             elif target == current:
                 applied = add_checked_in_place(source, delta, scale)
             else:
@@ -435,11 +463,26 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
             row = _free_row(flight)
         current = cells[C_CURRENT]
         weights = w0 if current == 0 else (w1 if current == 1 else w2)
-        err = _isend(weights.ctypes.data, nbytes, h_byte, src, data_t, replies,
+        reads, address, size = current, weights.ctypes.data, nbytes
+        if halved:   # the weights rounded into a bfloat16 buffer no reply reads
+            half = -1
+            while half < 0:
+                for k in range(HALVES):
+                    if _readers(flight, BUFFERS + k) == 0:
+                        half = k
+                        break
+                if half < 0:
+                    outcome = _await_a_reply(flight, flight_since, cells, status_p, flag_p,
+                                             scratch, deadline)
+                    if outcome >= 0:
+                        return outcome
+            round_to_bfloat16(halves[half], weights)
+            reads, address, size = BUFFERS + half, halves[half].ctypes.data, nbytes // 2
+        err = _isend(address, size, h_byte, src, data_t, replies,
                      flight.ctypes.data + 8 * (row * 4 + F_REQUEST))
         if err != 0:
             cells[C_ERROR] = err
             return MPI_FAILED
-        flight[row, F_BUFFER], flight[row, F_WORKER], flight[row, F_BYTES] = current, src, nbytes
+        flight[row, F_BUFFER], flight[row, F_WORKER], flight[row, F_BYTES] = reads, src, size
         flight_since[row] = now
         sending = True

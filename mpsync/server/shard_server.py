@@ -175,6 +175,8 @@ class ShardServer:
     def serve(self) -> dict:
         if self._loop is not None:
             self._loop.warm_up()   # most models are float32; another dtype loads at its first push
+            if self.updates is not None and not self.updates.per_round:
+                self._loop.warm_up(stepping=True)   # the loop that takes the optimizer's steps
         status = MPI.Status()
         probe = self.comm.Iprobe
         clock, sched_yield = time.perf_counter, os.sched_yield
@@ -244,7 +246,7 @@ class ShardServer:
             step = ((_shard_loop.HAND_BACK, None, None, None, None, 0) if form is None
                     else (*form, self.updates.optimizer.steps))
         outcome = loop.serve(tuple(buffers), store.scale, wire_code(weights.dtype),
-                             store.version, time.monotonic() + 0.5, step)
+                             store.version, time.monotonic() + 0.5, step, wire_code(BFLOAT16))
         cells = loop.cells
         if step is not None and step[0] != _shard_loop.HAND_BACK:
             self.updates.optimizer.steps = int(cells[_shard_loop.C_STEPS])
@@ -252,7 +254,9 @@ class ShardServer:
         store.weights = buffers[int(cells[_shard_loop.C_CURRENT])]
         self._others = [b for b in buffers if b is not store.weights]
         for request, buffer, worker, since in loop.in_flight():
-            self._sending.append(_Reply(request, worker, buffers[buffer], since))
+            buf = (buffers[buffer] if buffer < _shard_loop.BUFFERS
+                   else loop.halves[buffer - _shard_loop.BUFFERS])
+            self._sending.append(_Reply(request, worker, buf, since))
         src, tag, count = (int(cells[i]) for i in (_shard_loop.C_SOURCE, _shard_loop.C_TAG,
                                                     _shard_loop.C_COUNT))
         if outcome == _shard_loop.PROBED:

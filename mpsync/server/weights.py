@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WeightStore", "all_finite", "numpy_cast", "subtract_checked", "BFLOAT16"]
+__all__ = ["WeightStore", "all_finite", "numpy_cast", "subtract_checked", "BFLOAT16",
+           "round_to_bfloat16", "widen_bfloat16"]
 
 # bfloat16 on the wire.  numpy has no bfloat16: its values travel as their bits (the upper
 # half of a float32's) in this 2-byte dtype of its own, which :func:`numpy_cast` and
@@ -32,10 +33,10 @@ def numpy_cast(dst: np.ndarray, src: np.ndarray) -> None:
     if dst.dtype == BFLOAT16:
         if src.dtype != np.float32:
             src = src.astype(np.float32)
-        _to_bfloat16(dst.view(np.uint16), src)
+        round_to_bfloat16(dst.view(np.uint16), src)
     elif src.dtype == BFLOAT16:
-        if dst.dtype in _COMPILED:
-            _from_bfloat16(dst, src.view(np.uint16))
+        if dst.dtype == np.float32 and dst.flags.c_contiguous:
+            widen_bfloat16(dst.view(np.uint32), src.view(np.uint16))
         else:
             np.copyto(dst, (src.view(np.uint16).astype(np.uint32) << 16).view(np.float32),
                       casting="unsafe")
@@ -195,7 +196,7 @@ def _subtract_finite(new, base):
 
 
 @_check
-def _to_bfloat16(bits, src):
+def round_to_bfloat16(bits, src):
     """float32 ``src`` to bfloat16 ``bits``, rounding to nearest even as torch does (a NaN
     becomes the quiet NaN 0x7FC0; torch's vectorized conversion writes 0xFFFF, also a NaN)."""
     words = src.view(np.uint32)
@@ -209,11 +210,8 @@ def _to_bfloat16(bits, src):
 
 
 @_check
-def _from_bfloat16(dst, bits):
-    """bfloat16 ``bits`` to float32 or float64 ``dst``: exact (a bfloat16 is a float32 with
-    its lower half zero)."""
-    words = np.empty(1, np.uint32)
-    one = words.view(np.float32)
+def widen_bfloat16(words, bits):
+    """bfloat16 ``bits`` to float32, written as the float32s' ``words`` (a ``uint32`` view):
+    exact, a bfloat16 is a float32 with its lower half zero."""
     for i in range(bits.size):
-        words[0] = np.uint32(bits[i]) << 16
-        dst[i] = one[0]
+        words[i] = np.uint32(bits[i]) << 16
