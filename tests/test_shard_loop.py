@@ -63,20 +63,23 @@ def _updates(n: int, dtype, steps: int) -> list[np.ndarray]:
     return [rng.standard_normal(n).astype(dtype) / 3 for _ in range(steps)]
 
 
+def _push_and_read(shard: _Shard, step: int, update: np.ndarray) -> np.ndarray:
+    """A push then a pull every third step, a push+pull otherwise: the weights read."""
+    if step % 3 == 0:
+        shard.client.push(update)
+        return shard.pulled()
+    out = np.empty(shard.n, shard.dtype)
+    shard.client.push_pull(shard.client.checked_push(update), out)
+    return out
+
+
 def _serve_sequence(compiled: bool, dtype, scale: float) -> tuple[list, dict]:
     """INIT, then pushes, push+pulls and pulls in turn; every weight vector read."""
     n = 10_007
     shard = _Shard(n, dtype, compiled=compiled, scale=scale)
     shard.client.init(np.linspace(-1, 1, n).astype(dtype))
-    reads = []
-    for step, delta in enumerate(_updates(n, dtype, 12)):
-        if step % 3 == 0:
-            shard.client.push(delta)
-            reads.append(shard.pulled())
-        else:
-            out = np.empty(n, dtype)
-            shard.client.push_pull(shard.client.checked_push(delta), out)
-            reads.append(out)
+    reads = [_push_and_read(shard, step, delta)
+             for step, delta in enumerate(_updates(n, dtype, 12))]
     return reads, shard.close()
 
 
@@ -116,13 +119,7 @@ def _optimizer_sequence(compiled: bool, dtype, settings: OptimizerSettings):
             bad = grad.copy()
             bad[n // 2] = np.nan
             refused.append(shard.raw_push(bad, PUSH + wire_code(dtype))[1])
-        if step % 3 == 0:
-            shard.client.push(grad)
-            reads.append(shard.pulled())
-        else:
-            out = np.empty(n, dtype)
-            shard.client.push_pull(shard.client.checked_push(grad), out)
-            reads.append(out)
+        reads.append(_push_and_read(shard, step, grad))
     state = shard.client.optimizer_state(dtype)
     return reads, state, refused, shard.close()
 
