@@ -82,9 +82,10 @@ class ShardServer:
     so a paced push finds the shard awake; it does not sleep while a pull's reply is still in
     flight.
 
-    Where Open MPI is the MPI, pushes and pulls in the store's dtype are served by a compiled
-    loop without the interpreter's lock (``_shard_loop``; ``compiled=False``: this loop
-    alone); it hands every other message to this loop, which works as described here.
+    Where Open MPI is the MPI, pushes and pulls in the store's dtype (and a float32 store's
+    on a bfloat16 wire), with the server-side optimizer's step per push too, are served by a
+    compiled loop without the interpreter's lock (``_shard_loop``; ``compiled=False``: this
+    loop alone); it hands every other message to this loop, which works as described here.
 
     Nothing a worker sends or fails to take stops the shard: a message it cannot use is
     received, logged and dropped (a push refused that way is answered ``REFUSED``); a pull
