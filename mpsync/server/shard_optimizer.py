@@ -177,7 +177,6 @@ class ShardOptimizer:
         self._second: np.ndarray | None = None     # Adam's second moment
         self._max_second: np.ndarray | None = None  # amsgrad
         self._g: np.ndarray | None = None          # scratch: the gradient as stepped
-        self._t: np.ndarray | None = None          # scratch
         self._none: np.ndarray | None = None       # an argument ``step_pass`` does not read
         self._vector = step_settings(settings)
 
@@ -307,7 +306,7 @@ class ShardOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held (the pending sum and scratch included)."""
-        held = [self._momentum, self._second, self._max_second, self._g, self._t]
+        held = [self._momentum, self._second, self._max_second, self._g]
         held += [total for total, _ in self._pending.values()] + self._spare
         return sum(b.nbytes for b in held if b is not None)
 
