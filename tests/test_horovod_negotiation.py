@@ -93,6 +93,23 @@ def test_fusion_groups_consecutive_matching_allreduces_up_to_the_threshold(thres
     assert [len(g) for g in neg.fusion_groups(mixed, 1 << 20)] == [1, 1, 2]
 
 
+def test_an_allreduce_the_workers_disagree_on_or_a_joined_worker_answers_is_never_fused():
+    good = np.stack([_rec(), _rec()])
+    invalid = _rec()
+    invalid[meta.Field.INVALID] = 1
+    cases = [np.stack([_rec(), _rec(dtype=0)]),              # a mismatch: raised, not fused
+             np.stack([_rec(), meta.joined_record(2, 0)]),   # a joined worker's zeros
+             np.stack([invalid, invalid]),                    # invalid arguments everywhere
+             np.stack([_rec(), _rec(op=0)])]
+    for bad in cases:
+        ready = [("a", good, np.array([-1, -1])), ("x", bad, np.array([-1, -1])),
+                 ("b", good, np.array([-1, -1]))]
+        assert [[item[0] for item in g] for g in neg.fusion_groups(ready)] == \
+            [["a"], ["x"], ["b"]]
+    assert [len(g) for g in neg.fusion_groups([("a", good, None)])] == [1]
+    assert neg.fusion_groups([]) == []
+
+
 @pytest.mark.mpi
 def test_named_collectives_in_any_order_after_errors_late_and_fused():
     run = run_mpi("horovod_negotiation_programs:main", np=2, timeout=240)

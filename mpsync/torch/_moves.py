@@ -11,6 +11,8 @@ through host memory; the result comes back on its device.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -200,7 +202,7 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
                       shape=tuple(wire.shape), op=op, prescale=prescale, postscale=postscale,
                       name=name, nbytes=wire.numel() * wire.element_size())
     post = postscale / ops.size if op == Average else postscale
-    per_row = int(np.prod(wire.shape[1:], dtype=np.int64))
+    per_row = math.prod(wire.shape[1:])
     counts = np.array([reducescatter_rows(rows, ops.size, m)[1] * per_row
                        for m in range(ops.size)], dtype=np.int64)
 
@@ -319,7 +321,7 @@ def _exchange(ops: UserOps, nbytes: int, blocking, start, what: str) -> None:
 
 # -- data movement ----------------------------------------------------------------------------
 def _row_bytes(t: torch.Tensor) -> int:
-    return int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size()
+    return math.prod(t.shape[1:]) * t.element_size()  # (np.prod: 10x the time per call)
 
 
 def _rows(records: np.ndarray) -> np.ndarray:

@@ -226,11 +226,12 @@ def stall_text(stalled: dict[str, list[int]], warn_after: float, deadline: float
 
 def _fusion_key(recs: np.ndarray):
     F = meta.Field
-    if meta.mismatch(recs, _CODES, _CODES) is not None:
-        return None
-    if np.any(recs[:, F.KIND] != meta.ALLREDUCE):  # a joined worker answers on its own
-        return None
     r = recs[0]
+    head = recs[:, :meta.HEAD]
+    if not (head == head[0]).all():  # a joined worker answers on its own; a mismatch fails
+        return None
+    if r[F.KIND] != meta.ALLREDUCE or r[F.INVALID]:
+        return None
     return int(r[F.DTYPE]), int(r[F.OP])
 
 
@@ -242,7 +243,7 @@ def local_name(name: str, numbers: np.ndarray, worker: int) -> str:
 
 
 class _Codes(dict):
-    """Renders any code (the fusion check needs only whether records differ)."""
+    """Renders any code (the cache's check needs only whether records differ)."""
 
     def __missing__(self, key):
         return str(key)
@@ -258,6 +259,8 @@ def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     """``ready`` (name, records) in order, cut into the groups that run as one data step:
     consecutive allreduces with the same dtype and op and no mismatch, up to ``threshold``
     bytes; everything else alone.  ``threshold`` 0 turns fusion off."""
+    if len(ready) < 2:
+        return [list(ready)] if ready else []  # nothing to fuse with (the usual case)
     groups: list[list] = []
     key = None
     total = 0
