@@ -106,6 +106,20 @@ def check_all(ops: UserOps, r: int, n: int, mode: str) -> None:
         want = 2.0 * np.mean([_input(w, (rows + i, 2)).numpy() for w in range(n)], axis=0)
         _check(f"grouped reducescatter part {i}", y, want[start:start + count], rtol=1e-6)
 
+    # the half sum itself (float16 and bfloat16: one allreduce with MPI's own algorithm and a
+    # registered 2-byte sum): every member gets the same bits, within the rounding of each
+    # addition of the float64 sum; a length the members do not divide
+    for dtype, rtol in ((torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+        x = (_input(r, (11,)) / 7).to(dtype)
+        _moves.sum_half_(ops, x, f"half.{mode}")
+        want = np.sum([(_input(w, (11,)) / 7).to(dtype).to(torch.float64).numpy()
+                       for w in range(n)], axis=0)
+        _check(f"half sum {dtype}", x, want, rtol=rtol)
+        bits = x.view(torch.int16).numpy()
+        every = np.empty((n, bits.size), dtype=np.int16)
+        ops.comm.Allgather(bits, every)
+        assert (every == every[0]).all(), f"half sum {dtype}: members differ: {every}"
+
     # allgather of a tensor whose size-1 dimension has an odd stride (read without a copy only
     # where its strides are row-major)
     odd = torch.empty(2, 2)[:, :1]

@@ -267,45 +267,46 @@ def reducescatter_rows(rows: int, size: int, rank: int) -> tuple[int, int]:
 def sum_half_(ops: UserOps, x: torch.Tensor, what: str = "half sum") -> torch.Tensor:
     """In place, the sum over the members of a contiguous CPU float16/bfloat16 tensor.
 
-    The bandwidth-optimal allreduce as two exchanges of 2-byte values: each member receives
-    everyone's copy of its own 1/N of the tensor (alltoall), adds them in float32, and the
-    sums are gathered back (allgather) straight into ``x``.  Bytes moved per member:
-    2(N-1)/N x the tensor's bytes, half of what a float32 allreduce moves.  Buffers: the
-    received parts and the member's sums, from the scratch pool (plus a padded
-    copy of ``x`` when N does not divide its length); a large exchange runs blocking on the
-    lane, as the allreduce does."""
-    n, size = x.numel(), ops.size
-    if size == 1 or n == 0:
-        return x
-    chunk = -(-n // size)
-    flat = x.view(-1)
-    if chunk * size == n:
-        padded = flat
-    else:
-        padded = torch.zeros(chunk * size, dtype=x.dtype)
-        padded[:n] = flat
-    from mpsync.torch.dataplane.scratch import pool
+    One allreduce of the 2-byte values with a sum of their own type, registered with MPI (it
+    has none for them), as Horovod registers its float16 sum: each pair of partial sums is
+    added in float32 and rounded once (torch's half addition), and MPI's own algorithm moves
+    the bytes.  A large one runs blocking on the lane, as the allreduce does.
 
-    send = padded.view(torch.int16).numpy()
-    received = pool().take(send.nbytes, x.dtype)
-    mine = pool().take(chunk * 2, x.dtype)
-    recv = received.view(torch.int16).numpy()
-    _exchange(ops, send.nbytes, lambda comm: comm.Alltoall(send, recv),
-              lambda: ops.comm.Ialltoall(send, recv), what + " (exchange)")
-    parts = received.view(size, chunk)
-    if size == 2:
-        # torch adds halves in float32 and rounds once: the float32 sum of two, in one pass
-        torch.add(parts[0], parts[1], out=mine)
-    else:
-        mine.copy_(torch.sum(parts, dim=0, dtype=torch.float32))
-    mine_np = mine.view(torch.int16).numpy()
-    _exchange(ops, send.nbytes, lambda comm: comm.Allgather(mine_np, send),
-              lambda: ops.comm.Iallgather(mine_np, send), what + " (gather)")
-    for buf in (received, mine):
-        pool().give(buf)
-    if padded is not flat:
-        flat.copy_(padded[:n])
+    It replaced an alltoall of the parts, a float32 sum of each member's part and an
+    allgather: two exchanges and a pass more.  Measured here (2 cores, median of 15, ms):
+    np 2, 16 MB: 7.5 against 9.9; np 4, 16 MB: 20 against 56; np 4, 64 MB: 152 against
+    397.  With more than 2 members the sum is rounded after each addition, not once at the
+    end (Horovod's too); every member receives the same bits (MPI's algorithms reduce each
+    element once and send the result)."""
+    if ops.size == 1 or x.numel() == 0:
+        return x
+    from mpi4py import MPI
+
+    values = x.view(-1).view(torch.int16).numpy()
+    op = _half_sum_op(x.dtype)
+    _exchange(ops, values.nbytes,
+              lambda comm: comm.Allreduce(MPI.IN_PLACE, [values, MPI.SHORT], op=op),
+              lambda: ops.comm.Iallreduce(MPI.IN_PLACE, [values, MPI.SHORT], op=op), what)
     return x
+
+
+_HALF_SUMS: dict = {}
+
+
+def _half_sum_op(dtype: torch.dtype):
+    """The MPI reduction that adds ``dtype`` (float16 or bfloat16) values carried as MPI
+    shorts: created once per dtype, for the life of the process."""
+    op = _HALF_SUMS.get(dtype)
+    if op is None:
+        from mpi4py import MPI
+
+        def add(inbuf, inoutbuf, _datatype):
+            if len(inoutbuf):
+                torch.frombuffer(inoutbuf, dtype=dtype).add_(
+                    torch.frombuffer(inbuf, dtype=dtype))
+
+        op = _HALF_SUMS[dtype] = MPI.Op.Create(add, commute=True)
+    return op
 
 
 def _exchange(ops: UserOps, nbytes: int, blocking, start, what: str) -> None:
