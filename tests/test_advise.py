@@ -62,6 +62,25 @@ def test_one_slow_worker_and_a_small_model_put_asp_first(capsys):
     assert times == sorted(times)
 
 
+def test_a_candidate_still_in_its_first_rounds_is_simulated_until_it_is_past_them():
+    # ESync on the parameter server, 16 workers, 100 MB over 100 Mbit/s: the first round's
+    # pushes queue at the shards while the workers that pulled step locally.  Over the usual
+    # horizon the workers completed 0.6 rounds each and the prediction read "1 local step
+    # per round, efficiency 1.00"; past the start-up it is hundreds of local steps per round.
+    from mpsync.auto.measurements import Measurements
+    from mpsync.auto.ranking import HORIZON_ITERATIONS, Candidate, predict
+
+    m = Measurements.from_speeds([1] * 16, link=12.5e6, model_bytes=100e6, ps_shards=4)
+    ranked = predict(m, Candidate("esync", "ps"))
+    simulated = int(ranked.reasons[0].split("engine, ")[1].split()[0])
+    assert simulated > 16 * HORIZON_ITERATIONS, ranked.reasons
+    assert ranked.efficiency < 0.5 and "local steps per round" in ranked.reasons[2], \
+        ranked.reasons
+    # a candidate past its first rounds within the horizon is simulated over it alone
+    fast = predict(Measurements.from_speeds([1] * 4), Candidate("esync", "ps"))
+    assert f"{4 * HORIZON_ITERATIONS} iterations" in fast.reasons[0], fast.reasons
+
+
 def test_a_real_runs_metrics_give_a_ranking_with_reasons(capsys):
     assert cli.main(["advise", "--metrics", str(REAL_RUN), "--horizon", "60",
                      "--topologies", "ring"]) == 0

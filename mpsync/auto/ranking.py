@@ -28,6 +28,16 @@ SWITCHABLE = AUTO_SWITCHABLE
 # Iterations per worker each candidate is simulated for: enough for ElasticBSP's supersteps
 # (2 monitoring reports + up to R) and ESync's rounds to repeat several times at 4-64 workers.
 HORIZON_ITERATIONS = 120
+# ... unless the workers completed fewer rounds each than this in it: the simulation then
+# saw only the start-up, and runs again over a horizon ``_LONGER`` times as long, at most
+# ``_LONGER_TIMES`` times.  Seen with ESync on a parameter server behind a slow link (16
+# workers, a 100 MB model, 100 Mbit/s): the first round's pushes queue at the shards for tens
+# of seconds while the workers that already pulled step locally, and the iteration budget
+# ran out inside that round (0.6 rounds per worker, 1 to 275 iterations each): "1138
+# samples/s, 1 local step per round", where the next rounds ran at 2084 samples/s with 244
+# local steps per round.
+_STEADY_ROUNDS = 2.0
+_LONGER, _LONGER_TIMES = 4, 2
 # Settings swept for the policies that have a main one (offline advice; the live run uses
 # its configuration's).
 _STALENESS = (1, 3, 8)
@@ -168,6 +178,12 @@ def predict(m: Measurements, c: Candidate, *, base=None, seed: int = 0,
     speeds = SpeedModel(list(m.compute_s), jitter=m.jitter, seed=seed)
     row = simulate(c.config(base), speeds, _cost(m, c), iterations=horizon,
                    batch_size=m.batch_size, engine=engine)
+    for _ in range(_LONGER_TIMES):
+        if (row.get("rounds") or 0) >= _STEADY_ROUNDS:
+            break
+        horizon *= _LONGER  # only the start-up was seen (``_STEADY_ROUNDS``)
+        row = simulate(c.config(base), speeds, _cost(m, c), iterations=horizon,
+                       batch_size=m.batch_size, engine=engine)
     rate = row.get("samples_per_s") or 0.0
     spec = policies.get(c.policy)
     eff, why = efficiency(row, c.topology == "ps" and not spec.ps_average, m.compute_s,
