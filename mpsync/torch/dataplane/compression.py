@@ -120,8 +120,8 @@ class WireSum:
 
     The aggregators average; the sum is that average times the number of workers.  A float16
     wire on the ``mpi`` backend (MPI has no float16 reduction) goes through ``half_sum``
-    (:func:`mpsync.torch._moves.sum_half_`: the halves themselves travel, the
-    additions are done in float32).
+    (:func:`mpsync.torch._moves.sum_half_`: the halves themselves travel, in one allreduce
+    with a half sum registered with MPI, each addition done in float32).
     """
 
     def __init__(self, backend, compression=None, prescale: float = 1.0,
