@@ -237,3 +237,19 @@ def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
     # report, and the server took both as one change.
     changes = res[1]["rate_changes"]
     assert len(changes) == 1 and changes[0]["worker"] in (0, 1), changes
+
+
+def test_the_levels_it_judged_are_kept_for_the_run_s_metrics():
+    rng = np.random.default_rng(0)
+    watch = LossWatch()
+    _feed(watch, 0.0, 3.0, _converging, rng)
+    watch.begin(3.0, "ssp/ps")
+    reason, at = _feed(watch, 3.0, 12.0, lambda t: _converging(t) if t < 9.0 else 2.3, rng)
+    series = watch.series()
+    times = [t for t, _, _ in series]
+    assert times == sorted(times) and all(b - a >= LossWatch.SERIES_EVERY_S - 1e-9
+                                          for a, b in zip(times, times[1:]))
+    assert series[0][2] is None and series[-1][2] is not None   # a reference once in a phase
+    # the last level kept is the one that tripped it, above its reference
+    assert reason is not None and series[-1][1] > 1.2 * series[-1][2], (reason, series[-1])
+    assert len(series) <= LossWatch.SERIES_MAX

@@ -591,6 +591,7 @@ class AutoPolicy(Policy):
                             "auto_topologies": list(self.topologies),
                             "auto_ring_only": self.ring_only,
                             "auto_training_loss": self.losses.describe(),
+                            "auto_training_loss_series": self.losses.series(),
                             "auto_gradient_noise": noise,
                             "auto_progress": self.progress_log}}
 

@@ -48,6 +48,11 @@ class LossWatch:
     ``check(now)``: why the running phase is diverging, or None.
     """
 
+    # The levels the checks saw, kept for the run's metrics (``series``): one every
+    # ``SERIES_EVERY_S`` at most, the last ``SERIES_MAX`` of them (20 minutes).
+    SERIES_EVERY_S = 0.5
+    SERIES_MAX = 2400
+
     def __init__(self, *, window_s: float = 1.0, min_reports: int = 6, undone: float = 0.3,
                  rise: float = 0.2, min_progress: float = 0.1, confirm: int = 2):
         if not (window_s > 0 and min_reports >= 1 and 0 < undone and rise >= 0
@@ -68,11 +73,16 @@ class LossWatch:
         self.last_level: float | None = None
         self._seen = 0
         self.non_finite = 0
+        self._series = deque(maxlen=self.SERIES_MAX)  # (time, level, phase's reference)
+        self._series_next = -math.inf
+        self._first_time: float | None = None
 
     # -- input ---------------------------------------------------------------------------------
     def add(self, now: float, loss: float, count: int = 1) -> None:
         loss, count = float(loss), max(int(count), 1)
         self.total_reports += 1
+        if self._first_time is None:
+            self._first_time = now
         if not math.isfinite(loss):
             self.non_finite += 1
             loss = math.inf
@@ -105,6 +115,13 @@ class LossWatch:
         level = self.level(now)
         if level is None:
             return None
+        if now >= self._series_next:
+            self._series_next = now + self.SERIES_EVERY_S
+            reference = None
+            if self.phase_label is not None and math.isfinite(level):  # (the test's, below)
+                low = level if self.phase_lowest is None else self.phase_lowest
+                reference = min(low, self.phase_start_level or level)
+            self._series.append((now, level, reference))
         self.last_level = level
         if math.isfinite(level):
             self.lowest = level if self.lowest is None else min(self.lowest, level)
@@ -139,6 +156,15 @@ class LossWatch:
         if level is None or self.phase_lowest is None:
             return False
         return not math.isfinite(level) or level > (1.0 + self.rise) * self.phase_lowest
+
+    def series(self) -> list:
+        """``[seconds since the first report, window mean, the phase's reference]`` per check
+        kept (the reference: None before a phase has one), to read a run's watch after it."""
+        t0 = self._first_time or 0.0
+
+        def r(x):
+            return None if x is None or not math.isfinite(x) else round(x, 4)
+        return [[round(t - t0, 2), r(level), r(ref)] for t, level, ref in self._series]
 
     def describe(self) -> dict:
         def r(x):
