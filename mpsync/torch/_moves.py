@@ -273,11 +273,12 @@ def sum_half_(ops: UserOps, x: torch.Tensor, what: str = "half sum") -> torch.Te
     the bytes.  A large one runs blocking on the lane, as the allreduce does.
 
     It replaced an alltoall of the parts, a float32 sum of each member's part and an
-    allgather: two exchanges and a pass more.  Measured here (2 cores, median of 15, ms):
-    np 2, 16 MB: 7.5 against 9.9; np 4, 16 MB: 20 against 56; np 4, 64 MB: 152 against
-    397.  With more than 2 members the sum is rounded after each addition, not once at the
-    end (Horovod's too); every member receives the same bits (MPI's algorithms reduce each
-    element once and send the result)."""
+    allgather: two exchanges and a pass more.  Measured here with plain mpi4py (2 cores,
+    median of 15, ms): np 2, 16 MB: 7.5 against 9.9; np 4, 16 MB: 20 against 56; np 4,
+    64 MB: 152 against 397.  With more than 2 members the sum is rounded after each
+    addition, not once at the end (Horovod's too).  Every member receives the same bits: the
+    addition commutes, and Open MPI's algorithms add the same partial sums on every member
+    (tests/lane_programs.py checks it on 3)."""
     if ops.size == 1 or x.numel() == 0:
         return x
     from mpi4py import MPI
