@@ -26,7 +26,8 @@ _LATE_S = 0.5
 
 
 class SleepWatch:
-    """Counts the main thread's ``time.sleep`` calls made while ``in_flight()`` is True."""
+    """Counts the main thread's ``time.sleep`` calls made while ``in_flight()`` is True
+    (``time.sleep(0)``, a yield, is not a sleep)."""
 
     def __init__(self):
         self.in_flight = lambda: False
@@ -35,7 +36,7 @@ class SleepWatch:
         self._main = threading.main_thread()
 
     def sleep(self, seconds):
-        if threading.current_thread() is self._main:
+        if threading.current_thread() is self._main and seconds > 0:
             self.slept += 1
             if self.in_flight():
                 self.slept_in_flight += 1
@@ -140,4 +141,56 @@ def main():
         optimizer_joined(watch, r, n, opt)
     finally:
         time.sleep = _real_sleep
+    mps.shutdown()
+
+
+def _watch_shards(watch: SleepWatch, shards) -> None:
+    """In flight while the worker's shard client waits for weights coming in (this rank
+    copies them: a pull's or a push-and-pull's reads).  A push's own wait, for the shards to
+    take their slices and answer, may pause: the shards move those bytes."""
+    state = {"on": False}
+    wait = shards._wait
+
+    def waited(*args, moving_here=False, **kw):
+        state["on"] = moving_here
+        try:
+            return wait(*args, moving_here=moving_here, **kw)
+        finally:
+            state["on"] = False
+
+    shards._wait = waited
+    watch.in_flight = lambda: state["on"]
+
+
+def ps_main():
+    """ASP on the parameter server in 2 shards (one per worker), a 16.8 MB model: 8 steps,
+    each a push and a pull of the whole model, which take longer than any waiter's first
+    spin.  Passes when no wait for the shards' weights slept and the waits went through the
+    progress engine (it counted them)."""
+    from mpsync.torch.dataplane.progress import engine
+
+    mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated", ps_shards=2,
+             deadline=30)
+    r = mps.rank()
+    ctx = _runtime.context()
+    model = _model()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters())
+    before = model.weight.detach().clone()
+    watch = SleepWatch()
+    _watch_shards(watch, ctx.shards)
+    waits = engine().counts["waits"]
+    time.sleep = watch.sleep
+    try:
+        for _ in range(8):
+            opt.zero_grad()
+            (model(torch.ones(1, 2048)) * (r + 1)).sum().backward()
+            opt.step()
+    finally:
+        time.sleep = _real_sleep
+    waited = engine().counts["waits"] - waits
+    moved = not torch.equal(before, model.weight.detach())
+    ok = moved and bool(torch.isfinite(model.weight).all()) and waited > 0
+    print(f"engine waits={waited} moved={moved}", flush=True)
+    watch.part("ps_push_pull", r, ok)
     mps.shutdown()

@@ -22,6 +22,14 @@ def test_waiters_never_sleep_while_their_collective_is_in_flight():
             assert f"PART-OK {part} rank={r}" in out, (part, r, out[-3000:])
 
 
+def test_a_workers_waits_on_its_parameter_server_shards_never_sleep():
+    # 1 state server + 2 workers, each hosting a shard of a 16.8 MB model.
+    run = run_mpi("progress_programs:ps_main", np=3, timeout=180)
+    out = run.stdout + "".join(r.get("stdout", "") for r in run.ranks.values())
+    for r in (0, 1):
+        assert f"PART-OK ps_push_pull rank={r}" in out, (r, out[-3000:])
+
+
 def test_a_lane_runs_calls_in_order_and_hands_back_their_errors():
     eng = ProgressEngine(thread_min_bytes=1)
 

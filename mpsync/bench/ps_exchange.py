@@ -121,6 +121,10 @@ class _Session:
             return
         self.shards, self.thread, self.layout = start_shards(
             workers, config, list(range(1, world.Get_size())), log=_quiet)
+        # A worker waits on its shards through the progress engine, as in training.
+        from mpsync.torch.dataplane.progress import engine
+
+        self.shards.waiter = engine().wait
         self.client = SyncClient(control, config, server_rank=0, shards=self.shards)
         n = max(self.layout.count, nbytes // 4)
         self.weights = np.zeros(n, dtype=np.float32)

@@ -70,6 +70,7 @@ drops, and serves on.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -81,12 +82,13 @@ from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates, pack_state, unpack_state
 from mpsync.server.shard_plan import ShardLayout, plan_layout, shard_bounds
 from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD, OK, OPT,
-                                        PULL, PUSH, PUSH_PULL, RESTORE, SAVE, SLEEP_MAX_S,
-                                        SLEEP_MIN_S, STATE, UNHEARD, WATCH, WIRE_DTYPES,
+                                        PULL, PUSH, PUSH_PULL, RESTORE, SAVE, STATE,
+                                        UNHEARD, WATCH, WIRE_DTYPES,
                                         ShardServer, ShardThread, wire_code)
 from mpsync.server.weights import BFLOAT16, all_finite, numpy_cast
 
-__all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "WIRE_DTYPES"]
+__all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "spin_until",
+           "WIRE_DTYPES"]
 
 
 class ShardClient:
@@ -124,6 +126,9 @@ class ShardClient:
         self._wire_buf: np.ndarray | None = None
         self._wire_in: np.ndarray | None = None
         self._lost: set[int] = set()    # shards that missed a deadline
+        # How a wait on the shards' answers runs (``_wait``): None, ``spin_until``; a worker's
+        # runtime sets its progress engine's ``wait``.
+        self.waiter = None
 
     @property
     def count(self) -> int:
@@ -242,13 +247,13 @@ class ShardClient:
             reads[k].Wait()
         if refused:
             self._wait([reads[k] for k in shards if k not in refused], "push and pull",
-                       [k for k in shards if k not in refused])
+                       [k for k in shards if k not in refused], moving_here=True)
             raise RuntimeError(f"push and pull refused by "
                                f"{', '.join(self.names[k] for k in refused)} (see its log "
                                f"line)")
         if applied is not None:
             applied()
-        self._wait(reads, "push and pull", shards)
+        self._wait(reads, "push and pull", shards, moving_here=True)
         self.bytes_received += back.nbytes
         if back is not out:
             self.cast(out, back)
@@ -279,7 +284,8 @@ class ShardClient:
                  for buf, h in zip(bufs, self.hosts)]
         sends = [self.comm.Isend([self._one, MPI.INT64_T], dest=h, tag=SAVE)
                  for h in self.hosts]
-        self._wait(recvs + sends, "saving the optimizer state", list(range(self.count)) * 2)
+        self._wait(recvs + sends, "saving the optimizer state", list(range(self.count)) * 2,
+                   moving_here=True)
         parts = [unpack_state(buf, dtype, b - a) for (a, b), buf in zip(self.bounds, bufs)]
         kinds = {(kind, steps, tuple(buffers)) for kind, steps, buffers in parts}
         if len(kinds) != 1:
@@ -343,7 +349,7 @@ class ShardClient:
                  for (a, b), h in zip(self.bounds, self.hosts)]
         sends = [self.comm.Isend([self._pull_barrier, MPI.INT64_T], dest=h, tag=tag)
                  for h in self.hosts]
-        self._wait(recvs + sends, "pull", list(range(self.count)) * 2)
+        self._wait(recvs + sends, "pull", list(range(self.count)) * 2, moving_here=True)
         self.bytes_received += wire.nbytes
         if wire is not out:
             self.cast(out, wire)
@@ -391,34 +397,77 @@ class ShardClient:
             raise DeadlineExceeded(f"{what}: {', '.join(names)} missed an earlier deadline "
                                    f"and is not asked again", names, what)
 
-    def _wait(self, requests, what: str, shard_of) -> None:
-        """Wait for ``requests``: polling for ``SPIN_S``, then sleeping 20 µs doubling to 1 ms;
-        past the deadline, raise naming the shards that did not answer."""
-        start = time.perf_counter()
-        sleep = SLEEP_MIN_S
-        while not MPI.Request.Testall(requests):
-            elapsed = time.perf_counter() - start
-            if elapsed > self.deadline:
-                late = sorted({shard_of[i] for i, r in enumerate(requests) if not r.Test()})
-                for i, r in enumerate(requests):
-                    if shard_of[i] in late and r:
-                        r.Cancel()
-                self._lost.update(late)
-                names = [self.names[k] for k in late]
-                raise DeadlineExceeded(f"no answer from {', '.join(names)} to {what} within "
-                                       f"the {self.deadline:g}s deadline", names, what)
-            if elapsed < SPIN_S:
-                time.sleep(0)   # lets the shard thread of this rank and other ranks run
-            else:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, SLEEP_MAX_S)
+    def _wait(self, requests, what: str, shard_of, moving_here: bool = False) -> None:
+        """Wait for ``requests``; past the deadline, raise naming the shards that did not
+        answer.
+
+        A shard answers as soon as it has the request (a pull the policy may hold was granted
+        by the state server before it reaches a shard), so every wait is on bytes in flight.
+        Who moves them decides how the waiter waits (Open MPI's shared memory: the receiver
+        copies, and only while it is inside MPI):
+
+        * ``moving_here`` (the shards' weights coming in): this rank copies them, so the
+          waiter tests and yields the core between tests, and never sleeps.  (It slept in
+          1 ms naps once its first 2 ms had passed, stalling a large pull.)
+        * else (a push, until every shard has taken its slice and answered): the shards copy
+          and step, so after ``ELSEWHERE_SPIN_S`` of spinning the waiter pauses
+          ``ELSEWHERE_PAUSE_S`` between tests and leaves the core to them (4 workers on 2
+          cores spinning through their pushes as well trained at 0.97-0.99x the samples/s,
+          bench/allreduce/README.md).
+
+        The wait is ``waiter``'s: the worker's progress engine
+        (``mpsync.torch.dataplane.progress``, set by the runtime), which counts what it did
+        and keeps the heartbeat; or, in a client without one, :func:`spin_until`."""
+        def done():
+            return MPI.Request.Testall(requests)
+
+        elsewhere = None if moving_here else (ELSEWHERE_SPIN_S, ELSEWHERE_PAUSE_S)
+        try:
+            (self.waiter or spin_until)(done, deadline=self.deadline, what=what,
+                                        elsewhere=elsewhere)
+            return
+        except DeadlineExceeded:
+            if MPI.Request.Testall(requests):   # it completed as the deadline passed
+                return
+        late = sorted({shard_of[i] for i, r in enumerate(requests) if not r.Test()})
+        for i, r in enumerate(requests):
+            if shard_of[i] in late and r:
+                r.Cancel()
+        self._lost.update(late)
+        names = [self.names[k] for k in late]
+        raise DeadlineExceeded(f"no answer from {', '.join(names)} to {what} within "
+                               f"the {self.deadline:g}s deadline", names, what)
 
 
-# A wait polls, letting go of the interpreter's lock and the core between polls, for this
-# long before it sleeps (the shard thread of this rank, compiled or not, needs neither while
-# it polls).  Where ranks share cores, a longer poll takes the cores the others compute on
-# (4 workers on 2 cores trained at 0.9x the samples/s with 20 ms, in single runs).
-SPIN_S = 2e-3
+# A wait on the shards' work (a push's answers) spins this long, then pauses between tests.
+ELSEWHERE_SPIN_S = 2e-3
+ELSEWHERE_PAUSE_S = 1e-4
+
+
+def spin_until(done, *, deadline: float, what: str,
+               elsewhere: tuple[float, float] | None = None) -> None:
+    """Call ``done()`` (an ``MPI.Request`` test: it moves the transfer) until it returns True,
+    yielding the core between calls (this rank's shard thread and the ranks that share the
+    cores run meanwhile); ``elsewhere=(spin_for, pause)``: after ``spin_for`` seconds, pause
+    ``pause`` seconds between calls.  :class:`DeadlineExceeded` after ``deadline`` seconds.
+    The progress engine's wait without its counters and heartbeat."""
+    yield_ = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+    start = time.monotonic()
+    spins = 0
+    pausing = False
+    while not done():
+        spins += 1
+        if pausing:
+            time.sleep(elsewhere[1])
+        elif spins & 31:
+            yield_()
+            continue
+        waited = time.monotonic() - start
+        if waited > deadline:
+            raise DeadlineExceeded(f"{what}: past the {deadline:g}s deadline", (), what)
+        pausing = elsewhere is not None and waited > elsewhere[0]
+        if not pausing:
+            yield_()
 
 
 def _name(dtype) -> str:

@@ -204,9 +204,11 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
     _start_backend(ctx, one_host)
     if policies.hosts_shards(config):
         from mpsync.server.shards import start_shards
+        from mpsync.torch.dataplane.progress import engine
 
         ctx.shards, ctx.shard_thread, ctx.shard_layout = start_shards(
             workers, config, world_ranks, cast=torch_cast)
+        ctx.shards.waiter = engine().wait   # the one way a worker waits on bytes in flight
     _start_control_plane(ctx)
     atexit.register(_shutdown_at_exit)
     return ctx

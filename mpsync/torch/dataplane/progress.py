@@ -28,6 +28,11 @@ it (a daemon, so it never keeps the process alive) and the lane's later calls qu
 If the silent peer comes back, the call completes and the queue drains in order on every
 worker; otherwise the job is ending anyway.
 
+A worker's waits on its parameter-server shards go through :meth:`ProgressEngine.wait` too
+(``mpsync.server.shards.ShardClient.waiter``, set by the runtime: the server layer cannot
+import this one): weights coming in are spun on, a push's answers are waited for as bytes
+that move elsewhere (the shards copy them).
+
 The waits count what they did in :attr:`ProgressEngine.counts` (``sleeps`` stays 0 while a
 collective is in flight: the engine only ever sleeps while it waits for a peer to *submit*
 one, before any data step has started, see :meth:`ProgressEngine.wait`).
