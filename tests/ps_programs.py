@@ -372,5 +372,31 @@ def stopped_at_join() -> None:
     raise AssertionError("shutdown returned although a worker had stopped")
 
 
+def bsp_round_left_out() -> None:
+    """BSP with SGD on 2 shards, 3 workers (a dedicated server): worker 2 falls silent in its
+    step 3 for longer than the silence timeout, so the state server grants round 3 without
+    it (its pulls name worker 2 left out), then worker 2 comes back and trains on.  The model
+    is two equal halves, one per shard, whose gradients are equal: where every shard stepped
+    on the same pushes in every round, the halves end equal (to the rounding of sums whose
+    pushes came in another order; a push in another round moves a half by about 0.01)."""
+    mps.init(policy="bsp", topology="ps", backend="mpi", server="dedicated", ps_shards=2,
+             ps_optimizer="server", silent_timeout=1.0, deadline=60)
+    me, m = mps.rank(), 64
+    p = torch.nn.Parameter(torch.ones(2 * m, dtype=torch.float64))
+    opt = mps.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)])
+    x = torch.linspace(-1.0, 1.0, m, dtype=torch.float64) * (me + 1)
+    for step in range(8):
+        opt.zero_grad()
+        ((p[:m] * x).sin().sum() + (p[m:] * x).sin().sum()).backward()
+        if me == 2 and step == 3:
+            time.sleep(3.0)
+        opt.step()
+    opt.synchronize()
+    mps.shutdown()
+    flat = p.detach()
+    _result(rank=me, halves_equal=bool(torch.allclose(flat[:m], flat[m:], rtol=0, atol=1e-12)),
+            moved=bool(not torch.equal(flat, torch.ones_like(flat))))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -273,3 +273,12 @@ def test_bytes_per_sample_in_the_report_are_data_and_control_apart():
                                                      "min_data_bytes_per_sample",
                                                      "control_bytes_per_sample")}}
     assert "| 60 (80) | 8 |" in report.format_table([row])
+
+
+def test_a_bsp_round_without_a_silent_worker_is_the_same_round_on_every_shard():
+    run = run_mpi("ps_programs:bsp_round_left_out", np=4, timeout=150)
+    res = run.results()
+    assert sorted(r["rank"] for r in res.values()) == [0, 1, 2], run.report()
+    assert "taken out of the bsp decisions" in run.stdout + run.stderr, run.report()
+    for r in res.values():
+        assert r["moved"] and r["halves_equal"], (r, run.report())

@@ -206,7 +206,8 @@ def test_server_updates_step_per_push_or_once_per_round_and_refuse_what_they_can
     w = np.ones(4)
     assert rounds.take(w, np.full(4, 1.0), 0) is None and rounds.take(w, np.full(4, 3.0), 1) is None
     np.testing.assert_array_equal(w, np.ones(4))         # merged, not yet stepped
-    assert rounds.pending and rounds.settle(w, 0) == 1
+    assert rounds.pending and rounds.settle(w, 0) == 0   # a pull told no round: a read
+    assert rounds.settle(w, 1) == 1                      # round 1's first pull: one step
     np.testing.assert_allclose(w, 1 - 0.5 * 2.0)         # one step on the mean, 2
     assert not rounds.pending and not rounds.settle(w, 1)
     assert rounds.configure(OptimizerSettings(kind="adam").to_array()) is not None
@@ -221,9 +222,9 @@ def _adam_rounds(*rounds_of_pushes, w0=1.0):
 
 
 def test_a_pull_reads_its_own_round_whatever_the_other_workers_pushed_since():
-    """The orders the state server does not rule out: a worker's first pull after the
-    others' first pushes, a joined worker's last pull after the others' next pushes, a push
-    of a worker taken out and back after its round was stepped on."""
+    """The orders the state server does not rule out: a worker's first pull (round 0) after
+    the others' first pushes, a joined worker's last pull (told no round) after the others'
+    next pushes, a worker taken out and back, whose push the round it missed left out."""
     from mpsync.server.shard_optimizer import ServerUpdates
 
     g = {w: np.full(3, float(w + 1)) for w in range(3)}
@@ -231,30 +232,30 @@ def test_a_pull_reads_its_own_round_whatever_the_other_workers_pushed_since():
     rounds.configure(OptimizerSettings(kind="adam", lr=0.1).to_array())
     w = np.ones(3)
     rounds.take(w, g[0], 0)                  # worker 0's round-1 push ...
-    assert not rounds.due(1) and rounds.settle(w, 1) == 0
+    assert not rounds.due(0) and rounds.settle(w, 0) == 0
     np.testing.assert_array_equal(w, 1.0)    # ... is not read by worker 1's first pull
-    rounds.take(w, g[1], 1)
     rounds.take(w, g[2], 2)
-    assert rounds.due(2) and rounds.settle(w, 2) == 1      # round 1: one step on all three
+    rounds.take(w, g[1], 1)
+    assert rounds.due(1) and rounds.settle(w, 1) == 1      # round 1: one step on all three
     np.testing.assert_array_equal(w, _adam_rounds([g[0], g[1], g[2]]))
-    assert rounds.settle(w, 0) == 0          # the round's other pulls read the same weights
+    assert rounds.settle(w, 1) == 0          # the round's other pulls read the same weights
 
     # worker 2 joins after round 1; worker 0 pushes round 2 before worker 2's last pull
     rounds.take(w, g[0], 0)
-    assert not rounds.due(2) and rounds.settle(w, 2) == 0
+    assert not rounds.due(0) and rounds.settle(w, 0) == 0
     rounds.take(w, g[1], 1)
-    assert rounds.settle(w, 1) == 1          # round 2: workers 0 and 1
+    assert rounds.settle(w, 2, (2,)) == 1    # round 2: workers 0 and 1
     expected = _adam_rounds([g[0], g[1], g[2]], [g[0], g[1]])
     np.testing.assert_array_equal(w, expected)
 
-    # worker 2 comes back: its push joins the open round (3), not its own stepped round 2
-    rounds.take(w, g[0], 0)
+    # worker 2 comes back: its push, which round 3 counts, joins round 3
     rounds.take(w, g[2], 2)
-    assert rounds.optimizer.pending_rounds == (3,)
+    rounds.take(w, g[0], 0)
+    assert not rounds.due(2, (2,))           # round 2 is stepped: a late pull of it reads
     rounds.take(w, g[1], 1)
-    assert rounds.settle(w, None) == 1       # every push is in: every round merged
+    assert rounds.settle(w, None) == 1       # every push is in: every push kept
     np.testing.assert_array_equal(w, _adam_rounds([g[0], g[1], g[2]], [g[0], g[1]],
-                                                  [g[0], g[2], g[1]]))
+                                                  [g[0], g[1], g[2]]))
 
 
 def test_param_groups_must_agree_for_the_shards():
@@ -330,7 +331,7 @@ def test_a_saved_state_restored_on_fresh_shards_continues_bitwise(per_round, kin
         for pushes in rounds:
             for worker, g in enumerate(pushes):
                 assert updates.take(w, g, worker) is None
-            updates.settle(w)
+            updates.settle(w, None)
 
     whole, w_whole = ServerUpdates(per_round), np.ones(10, np.float32)
     whole.configure(settings)

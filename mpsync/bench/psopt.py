@@ -87,7 +87,7 @@ def measure(model_bytes: int, shards: int, workers: int, budget: float) -> dict:
     def round_of_pushes():
         for w in range(workers):
             rounds.take(w_round, grad, w)
-        rounds.settle(w_round)
+        rounds.settle(w_round, None)
 
     param = torch.nn.Parameter(torch.from_numpy(rng.normal(size=n_model).astype(np.float32)))
     param.grad = torch.from_numpy(rng.normal(size=n_model).astype(np.float32))

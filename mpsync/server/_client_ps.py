@@ -49,10 +49,9 @@ class ParameterServerCalls:
         the state server, so its staleness rules count updates that are in on every shard."""
         if self.shards is not None:
             # Empty (the server's optimizer, no gradient since the last push): an idle
-            # iteration's push still reaches every shard before it is counted, so the pull
-            # after it reads one round on every shard (ServerUpdates.take); a last push
-            # (``final``) reaches none: it ends this worker's rounds, and its pull, which no
-            # rule holds, must not settle a round the others are still pushing into.
+            # iteration's push still reaches every shard, which hears from the worker (the
+            # liveness checks read that); it adds nothing to a round (ServerUpdates.take).
+            # A last push (``final``) reaches none: it ends this worker's rounds.
             if delta.size or not final:
                 self.shards.push(np.ascontiguousarray(delta), finite)
             self._call(W.PUSH, f"push {iteration}",
@@ -125,7 +124,8 @@ class ParameterServerCalls:
         self._call(W.PUSH_PULL, f"push_pull {iteration}", header=self._header(iteration))
         version = int(self._rep[W.R_VERSION])
         self.sure_pulls = int(self._rep[W.R_EXTRA])
-        self.shards.pull(out)
+        round_, left_out = self._round_told(f"push_pull {iteration}")
+        self.shards.pull(out, round_=round_, excluded=left_out)
         return version
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False,
@@ -146,6 +146,21 @@ class ParameterServerCalls:
         version = int(self._rep[W.R_VERSION])
         self.sure_pulls = int(self._rep[W.R_EXTRA])
         if self.shards is not None:
-            self.shards.pull(out, barrier=barrier)
+            round_, left_out = self._round_told(f"pull {iteration}")
+            self.shards.pull(out, barrier=barrier, round_=round_, excluded=left_out)
         return version
+
+    def _round_told(self, what: str) -> tuple[int, np.ndarray | tuple]:
+        """The round a sharded pull's grant names and the workers whose pushes it leaves
+        out (their indices follow the reply: ``wire.R_PULL_ROUND``); ``(0, ())`` where the
+        grant names none (a policy whose shards do not step once per round)."""
+        round_ = int(self._rep[W.R_PULL_ROUND])
+        count = int(self._rep[W.R_COUNT]) if round_ > 0 else 0
+        if count <= 0:
+            return round_, ()
+        left_out = np.empty(count, dtype=np.float64)
+        self._wait(self.comm.Irecv([left_out, MPI.DOUBLE], source=self.server,
+                                   tag=W.REPLY_DATA), what + " (the workers left out)")
+        self.control_received += left_out.nbytes
+        return round_, left_out.astype(np.int64)
 

@@ -26,9 +26,11 @@ class MessageHandlers:
     its tables, policy, weights and reply buffer)."""
 
     # -- replies ----------------------------------------------------------------------------
-    def _send_reply(self, src, seq, action=W.SYNC, local_iters=0, extra=0, count=0, version=0):
+    def _send_reply(self, src, seq, action=W.SYNC, local_iters=0, extra=0, count=0, version=0,
+                    pull_round=0):
         rules.fill_reply(self._reply, action, local_iters, self.table.round[self.index[src]],
                          seq, extra, count, version)
+        self._reply[W.R_PULL_ROUND] = pull_round
         self.comm.Send(self._reply_spec, dest=src, tag=W.REPLY)
 
     # -- handlers ---------------------------------------------------------------------------
@@ -162,17 +164,26 @@ class MessageHandlers:
             self.held.append((W.PULL, src, w, float(msg[W.SEQ]), int(msg[W.COUNT])))
             self.table.waiting[w] = True
             return
-        self._answer_pull(src, w, float(msg[W.SEQ]), int(msg[W.COUNT]))
+        self._answer_pull(src, w, float(msg[W.SEQ]), int(msg[W.COUNT]),
+                          final=msg[W.FLAG] == 1)
 
-    def _answer_pull(self, src, w, seq, count):
+    def _answer_pull(self, src, w, seq, count, final=False):
         problem = self.weights.pull_problem(count)
         if problem:
             return self._reject(src, W.PULL, problem)
+        # (count 0: the sharded PS's pull, whose weights come from the shards)
+        round_, left_out = (self._round_told(w) if self.rounds_told and not final
+                            and count == 0 else (0, None))
+        if left_out is not None:
+            count = left_out.size
         # EXTRA: the further pushes whose pulls the policy grants whatever comes meanwhile
         # (``Policy.sure_pulls``): the worker reads those from the shards without asking.
         self._send_reply(src, seq, count=count, version=self.weights.version,
-                         extra=self.policy.sure_pulls(w))
-        if count:   # (none: a sharded PS, the worker reads the shard servers next)
+                         extra=self.policy.sure_pulls(w), pull_round=round_)
+        if left_out is not None:
+            if left_out.size:
+                self.comm.Send([left_out, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
+        elif count:   # (none: a sharded PS, the worker reads the shard servers next)
             self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1
         self.events.add(MPI.Wtime() - self.t0, w, "pull", int(self.table.pushes[w]))
@@ -181,6 +192,27 @@ class MessageHandlers:
         if act.any():
             gap = int(self.table.pushes[w] - self.table.pushes[act].min())
             self.counters.max_gap = max(self.counters.max_gap, gap)
+
+    def _round_told(self, w):
+        """BSP with the server-side optimizer on shards (``ServerUpdates``): the round worker
+        ``w``'s pull reads, its pushes counted, and the workers whose pushes that round
+        leaves out (float64 indices): those with fewer pushes when the round's first pull
+        was granted -- taken out for silence, joined, gone.  Fixed then, so that every pull
+        of the round tells every shard the same, whoever comes back meanwhile (a push of a
+        worker taken out may reach one shard before the round's first pull there and
+        another after it).  A round's pulls are all granted before any worker pushes the
+        next, so the last few rounds are kept."""
+        round_ = int(self.table.pushes[w])
+        if round_ <= 0:
+            return 0, np.empty(0)
+        left_out = self._left_out.get(round_)
+        if left_out is None:
+            left_out = np.flatnonzero((self.table.pushes < round_)
+                                      & ~self.table.done).astype(np.float64)
+            self._left_out[round_] = left_out
+            for old in [r for r in self._left_out if r < round_ - 4]:
+                del self._left_out[old]
+        return round_, left_out
 
     def _on_stats(self, src, w, msg, now):
         payload = np.frombuffer(json.dumps(self.stats()).encode(), dtype=np.uint8)

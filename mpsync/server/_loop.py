@@ -119,6 +119,11 @@ class StateServer(MessageHandlers):
         # (Downpour style).
         n = len(self.ranks)
         self.weights = WeightStore(spec.ps_update_scale(config, n))
+        # BSP with the server-side optimizer on shards: a pull's grant tells the round it reads
+        # and whose pushes that round leaves out (``_round_told``), fixed at its first grant.
+        self.rounds_told = bool(spec.ps_average and config.ps_optimizer == "server"
+                                and config.topology == "ps")
+        self._left_out: dict[int, np.ndarray] = {}
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.rejected: dict[tuple, int] = {}
         # Well-formed requests served by each loop ("python" counts the handed-over ones too).

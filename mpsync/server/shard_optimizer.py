@@ -236,6 +236,11 @@ class ShardOptimizer:
             self._spare.append(total)
         return len(due)
 
+    def step_on(self, weights: np.ndarray, grad: np.ndarray) -> None:
+        """:meth:`step` with a gradient it may overwrite (a sum made for the step)."""
+        self._check(grad, "gradient")
+        self._step(weights, grad)
+
     def step(self, weights: np.ndarray, grad: np.ndarray) -> None:
         """One optimizer step of ``weights`` (in place) with ``grad`` (any float dtype; not
         modified)."""
@@ -358,29 +363,35 @@ def unpack_state(packed: np.ndarray, dtype, size: int | None = None):
 
 class ServerUpdates:
     """A shard's updates under ``ps_optimizer='server'``: the settings the workers send, and
-    each pushed gradient stepped (``per_round`` False) or merged until the round's weights are
-    read (``per_round``: :meth:`settle` before a pull is served).  The shard's weights array is
+    each pushed gradient stepped (``per_round`` False) or kept until its round is stepped on
+    (``per_round``: :meth:`settle` before a pull is served).  The shard's weights array is
     passed in; the shard counts the versions.  Every method returns None or why it refused,
     in which case the weights are as they were.
 
-    Rounds (``per_round``): a worker pushes once per round, so its n-th push belongs to round
-    n, and its pull after that push reads the weights of round n: :meth:`settle` steps on
-    the rounds up to the puller's own, never on a later one.  The state server orders a
-    round's pulls after every worker's push of it, but not a worker's first pull (it has no
-    round before it) after the others' first pushes, nor a joined worker's last pull after
-    the others' next pushes: such a push is merged into its own round and waits for it.  A
-    worker's push never joins a round already stepped on (one that was taken out and came
-    back): it goes to the oldest open round -- this shard's: a push that comes while the
-    others' pulls of a round are on their way may find that round stepped on on one shard and
-    open on another (tests/test_ps_round_windows.py keeps that window, still open, as an
-    expected failure).
+    Rounds (``per_round``, BSP).  The state server grants a pull of round R once every
+    worker in the computation has pushed R times, and tells the puller R and the workers
+    whose pushes round R leaves out (``ShardClient.pull``'s ``round_`` and ``excluded``:
+    those that had not pushed R times when the round's first pull was granted -- taken out
+    for silence, joined, gone).  Every shard steps on the same pushes: the first pull of
+    round R that reaches a shard steps once on the pushes it holds of every worker but the
+    left-out ones, and later pulls of R (and any pull of an older round) read the weights as
+    they are.  A worker's pushes are kept apart (summed per worker) until a round takes
+    them, so a round can leave one out whenever it came:
 
-    An empty push (a worker's idle iteration: it waits in a collective of the script's own
-    and has no new gradient) is that worker's push of its round with nothing to merge: it
-    moves the worker on to its next round, as every shard receives it, so that its pull after
-    it reads the round on every shard.  (Skipped, the worker's pull read the round on the
-    shards where another worker's pull had stepped on it first and the round before on the
-    others.)  A worker's last push (``final``) is sent to no shard: it ends its rounds.
+    * a push of a worker taken out for silence that reaches one shard before the others'
+      pulls of the round and another after them stays out of that round on both, and goes
+      into the next round that counts it (it was the window in which the shards of one
+      parameter server stepped on different rounds: tests/test_ps_round_windows.py);
+    * a worker pushes the next round only after its pull of this one returned from every
+      shard, and every worker's push of a round is in on every shard before the state
+      server counts it (the push is ACKed first), so a round's first pull finds every push
+      it counts, and no push of a later round of a worker it counts.
+
+    A pull with round 0 (a worker's first, before any push; a joined worker's last; a pull
+    told no round) steps on nothing.  An empty push (an idle iteration: the worker waits in a
+    collective of the script's own) and a worker's last push (``final``, sent to no shard)
+    add nothing; the state server counts them.  The memory: a slice per worker whose push
+    is waiting for its round (the pushes of one round, at most n slices).
 
     ``scale`` (per round): a round's step is on the sum of its pushes times ``scale``, the
     policy's ``PolicySpec.ps_update_scale`` (1/n for BSP), whoever pushed; None: the mean
@@ -388,16 +399,24 @@ class ServerUpdates:
     average divides by the size of the process set (the allreduce's postscale factor is
     1/size whoever joined): a worker that joined or idles contributes nothing and still
     counts, as on the ring (``Strategy._divisor``) and as with the workers' own optimizer
-    (each delta scaled by 1/n on arrival), so the three agree after a join."""
+    (each delta scaled by 1/n on arrival), so the three agree after a join.
+
+    The work: a push is received into the array that keeps it (``inbox``) and added into a
+    running sum on arrival, so the round's first pull waits only for the step, as when the
+    pushes were merged per round; only a round that leaves out a push already here sums its
+    pushes again, in the workers' order (a fault's path)."""
 
     def __init__(self, per_round: bool, scale: float | None = None):
         self.per_round = bool(per_round)
         self.scale = None if scale is None else float(scale)
         self.settings: OptimizerSettings | None = None
         self.optimizer: ShardOptimizer | None = None
-        self.round_of: dict[int, int] = {}   # worker -> the round of its latest push
-        self.stepped = 0                     # rounds stepped on so far
-        self._restored = None                # (kind, steps, buffers) for the first push
+        self.kept: dict[int, list] = {}     # worker -> [its pushes summed, how many]
+        self._spare: list[np.ndarray] = []  # kept sums a round took, for reuse
+        self._inbox: np.ndarray | None = None   # where the next push may be received
+        self._sum: np.ndarray | None = None    # every kept push, summed on arrival
+        self.stepped = 0                    # the last round stepped on
+        self._restored = None               # (kind, steps, buffers) for the first push
 
     def configure(self, wire: np.ndarray) -> str | None:
         """Settings as :meth:`OptimizerSettings.to_array` sent them (float64)."""
@@ -411,14 +430,9 @@ class ServerUpdates:
         return None
 
     def take(self, weights: np.ndarray, grad: np.ndarray, worker: int) -> str | None:
-        """Worker ``worker``'s pushed gradient for this range: stepped on, or merged into
-        its round; an empty one moves the worker on to its next round (class doc)."""
+        """Worker ``worker``'s pushed gradient for this range: stepped on, or kept for its
+        round; an empty one adds nothing (class doc)."""
         if grad.size == 0:
-            if self.per_round:
-                # Every shard receives the empty push before the state server counts it, so
-                # the worker's pull after it settles this round on every shard (window: a
-                # push counted and sent to no shard let the pull read two rounds).
-                self.round_of[worker] = max(self.round_of.get(worker, 0), self.stepped) + 1
             return None
         if self.settings is None:
             return "a gradient before the optimizer's settings"
@@ -430,13 +444,46 @@ class ServerUpdates:
             problem = self._start(weights)
             if problem:
                 return problem
-        if self.per_round:
-            round_ = max(self.round_of.get(worker, 0), self.stepped) + 1
-            self.round_of[worker] = round_
-            self.optimizer.merge(grad, round_)
-        else:
+        if not self.per_round:
             self.optimizer.step(weights, grad)
+            return None
+        entry = self.kept.get(worker)
+        inbox = self._inbox
+        if entry is None and inbox is not None and grad.dtype == inbox.dtype \
+                and grad.size == inbox.size and grad.ctypes.data == inbox.ctypes.data:
+            self.kept[worker], self._inbox = [inbox, 1], None   # received into: kept as it is
+        elif entry is None:
+            kept = self._buffer(weights)
+            np.copyto(kept, grad, casting="unsafe")
+            self.kept[worker] = [kept, 1]
+        else:   # a push a round left out, and the worker's next one: both in its next round
+            entry[0] += grad
+            entry[1] += 1
+        # The sum of everything kept, added on arrival: a round that leaves no kept push out
+        # (every round but those after a worker was taken out) steps on it as it is.
+        if self._sum is None:
+            self._sum = self._buffer(weights)
+            np.copyto(self._sum, grad, casting="unsafe")
+        else:
+            self._sum += grad
         return None
+
+    def _buffer(self, weights: np.ndarray) -> np.ndarray:
+        spare = self._spare.pop() if self._spare else None
+        if spare is None or spare.shape != weights.shape or spare.dtype != weights.dtype:
+            spare = np.empty_like(weights)
+        return spare
+
+    def inbox(self, worker: int, weights: np.ndarray) -> np.ndarray | None:
+        """Per round: an array (the weights' size and dtype) to receive ``worker``'s next
+        push into, which :meth:`take` then keeps as it is instead of copying it, where the
+        worker has no push kept; else None (receive it anywhere)."""
+        if not self.per_round or self.optimizer is None or worker in self.kept:
+            return None
+        inbox = self._inbox
+        if inbox is None or inbox.shape != weights.shape or inbox.dtype != weights.dtype:
+            inbox = self._inbox = self._buffer(weights)
+        return inbox
 
     def compiled_form(self):
         """The next push's step for a compiled loop (:meth:`ShardOptimizer.compiled_form`),
@@ -448,27 +495,60 @@ class ServerUpdates:
 
     @property
     def pending(self) -> bool:
-        """Pushes merged and not yet stepped on (a round whose weights nobody read yet)."""
-        return self.optimizer is not None and bool(self.optimizer.pending_rounds)
+        """Pushes kept and not yet stepped on."""
+        return bool(self.kept)
 
-    def _due(self, worker: int | None) -> list[int]:
-        if self.optimizer is None:
+    def _taken(self, round_: int | None, excluded) -> list[int]:
+        """The workers whose kept pushes :meth:`settle` steps on (class doc)."""
+        if not self.per_round or self.optimizer is None:
             return []
-        through = None if worker is None else self.round_of.get(worker, 0)
-        return [r for r in self.optimizer.pending_rounds if through is None or r <= through]
+        if round_ is None:
+            return sorted(self.kept)
+        if round_ <= self.stepped:
+            return []
+        out = set(int(x) for x in excluded)
+        return sorted(w for w in self.kept if w not in out)
 
-    def due(self, worker: int | None = None) -> bool:
-        """Would :meth:`settle` step (change the weights) before ``worker`` reads them?"""
-        return bool(self._due(worker))
+    def due(self, round_: int | None = 0, excluded=()) -> bool:
+        """Would :meth:`settle` change the weights?"""
+        return bool(self._taken(round_, excluded))
 
-    def settle(self, weights: np.ndarray, worker: int | None = None) -> int:
-        """Before ``worker`` reads the weights: the steps of the rounds up to its latest push
-        (``None``: of every round merged, when every worker's pushes are in); how many."""
-        due = self._due(worker)
-        if due:
-            self.optimizer.flush(weights, due[-1], self.scale)
-            self.stepped = max(self.stepped, due[-1])
-        return len(due)
+    def settle(self, weights: np.ndarray, round_: int | None = 0, excluded=()) -> int:
+        """Before a pull of round ``round_`` reads the weights: at the round's first pull
+        here, one step on the kept pushes of every worker but the ``excluded`` ones
+        (``None``: on every push kept, when every worker's pushes are in: a checkpoint, the
+        end); how many steps (0 or 1)."""
+        taken = self._taken(round_, excluded)
+        if round_ is not None and round_ > self.stepped:
+            self.stepped = round_
+        if not taken:
+            return 0
+        left = [w for w in self.kept if w not in taken]
+        total = self._sum
+        if left:
+            # A round that leaves out a kept push (a worker taken out whose push came before
+            # the round's first pull here): its sum again from the pushes it takes, in the
+            # workers' order, and the sum of those it leaves for the next round.
+            total = self._buffer(weights)
+            np.copyto(total, self.kept[taken[0]][0])
+            for w in taken[1:]:
+                total += self.kept[w][0]
+            np.copyto(self._sum, self.kept[left[0]][0])
+            for w in left[1:]:
+                self._sum += self.kept[w][0]
+        else:
+            self._sum = None
+        count = 0
+        for w in taken:
+            kept, pushes = self.kept.pop(w)
+            count += pushes
+            self._spare.append(kept)
+        factor = 1.0 / count if self.scale is None else self.scale
+        if factor != 1.0:
+            total *= factor
+        self.optimizer.step_on(weights, total)
+        self._spare.append(total)
+        return 1
 
     def _start(self, weights: np.ndarray) -> str | None:
         """The optimizer, at the first push: from the restored state if there is one."""
@@ -492,7 +572,7 @@ class ServerUpdates:
         if self.optimizer is None:
             kind, steps, buffers = self._restored or (None, 0, {})
             return pack_state(kind, steps, buffers, weights.size, weights.dtype)
-        self.settle(weights)
+        self.settle(weights, None)
         return pack_state(self.settings.kind, self.optimizer.steps, self.optimizer.export(),
                           weights.size, weights.dtype)
 

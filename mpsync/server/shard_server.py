@@ -100,6 +100,7 @@ class ShardServer:
         self.comm = comm
         self.replies = replies
         self.index = index
+        self.n_workers = int(n_workers)
         self.cast = cast   # between the store's dtype and a wire's (``weights.numpy_cast``)
         self.store = WeightStore(scale, cast)
         # ps_optimizer='server': pushes are gradients for this shard's optimizer
@@ -285,12 +286,12 @@ class ShardServer:
     # -- requests -------------------------------------------------------------------------
     def _handle(self, src: int, tag: int, nbytes: int, payload=None) -> None:
         """Receive (unless the compiled loop did: ``payload``) and serve one request."""
+        kind, code = tag - tag % 10, tag % 10
         if payload is None:
-            payload = self._receive(src, tag, nbytes)
+            payload = self._receive(src, tag, nbytes, self._inbox(src, kind, code, nbytes))
         self.heard[src] = time.monotonic()
         if self.state[src] == UNHEARD:
             self.state[src] = HEARD_FROM
-        kind, code = tag - tag % 10, tag % 10
         if kind in (PUSH, PUSH_PULL):
             self._expect_next_push(src)
         if kind in (INIT, PUSH, LOAD) and code < len(WIRE_DTYPES):
@@ -304,11 +305,11 @@ class ShardServer:
             if status == OK:
                 self._serve_pull(src, code)
         elif kind == PULL and code < len(WIRE_DTYPES):
-            barrier = int(payload.view(np.int64)[0]) if payload.nbytes == 8 else 0
+            pull = (src, code, *self._pull_words(src, payload))
             if not self.store.ready:
-                self._waiting_pulls.append((src, code, barrier))
+                self._waiting_pulls.append(pull)
             else:
-                self._serve_pull(src, code, barrier)
+                self._serve_pull(*pull)
         elif tag == OPT:
             self._configure(src, payload)
         elif tag == SAVE:
@@ -325,6 +326,22 @@ class ShardServer:
             self._drop(src, f"a message with tag {tag} ({nbytes} bytes), which is no "
                             f"request of the parameter server's")
 
+    def _pull_words(self, src: int, payload: np.ndarray) -> tuple[int, int, tuple]:
+        """A PULL's payload, int64 words: ``[barrier]`` or ``[0, round, excluded...]``
+        (``ShardClient.pull``), as ``(barrier, round, excluded)``; a malformed one reads
+        the current weights, and is named in the log."""
+        words = payload.view(np.int64) if payload.nbytes % 8 == 0 else None
+        if words is None or words.size == 0 or (words.size > 1 and (
+                words[0] != 0 or words[1] < 0 or np.any(words[2:] < 0)
+                or np.any(words[2:] >= self.n_workers))):
+            if payload.nbytes:
+                self._drop(src, f"a pull's {payload.nbytes}-byte argument, which is no "
+                                f"barrier and no round (it reads the weights as they are)")
+            return 0, 0, ()
+        if words.size == 1:
+            return int(words[0]), 0, ()
+        return 0, int(words[1]), tuple(int(x) for x in words[2:])
+
     def _expect_next_push(self, src: int) -> None:
         """Worker ``src`` pushed now: its next push is due one push interval later."""
         now = time.perf_counter()
@@ -332,8 +349,25 @@ class ShardServer:
         self._push_due[src] = now + interval if interval < PACE_MAX_S else float("inf")
         self._next_due = min(self._push_due)
 
-    def _receive(self, src: int, tag: int, nbytes: int) -> np.ndarray:
-        """The message as bytes (any size: a malformed one is received, then refused)."""
+    def _inbox(self, src: int, kind: int, code: int, nbytes: int) -> np.ndarray | None:
+        """Where a push of the store's dtype and size that the optimizer keeps for its round
+        is received: into the array it keeps (``ServerUpdates.inbox``), not copied there."""
+        weights = self.store.weights
+        if (self.updates is None or kind not in (PUSH, PUSH_PULL) or weights is None
+                or code >= len(WIRE_DTYPES) or WIRE_DTYPES[code] != weights.dtype
+                or nbytes != weights.nbytes):
+            return None
+        inbox = self.updates.inbox(src, weights)
+        return None if inbox is None else inbox.view(np.uint8)
+
+    def _receive(self, src: int, tag: int, nbytes: int,
+                 into: np.ndarray | None = None) -> np.ndarray:
+        """The message as bytes (any size: a malformed one is received, then refused), into
+        ``into`` (bytes, of that size) if given."""
+        if into is not None:
+            self.comm.Recv([into, MPI.BYTE], source=src, tag=tag)
+            self._bytes_received += nbytes
+            return into
         buf = self._recv.get(nbytes)
         if buf is None:
             if len(self._recv) > 8:   # sizes vary only for malformed messages
@@ -405,7 +439,7 @@ class ShardServer:
             # A pull's reply or a barrier still reads the current buffer: the sum goes to
             # another one (the add writes it there at the cost of adding in place).
             return self.store.apply(update, into=self._spare() if reading else None)
-        if reading:
+        if reading and not self.updates.per_round:   # (kept for its round: no write here)
             self.store.detach()
         problem = self.updates.take(self.store.weights, update, src)
         if problem is None:
@@ -482,15 +516,17 @@ class ShardServer:
             self._barrier_epoch, self._barrier_weights = epoch, self.store.weights
         return self._barrier_weights if epoch == self._barrier_epoch else self.store.weights
 
-    def _serve_pull(self, src: int, code: int, barrier: int = 0) -> None:
+    def _serve_pull(self, src: int, code: int, barrier: int = 0, round_: int = 0,
+                    excluded: tuple = ()) -> None:
         """Send this shard's weights to ``src`` (at ``barrier`` > 0: that barrier's).  With
-        the optimizer once per round: after the steps of the rounds up to ``src``'s latest
-        push, or of every round merged (``ALL_PUSHES_IN``)."""
-        reader = None if barrier == ALL_PUSHES_IN else src
-        if self.updates is not None and self.updates.due(reader):
-            if self._reading(self.store.weights):
+        the optimizer once per round: after round ``round_``'s step, without the pushes of
+        the ``excluded`` workers, if this is the round's first pull here; after a step on
+        every push kept at ``ALL_PUSHES_IN`` (``ServerUpdates.settle``)."""
+        if self.updates is not None:
+            round_ = None if barrier == ALL_PUSHES_IN else round_
+            if self.updates.due(round_, excluded) and self._reading(self.store.weights):
                 self.store.detach()
-            self.updates.settle(self.store.weights, reader)
+            self.updates.settle(self.store.weights, round_, excluded)
         weights = self._at_barrier(barrier) if barrier > 0 else self.store.weights
         if WIRE_DTYPES[code] != weights.dtype:
             out = next((b for b in self._wire_bufs if b.dtype == WIRE_DTYPES[code]

@@ -334,20 +334,27 @@ class ShardClient:
         if refused:
             raise RuntimeError(f"{what} refused by {', '.join(refused)} (see its log line)")
 
-    def pull(self, out: np.ndarray, barrier: int = 0) -> None:
+    def pull(self, out: np.ndarray, barrier: int = 0, round_: int = 0,
+             excluded=()) -> None:
         """Every shard's slice into ``out`` (contiguous, the store's dtype).  ``barrier`` > 0:
         the pull at the ``barrier``-th barrier (ElasticBSP), which reads on every shard the
         weights that the barrier's first pull found there (``ShardServer._at_barrier``);
         ``ALL_PUSHES_IN``: every worker's pushes are in, a shard stepping once per round
-        steps on every round it merged (else on the rounds up to this worker's last push)."""
+        steps on every push it keeps.  ``round_`` > 0 (a shard stepping once per round): the
+        pull of that round, which the state server granted leaving out the pushes of the
+        ``excluded`` workers (``ServerUpdates``)."""
         self.layout(out.size)
         self._check_lost("pull")
         wire = self._on_wire(out)
         tag = PULL + wire_code(wire.dtype)
-        self._pull_barrier[0] = barrier
+        if round_ > 0:
+            words = np.array([0, round_, *excluded], dtype=np.int64)
+        else:
+            words = self._pull_barrier
+            words[0] = barrier
         recvs = [self.replies.Irecv([wire[a:b], MPI.BYTE], source=h, tag=DATA)
                  for (a, b), h in zip(self.bounds, self.hosts)]
-        sends = [self.comm.Isend([self._pull_barrier, MPI.INT64_T], dest=h, tag=tag)
+        sends = [self.comm.Isend([words, MPI.INT64_T], dest=h, tag=tag)
                  for h in self.hosts]
         self._wait(recvs + sends, "pull", list(range(self.count)) * 2, moving_here=True)
         self.bytes_received += wire.nbytes

@@ -18,7 +18,12 @@ as those slots must be; the dot product g₁ · g₂ is their difference); ROUND
 
 Reply layout (server -> worker)::
 
-    [ACTION, LOCAL_ITERS, ROUND, SEQ, EXTRA, COUNT, VERSION, 0]
+    [ACTION, LOCAL_ITERS, ROUND, SEQ, EXTRA, COUNT, VERSION, PULL_ROUND]
+
+``PULL_ROUND`` (``R_PULL_ROUND``): BSP with the server-side optimizer on shards, a pull's
+grant names the round it reads (0: none, read the weights as they are), and COUNT the workers
+whose pushes that round leaves out, their indices following as ``REPLY_DATA``
+(``StateServer._round_told``, ``ServerUpdates``); 0 in every other reply.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ SEQ, ITER, COMPUTE, ROUND, AGG, WAIT, COUNT, FLAG = range(8)
 # A LOSS request's gradient-noise slots (module doc).
 L_NOISE, L_POWER, L_PAIRS = COMPUTE, WAIT, ROUND
 # Reply slots.
-R_ACTION, R_LOCAL, R_ROUND, R_SEQ, R_EXTRA, R_COUNT, R_VERSION = range(7)
+R_ACTION, R_LOCAL, R_ROUND, R_SEQ, R_EXTRA, R_COUNT, R_VERSION, R_PULL_ROUND = range(8)
 
 # Request tags.
 REGISTER = 101
