@@ -118,22 +118,25 @@ def test_float32_state_stays_float32_and_tracks_torch(cls):
     np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_round_merged_then_flushed_is_one_step_on_the_mean_gradient():
+def test_a_round_kept_then_settled_is_one_step_on_the_mean_gradient():
+    from mpsync.server.shard_optimizer import ServerUpdates
+
     rng = np.random.default_rng(11)
     settings = OptimizerSettings(kind="adam", lr=0.01)
     w_round, w_mean = np.ones(33), np.ones(33)
-    merged, direct = ShardOptimizer(settings, 33), ShardOptimizer(settings, 33)
+    rounds, direct = ServerUpdates(per_round=True), ShardOptimizer(settings, 33)
+    rounds.configure(settings.to_array())
     for _ in range(5):
         pushes = rng.normal(size=(3, 33))
-        for g in pushes:
-            merged.merge(g)
-        assert merged.flush(w_round)
+        for worker, g in enumerate(pushes):
+            rounds.take(w_round, g, worker)
+        assert rounds.settle(w_round, None)
         direct.step(w_mean, pushes.mean(axis=0))
     np.testing.assert_allclose(w_round, w_mean, rtol=1e-14)
     before = w_round.copy()
-    assert not merged.flush(w_round)             # nothing merged: no step
+    assert not rounds.settle(w_round, None)      # nothing kept: no step
     np.testing.assert_array_equal(w_round, before)
-    assert merged.steps == 5
+    assert rounds.optimizer.steps == 5
 
 
 def test_a_new_learning_rate_keeps_the_state_as_torch_does():

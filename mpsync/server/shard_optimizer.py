@@ -15,9 +15,9 @@ When the server applies it (``ShardOptimizer``):
 
 * per push (ASP, SSP, DSSP, ElasticBSP within a superstep): :meth:`ShardOptimizer.step` with
   each worker's gradient as it arrives, as MXNet's asynchronous kvstore does;
-* once per round (BSP, the synchronous kvstore): :meth:`ShardOptimizer.merge` adds each push
-  of the round to a pending sum, and :meth:`ShardOptimizer.flush` runs one step on their mean
-  before the round's weights are read: the sum over the n workers (``ServerUpdates.scale``),
+* once per round (BSP, the synchronous kvstore): ``ServerUpdates`` keeps each push of the
+  round, and :meth:`ShardOptimizer.step_on` runs one step on their mean before the round's
+  weights are read: the sum over the n workers (``ServerUpdates.scale``),
   which with equal mini-batches is the gradient of the workers' batches concatenated, so a
   BSP round is one step of single-process training on that batch.
 
@@ -162,17 +162,14 @@ def settings_of(kind: str, groups) -> OptimizerSettings:
 
 class ShardOptimizer:
     """One optimizer's state over ``size`` elements of ``dtype``, stepping a weights array of
-    that size in place.  Per push: :meth:`step`; per round: :meth:`merge` each push, then
-    :meth:`flush` (module doc)."""
+    that size in place: :meth:`step` per push, :meth:`step_on` on a round's sum (module
+    doc)."""
 
     def __init__(self, settings: OptimizerSettings, size: int, dtype=np.float64):
         self.settings = settings
         self.size = int(size)
         self.dtype = np.dtype(dtype)
         self.steps = 0                 # Adam's t (bias correction); SGD counts too
-        # round -> [sum of its pushes, how many]: the rounds merged and not yet stepped on
-        self._pending: dict[int, list] = {}
-        self._spare: list[np.ndarray] = []         # sums of rounds stepped on, for reuse
         self._momentum: np.ndarray | None = None   # SGD's buffer / Adam's first moment
         self._second: np.ndarray | None = None     # Adam's second moment
         self._max_second: np.ndarray | None = None  # amsgrad
@@ -199,42 +196,6 @@ class ShardOptimizer:
     def _check(self, array: np.ndarray, what: str) -> None:
         if array.shape != (self.size,):
             raise ValueError(f"{what} of {array.size} elements for a range of {self.size}")
-
-    @property
-    def merged(self) -> int:
-        """Pushes merged and not yet stepped on, over every pending round."""
-        return sum(count for _, count in self._pending.values())
-
-    @property
-    def pending_rounds(self) -> tuple[int, ...]:
-        return tuple(sorted(self._pending))
-
-    def merge(self, grad: np.ndarray, round_: int = 0) -> None:
-        """Add one push to the pending sum of round ``round_`` (in the weights' dtype)."""
-        self._check(grad, "gradient")
-        entry = self._pending.get(round_)
-        if entry is None:
-            total = self._spare.pop() if self._spare else np.empty(self.size, self.dtype)
-            np.copyto(total, grad, casting="unsafe")
-            self._pending[round_] = [total, 1]
-        else:
-            entry[0] += grad
-            entry[1] += 1
-
-    def flush(self, weights: np.ndarray, through: int | None = None,
-              scale: float | None = None) -> int:
-        """One step on each pending round's pushes, oldest round first, for the rounds up to
-        ``through`` (None: all): on their sum times ``scale`` (None: their mean, the sum over
-        the pushes merged); how many steps it took (0: the weights are untouched)."""
-        due = [r for r in sorted(self._pending) if through is None or r <= through]
-        for r in due:
-            total, count = self._pending.pop(r)
-            factor = 1.0 / count if scale is None else float(scale)
-            if factor != 1.0:
-                total *= factor
-            self._step(weights, total)
-            self._spare.append(total)
-        return len(due)
 
     def step_on(self, weights: np.ndarray, grad: np.ndarray) -> None:
         """:meth:`step` with a gradient it may overwrite (a sum made for the step)."""
@@ -310,9 +271,8 @@ class ShardOptimizer:
         self.steps = int(steps)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state held (the pending sum and scratch included)."""
+        """Bytes of optimizer state held (its scratch included)."""
         held = [self._momentum, self._second, self._max_second, self._g]
-        held += [total for total, _ in self._pending.values()] + self._spare
         return sum(b.nbytes for b in held if b is not None)
 
 
@@ -568,7 +528,7 @@ class ServerUpdates:
 
     def save(self, weights: np.ndarray) -> np.ndarray:
         """The optimizer's state, packed (:func:`pack_state`), for a checkpoint taken when
-        every worker's pushes are in: every round merged is stepped on first."""
+        every worker's pushes are in: the pushes kept are stepped on first."""
         if self.optimizer is None:
             kind, steps, buffers = self._restored or (None, 0, {})
             return pack_state(kind, steps, buffers, weights.size, weights.dtype)
