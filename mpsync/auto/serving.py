@@ -76,7 +76,10 @@ _SETTINGS = ("staleness", "staleness_low", "staleness_high", "lookahead", "zipli
 
 def live_candidates(config) -> list[Candidate]:
     """What a live run can switch to: the ring's policies with the run's settings, and with
-    ``auto_ps`` ASP, SSP (its bound at 1, 3 and 8 besides the run's) and DSSP on the PS."""
+    ``auto_ps`` ASP, SSP (its bound at 1, 3 and 8 besides the run's) and DSSP on the PS.
+    Not BSP or ESync on the PS: their shards average each round's pushes, the others' apply
+    each push, and a shard's merge is fixed at start (bench/auto/README.md, *Not
+    candidates*, with what the model says they would gain: nothing at 4 workers)."""
     out = [Candidate(name, "ring") for name in AUTO_SWITCHABLE]
     if config.auto_ps:
         for name in AUTO_PS_SWITCHABLE:
