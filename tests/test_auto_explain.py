@@ -117,4 +117,27 @@ def test_explain_sets_the_efficiency_measured_in_auto_runs_beside_the_comparison
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| ssp |")][-1]
-    assert "| 1.20 | 0.40 (1) | 1.22 |" in row, out
+    # first ranking, last ranking (the same: the confirmation ranks nothing), settled, the
+    # fitted constants'; SSP never reached the target, so nothing is nearer.
+    assert row.endswith("| 1.20 | 1.20 | 0.40 (1) | 1.22 | - |"), out
+
+
+def test_explain_says_whether_the_run_or_the_constants_came_nearer_the_measured_progress(
+        tmp_path, capsys):
+    """SSP reached the target after as many samples as BSP (progress 1.00): the run's
+    estimate of 0.95 (its last ranking, no switch confirmed) is nearer than the constants'
+    1.22."""
+    bsp, ssp = Candidate("bsp", "ring"), Candidate("ssp", "ps")
+    m = Measurements.from_speeds([1, 1])
+    d = Decider(bsp)
+    d.decide([Ranked(ssp, 5.0, 1000.0, 1.2, 0.0, (), 0.0),
+              Ranked(bsp, 8.0, 900.0, 1.0, 0.0, (), 0.0)], m, 1.0, "first measurement")
+    d.decide([Ranked(bsp, 8.0, 900.0, 1.0, 0.0, (), 0.0),
+              Ranked(ssp, 9.0, 1000.0, 0.95, 0.0, (), 0.0)], m, 3.0, "cluster changed")
+    runs = {"bsp": _metrics("bsp", 6.0), "ssp": _metrics("ssp", 5.0, topology="ps"),
+            "auto": _metrics("auto", 7.0, [r.as_dict() for r in d.records])}
+    _write_comparison(tmp_path, runs)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| ssp |")][-1]
+    assert row == "| ssp | 9000 | 1.00 | 1.20 | 0.95 | - | 1.22 | the run's |", out

@@ -17,6 +17,7 @@ the check of a model changed since the comparison ran).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -77,37 +78,63 @@ def _measured_in_run(runs) -> dict:
     return found
 
 
+def _ranked_efficiency(runs, which: int) -> dict:
+    """Per policy (its run's own settings, the fp32 wire), the efficiencies of each auto run's
+    first (``which=0``) or last (``-1``) ranking."""
+    found: dict = {}
+    for m in runs:
+        rankings = [d["ranking"] for d in m.get("decisions") or () if d.get("ranking")]
+        for r in rankings[which] if rankings else ():
+            if r["settings"] == [] and r.get("wire", "fp32") == "fp32":
+                found.setdefault(r["policy"], []).append(r["efficiency"])
+    return found
+
+
+def _closer(measured, in_run, prior) -> str:
+    """Which of two estimates is nearer the measured progress per sample, on a log scale (an
+    efficiency twice too high is as far off as one half too low)."""
+    if measured is None or in_run is None or prior is None:
+        return "-"
+    off_run, off_prior = abs(math.log(in_run / measured)), abs(math.log(prior / measured))
+    if abs(off_run - off_prior) < 1e-9:
+        return "same"
+    return "the run's" if off_run < off_prior else "the constants'"
+
+
 def efficiency_check(out) -> str:
     """Markdown: each policy's measured progress per sample (BSP's median samples to the
-    target over its own) beside the efficiency auto's first ranking gave it, the one it
-    settled on after measuring the policy's progress in its run, and the one the model
-    predicts now."""
+    target over its own) beside the efficiency auto's first ranking gave it, its last ranking
+    (the gain measured in the run by then: the gradient noise scale, the progress confirmed
+    after a switch), the one it settled on after measuring the policy's progress in its run,
+    and the one the model's fitted constants predict now on the comparison's BSP runs (no
+    measurement of the run's own); and which of the run's estimate (settled, else the last
+    ranking's) and the constants' is nearer the measured progress."""
     out = Path(out)
     summary = json.loads((out / "compare.json").read_text())
     samples = {r["policy"]: _median(_samples_to_target(m) for m in _runs(out, r["policy"]))
                for r in summary["rows"]}
     now = _model_now(out, summary["rows"])
-    predicted = {}
-    for m in _runs(out, "auto"):
-        ranked = next((d["ranking"] for d in m.get("decisions") or () if d.get("ranking")), [])
-        for r in ranked:
-            if r["settings"] == [] and r.get("wire", "fp32") == "fp32":
-                predicted.setdefault(r["policy"], []).append(r["efficiency"])
-    in_run = _measured_in_run(_runs(out, "auto"))
+    auto_runs = _runs(out, "auto")
+    first, last = _ranked_efficiency(auto_runs, 0), _ranked_efficiency(auto_runs, -1)
+    in_run = _measured_in_run(auto_runs)
     base = next((n for p, n in samples.items() if policies.is_baseline(p)), None)
     lines = ["| policy | samples to target, median | measured progress per sample (BSP = 1) "
-             "| auto's predicted efficiency (in its run) | auto's after measuring it (runs) "
-             "| the model's now |",
-             "|---|---|---|---|---|---|"]
+             "| auto's first ranking | auto's last ranking | auto's after measuring it (runs) "
+             "| the fitted constants' | nearer the measured |",
+             "|---|---|---|---|---|---|---|---|"]
     for p, n in samples.items():
         if p == policies.AUTO:
             continue
-        eff = f"{base / n:.2f}" if base and n else "-"
-        pred, settled = predicted.get(p), in_run.get(p)
-        lines.append(f"| {p} | {'-' if n is None else f'{n:.0f}'} | {eff} | "
+        measured = base / n if base and n else None
+        pred, latest, settled = first.get(p), last.get(p), in_run.get(p)
+        run_estimate = _median(settled) if settled else _median(latest or ())
+        lines.append(f"| {p} | {'-' if n is None else f'{n:.0f}'} | "
+                     f"{'-' if measured is None else f'{measured:.2f}'} | "
                      f"{'-' if not pred else f'{_median(pred):.2f}'} | "
+                     f"{'-' if not latest else f'{_median(latest):.2f}'} | "
                      f"{'-' if not settled else f'{_median(settled):.2f} ({len(settled)})'} | "
-                     f"{'-' if now.get(p) is None else f'{now[p]:.2f}'} |")
+                     f"{'-' if now.get(p) is None else f'{now[p]:.2f}'} | "
+                     f"{_closer(measured, run_estimate, now.get(p))} |")
     return "\n".join(lines)
 
 
