@@ -117,27 +117,37 @@ def test_explain_sets_the_efficiency_measured_in_auto_runs_beside_the_comparison
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| ssp |")][-1]
-    # first ranking, last ranking (the same: the confirmation ranks nothing), settled, the
-    # fitted constants'; SSP never reached the target, so nothing is nearer.
-    assert row.endswith("| 1.20 | 1.20 | 0.40 (1) | 1.22 | - |"), out
+    # first ranking; the fitted constants' and the measured gain's (none: no noise was
+    # measured); settled after the confirmation; the model's now.  SSP never reached the
+    # target, so nothing is nearer.
+    assert row.endswith("| 1.20 | - | - | 0.40 (1) | 1.22 | - |"), out
 
 
-def test_explain_says_whether_the_run_or_the_constants_came_nearer_the_measured_progress(
-        tmp_path, capsys):
-    """SSP reached the target after as many samples as BSP (progress 1.00): the run's
-    estimate of 0.95 (its last ranking, no switch confirmed) is nearer than the constants'
-    1.22."""
+def _gain_comparison(out, gain: float) -> None:
+    """A comparison whose SSP reached the target after as many samples as BSP (progress
+    1.00), its auto run's ranking at the fitted gain giving SSP 1.20, and ``gain`` measured
+    by the run's end, written to ``out`` and explained (printed)."""
     bsp, ssp = Candidate("bsp", "ring"), Candidate("ssp", "ps")
-    m = Measurements.from_speeds([1, 1])
     d = Decider(bsp)
-    d.decide([Ranked(ssp, 5.0, 1000.0, 1.2, 0.0, (), 0.0),
-              Ranked(bsp, 8.0, 900.0, 1.0, 0.0, (), 0.0)], m, 1.0, "first measurement")
     d.decide([Ranked(bsp, 8.0, 900.0, 1.0, 0.0, (), 0.0),
-              Ranked(ssp, 9.0, 1000.0, 0.95, 0.0, (), 0.0)], m, 3.0, "cluster changed")
-    runs = {"bsp": _metrics("bsp", 6.0), "ssp": _metrics("ssp", 5.0, topology="ps"),
-            "auto": _metrics("auto", 7.0, [r.as_dict() for r in d.records])}
-    _write_comparison(tmp_path, runs)
-    assert main([str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    row = [line for line in out.splitlines() if line.startswith("| ssp |")][-1]
-    assert row == "| ssp | 9000 | 1.00 | 1.20 | 0.95 | - | 1.22 | the run's |", out
+              Ranked(ssp, 9.0, 1000.0, 1.2, 0.0, (), 0.0)], Measurements.from_speeds([1, 1]),
+             1.0, "first measurement")
+    auto = _metrics("auto", 7.0, [r.as_dict() for r in d.records])
+    auto["auto_gradient_noise"] = {"gain": gain, "sd": 0.1, "measured": gain, "note": "test"}
+    out.mkdir()
+    _write_comparison(out, {"bsp": _metrics("bsp", 6.0),
+                            "ssp": _metrics("ssp", 5.0, topology="ps"), "auto": auto})
+    assert main([str(out)]) == 0
+
+
+def test_explain_says_whether_the_gain_measured_in_the_run_or_the_constants_came_nearer(
+        tmp_path, capsys):
+    """The ranking used the fitted gain (1.22): with a gain of 1.0 measured, SSP's efficiency
+    is 1.2 x 1.0 / 1.22 = 0.98, nearer the measured 1.00 than the constants' 1.20; with 2.0
+    measured, 1.97 is farther."""
+    _gain_comparison(tmp_path / "low", 1.0)
+    _gain_comparison(tmp_path / "high", 2.0)
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ssp | 9000 |")]
+    assert rows == ["| ssp | 9000 | 1.00 | 1.20 | 1.20 | 0.98 (1) | - | 1.22 | the run's |",
+                    "| ssp | 9000 | 1.00 | 1.20 | 1.20 | 1.97 (1) | - | 1.22 | the constants' |"]

@@ -78,16 +78,54 @@ def _measured_in_run(runs) -> dict:
     return found
 
 
-def _ranked_efficiency(runs, which: int) -> dict:
-    """Per policy (its run's own settings, the fp32 wire), the efficiencies of each auto run's
-    first (``which=0``) or last (``-1``) ranking."""
+def _own(r: dict, m: dict) -> bool:
+    """Is the ranked candidate ``r`` its policy as the comparison ran it: the run's own
+    settings (an SSP candidate at the run's bound), the fp32 wire?"""
+    config = m.get("config") or {}
+    return r.get("wire", "fp32") == "fp32" and all(config.get(k) == v for k, v in r["settings"])
+
+
+def _first_ranking(runs) -> dict:
+    """Per policy, the efficiencies of each auto run's first ranking (``_own`` candidates)."""
     found: dict = {}
     for m in runs:
-        rankings = [d["ranking"] for d in m.get("decisions") or () if d.get("ranking")]
-        for r in rankings[which] if rankings else ():
-            if r["settings"] == [] and r.get("wire", "fp32") == "fp32":
+        ranked = next((d["ranking"] for d in m.get("decisions") or () if d.get("ranking")), [])
+        for r in ranked:
+            if _own(r, m):
                 found.setdefault(r["policy"], []).append(r["efficiency"])
     return found
+
+
+def _gain_in_run(runs) -> tuple[dict, dict]:
+    """Per policy applying updates in full on the PS: (the efficiency the fitted constants give
+    it, the one the full-update gain the run measured gives it), each auto run's.
+
+    Both from the run's last ranking, so on the same measured speeds: its efficiency is the
+    gain it ranked with over a staleness factor (``efficiency.ps_efficiency``), and the
+    factor is kept while the gain is replaced by the fitted constant or by the gain the run
+    measured by its end (``auto_gradient_noise``: the noise scale with the constant as its
+    prior).  The ranking itself uses a measured gain only below the constant
+    (``ranked_gain``); this shows what the measurement said either way."""
+    from mpsync.auto.efficiency import PS_FULL_UPDATE_GAIN, ranked_gain
+
+    fitted: dict = {}
+    measured: dict = {}
+    for m in runs:
+        noise = m.get("auto_gradient_noise") or {}
+        last = next((d for d in reversed(m.get("decisions") or ()) if d.get("ranking")), None)
+        if last is None or noise.get("measured") is None:
+            continue
+        g = last.get("measurements") or {}
+        used = ranked_gain(g.get("ps_gain"), g.get("ps_gain_sd") or 0.0, g.get("ps_gain_lo"),
+                           g.get("ps_gain_hi"))
+        for r in last["ranking"]:
+            spec = policies.get(r["policy"])
+            if not _own(r, m) or r["topology"] != "ps" or spec.ps_average:
+                continue
+            fitted.setdefault(r["policy"], []).append(
+                r["efficiency"] * PS_FULL_UPDATE_GAIN / used)
+            measured.setdefault(r["policy"], []).append(r["efficiency"] * noise["gain"] / used)
+    return fitted, measured
 
 
 def _closer(measured, in_run, prior) -> str:
@@ -101,40 +139,49 @@ def _closer(measured, in_run, prior) -> str:
     return "the run's" if off_run < off_prior else "the constants'"
 
 
+def _cell(xs, count: bool = False) -> str:
+    if not xs:
+        return "-"
+    return f"{_median(xs):.2f} ({len(xs)})" if count else f"{_median(xs):.2f}"
+
+
 def efficiency_check(out) -> str:
     """Markdown: each policy's measured progress per sample (BSP's median samples to the
-    target over its own) beside the efficiency auto's first ranking gave it, its last ranking
-    (the gain measured in the run by then: the gradient noise scale, the progress confirmed
-    after a switch), the one it settled on after measuring the policy's progress in its run,
-    and the one the model's fitted constants predict now on the comparison's BSP runs (no
-    measurement of the run's own); and which of the run's estimate (settled, else the last
-    ranking's) and the constants' is nearer the measured progress."""
+    target over its own) beside what auto estimated for it: its first ranking's efficiency;
+    for a policy applying updates in full on the PS, the efficiency the fitted constants give
+    it and the one the gain auto measured in its run gives it (``_gain_in_run``); the one it
+    settled on after measuring the policy's progress in its run (a confirmed switch); and
+    the one the model predicts now on the comparison's BSP runs.  The last column: which of
+    the run's estimate (settled, else the measured gain's) and the fitted constants' is
+    nearer the measured progress ("-" where the run measured nothing of that policy)."""
     out = Path(out)
     summary = json.loads((out / "compare.json").read_text())
     samples = {r["policy"]: _median(_samples_to_target(m) for m in _runs(out, r["policy"]))
                for r in summary["rows"]}
     now = _model_now(out, summary["rows"])
     auto_runs = _runs(out, "auto")
-    first, last = _ranked_efficiency(auto_runs, 0), _ranked_efficiency(auto_runs, -1)
-    in_run = _measured_in_run(auto_runs)
+    first = _first_ranking(auto_runs)
+    fitted, with_gain = _gain_in_run(auto_runs)
+    settled_all = _measured_in_run(auto_runs)
     base = next((n for p, n in samples.items() if policies.is_baseline(p)), None)
     lines = ["| policy | samples to target, median | measured progress per sample (BSP = 1) "
-             "| auto's first ranking | auto's last ranking | auto's after measuring it (runs) "
-             "| the fitted constants' | nearer the measured |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| auto's first ranking | the fitted constants' (auto's runs) | with the gain "
+             "auto measured (runs) | auto's after measuring its progress (runs) "
+             "| the model's now | nearer the measured |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p, n in samples.items():
         if p == policies.AUTO:
             continue
         measured = base / n if base and n else None
-        pred, latest, settled = first.get(p), last.get(p), in_run.get(p)
-        run_estimate = _median(settled) if settled else _median(latest or ())
+        settled, gained = settled_all.get(p), with_gain.get(p)
+        run_estimate = _median(settled) if settled else (_median(gained) if gained else None)
+        prior = _median(fitted[p]) if fitted.get(p) else now.get(p)
         lines.append(f"| {p} | {'-' if n is None else f'{n:.0f}'} | "
                      f"{'-' if measured is None else f'{measured:.2f}'} | "
-                     f"{'-' if not pred else f'{_median(pred):.2f}'} | "
-                     f"{'-' if not latest else f'{_median(latest):.2f}'} | "
-                     f"{'-' if not settled else f'{_median(settled):.2f} ({len(settled)})'} | "
+                     f"{_cell(first.get(p))} | {_cell(fitted.get(p))} | "
+                     f"{_cell(gained, True)} | {_cell(settled, True)} | "
                      f"{'-' if now.get(p) is None else f'{now[p]:.2f}'} | "
-                     f"{_closer(measured, run_estimate, now.get(p))} |")
+                     f"{_closer(measured, run_estimate, prior)} |")
     return "\n".join(lines)
 
 
