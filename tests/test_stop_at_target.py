@@ -110,3 +110,20 @@ def test_checking_the_flags_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, timeout=60, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_compare_setup_line_names_the_optimizer_the_runs_trained_with():
+    """A comparison's table says which optimizer and settings its runs had (``--optimizer``,
+    or a momentum given through ``--train-args``), read from a run's configuration."""
+    from mpsync.apps import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(["--lr", "0.01", "--train-args", "--momentum 0.5"])
+    run = {"config": {"optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "nesterov": False,
+                      "heterogeneity": "slowdown 1,2"}}
+    line = runs.setup_line(args, {"bsp": run})
+    assert "sgd lr 0.01 momentum 0.5, backend" in line, line
+    assert line.endswith("train args '--momentum 0.5'"), line
+    adam = parser.parse_args(["--optimizer", "adam", "--lr", "0.003"])
+    assert "adam lr 0.003, backend" in runs.setup_line(adam, {})

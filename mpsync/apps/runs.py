@@ -115,5 +115,19 @@ def setup_line(args, runs) -> str:
             where = (f"across {len(st.nodes)} nodes (links {rate}, "
                      f"{args.cluster_placement}), ")
     return (f"{where}{args.dataset} ({args.partition}), {args.np} workers {server}, {het}, "
-            f"{stop}, batch {args.batch_size}/worker, lr {args.lr}, backend {args.backend}, "
-            f"target accuracy {args.target_acc}")
+            f"{stop}, batch {args.batch_size}/worker, {_optimizer(args, any_run)}, "
+            f"backend {args.backend}, target accuracy {args.target_acc}"
+            + (f", train args {args.train_args!r}" if getattr(args, "train_args", None) else ""))
+
+
+def _optimizer(args, run) -> str:
+    """The optimizer the runs trained with and its settings, from a run's configuration
+    where there is one (``--train-args`` may set the momentum): ``sgd lr 0.01 momentum 0.9``."""
+    c = (run or {}).get("config") or {}
+    name = c.get("optimizer") or getattr(args, "optimizer", None) or "sgd"
+    words = f"{name} lr {c.get('lr', args.lr)}"
+    if name == "sgd" and "momentum" in c:
+        words += f" momentum {c['momentum']:g}" + (" nesterov" if c.get("nesterov") else "")
+    if c.get("weight_decay"):
+        words += f" weight decay {c['weight_decay']:g}"
+    return words
