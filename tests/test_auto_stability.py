@@ -63,11 +63,14 @@ def test_a_divergence_after_progress_trips_it_within_two_checks(seed):
     assert at <= 10.5, at
 
 
-@pytest.mark.parametrize("given_back, trips", [(0.4, True), (0.15, False)])
-def test_a_swing_that_gives_back_a_third_of_the_progress_trips_it(given_back, trips):
+@pytest.mark.parametrize("given_back, lasts, trips", [(0.4, 4.0, True), (0.4, 2.0, False),
+                                                     (0.15, 4.0, False)])
+def test_a_swing_that_gives_back_a_third_of_the_progress_for_seconds_trips_it(given_back, lasts,
+                                                                            trips):
     """The other shape seen on the PS at equal speeds: no collapse to chance level, but a
-    loss that swings back up for seconds at a time.  Giving back 40% of the progress over
-    2 s trips it; 15% (with the noise) does not."""
+    loss that swings back up for seconds at a time.  Giving back 40% of the progress (still
+    below the phase's start) for 4 s trips it; for 2 s it is an overshoot the policy comes
+    back from (``persist_s``); 15% (with the noise) does not."""
     rng = np.random.default_rng(4)
     watch = LossWatch()
     _feed(watch, 0.0, 3.0, _converging, rng)
@@ -75,8 +78,13 @@ def test_a_swing_that_gives_back_a_third_of_the_progress_trips_it(given_back, tr
     assert _feed(watch, 3.0, 12.0, _converging, rng) == (None, None)
     low = _converging(12.0)
     swung = low + given_back * (_converging(0.0) - low)
-    reason, at = _feed(watch, 12.0, 14.0, lambda t: swung, rng)
+    assert swung < _converging(3.0)
+    reason, at = _feed(watch, 12.0, 12.0 + lasts, lambda t: swung, rng)
     assert (reason is not None) == trips, (reason, at)
+    if trips:
+        assert at >= 12.0 + watch.persist_s and "below the" in reason, (reason, at)
+    if not trips and given_back > 0.3:       # and once it is back, nothing fires after it
+        assert _feed(watch, 12.0 + lasts, 20.0, _converging, rng) == (None, None)
 
 
 def test_risen_says_when_the_loss_is_up_from_its_phases_lowest():
@@ -228,8 +236,11 @@ def test_a_scripts_report_loss_reaches_the_servers_loss_watch():
     assert all(n <= 2 + 10 * res[r]["seconds"] for r, n in sent.items()), res
     assert (sent[1] + sent[2]) // 2 <= watch["reports"] <= sent[1] + sent[2], (watch, sent)
     noise = res[1]["gradient_noise"]
-    # (one probe per second per worker at most, the first at the first step)
-    most = sum(1 + res[r]["seconds"] for r in res)
+    # (one probe per second per worker at most, the first at the first step, after the first
+    # FIRST_PROBES every FIRST_EVERY_S)
+    from mpsync.torch.strategies.gradient_pairs import FIRST_PROBES
+
+    most = sum(1 + FIRST_PROBES + res[r]["seconds"] for r in res)
     assert 3 <= noise["pairs"] <= most and noise["workers"] == 2, (noise, most)
     assert 1.0 <= noise["gain"] <= 2.0 and "gradient pairs" in noise["note"], noise
     assert watch["initial"] is not None and 1.0 < watch["initial"] < 4.0, watch

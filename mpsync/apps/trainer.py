@@ -295,15 +295,18 @@ class Worker:
         return bool(self.args.time_budget and self.wall() >= self.args.time_budget)
 
     # -- one iteration ---------------------------------------------------------------------------
-    def _probe(self) -> None:
-        """The next batch's gradients at this step's weights (``probe_gradient_noise``)."""
+    def _probe(self):
+        """The next batch's gradients at the weights as they are (``probe_gradient_noise``),
+        and its loss (the step test takes it twice)."""
         import torch
 
         index = (self.index + 1) % self.per_epoch
         xb, yb = self.shard.batch(self.epoch, index, self.args.batch_size)
         x = torch.from_numpy(xb).to(self.device, non_blocking=True)
         y = torch.from_numpy(yb).to(self.device, non_blocking=True)
-        self.loss_fn(self.model(x), y).backward()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
 
     def step(self) -> int:
         """One local iteration (forward, backward, emulated device time, ``opt.step()``);

@@ -77,6 +77,12 @@ on the PS made 2.27 and 1.82 of BSP's progress per sample, at lr 0.05 with momen
 diverged or crawled (0.16-0.27).  Where the measurement says the gradients are noisy (a gain
 near 1, as late in training), the PS is not worth its risk, and the ranking knows it.
 
+What the noise scale cannot see, the step test measures from the start: whether the loss still
+falls along a parameter server round's stride, n of the job's own steps from the same weights,
+and by how much against the ring's step (``mpsync.auto.curvature``).  Its gain, ranked at its
+lower bound (``STRIDE_RISK_SDS``), may raise the gain above the fitted constant, never lower it
+(late in training it reads low where the parameter server trains on).
+
 What the noise scale cannot see, the run's own progress shows once it has run a parameter
 server policy: the training loss's rate per iteration after the switch against before it
 (``mpsync.auto.progress``) brackets that policy's efficiency, and the bracket, turned into
@@ -89,27 +95,35 @@ lower it below anything the noise scale says where it crawled or diverged.
 from __future__ import annotations
 
 __all__ = ["PS_FULL_UPDATE_GAIN", "PS_EXCESS_STALENESS_COST", "LOCAL_STEP_COST",
-           "MEASURED_GAIN_RISK_SDS", "ranked_gain",
+           "MEASURED_GAIN_RISK_SDS", "STRIDE_RISK_SDS", "ranked_gain",
            "efficiency", "excess_staleness", "ps_efficiency"]
 
 PS_FULL_UPDATE_GAIN = 1.22
 # A gain the run measured (``mpsync.auto.noise``) is ranked this many standard deviations
 # below its estimate (module doc).
 MEASURED_GAIN_RISK_SDS = 1.0
+# The step test's gain (``mpsync.auto.curvature``) is ranked this many standard deviations
+# below its estimate.
+STRIDE_RISK_SDS = 1.0
 PS_EXCESS_STALENESS_COST = 0.67
 LOCAL_STEP_COST = 0.01
 _FLOOR = 0.05
 
 
 def ranked_gain(gain: float | None, sd: float = 0.0, lo: float | None = None,
-                hi: float | None = None) -> float:
+                hi: float | None = None, stride: float | None = None,
+                stride_sd: float = 0.0) -> float:
     """The full-update gain the ranking uses for a measured ``gain`` +- ``sd`` (None: the
     fitted constant): an upper bound, ranked at its lower bound, never above the fitted
-    constant (module doc: what the noise scale cannot see is a divergence); then moved into
-    [``lo``, ``hi``], what the progress the job made on the parameter server allows
-    (``mpsync.auto.progress``; None: not measured)."""
+    constant (module doc: what the noise scale cannot see is a divergence); raised to the
+    step test's ``stride`` +- ``stride_sd`` at its lower bound where that is higher
+    (``mpsync.auto.curvature``; None: no reading); then moved into [``lo``, ``hi``], what the
+    progress the job made on the parameter server allows (``mpsync.auto.progress``; None:
+    not measured)."""
     used = PS_FULL_UPDATE_GAIN if gain is None else \
         min(gain - MEASURED_GAIN_RISK_SDS * sd, PS_FULL_UPDATE_GAIN)
+    if stride is not None:
+        used = max(used, stride - STRIDE_RISK_SDS * stride_sd)
     if lo is not None:
         used = max(used, lo)
     if hi is not None:
@@ -151,17 +165,19 @@ def _rates(row: dict, compute_s) -> list[float]:
 
 
 def efficiency(row: dict, stale_reads: bool, compute_s, gain: float | None = None,
-               gain_sd: float = 0.0, gain_bracket: tuple | None = None) -> tuple[float, str]:
+               gain_sd: float = 0.0, gain_bracket: tuple | None = None,
+               stride: tuple | None = None) -> tuple[float, str]:
     """(efficiency > 0, the reason in words) of one simulated candidate: ``row`` from
     ``mpsync.simulate.simulate``; ``stale_reads``: the parameter server applies updates in
     full as they arrive; ``compute_s``: the workers' iteration times; ``gain``/``gain_sd``:
     the full-update gain the job measured (``mpsync.auto.noise``; None: the fitted one);
     ``gain_bracket``: (lowest, highest) gain the progress the job made on the parameter
-    server allows (``mpsync.auto.progress``; None: not measured)."""
+    server allows (``mpsync.auto.progress``; None: not measured); ``stride``: the step
+    test's (gain, sd) (``mpsync.auto.curvature``; None: no reading)."""
     eff, why = 1.0, []
     if stale_reads and len(compute_s) > 1:
         lo, hi = gain_bracket if gain_bracket is not None else (None, None)
-        used = ranked_gain(gain, gain_sd, lo, hi)
+        used = ranked_gain(gain, gain_sd, lo, hi, *(stride or (None, 0.0)))
         e, excess, worst = ps_efficiency(_rates(row, compute_s), used)
         eff *= e
         if gain is None:
@@ -169,10 +185,12 @@ def efficiency(row: dict, stale_reads: bool, compute_s, gain: float | None = Non
         else:
             gain_words = (f"at most x{gain:.2f} +-{gain_sd:.2f} measured in the run with the "
                           f"fitted prior")
+        if stride is not None:
+            gain_words += f"; x{stride[0]:.2f} +-{stride[1]:.2f} by the step test"
         if gain_bracket is not None:
             gain_words += (f"; x{lo:.2f}-{hi:.2f} by the progress measured on the parameter "
                            f"server")
-        if gain is not None or gain_bracket is not None:
+        if gain is not None or gain_bracket is not None or stride is not None:
             gain_words += f", ranked at x{used:.2f}"
         why.append(f"every update applied in full ({gain_words}), "
                    f"staleness {excess:.2f} beyond n - 1 on average "

@@ -66,6 +66,8 @@ class Measurements:
     ``ps_gain_lo``/``ps_gain_hi``: the gain the progress measured on the parameter server
     allows (``mpsync.auto.progress``), ``ps_progress_note`` what it rests on; None: not
     measured.
+    ``ps_stride_gain``/``ps_stride_gain_sd``: the step test's gain (``mpsync.auto.curvature``;
+    None: no reading), which may raise the gain the ranking uses.
     """
 
     compute_s: tuple[float, ...]
@@ -87,6 +89,8 @@ class Measurements:
     ps_gain_note: str = ""
     ps_gain_lo: float | None = None
     ps_gain_hi: float | None = None
+    ps_stride_gain: float | None = None
+    ps_stride_gain_sd: float = 0.0
     ps_progress_note: str = ""
 
     @property
@@ -112,6 +116,10 @@ class Measurements:
                 and not 0 <= self.ps_gain_lo <= self.ps_gain_hi < math.inf):
             raise ValueError(f"ps_gain_lo/ps_gain_hi: both None or 0 <= lo <= hi, got "
                              f"{self.ps_gain_lo!r}, {self.ps_gain_hi!r}")
+        if self.ps_stride_gain is not None and not (
+                math.isfinite(self.ps_stride_gain) and self.ps_stride_gain_sd >= 0):
+            raise ValueError(f"ps_stride_gain must be a number (or None) and its sd >= 0, got "
+                             f"{self.ps_stride_gain!r} +- {self.ps_stride_gain_sd!r}")
 
     @property
     def n(self) -> int:
@@ -156,9 +164,7 @@ class Measurements:
         if "ps" in self.topologies:
             # The gain as the ranking uses it (``efficiency.ranked_gain``): a measured gain
             # above the fitted constant ranks as the constant, and changes nothing.
-            b = ranked_gain(other.ps_gain, other.ps_gain_sd, other.ps_gain_lo,
-                            other.ps_gain_hi)
-            a = ranked_gain(self.ps_gain, self.ps_gain_sd, self.ps_gain_lo, self.ps_gain_hi)
+            b, a = other.ranked_ps_gain(), self.ranked_ps_gain()
             if abs(a - b) > GAIN_CHANGE_FLOOR:
                 why = (self.ps_progress_note
                        if self.ps_gain_bracket != other.ps_gain_bracket else "")
@@ -170,6 +176,18 @@ class Measurements:
             if abs(a - b) > 2 * tolerance * b and abs(a - b) > 5e-3:
                 return f"aggregation {b * 1e3:.1f} -> {a * 1e3:.1f} ms/round"
         return None
+
+    @property
+    def ps_stride(self) -> tuple[float, float] | None:
+        """The step test's (gain, sd) (``mpsync.auto.curvature``), or None: no reading."""
+        if self.ps_stride_gain is None:
+            return None
+        return self.ps_stride_gain, self.ps_stride_gain_sd
+
+    def ranked_ps_gain(self) -> float:
+        """The full-update gain the ranking uses (``efficiency.ranked_gain``)."""
+        return ranked_gain(self.ps_gain, self.ps_gain_sd, self.ps_gain_lo, self.ps_gain_hi,
+                           *(self.ps_stride or (None, 0.0)))
 
     def as_dict(self) -> dict:
         d = asdict(self)

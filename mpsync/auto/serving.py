@@ -46,6 +46,7 @@ from mpsync.auto.decider import Decider, DecisionRecord
 from mpsync.auto.efficiency import ranked_gain
 from mpsync.auto.gathering import Gathering
 from mpsync.auto.measurements import Window
+from mpsync.auto.curvature import StepTest
 from mpsync.auto.noise import GradientNoise
 from mpsync.auto.progress import PhaseProgress
 from mpsync.auto.stability import LossWatch
@@ -143,6 +144,11 @@ class AutoPolicy(Policy):
         # The job's gradient noise, reported with the losses: its own full-update gain for
         # the parameter server's candidates, the fitted constant as the prior (``noise``).
         self.noise = GradientNoise(table.n)
+        # The step test along the workers' own strides (``curvature``): what may raise that
+        # gain above the fitted constant; and its readings when the ranking asked (the run's
+        # metrics).
+        self.stride = StepTest(table.n)
+        self.stride_series: list[dict] = []
         # The training loss's progress per sample since each switch against before it
         # (``progress``): what it measured, and the full-update gain (lowest, highest, why)
         # the last measurement on the parameter server allows; None: none measured there yet.
@@ -356,8 +362,7 @@ class AutoPolicy(Policy):
         measured = self.progress.ratio(now)
         # the gain the ranking that switched used, before this measurement moves it
         basis = self.decider.basis
-        used = ranked_gain(None) if basis is None else ranked_gain(
-            basis.ps_gain, basis.ps_gain_sd, basis.ps_gain_lo, basis.ps_gain_hi)
+        used = ranked_gain(None) if basis is None else basis.ranked_ps_gain()
         running = self.running_candidate
         record = self.decider.confirm_switch(left, left_rate, (self.steps_done - steps) / (now - t),
                                              now - self.t0, now - t, progress=measured,
@@ -394,6 +399,9 @@ class AutoPolicy(Policy):
     def on_gradient_noise(self, w, noise, signal, pairs, now):
         self.noise.add(now, w, noise, signal, pairs)
 
+    def on_stride(self, w, pairs, p, a, q, now):
+        self.stride.add(now, w, pairs, p, a, q)
+
     def on_learning_rate_change(self, w, k, now):
         """A worker's learning rate changed (a schedule, by ``switching.RATE_CHANGE`` or more;
         every worker tells: the first one counts, the others within ``SAME_RATE_CHANGE_S``
@@ -406,6 +414,7 @@ class AutoPolicy(Policy):
         self._lr_changed_at = now
         had = self.gain_bracket
         self.gain_bracket = None
+        self.stride.reset()     # (its strides were the old rate's)
         note = f"worker {w} at iteration {k}" + (
             f"; the parameter server's measured progress bracket ({had[2]}) dropped"
             if had is not None else "")
@@ -419,14 +428,23 @@ class AutoPolicy(Policy):
         """``m`` with the job's full-update gain as measured now (the prior alone until
         enough gradient pairs came in: then ``ps_gain`` stays None, the fitted constant)."""
         est = self.noise.estimate(now)
+        current = self.stride.estimate(now)
+        stride = self.stride.kept(now)
+        if len(self.stride_series) < 600:
+            self.stride_series.append({"at_s": round(now - (self.t0 or now), 3),
+                                       **current.as_dict()})
+        if stride.gain is not None:
+            m = dataclasses.replace(m, ps_stride_gain=round(stride.gain, 4),
+                                    ps_stride_gain_sd=round(stride.sd, 4))
         if self.gain_bracket is not None:
             lo, hi, note = self.gain_bracket
             m = dataclasses.replace(m, ps_gain_lo=round(lo, 4), ps_gain_hi=round(max(hi, lo), 4),
                                     ps_progress_note=note)
+        note = est.note + "; " + stride.note
         if est.measured is None:
-            return dataclasses.replace(m, ps_gain_note=est.note)
+            return dataclasses.replace(m, ps_gain_note=note)
         return dataclasses.replace(m, ps_gain=round(est.gain, 4), ps_gain_sd=round(est.sd, 4),
-                                   ps_gain_note=est.note)
+                                   ps_gain_note=note)
 
     def _watch_loss(self, now: float) -> None:
         """The running PS policy applying updates in full undoes the run's progress
@@ -585,6 +603,7 @@ class AutoPolicy(Policy):
                 "problems": self.problems, "ring_only": self.ring_only,
                 "training_loss": self.losses.describe(),
                 "gradient_noise": noise,
+                "step_test": self.stride_series[-1:],
                 "progress": self.progress_log,
                 "learning_rate_changes": self.rate_changes,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
@@ -596,6 +615,7 @@ class AutoPolicy(Policy):
                             "auto_training_loss": self.losses.describe(),
                             "auto_training_loss_series": self.losses.series(),
                             "auto_gradient_noise": noise,
+                            "auto_step_test": self.stride_series,
                             "auto_progress": self.progress_log}}
 
 

@@ -424,6 +424,16 @@ class SyncClient(ParameterServerCalls):
         self.control_sent += _MSG_BYTES
         self.loss_reports += 1
 
+    def report_stride(self, pairs: int, p: float, a: float, q: float) -> None:
+        """Auto's step test over ``pairs`` probes since the last report: summed ``p``, ``a``
+        and ``q`` (``mpsync.torch.strategies.gradient_pairs``, ``mpsync.auto.curvature``).
+        No reply is awaited."""
+        data = np.array([pairs, p, a, q], dtype=np.float64)
+        self.comm.Send(self._header(self.iteration, count=data.size), dest=self.server,
+                       tag=W.STRIDE)
+        self.comm.Send([data, MPI.DOUBLE], dest=self.server, tag=W.DATA)
+        self.control_sent += _MSG_BYTES + data.nbytes
+
     def alive(self) -> None:
         """Tell the server this worker is busy outside its steps (a script's own collectives:
         an evaluation's metric averaging, a test suite's collectives between models), so a

@@ -86,6 +86,18 @@ class MessageHandlers:
                                           int(msg[W.L_PAIRS]), now)
         # No reply, as for a reset.
 
+    def _on_stride(self, src, w, msg, now):
+        """Auto's step test since the worker's last report (``mpsync.auto.curvature``)."""
+        data = self._payload(src, w, W.STRIDE, msg, now, int(msg[W.COUNT]), "stride")
+        if data is None:
+            return
+        if data.size != W.STRIDE_LEN or not np.all(np.isfinite(data)) or data[0] < 1 \
+                or data[2] < 0:
+            return self._reject(src, W.STRIDE, f"step test: expected {W.STRIDE_LEN} finite "
+                                               f"sums (pairs >= 1, a >= 0), got {data.tolist()}")
+        self.policy.on_stride(w, int(data[0]), float(data[1]), float(data[2]), float(data[3]),
+                              now)
+
     def _on_alive(self, src, w, msg, now):
         """Nothing to decide: receiving it (``_received``) is what marks the worker alive."""
 
@@ -229,7 +241,8 @@ class MessageHandlers:
     _HANDLERS = {W.REGISTER: _on_register, W.STEP: _on_step, W.RESET: _on_reset,
                  W.IMPORTANCE: _on_importance, W.PS_INIT: _on_ps_init, W.PUSH: _on_push,
                  W.PULL: _on_pull, W.STATS: _on_stats, W.SHUTDOWN: _on_shutdown,
-                 W.LOSS: _on_loss, W.ALIVE: _on_alive, W.PUSH_PULL: _on_push_pull}
+                 W.LOSS: _on_loss, W.ALIVE: _on_alive, W.PUSH_PULL: _on_push_pull,
+                 W.STRIDE: _on_stride}
 
     def _retry_held(self, now: float) -> None:
         """Decide again on the held replies, at ``now``: the receipt time of the message that

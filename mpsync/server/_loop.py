@@ -70,7 +70,7 @@ _WAKE_MARGIN_S = 300e-6
 _DUE_SLACK_S = 1e-3
 _HOUSEKEEPING_S = 0.1   # how often silent workers and expired payload headers are looked for
 _MSG_BYTES = W.MSG_LEN * 8
-_PAYLOAD_TAGS = (W.PS_INIT, W.PUSH, W.IMPORTANCE)
+_PAYLOAD_TAGS = (W.PS_INIT, W.PUSH, W.IMPORTANCE, W.STRIDE)
 _NO_PAYLOAD = np.empty(0)
 
 

@@ -132,6 +132,13 @@ class Policy:
         summed ½|g₁ - g₂|² (``noise``) and g₁ · g₂ (``signal``); read by ``auto``
         (``mpsync.auto.noise``), ignored by the rest."""
 
+    def on_stride(self, w: int, pairs: int, p: float, a: float, q: float,
+                  now: float) -> None:
+        """Worker ``w``'s step test over ``pairs`` probes since its last report: the summed
+        fall one step's slope predicts (``p``), its square norm (``a``) and the curvature
+        along its stride (``q``); read by ``auto`` (``mpsync.auto.curvature``), ignored by
+        the rest."""
+
     def describe(self) -> dict:
         return {}
 

@@ -54,12 +54,15 @@ LOSS = 111          # the worker's mean training loss (AGG) over COUNT iteration
 ALIVE = 112         # the worker is busy outside its steps (its script's collectives); no reply
 BEAT = 113          # the heartbeat thread: one float64, its period; no reply (not a request)
 PUSH_PULL = 114     # sharded PS: a push the shards took and the pull after it; reply as PULL's
+STRIDE = 115        # auto's step test: COUNT sums follow as DATA (STRIDE_LEN); no reply
 REQUEST_TAGS = (REGISTER, STEP, RESET, IMPORTANCE, PS_INIT, PUSH, PULL, STATS, SHUTDOWN, LOSS,
-                ALIVE, PUSH_PULL)
+                ALIVE, PUSH_PULL, STRIDE)
 TAG_NAMES = {REGISTER: "register", STEP: "step", RESET: "reset", IMPORTANCE: "importance",
              PS_INIT: "ps_init", PUSH: "push", PULL: "pull", STATS: "stats",
              SHUTDOWN: "shutdown", DATA: "data", LOSS: "loss", ALIVE: "alive",
-             BEAT: "beat", PUSH_PULL: "push_pull"}
+             BEAT: "beat", PUSH_PULL: "push_pull", STRIDE: "stride"}
+# STRIDE's payload: the step test's pairs and its summed p, a and q (``mpsync.auto.curvature``).
+STRIDE_LEN = 4
 
 # Reply tags.
 REPLY = 120

@@ -62,8 +62,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     and ``backward()`` at the same weights) to measure the job's gradient noise scale, which
     tells auto how much the parameter server's full updates gain over the ring's average
     (``mpsync.auto.noise``); this step's gradients are put back and the closure's batch is not
-    trained on.  Returns whether it ran the closure.  Without it auto ranks with its fitted
-    constant.
+    trained on.  Where the closure returns its loss and the optimizer is SGD, it runs once
+    more on the same batch at the weights n of this worker's steps ahead (the step test,
+    ``mpsync.auto.curvature``: may the parameter server's full updates gain more than the
+    fitted constant?); the weights are restored exactly.  Returns whether it ran the closure.
+    Without it auto ranks with its fitted constant.
 
     ``synchronize()``: right after backward (gradients not yet stepped on: Horovod's gradient
     clipping idiom) it makes the gradients final: under BSP it averages them now and the

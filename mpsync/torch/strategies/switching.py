@@ -165,8 +165,11 @@ class Switching(Strategy):
         self.__dict__["_rates"] = None
         # Same-weights gradient pairs (DistributedOptimizer.probe_gradient_noise), sent with
         # the loss reports (the server's estimate of the job's gradient noise scale:
-        # mpsync.auto.noise).
-        self.__dict__["_pairs"] = GradientPairs([p for buf in buffers for p in buf.params])
+        # mpsync.auto.noise), and the step test along this worker's own steps
+        # (mpsync.auto.curvature), n of them: a round of the parameter server's full updates.
+        self.__dict__["_pairs"] = GradientPairs(
+            [p for buf in buffers for p in buf.params], optimizer=optimizer,
+            steps_ahead=lambda: getattr(self.inner, "n_workers", 1))
         # [perf_counter, tensors, sum and count of the losses noted from them]
         self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
         self.__dict__["_first_snapshot"] = None      # the PS phase's first, kept (above)
@@ -425,6 +428,9 @@ class Switching(Strategy):
             if self._rates is None:
                 self.__dict__["_rates"] = rates
             self.client.report_loss(mean, acc[1], self._pairs.take(), lr_changed=changed)
+            stride = self._pairs.take_stride()
+            if stride[0]:
+                self.client.report_stride(*stride)
             if changed and not (math.isfinite(mean) and mean < 0):   # (not sent: not told)
                 self.__dict__["_rates"] = rates
             acc[:] = [0.0, 0, now]
