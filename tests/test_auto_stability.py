@@ -83,8 +83,12 @@ def test_a_swing_that_gives_back_a_third_of_the_progress_for_seconds_trips_it(gi
     assert (reason is not None) == trips, (reason, at)
     if trips:
         assert at >= 12.0 + watch.persist_s and "below the" in reason, (reason, at)
-    if not trips and given_back > 0.3:       # and once it is back, nothing fires after it
+    if not trips and given_back > 0.3:
+        # Once it is back nothing fires; a second swing of the same phase is a swinging
+        # policy, left on two checks.
         assert _feed(watch, 12.0 + lasts, 20.0, _converging, rng) == (None, None)
+        reason, at = _feed(watch, 20.0, 23.0, lambda t: swung, rng)
+        assert reason is not None and "second rise" in reason and at <= 21.5, (reason, at)
 
 
 def test_risen_says_when_the_loss_is_up_from_its_phases_lowest():

@@ -25,8 +25,13 @@ below the level it started from (it made progress of its own and gave part of it
 rise must also last ``persist_s``: a parameter server with a straggler overshoots and comes
 back (fixed ASP on a CNN at lr 0.01 with momentum 0.9: the evaluation loss from 0.68-0.92 up
 to 1.19-1.88 for 2-3 s, each run reaching the target 3-8 s later), and a watch that left it
-on two checks cost those runs 10 s; a phase back above its start undid more than it made,
-and is left on two checks as before.  Measured against the
+on two checks cost those runs 10 s.  That allowance is made once per phase: a phase that
+swings up again is swinging, not overshooting (SSP at equal speeds, lr 0.05 with momentum
+0.9: the evaluation loss between 0.5 and 2.0 for 25 s in one run, each swing shorter than
+3 s), and is left on two checks; so is a phase back above its start, which undid more than
+it made.  (A rise seen on a single check uses the allowance up too: in that run the first
+swing showed on one check, the second on two.  The rule is read off these runs: 8 ASP runs
+at lr 0.01-0.1 rose on one stretch of checks each at most, 4 SSP runs at equal speeds on 1-4.)  Measured against the
 run's own progress (initial minus lowest), the test is scale-free and robust to the noise of
 minibatch losses, which is large against the loss itself late in a run and small against the
 progress made.  Before the run has made ``min_progress`` of its initial loss there is no
@@ -68,6 +73,7 @@ class LossWatch:
                              "rise >= 0, 0 <= min_progress < 1, confirm >= 1, persist_s >= 0")
         self.persist_s = float(persist_s)
         self._rising_since: float | None = None
+        self._overshot = False       # this phase already had its one allowed overshoot
         self.window_s, self.min_reports = float(window_s), int(min_reports)
         self.undone, self.rise = float(undone), float(rise)
         self.min_progress, self.confirm = float(min_progress), int(confirm)
@@ -109,6 +115,7 @@ class LossWatch:
         level = self.level(now)
         self.phase_start_level = level if level is not None else self.last_level
         self.phase_lowest, self._seen, self._rising_since = None, 0, None
+        self._overshot = False
 
     # -- the test ------------------------------------------------------------------------------
     def level(self, now: float) -> float | None:
@@ -149,6 +156,8 @@ class LossWatch:
         rose = level - reference
         if not (progress > self.min_progress * self.initial and rose > self.undone * progress
                 and level > (1.0 + self.rise) * reference):
+            if self._seen:
+                self._overshot = True      # (it came back: even one check above used it up)
             self._seen, self._rising_since = 0, None
             return None
         self._seen += 1
@@ -158,9 +167,11 @@ class LossWatch:
             return None
         start = self.phase_start_level
         lasted = now - self._rising_since
-        if start is not None and level < start and lasted < self.persist_s:
+        if (start is not None and level < start and lasted < self.persist_s
+                and not self._overshot):
             return None      # still below where the phase began: an overshoot must last
         how = (f"on {self._seen} checks" if start is None or level >= start else
+               f"on {self._seen} checks, the phase's second rise" if self._overshot else
                f"for {lasted:.1f} s, below the {start:.3f} it began at")
         return (f"the training loss rose from {reference:.3f} to {level:.3f} under "
                 f"{self.phase_label}, undoing {rose / progress:.0%} of the progress from "
