@@ -14,7 +14,9 @@ A LOSS request carries the worker's gradient noise in three slots it has no othe
 (``mpsync.auto.noise``): COMPUTE and WAIT hold ``L_NOISE``, the summed ½|g₁ - g₂|² of pairs
 of two batches' gradients at the same weights, and ``L_POWER``, their summed ½(|g₁|² + |g₂|²) (both >= 0,
 as those slots must be; the dot product g₁ · g₂ is their difference); ROUND holds
-``L_PAIRS``, how many pairs (0: none since the last report).
+``L_PAIRS``, how many pairs (0: none since the last report).  The step test's sums, signed,
+follow a LOSS as a STRIDE header and a DATA payload of ``STRIDE_LEN`` float64: pairs, p, a,
+q (``mpsync.auto.curvature``); no reply.
 
 Reply layout (server -> worker)::
 

@@ -142,32 +142,34 @@ class GradientPairs:
         sizes = sgd_step_sizes(self.optimizer, self.params) if k >= 1 else None
         if sizes is None or loss is None:
             return
-        loss0 = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
         with torch.no_grad():
-            p = sum(e * float(torch.dot(a.reshape(-1).double(), g.reshape(-1).double()))
-                    for e, a, g in zip(sizes, first, other))
-            a = sum(e * 0.5 * float(a.double().pow(2).sum() + g.double().pow(2).sum())
-                    for e, a, g in zip(sizes, first, other))
-            weights = [q.detach().clone() for q in self.params]
-            for q, e, g in zip(self.params, sizes, first):
-                q.add_(g.to(q.dtype), alpha=-k * e)
+            slope, power = [], []
+            for eps, g1, g2 in zip(sizes, first, other):
+                g1, g2 = g1.reshape(-1).double(), g2.reshape(-1).double()
+                slope.append(eps * torch.dot(g1, g2))
+                power.append(eps * 0.5 * (torch.dot(g1, g1) + torch.dot(g2, g2)))
+            # One read of both sums and the loss (on a GPU: one copy to the host).
+            p, a, loss0 = torch.stack([torch.stack(slope).sum(), torch.stack(power).sum(),
+                                       torch.as_tensor(loss).detach().double()
+                                       .to(slope[0].device)]).tolist()
+            weights = [param.detach().clone() for param in self.params]
+            for param, eps, g1 in zip(self.params, sizes, first):
+                param.add_(g1.to(param.dtype), alpha=-k * eps)
             for g in other:
                 g.zero_()
         try:
             ahead = second()
         finally:
             with torch.no_grad():
-                for q, saved in zip(self.params, weights):
-                    q.copy_(saved)
+                for param, saved in zip(self.params, weights):
+                    param.copy_(saved)
         if ahead is None:
             return
         loss_k = float(ahead.detach()) if torch.is_tensor(ahead) else float(ahead)
         q = 2.0 * (loss_k - loss0 + k * p) / k ** 2
         if all(math.isfinite(v) for v in (loss0, loss_k, p, a, q)):
-            self.stride[0] += 1
-            self.stride[1] += p
-            self.stride[2] += a
-            self.stride[3] += q
+            for i, v in enumerate((1, p, a, q)):
+                self.stride[i] += v
 
     def take_stride(self) -> tuple[int, float, float, float]:
         """(pairs, summed p, a, q) of the step test since the last call; reset."""
