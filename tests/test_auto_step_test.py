@@ -15,6 +15,8 @@ from mpsync.auto.efficiency import PS_FULL_UPDATE_GAIN, ranked_gain
 from mpsync.auto.ranking import rank_candidates
 from mpsync.torch.strategies.gradient_pairs import GradientPairs, sgd_step_sizes
 
+from test_auto_gradient_noise import _model_and_data as _noise_problem
+
 
 def test_the_gain_is_n_for_a_small_step_and_falls_below_zero_where_strides_overshoot():
     """D_ps / D_ring (curvature module doc): no curvature, n; the curvature of a step at
@@ -37,11 +39,9 @@ def test_the_gain_is_n_for_a_small_step_and_falls_below_zero_where_strides_overs
     assert stride_gain(1.0, 2.0, 0.0, 1) is None
 
 
-def _model_and_data(seed=0, n=2048, d=12):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g)
-    y = x @ torch.randn(d, generator=g) + 0.3 * torch.randn(n, generator=g)
-    model = torch.nn.Linear(d, 1, bias=False)
+def _model_and_data(seed=0):
+    """The noise tests' least-squares problem, from weights of 0.1 (not its minimum)."""
+    model, x, y = _noise_problem(seed)
     with torch.no_grad():
         model.weight.fill_(0.1)
     return model, x, y
