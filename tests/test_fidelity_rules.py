@@ -274,3 +274,28 @@ def test_osp_server_puts_the_least_important_layers_in_ics_within_the_smallest_u
     assert p.bitmap_for(2, imp, sizes, 0.4, 2, 30.0, 0).tolist() == [False, False, True, True]
     assert p.u_max(40.0) == 25.0
     assert p.ics_log[-1]["budget"] == pytest.approx(20.0)
+
+
+def test_ebsp_hurried_by_auto_places_the_switch_barrier_at_the_next_steps():
+    """``hurry(round)`` (only policy auto asks, for the barrier its switch waits for): a plan
+    under way is brought forward to every worker's next step; in a monitoring phase a plan is
+    made at once, the reporting worker told SYNC now; a plan for an earlier barrier is left
+    as ZipLine placed it.  The same two workers as above."""
+    p = _ring("ebsp", 2, lookahead=4)
+    p.t.last_event[:] = 0.0
+    _report(p, 0, 1, 1.0, 1.0), _report(p, 1, 1, 1.6, 1.6)
+    _report(p, 0, 2, 2.0, 1.0), _report(p, 0, 3, 3.0, 1.0), _report(p, 1, 2, 3.2, 1.6)
+    assert p.plans[0]["target_iteration"] == [5, 3]
+    p.hurry(2)                                  # (the barrier after this one: not yet)
+    assert p.target.tolist() == [5, 3]
+    p.hurry(1)
+    assert p.target.tolist() == [4, 3]          # worker 0 from iteration 5 to its next, 4
+    assert _report(p, 0, 4, 4.0, 1.0)[0] == SYNC
+
+    q = _ring("ebsp", 2, lookahead=4)
+    q.t.last_event[:] = 0.0
+    assert _report(q, 0, 1, 1.0, 1.0) == (LOCAL, 0, 0)      # monitoring: no plan yet
+    q.hurry(1)
+    assert q.target.tolist() == [2, 1] and q.plans[-1]["hurried_for_round"] == 1
+    assert _report(q, 1, 1, 1.6, 1.6)[0] == SYNC
+    assert _report(q, 0, 2, 2.0, 1.0)[0] == SYNC

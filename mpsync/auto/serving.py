@@ -543,7 +543,8 @@ class AutoPolicy(Policy):
                             ranking_wall_s=round(answer.get("wall_s", 0.0), 3),
                             ranker=self.ranker.mode, engine=answer.get("engine"))
         if record.switch:
-            self._schedule(next(c for c in self.candidates if c.label == record.chosen), now)
+            self._schedule(next(c for c in self.candidates if c.label == record.chosen), now,
+                           hurry=True)
             record.switch_after_round = self.switch_after
 
     def _follow_plan(self, now: float) -> None:
@@ -565,10 +566,13 @@ class AutoPolicy(Policy):
             switch_after_round=self.switch_after))
         self.decider.current = chosen
 
-    def _schedule(self, candidate: Candidate, now: float, confirm: bool = True) -> None:
+    def _schedule(self, candidate: Candidate, now: float, confirm: bool = True,
+                  hurry: bool = False) -> None:
         """Switch to ``candidate``: from the ring, after the first round no SYNC was sent for
-        yet; from the PS to the ring, through a ``Gathering`` (the switch round is known at
-        its release); between PS policies, at once."""
+        yet (``hurry``: a ring policy that places its barriers, ElasticBSP, is asked to place
+        that one at the workers' next steps; a planned switch keeps the policy's own); from
+        the PS to the ring, through a ``Gathering`` (the switch round is known at its
+        release); between PS policies, at once."""
         new, code = self._fresh(candidate), auto_code(candidate.policy, candidate.topology)
         leaving = auto_target(self.code)[1]
         if candidate.topology == "ps":
@@ -593,6 +597,8 @@ class AutoPolicy(Policy):
             self.gathering = Gathering(self.t, now)
         else:
             self.switch_after = self.sync_sent + 1
+            if hurry and hasattr(self.running, "hurry"):
+                self.running.hurry(self.switch_after)
 
     # -- what it says about itself -----------------------------------------------------------------
     def describe(self):
