@@ -21,22 +21,18 @@ after 26 s on the PS.
 loss over the last ``window_s`` rises back above the lowest level of its phase by more than
 ``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
 ``confirm`` consecutive checks; a non-finite loss is that at once.  Where the phase is still
-below the level it started from (it made progress of its own and gave part of it back) and
-has not given back ``deep`` of the run's progress, the rise must also last ``persist_s``: a parameter server with a straggler overshoots and comes
+below the level it started from (it made progress of its own and gave part of it back), the
+rise must also last ``persist_s``: a parameter server with a straggler overshoots and comes
 back (fixed ASP on a CNN at lr 0.01 with momentum 0.9: the evaluation loss from 0.68-0.92 up
 to 1.19-1.88 for 2-3 s, each run reaching the target 3-8 s later), and a watch that left it
 on two checks cost those runs 10 s.  That allowance is made once per phase: a phase that
 swings up again is swinging, not overshooting (SSP at equal speeds, lr 0.05 with momentum
 0.9: the evaluation loss between 0.5 and 2.0 for 25 s in one run, each swing shorter than
-3 s), and is left on two checks; so is a rise that reached the phase's start, or gave back
-``deep`` (0.8) of the run's progress, on any of its checks: those SSP runs' rises gave back
-0.8-1.6 of it within a check or two.  (A rise seen on a single check uses the allowance up
-too: in that run the first swing showed on one check, the second on two.  The rules are read
-off these runs, replayed from their ``auto_training_loss_series``: 11 ASP runs at lr 0.01-0.1
-rose on one stretch of checks each at most, giving back at most 0.75 on a stretch of two or
-more; 8 SSP runs at equal speeds rose on 1-4 stretches, each first stretch giving back 0.8
-or more on one of its first two checks.)
-Measured against the run's own progress (initial minus lowest), the test is scale-free and robust to the noise of
+3 s), and is left on two checks; so is a phase back above its start, which undid more than
+it made.  (A rise seen on a single check uses the allowance up too: in that run the first
+swing showed on one check, the second on two.  The rule is read off these runs: 8 ASP runs
+at lr 0.01-0.1 rose on one stretch of checks each at most, 4 SSP runs at equal speeds on 1-4.)  Measured against the
+run's own progress (initial minus lowest), the test is scale-free and robust to the noise of
 minibatch losses, which is large against the loss itself late in a run and small against the
 progress made.  Before the run has made ``min_progress`` of its initial loss there is no
 progress to undo, and nothing fires.  The serving side (``serving.AutoPolicy``) switches back
@@ -70,16 +66,13 @@ class LossWatch:
 
     def __init__(self, *, window_s: float = 1.0, min_reports: int = 6, undone: float = 0.3,
                  rise: float = 0.2, min_progress: float = 0.1, confirm: int = 2,
-                 persist_s: float = 3.0, deep: float = 0.8):
+                 persist_s: float = 3.0):
         if not (window_s > 0 and min_reports >= 1 and 0 < undone and rise >= 0
-                and 0 <= min_progress < 1 and confirm >= 1 and persist_s >= 0
-                and deep >= undone):
+                and 0 <= min_progress < 1 and confirm >= 1 and persist_s >= 0):
             raise ValueError("LossWatch: window_s > 0, min_reports >= 1, undone > 0, "
-                             "rise >= 0, 0 <= min_progress < 1, confirm >= 1, persist_s >= 0, "
-                             "deep >= undone")
-        self.persist_s, self.deep = float(persist_s), float(deep)
+                             "rise >= 0, 0 <= min_progress < 1, confirm >= 1, persist_s >= 0")
+        self.persist_s = float(persist_s)
         self._rising_since: float | None = None
-        self._deep = False
         self._overshot = False       # this phase already had its one allowed overshoot
         self.window_s, self.min_reports = float(window_s), int(min_reports)
         self.undone, self.rise = float(undone), float(rise)
@@ -168,18 +161,16 @@ class LossWatch:
             self._seen, self._rising_since = 0, None
             return None
         self._seen += 1
-        start = self.phase_start_level
         if self._rising_since is None:
-            self._rising_since, self._deep = now, False
-        # (this rise reached the phase's start, or undid nearly all the run's progress)
-        self._deep = self._deep or start is None or level >= start or \
-            rose >= self.deep * progress
+            self._rising_since = now
         if self._seen < self.confirm:
             return None
+        start = self.phase_start_level
         lasted = now - self._rising_since
-        if not self._deep and not self._overshot and lasted < self.persist_s:
-            return None      # a shallow rise below where the phase began must last
-        how = (f"on {self._seen} checks" if self._deep else
+        if (start is not None and level < start and lasted < self.persist_s
+                and not self._overshot):
+            return None      # still below where the phase began: an overshoot must last
+        how = (f"on {self._seen} checks" if start is None or level >= start else
                f"on {self._seen} checks, the phase's second rise" if self._overshot else
                f"for {lasted:.1f} s, below the {start:.3f} it began at")
         return (f"the training loss rose from {reference:.3f} to {level:.3f} under "
