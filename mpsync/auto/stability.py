@@ -36,12 +36,13 @@ Also leaving a rise below the start on two checks once it gave back 0.8 of the p
 tried, and dropped: an ASP run at lr 0.1 overshot by 0.83 and was taken back, 24.3 s to the
 target against 13.1-20.6 for the three others.)  Measured against the run's own progress
 (initial minus lowest), the test is scale-free and robust to the noise of minibatch losses,
-which is large against the loss itself late in a run and small against the progress made.  Before the run has made ``min_progress`` of its initial loss there is no
-progress to undo, and nothing fires.  The serving side (``serving.AutoPolicy``) switches back
-to the policy it left and does not choose the diverging one (or, on the PS, any full-update
-candidate) again until a worker's speed or the number of workers changes.  Nothing is
-predicted, nothing is raced: the figures come from
-the training the job does anyway, at one 64-byte message per worker every 0.1 s
+which is large against the loss itself late in a run and small against the progress made.
+Before the run has made ``min_progress`` of its initial loss there is no progress to undo,
+and nothing fires.  The serving side (``serving.AutoPolicy``) switches back to the policy it
+left and does not choose the diverging one (or, on the PS, any full-update candidate) again
+until a worker's speed or the number of workers changes.  Nothing is predicted, nothing is
+raced: the figures come from the training the job does anyway, at one 64-byte message per
+worker every 0.1 s
 (``mpsync.torch.strategies.switching``).
 """
 
