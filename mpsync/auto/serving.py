@@ -42,11 +42,11 @@ import dataclasses
 import sys
 import time
 
+from mpsync.auto.curvature import StepTest
 from mpsync.auto.decider import Decider, DecisionRecord
 from mpsync.auto.efficiency import ranked_gain
 from mpsync.auto.gathering import Gathering
 from mpsync.auto.measurements import Window
-from mpsync.auto.curvature import StepTest
 from mpsync.auto.noise import GradientNoise
 from mpsync.auto.progress import PhaseProgress
 from mpsync.auto.stability import LossWatch
