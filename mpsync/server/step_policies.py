@@ -92,17 +92,25 @@ class ElasticBSP(Policy):
         interval = np.maximum(t.interval[ws], 1e-9)
         res = sched.zipline(sched.predict(last, interval, self.config.lookahead),
                             self.config.zipline_variant)
+        self._plan(ws, t.iteration[ws] + res.z + 1, res.z.tolist(), float(res.d),
+                   float(res.t_sync), last=last, interval=interval)
+
+    def _plan(self, ws, targets, z, d, t_sync, last=None, interval=None, **extra) -> None:
+        """A new superstep's barrier at iteration ``targets`` of workers ``ws``, kept in
+        ``plans`` with what placed it."""
+        t = self.t
         self.epoch += 1
         self.target[:] = -1
-        self.target[ws] = t.iteration[ws] + res.z + 1
+        self.target[ws] = targets
         if len(self.plans) < self.max_plans_kept:
+            last = t.last_event[ws] if last is None else last
+            interval = t.interval[ws] if interval is None else interval
             self.plans.append({"round": self.epoch, "workers": ws.tolist(),
                                "last_push": last.tolist(), "interval": interval.tolist(),
-                               "z": res.z.tolist(), "d": float(res.d),
-                               "t_sync": float(res.t_sync),
+                               "z": z, "d": d, "t_sync": t_sync,
                                "monitor_reports": self.reports[ws].tolist(),
                                "base_iteration": t.iteration[ws].tolist(),
-                               "target_iteration": self.target[ws].tolist()})
+                               "target_iteration": self.target[ws].tolist(), **extra})
 
     def hurry(self, round_: int) -> None:
         """Policy ``auto`` switches away at the barrier that opens ``round_``: that barrier
@@ -132,18 +140,7 @@ class ElasticBSP(Policy):
             return
         if due.size != ws.size or (self.epoch >= 0 and np.any(self.completed[ws] != self.epoch)):
             return
-        self.epoch += 1
-        self.target[:] = -1
-        self.target[due] = soon
-        if len(self.plans) < self.max_plans_kept:
-            self.plans.append({"round": self.epoch, "workers": due.tolist(),
-                               "last_push": t.last_event[due].tolist(),
-                               "interval": t.interval[due].tolist(), "z": [0] * due.size,
-                               "d": 0.0, "t_sync": float("nan"),
-                               "monitor_reports": self.reports[due].tolist(),
-                               "base_iteration": t.iteration[due].tolist(),
-                               "target_iteration": self.target[due].tolist(),
-                               "hurried_for_round": int(r)})
+        self._plan(due, soon, [0] * due.size, 0.0, None, hurried_for_round=int(r))
 
     def on_step(self, w, k, compute, now, delayed_ack=False, rtt=0.0):
         if self.hurry_round is not None:
