@@ -10,6 +10,13 @@ and never registered as ``torch.distributed``'s default group, so a script that 
 Rendezvous needs no MASTER_ADDR/PORT: worker 0 starts the store on a free port the kernel
 picks, and the workers' MPI communicator tells every worker where it is (DDP's launchers
 need the user to agree on an address beforehand; here MPI already connects the ranks).
+Across nodes "where" is not a host name: a node's name may resolve nowhere, or to an
+address the others cannot reach (the virtual cluster's nodes have names and no DNS).  So
+worker 0 offers every address of its own (its resolved name's first, then each interface's),
+every other worker connects to the first that answers and learns its own address from that
+connection, and gloo binds each worker to the address it reached worker 0 from; worker 0
+takes the address most workers reached.  A worker that reaches none of them makes every
+worker raise, naming it and the addresses it tried, before any of them blocks on the store.
 
 Every collective is started with the process group's non-blocking form and waited for by
 the same bounded wait as the other aggregators (:mod:`mpsync.torch.dataplane.waiting`): a
@@ -37,7 +44,7 @@ from mpsync.torch.dataplane.backends import Aggregator, Pending
 from mpsync.torch.dataplane.waiting import PeerWatch
 
 __all__ = ["ProcessGroupAggregator",
-           "cuda_aware_mpi", "start_process_group", "nccl_device"]
+           "cuda_aware_mpi", "start_process_group", "nccl_device", "host_addresses", "reach"]
 
 STORE_PREFIX = "mpsync.ring"
 
@@ -70,42 +77,97 @@ def nccl_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
 
 
+def host_addresses() -> list[str]:
+    """This node's IPv4 addresses other nodes may reach it at, best first: its name's as the
+    resolver gives it (where it resolves), then each interface's; loopback left out."""
+    found = []
+    try:
+        found.append(socket.gethostbyname(socket.getfqdn()))
+    except OSError:   # a name without DNS or /etc/hosts entry: the interfaces still answer
+        pass
+    found += _interface_addresses()
+    return list(dict.fromkeys(a for a in found if not a.startswith("127.")))
+
+
+def _interface_addresses() -> list[str]:
+    """Each network interface's IPv4 address (Linux ``SIOCGIFADDR``), in interface order."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:   # no IPv4 address on it (down, or IPv6 only)
+                continue
+            out.append(socket.inet_ntoa(packed[20:24]))
+    return out
+
+
+def reach(addresses: list[str], port: int, timeout: float = 5.0) -> tuple[str, str] | None:
+    """The first of ``addresses`` that accepts a connection on ``port``, and this node's own
+    address on that connection (the one the other end sees); None if none does."""
+    for address in addresses:
+        try:
+            with socket.create_connection((address, port), timeout=timeout) as conn:
+                return address, conn.getsockname()[0]
+        except OSError:
+            continue
+    return None
+
+
 def start_process_group(comm, backend: str, *, one_host: bool, timeout: float):
     """A process group of ``backend`` over the ranks of ``comm`` (an mpi4py communicator of
     the workers), rendezvous over ``comm`` itself; collective over ``comm``.
 
     ``one_host``: every rank of ``comm`` runs on this node, so the store and gloo use the
-    loopback interface; otherwise worker 0's host name, as the other nodes resolve it.
+    loopback interface; otherwise the addresses the workers reach worker 0 at (module doc).
     ``timeout``: seconds, the process group's own limit on any operation.
     """
     import torch.distributed as dist
 
     rank, size = comm.Get_rank(), comm.Get_size()
     limit = datetime.timedelta(seconds=timeout)
-    host = "127.0.0.1" if one_host else socket.getfqdn()
-    store, failure = None, None
+    store, offered, failure = None, None, None
     if rank == 0:
         try:
+            offered = ["127.0.0.1"] if one_host else host_addresses()
+            if not offered:
+                raise OSError("this node has no IPv4 address but loopback")
             # Port 0: the kernel picks a free one; the store keeps it open, so no other
-            # process can take it between the pick and the others' connect.
-            store = dist.TCPStore(host, 0, size, True, limit, wait_for_workers=False)
-            address = (host, store.port)
+            # process can take it between the pick and the others' connect.  It listens on
+            # every interface, so worker 0's own client goes through loopback.
+            store = dist.TCPStore("127.0.0.1", 0, size, True, limit, wait_for_workers=False)
+            port = store.port
         except Exception as e:  # handed to every worker, so they all fail with it
-            address, failure = None, f"{type(e).__name__}: {e}"
+            port, failure = None, f"{type(e).__name__}: {e}"
     else:
-        address = None
-    address, failure = comm.bcast((address, failure), root=0)
+        port = None
+    offered, port, failure = comm.bcast((offered, port, failure), root=0)
     if failure is not None:
         raise RuntimeError(f"backend={backend!r}: worker 0 could not start the rendezvous "
-                           f"store on {host}: {failure}")
+                           f"store: {failure}")
+    # Every worker learns whether every other reached worker 0 before any of them blocks.
+    reached = comm.allgather(None if rank == 0 else reach(offered, port))
+    lost = [r for r in range(1, size) if reached[r] is None]
+    if lost:
+        raise RuntimeError(f"backend={backend!r}: worker(s) {lost} reached none of worker 0's "
+                           f"addresses {offered} on port {port} (the rendezvous store); "
+                           f"a firewall or a route between the nodes is missing")
     if rank != 0:
-        store = dist.TCPStore(address[0], address[1], size, False, limit)
+        store = dist.TCPStore(reached[rank][0], port, size, False, limit)
+        own = reached[rank][1]
+    else:   # the address most workers reached worker 0 at (the first offered, if alone)
+        targets = [r[0] for r in reached[1:]]
+        own = max(offered, key=targets.count) if targets else offered[0]
     store = dist.PrefixStore(STORE_PREFIX, store)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = limit
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if one_host
-                            else dist.ProcessGroupGloo.create_default_device()]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
         group = dist.ProcessGroupGloo(store, rank, size, options)
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
