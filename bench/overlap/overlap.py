@@ -11,13 +11,17 @@ under ``import horovod.torch as hvd`` and ``import mpsync.torch as hvd``: the bu
 synthetic inputs of the digits' 64 features (no data loading in the loop), one thread per
 rank.  Two workers, each on its own node of the virtual cluster, so every allreduce crosses a
 1 Gbit/s link; mpsync's dedicated state server is a third rank, alone on node1 (the default
-placement).  Three variants, interleaved in each repeat (the machine's load drifts):
+placement).  The variants, interleaved in each repeat (the machine's load drifts):
 
 * ``mpsync``: BSP on the ring, 25 MB buckets started from the gradient hooks during backward
   (the default);
 * ``mpsync-step``: the same with ``MPSYNC_OVERLAP=0``: the whole model reduced in ``step()``;
 * ``colocated``, ``colocated-step``: the two with the state server as a thread of worker 0's
   rank (``MPSYNC_SERVER=colocated``): two processes, as Horovod's job has;
+* ``gloo``, ``gloo-step``: the colocated pair with ``MPSYNC_BACKEND=gloo``: the buckets
+  reduced by a ``torch.distributed`` gloo group of the workers, whose transfers run on gloo's
+  own threads and sleep in the kernel while bytes are on the wire (Open MPI's blocking calls
+  spin);
 * ``horovod``: Horovod 0.28.1 (its own hooks and fusion buffer, which also overlap).
 
 On this machine every node of the virtual cluster shares the same two cores, and a blocking
@@ -44,12 +48,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# variant: (library, buckets during backward, mpsync's state server)
-VARIANTS = {"mpsync": ("mpsync", True, "dedicated"),
-            "mpsync-step": ("mpsync", False, "dedicated"),
-            "colocated": ("mpsync", True, "colocated"),
-            "colocated-step": ("mpsync", False, "colocated"),
-            "horovod": ("horovod", None, None)}
+# variant: (library, buckets during backward, mpsync's state server, mpsync's ring backend)
+VARIANTS = {"mpsync": ("mpsync", True, "dedicated", "mpi"),
+            "mpsync-step": ("mpsync", False, "dedicated", "mpi"),
+            "colocated": ("mpsync", True, "colocated", "mpi"),
+            "colocated-step": ("mpsync", False, "colocated", "mpi"),
+            "gloo": ("mpsync", True, "colocated", "gloo"),
+            "gloo-step": ("mpsync", False, "colocated", "gloo"),
+            "horovod": ("horovod", None, None, None)}
 FEATURES, CLASSES = 64, 10
 
 
@@ -129,16 +135,18 @@ def launch(variant: str, args) -> dict:
     from mpsync.launch.cluster import cluster_mpirun_argv
     from mpsync.launch.mpirun import run_with_deadline
 
-    lib, overlap, server = VARIANTS[variant]
+    lib, overlap, server, backend = VARIANTS[variant]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MPSYNC_POLICY="bsp",
-               MPSYNC_OVERLAP="1" if overlap else "0", MPSYNC_SERVER=server or "dedicated")
+               MPSYNC_OVERLAP="1" if overlap else "0", MPSYNC_SERVER=server or "dedicated",
+               MPSYNC_BACKEND=backend or "mpi")
     ranks = args.np + (server == "dedicated")   # + the dedicated server's rank
     command = [sys.executable, str(Path(__file__).resolve()), "--as-rank", lib,
                "--batch", str(args.batch), "--steps", str(args.steps),
                "--warmup", str(args.warmup)]
     argv = cluster_mpirun_argv(ranks, command, args.cluster,
                                forward_env=("PYTHONPATH", "OMP_NUM_THREADS", "MPSYNC_POLICY",
-                                            "MPSYNC_OVERLAP", "MPSYNC_SERVER"))
+                                            "MPSYNC_OVERLAP", "MPSYNC_SERVER",
+                                            "MPSYNC_BACKEND"))
     if args.hostfile:
         argv[argv.index("--hostfile") + 1] = args.hostfile
     started = time.time()
