@@ -104,7 +104,7 @@ def test_explain_sets_the_efficiency_measured_in_auto_runs_beside_the_comparison
     from mpsync.auto.progress import ProgressRatio
 
     bsp, ssp = Candidate("bsp", "ring"), Candidate("ssp", "ps")
-    m = Measurements.from_speeds([1, 1])
+    m = Measurements.from_speeds([1, 1], aggregation_s=0.002)   # a timed network
     d = Decider(bsp)
     d.decide([Ranked(ssp, 5.0, 1000.0, 1.2, 0.0, (), 0.0),
               Ranked(bsp, 8.0, 900.0, 1.0, 0.0, (), 0.0)], m, 1.0, "first measurement")

@@ -243,7 +243,7 @@ def test_a_confirmation_goes_back_when_the_measured_progress_refutes_the_model()
     alone confirms it; the loss's progress since the switch (a fifth of BSP's per sample)
     sends it back, and the record says why."""
     bsp, ssp = Candidate("bsp", "ring"), Candidate("ssp", "ps", (("staleness", 3),))
-    m = Measurements(compute_s=(0.05,) * 4)
+    m = Measurements(compute_s=(0.05,) * 4, aggregation_s=0.002)   # a timed network
     for progress, back in ((None, False), (_ratio(0.2), True), (_ratio(1.1), False)):
         d = Decider(bsp)
         d.decide(_ranked([(ssp, 5.0, 1.2), (bsp, 8.0, 1.0)]), m, 1.0, "first measurement")

@@ -8,7 +8,11 @@ more than ``CHANGE_FLOOR_S``; or the aggregation by more than twice ``change_tol
 5 ms), seen on ``confirm`` consecutive checks, so one slow window is not a change, and switches only when the best candidate is
 predicted at least ``min_gain`` faster than the policy running, and not sooner than
 ``min_dwell_s`` after the last switch.  On a steady cluster it therefore decides once and
-switches at most once; what it decided, on what, and why, is in ``records``.
+switches at most once; what it decided, on what, and why, is in ``records``.  Two moves wait
+for a measurement rather than rest on an assumed figure: onto the parameter server's full
+updates before the run measured their gain, and from the ring to the parameter server before
+the run timed one aggregation (the link is then an assumed 10 Gbit/s); the first timed
+aggregation asks for a ranking of its own.
 
 A switch is a prediction until measured: after it, :meth:`Decider.confirm_switch` sets the progress
 per second measured under the new policy (its measured samples per second times the
@@ -87,6 +91,9 @@ class Decider:
         # refute it.  The slice trains the job: nothing is lost.
         self.explore = explore
         self._forced: str | None = None  # a trigger the next check ranks on (a new lr)
+        # A move from the ring to the parameter server waits for the run's first timed
+        # aggregation (``decide``); then the next check ranks again.
+        self._awaits_network = False
 
     @property
     def switches(self) -> int:
@@ -97,6 +104,9 @@ class Decider:
         one; later ones only for a change confirmed on ``confirm`` consecutive calls."""
         if self.basis is None:
             return "first measurement"
+        if self._awaits_network and m.aggregation_s is not None:
+            self._awaits_network, self._seen = False, 0
+            return "first aggregation timed (the network's cost was assumed before)"
         if self._forced is not None:
             trigger, self._forced, self._seen = self._forced, None, 0
             return trigger
@@ -155,7 +165,19 @@ class Decider:
             # the fitted constant's error is a divergence (``efficiency``), not a few %.
             unmeasured = best.candidate.topology == "ps" and m.ps_gain is None
             tryable = self.explore and self.min_gain / 5 <= gain < self.min_gain
-            if tryable and unmeasured:
+            # Nor from the ring to the parameter server before the run has timed one
+            # aggregation: until then every transfer is costed on an assumed link
+            # (``Measurements.bandwidth``, 10 Gbit/s), and on a slow one the PS moves the
+            # whole model each iteration where ElasticBSP moves it once a round (at
+            # 100 Mbit/s such a guess switched at 1.1-1.6 s and was measured 64-76% slower).
+            blind = (self.current.topology == "ring" and best.candidate.topology == "ps"
+                     and m.aggregation_s is None and gain >= self.min_gain / 5)
+            if blind:
+                self._awaits_network = True
+                reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
+                          f"{self.current.label} on an assumed network: no aggregation "
+                          f"timed in the run yet; stay, rank again once one is")
+            elif tryable and unmeasured:
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty, with the "
                           f"parameter server's gain not yet measured in the run: stay")
@@ -177,7 +199,8 @@ class Decider:
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label} ({best.predicted_time_to_target_s:.1f} s vs "
                           f"{_to_target(here.predicted_time_to_target_s, m)})")
-        self.explore = False          # (only ever at the first decision)
+        if not self._awaits_network:
+            self.explore = False      # (only ever at the first decision on a timed network)
         record = DecisionRecord(at_s=now_s, trigger=trigger, measurements=m.as_dict(),
                                 ranking=[r.as_dict() for r in ranked],
                                 previous=self.current.label, chosen=chosen.label,
