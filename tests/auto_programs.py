@@ -287,21 +287,24 @@ def loss_reports() -> None:
             gradient_noise=(server.get("policy_state") or {}).get("gradient_noise"))
 
 
-def stride_reports() -> None:
+def stride_reports(optimizer: str = "sgd") -> None:
     """A script's own loop under ``auto`` (BSP on the ring to start) whose probe closure
     returns its loss, SGD with momentum: the step test runs beside the noise probe until the
     server has a reading's worth of strides (``mpsync.auto.curvature.MIN_PAIRS``) or 20 s;
     each worker reports the server's step-test readings and its final weights' digest (the
-    probes restore the weights exactly: the ring's replicas stay equal)."""
+    probes restore the weights exactly: the ring's replicas stay equal).  ``optimizer``
+    "adam": no step test; the loop runs until the server has heard so from every worker."""
     from mpsync.auto.curvature import MIN_PAIRS
 
     mps.init(policy="auto", topology="ring", backend="mpi", server="dedicated", deadline=60,
              auto_ps=False)
     model = _model()
-    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    t0, step, strides = time.perf_counter(), 0, 0
-    while time.perf_counter() - t0 < 20 and (step < 40 or strides < MIN_PAIRS):
+    inner = torch.optim.Adam(model.parameters(), lr=0.001) if optimizer == "adam" else \
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = mps.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    t0, step, strides, told = time.perf_counter(), 0, 0, 0
+    while time.perf_counter() - t0 < 20 and (step < 40 or (
+            told < mps.size() if optimizer == "adam" else strides < MIN_PAIRS)):
         x, y = _data(8, seed=1000 * mps.rank() + step)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -321,9 +324,16 @@ def stride_reports() -> None:
         if step % 10 == 0:
             state = mps.stats()["server"].get("policy_state") or {}
             strides = max([s["pairs"] for s in state.get("step_test") or ()] + [0])
+            told = len(state.get("adaptive_workers") or ())
     opt.synchronize()
     state = mps.stats()["server"].get("policy_state") or {}
     digest = _digest(_flat(model))
     mps.shutdown()
     _result(rank=mps.rank(), steps=step, digest=digest, step_test=state.get("step_test"),
-            gradient_noise=state.get("gradient_noise"))
+            gradient_noise=state.get("gradient_noise"),
+            adaptive_workers=state.get("adaptive_workers"))
+
+
+def adaptive_reports() -> None:
+    """``stride_reports`` with Adam."""
+    stride_reports("adam")

@@ -113,6 +113,7 @@ def test_no_step_test_without_a_loss_an_sgd_optimizer_or_the_worker_count():
 
         assert pairs.probe(second)
         assert len(calls) == 1 and pairs.take_stride()[0] == 0 and pairs.take()[2] == 1
+        assert pairs.adaptive == (optimizer is adam)   # (told to the server: no step test)
 
 
 def test_probes_along_a_ring_trained_regression_read_a_gain_near_n_at_a_small_step():
@@ -238,3 +239,60 @@ def test_a_scripts_probe_that_returns_its_loss_feeds_the_servers_step_test():
     readings = res[1]["step_test"]
     assert readings and readings[-1]["pairs"] >= MIN_PAIRS, (readings, res[1]["steps"])
     assert readings[-1]["workers"] == 2 and "step test" in readings[-1]["note"], readings
+
+
+def test_an_adaptive_optimizers_measured_gain_is_ranked_uncapped():
+    """No step test (Adam): the noise scale's gain, at its lower bound, may raise the fitted
+    constant; with stragglers 1,1,2,4 a measured 2.0 +- 0.1 then ranks ASP on the PS above
+    ElasticBSP on the ring, where SGD's capped reading keeps the ring first, and the reason
+    says why.  The measured progress still bounds it."""
+    assert ranked_gain(2.0, 0.1) == PS_FULL_UPDATE_GAIN
+    assert ranked_gain(2.0, 0.1, capped=False) == pytest.approx(1.9)
+    assert ranked_gain(2.0, 0.1, 0.1, 0.6, capped=False) == pytest.approx(0.6)
+    assert ranked_gain(None, capped=False) == PS_FULL_UPDATE_GAIN
+    ebsp, asp = Candidate("ebsp", "ring"), Candidate("asp", "ps")
+
+    def ranked(capped):
+        m = Measurements(compute_s=(0.15, 0.15, 0.3, 0.6), aggregation_s=0.004,
+                         topologies=("ring", "ps"), ps_gain=2.0, ps_gain_sd=0.1,
+                         ps_gain_capped=capped)
+        assert Measurements.from_dict(m.as_dict()) == m
+        return rank_candidates(m, [ebsp, asp])
+
+    sgd, adam = ranked(True), ranked(False)
+    assert sgd[0].candidate == ebsp and adam[0].candidate == asp, (sgd, adam)
+    why = {r.candidate.label: r for r in adam}[asp.label].reasons
+    assert any("not capped" in w and "ranked at x1.90" in w for w in why), why
+
+
+def test_the_server_hears_once_that_a_workers_optimizer_admits_no_step_test():
+    """A STRIDE of no pairs: the worker's optimizer is not SGD; the measurements the policy
+    ranks with are then uncapped, its note and state say so, and no stride is counted."""
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+
+    pol = make_policy(SyncConfig(policy="auto", auto_ps=False).validate(), 4)
+    try:
+        m = Measurements(compute_s=(0.05,) * 4)
+        assert pol._with_gain(m, 0.0).ps_gain_capped
+        pol.on_stride(2, 0, 0.0, 0.0, 0.0, 0.5)
+        m2 = pol._with_gain(m, 1.0)
+        assert not m2.ps_gain_capped and "adaptive optimizer" in m2.ps_gain_note, m2
+        assert m2.ps_stride_gain is None
+        assert pol.describe()["adaptive_workers"] == [2]
+    finally:
+        if pol.ranker is not None:
+            pol.ranker.close()
+
+
+def test_a_script_with_adam_tells_the_server_it_has_no_step_test():
+    """Two workers of a script's own loop with Adam, probing: each tells the server once,
+    the step test has no reading, and the replicas stay bitwise equal."""
+    from mpi_harness import run_mpi
+
+    run = run_mpi("auto_programs:adaptive_reports", np=3, timeout=120)
+    res = run.results()
+    assert sorted(res) == [1, 2], run.report()
+    assert res[1]["digest"] == res[2]["digest"], res
+    assert res[1]["adaptive_workers"] == [0, 1], (res[1], res[1]["steps"])
+    assert not any(r["pairs"] for r in res[1]["step_test"] or ()), res[1]["step_test"]

@@ -83,6 +83,17 @@ and by how much against the ring's step (``mpsync.auto.curvature``).  Its gain, 
 lower bound (``STRIDE_RISK_SDS``), may raise the gain above the fitted constant, never lower it
 (late in training it reads low where the parameter server trains on).
 
+An adaptive optimizer's steps (Adam, AdamW, anything not SGD) admit no step test: the stride
+it takes is the preconditioned one, and a trial with it read no gain where the PS was 1.5x
+faster.  There the noise scale's gain is ranked uncapped (``capped=False``), at its lower
+bound as always: the cap's reason is SGD's, whose step grows with the gradient, so that n full
+updates of a learning rate tuned near its stability limit overshoot; an adaptive step is about
+the learning rate per coordinate whatever the gradient.  On the CNN with Adam at lr 0.003 the
+noise scale's gain put ASP at 1.20 and SSP at 1.90 of BSP's progress per sample where the
+comparison measured 1.28 and 1.86, against the capped constants' 0.76 and 1.20
+(bench/auto/README.md).  A wrong raise is guarded as any other: the loss watch and the
+progress measured on the parameter server (``lo``/``hi``) bound it.
+
 What the noise scale cannot see, the run's own progress shows once it has run a parameter
 server policy: the training loss's rate per iteration after the switch against before it
 (``mpsync.auto.progress``) brackets that policy's efficiency, and the bracket, turned into
@@ -112,16 +123,18 @@ _FLOOR = 0.05
 
 def ranked_gain(gain: float | None, sd: float = 0.0, lo: float | None = None,
                 hi: float | None = None, stride: float | None = None,
-                stride_sd: float = 0.0) -> float:
+                stride_sd: float = 0.0, capped: bool = True) -> float:
     """The full-update gain the ranking uses for a measured ``gain`` +- ``sd`` (None: the
     fitted constant): an upper bound, ranked at its lower bound, never above the fitted
-    constant (module doc: what the noise scale cannot see is a divergence); raised to the
+    constant (module doc: what the noise scale cannot see is a divergence) unless
+    ``capped`` is False (an adaptive optimizer's steps, module doc); raised to the
     step test's ``stride`` +- ``stride_sd`` at its lower bound where that is higher
     (``mpsync.auto.curvature``; None: no reading); then moved into [``lo``, ``hi``], what the
     progress the job made on the parameter server allows (``mpsync.auto.progress``; None:
     not measured)."""
-    used = PS_FULL_UPDATE_GAIN if gain is None else \
-        min(gain - MEASURED_GAIN_RISK_SDS * sd, PS_FULL_UPDATE_GAIN)
+    used = PS_FULL_UPDATE_GAIN if gain is None else gain - MEASURED_GAIN_RISK_SDS * sd
+    if capped:
+        used = min(used, PS_FULL_UPDATE_GAIN)
     if stride is not None:
         used = max(used, stride - STRIDE_RISK_SDS * stride_sd)
     if lo is not None:
@@ -166,25 +179,27 @@ def _rates(row: dict, compute_s) -> list[float]:
 
 def efficiency(row: dict, stale_reads: bool, compute_s, gain: float | None = None,
                gain_sd: float = 0.0, gain_bracket: tuple | None = None,
-               stride: tuple | None = None) -> tuple[float, str]:
+               stride: tuple | None = None, capped: bool = True) -> tuple[float, str]:
     """(efficiency > 0, the reason in words) of one simulated candidate: ``row`` from
     ``mpsync.simulate.simulate``; ``stale_reads``: the parameter server applies updates in
     full as they arrive; ``compute_s``: the workers' iteration times; ``gain``/``gain_sd``:
     the full-update gain the job measured (``mpsync.auto.noise``; None: the fitted one);
     ``gain_bracket``: (lowest, highest) gain the progress the job made on the parameter
     server allows (``mpsync.auto.progress``; None: not measured); ``stride``: the step
-    test's (gain, sd) (``mpsync.auto.curvature``; None: no reading)."""
+    test's (gain, sd) (``mpsync.auto.curvature``; None: no reading); ``capped``: False where
+    the job's steps are an adaptive optimizer's (``ranked_gain``)."""
     eff, why = 1.0, []
     if stale_reads and len(compute_s) > 1:
         lo, hi = gain_bracket if gain_bracket is not None else (None, None)
-        used = ranked_gain(gain, gain_sd, lo, hi, *(stride or (None, 0.0)))
+        used = ranked_gain(gain, gain_sd, lo, hi, *(stride or (None, 0.0)), capped=capped)
         e, excess, worst = ps_efficiency(_rates(row, compute_s), used)
         eff *= e
         if gain is None:
             gain_words = f"x{PS_FULL_UPDATE_GAIN:.2f}, fitted"
         else:
-            gain_words = (f"at most x{gain:.2f} +-{gain_sd:.2f} measured in the run with the "
-                          f"fitted prior")
+            gain_words = (f"{'at most ' if capped else ''}x{gain:.2f} +-{gain_sd:.2f} "
+                          f"measured in the run with the fitted prior"
+                          f"{'' if capped else ' (adaptive steps: not capped)'}")
         if stride is not None:
             gain_words += f"; x{stride[0]:.2f} +-{stride[1]:.2f} by the step test"
         if gain_bracket is not None:

@@ -118,7 +118,8 @@ def _gain_in_run(runs) -> tuple[dict, dict]:
         g = last.get("measurements") or {}
         used = ranked_gain(g.get("ps_gain"), g.get("ps_gain_sd") or 0.0, g.get("ps_gain_lo"),
                            g.get("ps_gain_hi"), g.get("ps_stride_gain"),
-                           g.get("ps_stride_gain_sd") or 0.0)
+                           g.get("ps_stride_gain_sd") or 0.0,
+                           capped=g.get("ps_gain_capped", True))
         for r in last["ranking"]:
             spec = policies.get(r["policy"])
             if not _own(r, m) or r["topology"] != "ps" or spec.ps_average:

@@ -68,6 +68,8 @@ class Measurements:
     measured.
     ``ps_stride_gain``/``ps_stride_gain_sd``: the step test's gain (``mpsync.auto.curvature``;
     None: no reading), which may raise the gain the ranking uses.
+    ``ps_gain_capped``: False where the job's steps are an adaptive optimizer's (no step test;
+    ``efficiency.ranked_gain``): the measured gain may then raise the fitted constant.
     """
 
     compute_s: tuple[float, ...]
@@ -92,6 +94,7 @@ class Measurements:
     ps_stride_gain: float | None = None
     ps_stride_gain_sd: float = 0.0
     ps_progress_note: str = ""
+    ps_gain_capped: bool = True
 
     @property
     def ps_gain_bracket(self) -> tuple[float, float] | None:
@@ -187,7 +190,7 @@ class Measurements:
     def ranked_ps_gain(self) -> float:
         """The full-update gain the ranking uses (``efficiency.ranked_gain``)."""
         return ranked_gain(self.ps_gain, self.ps_gain_sd, self.ps_gain_lo, self.ps_gain_hi,
-                           *(self.ps_stride or (None, 0.0)))
+                           *(self.ps_stride or (None, 0.0)), capped=self.ps_gain_capped)
 
     def as_dict(self) -> dict:
         d = asdict(self)

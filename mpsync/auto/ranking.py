@@ -187,7 +187,8 @@ def predict(m: Measurements, c: Candidate, *, base=None, seed: int = 0,
     rate = row.get("samples_per_s") or 0.0
     spec = policies.get(c.policy)
     eff, why = efficiency(row, c.topology == "ps" and not spec.ps_average, m.compute_s,
-                          m.ps_gain, m.ps_gain_sd, m.ps_gain_bracket, m.ps_stride)
+                          m.ps_gain, m.ps_gain_sd, m.ps_gain_bracket, m.ps_stride,
+                          capped=m.ps_gain_capped)
     ttt = m.target_samples / (rate * eff) if rate > 0 else float("inf")
     reasons = (f"{rate:.0f} samples/s simulated ({row['engine']} engine, "
                f"{row['iterations']} iterations)",

@@ -148,6 +148,9 @@ class AutoPolicy(Policy):
         # gain above the fitted constant; and its readings when the ranking asked (the run's
         # metrics).
         self.stride = StepTest(table.n)
+        # The workers whose optimizer is not SGD (they said so): the noise scale's gain is
+        # ranked uncapped (``efficiency.ranked_gain``).
+        self.adaptive_workers: set[int] = set()
         self.stride_series: list[dict] = []
         # The training loss's progress per sample since each switch against before it
         # (``progress``): what it measured, and the full-update gain (lowest, highest, why)
@@ -400,6 +403,9 @@ class AutoPolicy(Policy):
         self.noise.add(now, w, noise, signal, pairs)
 
     def on_stride(self, w, pairs, p, a, q, now):
+        if pairs == 0:      # its optimizer is not SGD: no step test (``gradient_pairs``)
+            self.adaptive_workers.add(w)
+            return
         self.stride.add(now, w, pairs, p, a, q)
 
     def on_learning_rate_change(self, w, k, now):
@@ -441,6 +447,9 @@ class AutoPolicy(Policy):
             m = dataclasses.replace(m, ps_gain_lo=round(lo, 4), ps_gain_hi=round(max(hi, lo), 4),
                                     ps_progress_note=note)
         note = est.note + "; " + stride.note
+        if self.adaptive_workers:
+            m = dataclasses.replace(m, ps_gain_capped=False)
+            note += "; adaptive optimizer (not SGD): no step test, the gain not capped"
         if est.measured is None:
             return dataclasses.replace(m, ps_gain_note=note)
         return dataclasses.replace(m, ps_gain=round(est.gain, 4), ps_gain_sd=round(est.sd, 4),
@@ -610,6 +619,7 @@ class AutoPolicy(Policy):
                 "training_loss": self.losses.describe(),
                 "gradient_noise": noise,
                 "step_test": self.stride_series[-1:],
+                "adaptive_workers": sorted(self.adaptive_workers),
                 "progress": self.progress_log,
                 "learning_rate_changes": self.rate_changes,
                 "query_overhead_us": round(1e6 * self.overhead_s / max(self.queries, 1), 2),
@@ -622,6 +632,7 @@ class AutoPolicy(Policy):
                             "auto_training_loss_series": self.losses.series(),
                             "auto_gradient_noise": noise,
                             "auto_step_test": self.stride_series,
+                            "auto_adaptive_workers": sorted(self.adaptive_workers),
                             "auto_progress": self.progress_log}}
 
 

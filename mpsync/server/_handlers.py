@@ -91,10 +91,12 @@ class MessageHandlers:
         data = self._payload(src, w, W.STRIDE, msg, now, int(msg[W.COUNT]), "stride")
         if data is None:
             return
-        if data.size != W.STRIDE_LEN or not np.all(np.isfinite(data)) or data[0] < 1 \
-                or data[2] < 0:
+        no_test = data.size == W.STRIDE_LEN and data[0] == 0 and not np.any(data[1:])
+        if data.size != W.STRIDE_LEN or not np.all(np.isfinite(data)) or \
+                (data[0] < 1 and not no_test) or data[2] < 0:
             return self._reject(src, W.STRIDE, f"step test: expected {W.STRIDE_LEN} finite "
-                                               f"sums (pairs >= 1, a >= 0), got {data.tolist()}")
+                                               f"sums (pairs >= 1, a >= 0; or all 0: no step "
+                                               f"test), got {data.tolist()}")
         self.policy.on_stride(w, int(data[0]), float(data[1]), float(data[2]), float(data[3]),
                               now)
 

@@ -137,7 +137,7 @@ class Policy:
         """Worker ``w``'s step test over ``pairs`` probes since its last report: the summed
         fall one step's slope predicts (``p``), its square norm (``a``) and the curvature
         along its stride (``q``); read by ``auto`` (``mpsync.auto.curvature``), ignored by
-        the rest."""
+        the rest.  ``pairs`` 0: the worker's optimizer admits no step test (not SGD)."""
 
     def describe(self) -> dict:
         return {}

@@ -16,7 +16,8 @@ of two batches' gradients at the same weights, and ``L_POWER``, their summed ½(
 as those slots must be; the dot product g₁ · g₂ is their difference); ROUND holds
 ``L_PAIRS``, how many pairs (0: none since the last report).  The step test's sums, signed,
 follow a LOSS as a STRIDE header and a DATA payload of ``STRIDE_LEN`` float64: pairs, p, a,
-q (``mpsync.auto.curvature``); no reply.
+q (``mpsync.auto.curvature``); no reply.  A STRIDE of 0 pairs (p, a and q 0) says, once, that
+the worker's optimizer admits no step test (not SGD: an adaptive optimizer's steps).
 
 Reply layout (server -> worker)::
 

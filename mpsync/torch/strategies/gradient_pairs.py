@@ -26,7 +26,10 @@ included), and ``q = 2 (L₂(w + k u₁) - L₂(w) + k p) / k²`` (the curvature
 ``u₁ᵀ H u₁`` for a quadratic loss).  One more forward and backward; the weights are restored
 bit for bit from a copy (the ring's replicas must stay equal).  Weight decay is left out of
 ``u₁``.  Other optimizers are not tested: with Adam the step is the preconditioned one, and a
-trial on the digits read no gain for a job whose parameter server was 1.7x faster.
+trial on the digits read no gain for a job whose parameter server was 1.7x faster.  A worker
+whose optimizer is another (``adaptive``: its steps are preconditioned) says so once, and the
+server ranks the noise scale's gain without the cap it puts on SGD's
+(``mpsync.auto.efficiency``).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class GradientPairs:
         self.pairs = 0
         # The step test's sums (module doc): pairs, p, a, q.
         self.stride = [0, 0.0, 0.0, 0.0]
+        # True once a probe has run with an optimizer that is not SGD (module doc).
+        self.adaptive = False
 
     def _grads(self) -> list[torch.Tensor] | None:
         grads = [p.grad for p in self.params]
@@ -139,6 +144,8 @@ class GradientPairs:
     def _stride(self, second, loss, first, other) -> None:
         """The step test (module doc), summed into ``stride`` if it can be taken."""
         k = int(self.steps_ahead()) if self.steps_ahead is not None else 0
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.SGD):
+            self.adaptive = True
         sizes = sgd_step_sizes(self.optimizer, self.params) if k >= 1 else None
         if sizes is None or loss is None:
             return

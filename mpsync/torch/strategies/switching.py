@@ -171,6 +171,7 @@ class Switching(Strategy):
             [p for buf in buffers for p in buf.params], optimizer=optimizer,
             steps_ahead=lambda: getattr(self.inner, "n_workers", 1))
         # [perf_counter, tensors, sum and count of the losses noted from them]
+        self.__dict__["_told_adaptive"] = False
         self.__dict__["_snapshots"] = deque(maxlen=SNAPSHOTS)
         self.__dict__["_first_snapshot"] = None      # the PS phase's first, kept (above)
         if hosts_shards(config):
@@ -431,6 +432,10 @@ class Switching(Strategy):
             stride = self._pairs.take_stride()
             if stride[0]:
                 self.client.report_stride(*stride)
+            elif self._pairs.adaptive and not self._told_adaptive:
+                # No step test (not SGD): said once, as a report of no pairs (wire.STRIDE).
+                self.client.report_stride(0, 0.0, 0.0, 0.0)
+                self.__dict__["_told_adaptive"] = True
             if changed and not (math.isfinite(mean) and mean < 0):   # (not sent: not told)
                 self.__dict__["_rates"] = rates
             acc[:] = [0.0, 0, now]
