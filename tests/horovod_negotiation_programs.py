@@ -119,6 +119,42 @@ def fusion(r, n):
         assert steps == (1 if fused else 16), (fused, steps)
 
 
+def gather_fusion(r, n):
+    """Small allgathers of one shape on every worker, ready together, share one data step
+    whatever their dtypes (a grouped allgather's parts too); ragged ones (each worker its own
+    number of rows) run one by one; every result is each worker's tensors in worker order."""
+    ops = _runtime.worker_context("test").user_ops
+
+    def mine(k):
+        return [torch.arange(6, dtype=torch.float64).view(2, 3) + 10 * k,
+                torch.tensor([[k % 2 == 0, True]]), torch.full((3,), k + 0.5).bfloat16(),
+                torch.arange(4, dtype=torch.int32) * (k + 1), torch.empty((0, 2))]
+
+    want = [torch.cat([mine(k)[i] for k in range(n)]) for i in range(5)]
+    for fused in (True, False):
+        if r == 0:
+            ops.coordinator.fusion_bytes = 64 << 20 if fused else 0
+        mps.barrier()
+        before = ops.execs
+        handles = [mps.allgather_async(t, name=f"rows.{i}") for i, t in enumerate(mine(r))]
+        time.sleep(0.5)  # every request is in before member 0 reads them
+        got = [mps.synchronize(h) for h in handles]
+        assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)), got
+        assert ops.execs - before == (1 if fused else 5), (fused, ops.execs - before)
+    mps.barrier()
+    before = ops.execs
+    got = mps.grouped_allgather(mine(r), name="grouped.rows")
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and ops.execs - before <= 5
+    mps.barrier()
+    before = ops.execs
+    handles = [mps.allgather_async(torch.full((r + 1, 2), float(i)), name=f"ragged.{i}")
+               for i in range(3)]
+    time.sleep(0.5)
+    for i, h in enumerate(handles):
+        assert torch.equal(mps.synchronize(h), torch.full((n * (n + 1) // 2, 2), float(i)))
+    assert ops.execs - before == 3, ops.execs - before
+
+
 def unread_handles(r, n):
     """A collective whose handle is never synchronized leaves flight once it completes (as in
     Horovod): its name can be used again, while a name still waiting for the other worker is
@@ -146,7 +182,8 @@ def unread_handles(r, n):
 def main():
     mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=30)
     r, n = mps.rank(), mps.size()
-    for part in (any_order, error_in_sequence, stall_report, fusion, unread_handles):
+    for part in (any_order, error_in_sequence, stall_report, fusion, gather_fusion,
+                 unread_handles):
         part(r, n)
         print(f"PART-OK {part.__name__} rank={r}", flush=True)
     mps.shutdown()

@@ -110,10 +110,39 @@ def test_an_allreduce_the_workers_disagree_on_or_a_joined_worker_answers_is_neve
     assert neg.fusion_groups([]) == []
 
 
+def _gather_recs(rows=(2, 2), row_bytes=12, dtype=1):
+    return np.stack([meta.record(len(rows), meta.ALLGATHER, dtype=dtype, shape=(r, 3),
+                                 row_bytes=row_bytes) for r in rows])
+
+
+def test_allgathers_of_one_shape_on_every_worker_fuse_by_their_output_bytes():
+    """Consecutive allgathers whose every worker sends one shape share a data step, whatever
+    their dtypes, up to ``ALLGATHER_FUSION_BYTES`` of output; ragged first dimensions, an
+    allreduce between them or fusion turned off keep them apart."""
+    def item(name, recs):
+        return (name, recs, np.array([-1, -1]))
+
+    same = [item(f"g{i}", _gather_recs(dtype=i % 3)) for i in range(3)]
+    assert [len(g) for g in neg.fusion_groups(same)] == [3]
+    assert [len(g) for g in neg.fusion_groups(same, 0)] == [1, 1, 1]
+    ragged = item("r", _gather_recs(rows=(1, 2)))
+    assert [[x[0] for x in g] for g in neg.fusion_groups([same[0], ragged] + same[1:])] == \
+        [["g0"], ["r"], ["g1", "g2"]]
+    reduce = item("a", np.stack([_rec(), _rec()]))
+    assert [len(g) for g in neg.fusion_groups([same[0], reduce, same[1], same[2]])] == \
+        [1, 1, 2]
+    # each output: 2 workers x rows x 12 bytes; three of 0.4 MB make two groups under 1 MB
+    rows = int(0.4 * neg.ALLGATHER_FUSION_BYTES) // 24
+    big = [item(f"b{i}", _gather_recs(rows=(rows, rows))) for i in range(3)]
+    assert [len(g) for g in neg.fusion_groups(big)] == [2, 1]
+    assert [len(g) for g in neg.fusion_groups(big, 1 << 18)] == [1, 1, 1]
+
+
 @pytest.mark.mpi
 def test_named_collectives_in_any_order_after_errors_late_and_fused():
     run = run_mpi("horovod_negotiation_programs:main", np=2, timeout=240)
-    parts = ["any_order", "error_in_sequence", "stall_report", "fusion", "unread_handles"]
+    parts = ["any_order", "error_in_sequence", "stall_report", "fusion", "gather_fusion",
+             "unread_handles"]
     for r in range(2):
         for part in parts:
             assert f"PART-OK {part} rank={r}" in run.rank_out(r), run.report()

@@ -220,6 +220,43 @@ def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
         op.seq = seq
 
 
+def _start_fused_allgather(ops: "UserOps", group: list, seq: int) -> None:
+    """One data step for several allgathers whose every worker sends one shape (member 0
+    fuses only those, :func:`~mpsync.torch._negotiation.fusion_groups`): each worker packs
+    its tensors' bytes one after another, one allgather of the packed bytes moves them, and
+    each result is cut out of it -- every worker's piece of it, in worker order -- when its
+    op completes (the first to complete cuts them all)."""
+    xs = [op.fusion[0]() for op in group]
+    sizes = [x.numel() * x.element_size() for x in xs]
+    width = sum(sizes)
+    send = torch.empty(width, dtype=torch.uint8)
+    at = 0
+    for x, n in zip(xs, sizes):
+        send[at:at + n].copy_(x.reshape(-1).view(torch.uint8))
+        at += n
+    out = torch.empty(ops.size * width, dtype=torch.uint8)
+    test = group[0].fusion[3](send.numpy(), out.numpy(),
+                              np.full(ops.size, width, dtype=np.int64))
+    results: list = []
+
+    def cut():
+        grid, at = out.view(ops.size, width), 0
+        for x, n in zip(xs, sizes):
+            y = torch.empty((ops.size * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+            y.reshape(-1).view(torch.uint8).view(ops.size, n).copy_(grid[:, at:at + n])
+            at += n
+            results.append(y)
+
+    def finish(i, op):
+        if not results:
+            cut()
+        return op.fusion[2](results[i])
+
+    for i, op in enumerate(group):
+        op._test, op._finish = test, (lambda i=i, op=op: finish(i, op))
+        op.seq = seq
+
+
 class _Group:
     """Several collectives behind one handle (grouped ops, sparse allreduce)."""
 
@@ -441,11 +478,15 @@ class UserOps:
                 self._running.append(op)
             group.append((op, records, known))
         self.cache.applied += 1
-        if count > 1:  # member 0 fused these allreduces: one data step on every worker
+        if count > 1:  # member 0 fused these: one data step on every worker
             for op, records, known in group:
                 op._checked(records, known)
             self.execs += 1
-            _start_fused(self, [op for op, _, _ in group], self.execs)
+            fused = [op for op, _, _ in group]
+            if int(group[0][1][0, meta.Field.KIND]) == meta.ALLGATHER:
+                _start_fused_allgather(self, fused, self.execs)
+            else:
+                _start_fused(self, fused, self.execs)
             self._started += [op for op, _, _ in group if not op.abandoned]
             return
         for op, records, known in group:

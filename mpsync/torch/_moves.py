@@ -365,7 +365,10 @@ def start_allgather(ops: UserOps, tensor: torch.Tensor, name):
         test = _allgatherv(ops, _bytes_view(x), _bytes_view(out), rows * _row_bytes(x))
         return test, lambda: out.to(tensor.device)
 
-    return ops.submit("allgather", name, rec, start, error)
+    # Fused with others (one shape on every worker): the packed bytes in one allgather.
+    fusion = (lambda: _readable(tensor), None, lambda out: out.to(tensor.device),
+              lambda send, out, counts: _allgatherv(ops, send, out, counts))
+    return ops.submit("allgather", name, rec, start, error, fusion=fusion)
 
 
 def start_broadcast(ops: UserOps, tensor: torch.Tensor, root: int, name, out=None,
