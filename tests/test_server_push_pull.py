@@ -243,3 +243,39 @@ def test_dssps_compiled_rule_grants_what_alg1_grants_without_the_controller():
             assert copy.held.tolist() == p.held.tolist(), (trial, run)
     assert served > 100 and handed > 50, (served, handed)
 
+
+
+def test_the_gap_recorded_is_over_the_workers_the_bound_compares():
+    """The largest gap granted counts the lead over the slowest worker still pushing, as the
+    bound does: a worker that has pushed its last update (none left to miss) or a final pull
+    (its weights never trained on) is no staleness granted; the Python loop and both compiled
+    rules record the same."""
+    cases = [([6, 8], [False, False], 2),   # both going: the lead is granted staleness
+             ([5, 8], [True, False], 0)]    # worker 0 is done pushing: nothing to miss
+    for pushes, final, gap in cases:
+        comm = MPI.COMM_SELF.Dup()
+        try:
+            server = StateServer(comm, _config("ssp", staleness=2), workers=[0, 1],
+                                 fast_path=False)
+            server.weights.init(np.empty(0))
+            server.table.pushes[:] = pushes
+            server.table.final_pushed[:] = final
+            server._answer_pull(0, 1, 1.0, 0)
+            _replies(comm, 1)
+            assert server.counters.max_gap == gap, (pushes, final)
+            server.table.pushes[:] = [2, 9]
+            server._answer_pull(0, 1, 2.0, 0, final=True)   # a final pull: not counted
+            _replies(comm, 1)
+            assert server.counters.max_gap == gap, (pushes, final)
+        finally:
+            comm.Free()
+        t = WorkerTable(2)
+        t.final_pushed[:] = final
+        for run in (pull_rules.ps_push_pull, pull_rules.ps_push_pull_reference):
+            t.pushes[:] = pushes
+            t.pushes[1] -= 1    # the push this request counts
+            ps = pull_rules.new_ps_tables(t.pushes, t.push_table, t.final_pushed, t.done,
+                                          np.zeros(2, np.int64), np.zeros(2, np.int64))
+            ps.cells[pull_rules.PS_BOUND] = 2
+            run(t.cells, ps, 1, 1.0)
+            assert ps.cells[pull_rules.PS_MAX_GAP] == gap, (run, pushes, final)

@@ -201,10 +201,13 @@ class MessageHandlers:
             self.comm.Send([self.weights.weights, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)
         self.counters.pulls[w] += 1
         self.events.add(MPI.Wtime() - self.t0, w, "pull", int(self.table.pushes[w]))
-        # Staleness actually granted: how far this worker is ahead of the slowest active one.
-        act = self.table.active
-        if act.any():
-            gap = int(self.table.pushes[w] - self.table.pushes[act].min())
+        # Staleness actually granted: how far this worker is ahead of the slowest one the
+        # rule compares (``pull_within_staleness``: active, its last update not yet pushed).
+        # A worker that has pushed its last update has none left for this one to miss, and
+        # a final pull's weights are never trained on: neither counts as staleness granted.
+        going = self.table.active & ~self.table.final_pushed
+        if going.any() and not final and not self.table.final_pushed[w]:
+            gap = int(self.table.pushes[w] - self.table.pushes[going].min())
             self.counters.max_gap = max(self.counters.max_gap, gap)
 
     def _round_told(self, w):

@@ -33,7 +33,7 @@ class ServerCounters:
         self.pulls = np.zeros(n, dtype=np.int64)
         self.held_pulls = np.zeros(n, dtype=np.int64)
         self.rejected = 0
-        self.max_gap = 0  # PS: largest push-count lead over the slowest at a pull
+        self.max_gap = 0  # PS: largest push-count lead over the slowest still pushing, at a pull
 
 
 class EventLog:

@@ -137,12 +137,12 @@ def ps_push_pull(tables, ps, w, now):
         tables.last_event[w] = now
     ps.pulls[w] += 1
     n = ps.pushes.shape[0]
-    lowest_active = -1
+    lowest_active = -1  # among the workers the rule compares (``_answer_pull``'s gap)
     for i in range(n):
-        if not (ps.done[i] or tables.removed[i]):
+        if not (ps.done[i] or tables.removed[i] or ps.final_pushed[i]):
             if lowest_active < 0 or ps.pushes[i] < lowest_active:
                 lowest_active = ps.pushes[i]
-    if lowest_active >= 0:
+    if lowest_active >= 0 and not ps.final_pushed[w]:
         gap = ps.pushes[w] - lowest_active
         if gap > ps.cells[PS_MAX_GAP]:
             ps.cells[PS_MAX_GAP] = gap
@@ -176,8 +176,8 @@ def ps_push_pull_reference(tables, ps, w, now) -> int:
             tables.interval[w] = now - tables.last_event[w]
         tables.last_event[w] = now
     ps.pulls[w] += 1
-    active = ~(ps.done | tables.removed)
-    if active.any():
+    active = ~(ps.done | tables.removed | ps.final_pushed)
+    if active.any() and not ps.final_pushed[w]:
         ps.cells[PS_MAX_GAP] = max(int(ps.cells[PS_MAX_GAP]),
                                    int(ps.pushes[w] - ps.pushes[active].min()))
     bound = int(ps.cells[PS_BOUND])
