@@ -9,9 +9,9 @@ worker in the order they became ready, so every worker starts the same data step
 order whatever order it submitted them in.  Ready allreduces of one dtype and op, and
 allgathers of one shape on every worker, that were answered together are fused into one
 buffer up to a byte threshold (Horovod's tensor fusion, 128 MB by default as in Horovod
-0.28.1, ``HOROVOD_FUSION_THRESHOLD``).  A name negotiated
-before, submitted unchanged by every worker, skips the exchange of records (the response
-cache, :mod:`~mpsync.torch._response_cache`); the table sees it as any submission.
+0.28.1, ``HOROVOD_FUSION_THRESHOLD``).  A name negotiated before, submitted unchanged by
+every worker, skips the exchange of records (the response cache,
+:mod:`~mpsync.torch._response_cache`); the table sees it as any submission.
 
 A worker that gives up on a name at its deadline withdraws its record (``cancel``); the
 coordinator answers with the workers that never submitted it, so the name never runs with
@@ -31,8 +31,8 @@ from mpsync.torch import _metadata as meta
 
 __all__ = ["SUBMIT", "CANCEL", "JOIN", "HIT", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED",
            "FUSION_BYTES", "ALLGATHER_FUSION_BYTES", "frame", "unframe", "name_words",
-           "word_name", "Negotiator",
-           "fusion_groups", "stall_text", "unnamed_key", "local_name", "UNNAMED"]
+           "word_name", "Negotiator", "fusion_groups", "stall_text", "unnamed_key",
+           "local_name", "UNNAMED"]
 
 # Message kinds: worker -> coordinator, then coordinator -> worker.  HIT: a SUBMIT by the
 # number of a response cache entry (mpsync.torch._response_cache).
@@ -242,7 +242,7 @@ def _fusion_key(recs: np.ndarray):
     head = recs[:, :meta.HEAD]
     if not (head == head[0]).all():  # a joined worker answers on its own; a mismatch fails
         return None
-    if r[F.INVALID] or int(r[F.NDIM]) > meta.MAX_DIMS:
+    if r[F.INVALID]:
         return None
     if r[F.KIND] == meta.ALLREDUCE:
         return meta.ALLREDUCE, int(r[F.DTYPE]), int(r[F.OP])
