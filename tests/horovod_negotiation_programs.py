@@ -179,11 +179,53 @@ def unread_handles(r, n):
     assert torch.equal(mps.synchronize(h), _total(9, n))
 
 
+def _fails_at_once(call, words: str) -> None:
+    """``call()`` raises, naming ``words``, well before the 30 s deadline."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except (mps.HorovodInternalError, ValueError) as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"no error (expected one naming {words!r})")
+    assert time.monotonic() - t0 < 10.0, time.monotonic() - t0
+
+
+def grouped_as_one(r, n):
+    """A grouped call is one negotiation entry: one request however many tensors (one cache
+    entry number once seen); a worker that grouped another number of tensors, or called a
+    single collective under the group's name, fails the group on every worker at once, and
+    so does one worker's invalid first part (the others never wait for its later parts);
+    the next collectives run."""
+    ops = _runtime.worker_context("test").user_ops
+    xs = [_x(r, i) for i in range(4)]
+    for seen in (False, True):
+        before = ops.stats()
+        ys = mps.grouped_allreduce(xs, name="g.four", op=mps.Sum)
+        assert all(torch.equal(y, _total(i, n)) for i, y in enumerate(ys)), ys
+        after = ops.stats()
+        assert after["requests"] - before["requests"] == 1, (before, after)
+        assert after["cache_hits"] - before["cache_hits"] == int(seen), (before, after)
+    _fails_at_once(lambda: mps.grouped_allreduce(xs[:2 + r], name="g.count"),
+                   "grouped 2 tensors, but worker 1 grouped 3")
+    single = (lambda: mps.allreduce(xs[0], name="g.kind")) if r else \
+        (lambda: mps.grouped_allreduce(xs[:1], name="g.kind"))
+    _fails_at_once(single, "worker 0 called a grouped collective, but worker 1 called "
+                           "allreduce")
+    first = torch.ones(()) if r == 1 else torch.ones(n)  # a 0-d tensor cannot be scattered
+    _fails_at_once(lambda: mps.grouped_reducescatter([first, torch.ones(n), torch.ones(n)],
+                                                     name="g.invalid"),
+                   "at least one dimension" if r == 1 else "Mismatched reducescatter")
+    assert torch.equal(mps.allreduce(_x(r, 5), name="g.after", op=mps.Sum), _total(5, n))
+    got = mps.grouped_allgather([torch.tensor([r]), torch.full((r + 1, 2), r)])
+    assert got[0].tolist() == list(range(n)) and got[1].shape == (n * (n + 1) // 2, 2), got
+
+
 def main():
     mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=30)
     r, n = mps.rank(), mps.size()
     for part in (any_order, error_in_sequence, stall_report, fusion, gather_fusion,
-                 unread_handles):
+                 unread_handles, grouped_as_one):
         part(r, n)
         print(f"PART-OK {part.__name__} rank={r}", flush=True)
     mps.shutdown()

@@ -251,12 +251,16 @@ def process_sets(r, n):
 
 
 def joined(r, n):
-    """Worker 0 joins first; the others run collectives, then join."""
+    """Worker 0 joins first; the others run collectives (a grouped one too), then join."""
     if r == 0:
         last = mps.join()
     else:
         assert mps.allreduce(torch.ones(2), op=mps.Sum).tolist() == [float(n - 1)] * 2
         assert mps.allreduce(torch.tensor([3 * n]), op=mps.Average).tolist() == [3 * (n - 1)]
+        # a group: zeros into each of its data steps (float32 fused, float64 apart)
+        ys = mps.grouped_allreduce([torch.ones(3), torch.full((2,), 2.0),
+                                    torch.ones(1, dtype=torch.float64)], op=mps.Sum)
+        assert [y.tolist() for y in ys] == [[n - 1.0] * 3, [2.0 * (n - 1)] * 2, [n - 1.0]], ys
         # Horovod 0.28.1 answers these with an error while a worker has joined.
         _raises(mps.HorovodInternalError, lambda: mps.allgather(torch.tensor([r, r])),
                 "Allgather is not supported with Join")

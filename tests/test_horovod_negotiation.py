@@ -138,11 +138,65 @@ def test_allgathers_of_one_shape_on_every_worker_fuse_by_their_output_bytes():
     assert [len(g) for g in neg.fusion_groups(big, 1 << 18)] == [1, 1, 1]
 
 
+def _answered(submissions) -> np.ndarray:
+    """The records member 0 answers once each worker submitted its record for ``"g"``."""
+    table = neg.Negotiator(len(submissions))
+    ready = []
+    for w, rec in enumerate(submissions):
+        if rec is None:
+            ready += table.join(w)[0]
+        else:
+            ready += table.submit(w, "g", rec, 0.0)
+    (name, records, _numbers), = ready
+    return records
+
+
+def _check(records):
+    return meta.mismatch(records, ["f64", "f32"], {1: "Sum"})
+
+
+def test_a_grouped_call_is_one_entry_whose_parts_are_checked_and_fused_one_by_one():
+    group = meta.group_record([_rec(shape=(3,)), _rec(shape=(2, 2)), _rec(dtype=0)])
+    records = _answered([group, group.copy()])
+    assert _check(records) is None and meta.part_kinds(records) == [meta.ALLREDUCE] * 3
+    parts = meta.group_parts(records)
+    assert [p.shape for p in parts] == [(2, meta.HEAD + 2)] * 3
+    assert all(np.array_equal(parts[1][w], _rec(shape=(2, 2))) for w in range(2))
+    assert neg.group_steps(parts, 1 << 20) == [[0, 1], [2]]  # float32 together, then float64
+    assert neg.group_steps(parts, 0) == [[0], [1], [2]]
+    other = meta.group_record([_rec(shape=(3,)), _rec(shape=(2, 3)), _rec(dtype=0)])
+    assert "worker 0 sent a tensor of shape [2, 2], but worker 1 sent a tensor of shape " \
+           "[2, 3]" in _check(_answered([group, other]))
+
+
+def test_a_group_of_another_size_or_a_single_call_under_its_name_is_a_mismatch():
+    two = meta.group_record([_rec(), _rec()])
+    three = meta.group_record([_rec(), _rec(), _rec()])
+    for first, second in ((two, three), (three, two)):  # the answer's width is the first's
+        msg = _check(_answered([first, second]))
+        n0, n1 = (2, 3) if first is two else (3, 2)
+        assert msg == (f"Mismatched grouped collectives: worker 0 grouped {n0} tensors, but "
+                       f"worker 1 grouped {n1}"), msg
+    for subs, g, s in (([_rec(), two], 1, 0), ([two, _rec()], 0, 1)):
+        msg = _check(_answered(subs))
+        assert f"worker {g} called a grouped collective, but worker {s} called allreduce" in \
+            msg, msg
+
+
+def test_a_joined_worker_counts_in_every_part_of_a_group():
+    group = meta.group_record([_rec(n=3), _rec(n=3, kind=meta.ALLGATHER)])
+    records = _answered([group, None, group.copy()])
+    parts = meta.group_parts(records)
+    assert [int(p[1, meta.Field.KIND]) for p in parts] == [meta.JOINED] * 2
+    assert parts[0][2].tolist() == _rec(n=3).tolist()
+    assert "Allgather is not supported with Join" in _check(records)  # as Horovod answers
+
+
 @pytest.mark.mpi
 def test_named_collectives_in_any_order_after_errors_late_and_fused():
     run = run_mpi("horovod_negotiation_programs:main", np=2, timeout=240)
     parts = ["any_order", "error_in_sequence", "stall_report", "fusion", "gather_fusion",
-             "unread_handles"]
+             "unread_handles", "grouped_as_one"]
     for r in range(2):
         for part in parts:
             assert f"PART-OK {part} rank={r}" in run.rank_out(r), run.report()

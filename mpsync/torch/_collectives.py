@@ -41,7 +41,7 @@ from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "UserOps",
-           "wait_while_stepping", "AdasumRefused", "DTYPES"]
+           "wait_while_stepping", "AdasumRefused", "DTYPES", "Parts"]
 
 # Horovod's values, so ``op=horovod.torch.Average`` means the same here.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -257,8 +257,78 @@ def _start_fused_allgather(ops: "UserOps", group: list, seq: int) -> None:
         op.seq = seq
 
 
+class Parts:
+    """Collects a grouped call's parts: pass its ``submit`` to a ``start_*`` of
+    :mod:`~mpsync.torch._moves` instead of :meth:`UserOps.submit`, then hand ``parts`` to
+    :meth:`UserOps.submit_group`."""
+
+    def __init__(self):
+        self.parts: list[_Part] = []
+
+    def submit(self, what: str, name, rec: np.ndarray, start, local_error=None,
+               fusion=None) -> "_Part":
+        if local_error is not None:
+            rec[meta.Field.INVALID] = 1  # the others learn of it and fail the group too
+        part = _Part(what, rec, start, local_error, fusion)
+        self.parts.append(part)
+        return part
+
+
+class _Part:
+    """One tensor of a grouped call: what its collective alone would have submitted; its
+    data step is started by the group's (:func:`_start_group`)."""
+
+    __slots__ = ("what", "rec", "start", "local_error", "fusion", "records", "_test",
+                 "_finish", "seq")
+
+    def __init__(self, what: str, rec: np.ndarray, start, local_error, fusion):
+        self.what, self.rec, self.start = what, rec, start
+        self.local_error, self.fusion = local_error, fusion
+        self.records = self._test = self._finish = None
+        self.seq = 0
+
+
+class _GroupTest:
+    """The test of a grouped call's data steps: True once every part's is; ``event`` is the
+    lane event of the first part still in flight (the waiter blocks on it while that part's
+    bytes move on a lane, as it would for the part alone)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, parts: list):
+        self.pending = list(parts)
+
+    def __call__(self) -> bool:
+        # (fused parts share one test: a completed request tests True again)
+        self.pending = [p for p in self.pending if not p._test()]
+        return not self.pending
+
+    @property
+    def event(self):
+        return getattr(self.pending[0]._test, "event", None) if self.pending else None
+
+
+def _start_group(ops: "UserOps", parts: list, records: np.ndarray):
+    """A grouped call's data steps, in order: its parts fused as member 0's threshold says
+    (:func:`~mpsync.torch._negotiation.group_steps`), each other part alone; ``(test,
+    finish)``, ``finish()`` giving the parts' results in order."""
+    part_records = meta.group_parts(records)
+    for step in neg.group_steps(part_records, ops.answered_fusion_bytes):
+        members = [parts[i] for i in step]
+        for i in step:
+            parts[i].records = part_records[i]
+        if len(members) > 1:
+            if int(part_records[step[0]][0, meta.Field.KIND]) == meta.ALLGATHER:
+                _start_fused_allgather(ops, members, 0)
+            else:
+                _start_fused(ops, members, 0)
+        else:
+            members[0]._test, members[0]._finish = members[0].start(part_records[step[0]])
+    return _GroupTest(parts), lambda: [p._finish() for p in parts]
+
+
 class _Group:
-    """Several collectives behind one handle (grouped ops, sparse allreduce)."""
+    """Several collectives behind one handle (sparse allreduce)."""
 
     def __init__(self, parts: list, combine=list):
         self.parts, self.combine = parts, combine
@@ -352,6 +422,9 @@ class UserOps:
         self.joined = None                 # a joined worker's answerer (joining)
         self.all_joined: int | None = None
         self.negotiation = negotiation or Negotiation()
+        # Member 0's fusion threshold, as its last answer carried it (a group's parts fuse
+        # by it on every member alike).
+        self.answered_fusion_bytes = self.negotiation.fusion_bytes
         capacity = self.meta.bcast(self.negotiation.cache_capacity if self.rank == 0 else None,
                                    root=0)
         self.cache = ResponseCache(capacity)
@@ -401,8 +474,8 @@ class UserOps:
             op.records = rec[None, :]
             op._test, op._finish = start(op.records)
             return op
-        if local_error is not None:
-            rec[meta.Field.INVALID] = 1
+        if local_error is not None and rec[meta.Field.KIND] != meta.GROUP:
+            rec[meta.Field.INVALID] = 1  # (a group's parts carry their own, Parts.submit)
         self._waiting[name] = op
         rec = np.ascontiguousarray(rec, dtype=np.int64)
         number = self.cache.lookup(name, self.rank, rec)
@@ -417,6 +490,16 @@ class UserOps:
             self.release(name)
             raise local_error
         return op
+
+    def submit_group(self, what: str, name, parts: list) -> _Op:
+        """One collective for a grouped call's ``parts`` (collected by :class:`Parts`): one
+        name (None: the next unnamed), one record, one answer -- Horovod negotiates a group
+        as one request too -- and the parts' data steps started together; its result is the
+        parts' results in order.  A part's error fails the whole group on every worker."""
+        rec = meta.group_record([p.rec for p in parts])
+        error = next((p.local_error for p in parts if p.local_error is not None), None)
+        return self.submit(what, name, rec, lambda records: _start_group(self, parts, records),
+                           error)
 
     def advance(self) -> bool:
         """Member 0: answer the requests in; every member: start the data steps answered,
@@ -454,10 +537,11 @@ class UserOps:
         """One EXEC answer (see ``Coordinator._execute``): its names, each from the response
         cache or in full, the cache changed name by name as member 0 changed its own."""
         count = int(parts[0][1])
+        self.answered_fusion_bytes = int(parts[0][2])
         group = []
         at = 1
         for i in range(count):
-            number = int(parts[0][2 + i])
+            number = int(parts[0][3 + i])
             if number != MISS:  # every worker hit this entry: the records are known good
                 name, records = self.cache.use(number)
                 local, known = name, True

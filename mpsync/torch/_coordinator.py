@@ -133,11 +133,12 @@ class Coordinator(_Sender):
             self.send(buf, w, _ANSWER_TAG)
 
     def _execute(self, ready: list) -> None:
-        """One EXEC answer per fusion group: its head the kind, the count and per name its
-        cache entry (-1: answered in full, its name, records and numbers follow).  The cache
+        """One EXEC answer per fusion group: its head the kind, the count, the fusion
+        threshold (a grouped call's parts fuse by it on every member) and per name its cache
+        entry (-1: answered in full, its name, records and numbers follow).  The cache
         changes name by name, in the order every member applies them."""
         for group in neg.fusion_groups(ready, self.fusion_bytes):
-            head, body = [neg.EXEC, len(group)], []
+            head, body = [neg.EXEC, len(group), self.fusion_bytes], []
             for name, recs, numbers in group:
                 hit = self._common_hit(name)
                 if hit is not None and self.cache.live(hit):

@@ -7,6 +7,7 @@ worker contributes a fixed-length int64 record (:func:`record`), the records are
 and :func:`mismatch` -- a pure function of the gathered records, so every worker computes the
 same answer -- says what differs, naming the workers.  A worker that has called ``join()``
 contributes a ``JOINED`` record and learns from the others' records what to take part in.
+A grouped call contributes one record holding its parts' (:func:`group_record`).
 
 No MPI and no torch here: plain values in, numpy records out.
 """
@@ -19,13 +20,14 @@ import zlib
 import numpy as np
 
 __all__ = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER",
-           "JOINED", "KIND_NAMES", "HEAD", "MAX_DIMS", "record", "joined_record", "mismatch",
-           "Field", "shape_of", "float_bits", "name_hash"]
+           "JOINED", "GROUP", "KIND_NAMES", "HEAD", "MAX_DIMS", "record", "joined_record",
+           "group_record", "group_parts", "part_kinds", "mismatch", "Field", "shape_of",
+           "float_bits", "name_hash"]
 
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOINED = range(1, 8)
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOINED, GROUP = range(1, 9)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
               ALLTOALL: "alltoall", REDUCESCATTER: "reducescatter", BARRIER: "barrier",
-              JOINED: "join"}
+              JOINED: "join", GROUP: "grouped collective"}
 MAX_DIMS = 8  # dimensions carried one by one; a tensor with more is compared by a hash
 
 
@@ -58,6 +60,13 @@ def record(size: int, kind: int, *, dtype: int = -1, shape: tuple = (), op: int 
            name: str | None = None, row_bytes: int = 0, nbytes: int = 0,
            splits=None, invalid: bool = False) -> np.ndarray:
     """This worker's record for one collective over ``size`` workers."""
+    key = None
+    if splits is None and prescale and postscale:  # (0.0 == -0.0: their bits differ)
+        key = (size, kind, dtype, shape, op, root, prescale, postscale, name, row_bytes,
+               nbytes, invalid)
+        made = _MADE.get(key)
+        if made is not None:
+            return made.copy()
     r = np.zeros(HEAD + size, dtype=np.int64)
     r[Field.KIND], r[Field.DTYPE], r[Field.NDIM] = kind, dtype, len(shape)
     r[Field.DIMS:Field.DIMS + min(len(shape), MAX_DIMS)] = shape[:MAX_DIMS]
@@ -69,7 +78,16 @@ def record(size: int, kind: int, *, dtype: int = -1, shape: tuple = (), op: int 
     r[Field.INVALID] = int(invalid)
     if splits is not None:
         r[HEAD:] = splits
+    if key is not None:
+        if len(_MADE) >= 4096:
+            _MADE.clear()
+        _MADE[key] = r.copy()
     return r
+
+
+# Records made before, by their fields: a training loop submits the same collectives at
+# every step, and building one (hashes, packed floats) costs more than copying it.
+_MADE: dict[tuple, np.ndarray] = {}
 
 
 def joined_record(size: int, rounds: int) -> np.ndarray:
@@ -77,6 +95,46 @@ def joined_record(size: int, rounds: int) -> np.ndarray:
     r = np.zeros(HEAD + size, dtype=np.int64)
     r[Field.KIND], r[Field.JOINED_ROUNDS] = JOINED, rounds
     return r
+
+
+def group_record(parts: list[np.ndarray]) -> np.ndarray:
+    """One record for a grouped call (Horovod's grouped ops: one request, one response):
+    ``GROUP``, the number of parts, then every part's record.  Negotiated as one name, it
+    costs one exchange however many tensors the group holds."""
+    return np.concatenate([np.array([GROUP, len(parts)], dtype=np.int64), *parts])
+
+
+def group_parts(records: np.ndarray) -> list[np.ndarray]:
+    """A grouped call's gathered records (rows in worker order, checked by :func:`mismatch`:
+    every active worker grouped as many parts) as one records array per part; a joined
+    worker's row is its joined record in every part."""
+    active = records[:, Field.KIND] != JOINED
+    ref = records[int(np.argmax(active))]
+    n = int(ref[1])
+    if n == 0:
+        return []
+    width = (ref.size - 2) // n
+    if active.all():  # (the usual case: views, no copies)
+        rows = records[:, 2:2 + n * width].reshape(len(records), n, width)
+        return [rows[:, i] for i in range(n)]
+    out = []
+    for i in range(n):
+        part = np.empty((len(records), width), dtype=np.int64)
+        part[active] = records[active, 2 + i * width:2 + (i + 1) * width]
+        part[~active] = records[~active, :width]
+        out.append(part)
+    return out
+
+
+def part_kinds(records: np.ndarray) -> list[int]:
+    """The kinds of collective a checked entry runs: its own, or a group's parts'."""
+    rows = np.flatnonzero(records[:, Field.KIND] != JOINED)
+    if not rows.size:
+        return []
+    first = int(rows[0])
+    if records[first, Field.KIND] != GROUP:
+        return [int(records[first, Field.KIND])]
+    return [int(part[first, Field.KIND]) for part in group_parts(records)]
 
 
 def shape_of(rec: np.ndarray) -> tuple | None:
@@ -100,6 +158,8 @@ def mismatch(records: np.ndarray, dtype_names, op_names) -> str | None:
     active = [w for w in range(len(records)) if records[w, Field.KIND] != JOINED]
     if not active:
         return None
+    if any(records[w, Field.KIND] == GROUP for w in active):
+        return _group_mismatch(records, active, dtype_names, op_names)
     ref = records[active[0]]
     kind = KIND_NAMES[int(ref[Field.KIND])]
     a = active[0]
@@ -114,6 +174,30 @@ def mismatch(records: np.ndarray, dtype_names, op_names) -> str | None:
     joined = [w for w in range(len(records)) if w not in active]
     if joined:
         return _with_join(ref, kind, joined)
+    return None
+
+
+def _group_mismatch(records: np.ndarray, active: list[int], dtype_names,
+                    op_names) -> str | None:
+    """:func:`mismatch` for a grouped call: every active worker grouped as many parts, then
+    each part checked as a collective of its own (the first part that differs is named)."""
+    a = active[0]
+    ref = records[a]
+    for w in active[1:]:
+        rec = records[w]
+        if (rec[Field.KIND] == GROUP) != (ref[Field.KIND] == GROUP):
+            g, s = (a, w) if ref[Field.KIND] == GROUP else (w, a)
+            other = KIND_NAMES.get(int(records[s, Field.KIND]), "another collective")
+            return (f"Mismatched collective operations: worker {g} called a grouped "
+                    f"collective, but worker {s} called {other} under the same name (every "
+                    f"worker must call the same collectives in the same order)")
+        if rec[1] != ref[1]:
+            return (f"Mismatched grouped collectives: worker {a} grouped {int(ref[1])} "
+                    f"tensors, but worker {w} grouped {int(rec[1])}")
+    for part in group_parts(records):
+        msg = mismatch(part, dtype_names, op_names)
+        if msg:
+            return msg
     return None
 
 

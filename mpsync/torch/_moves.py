@@ -135,9 +135,11 @@ def _reduce_started(ops: UserOps, x: torch.Tensor, op: int):
 
 def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float,
                     postscale: float, compression, name, out=None,
-                    kind: int = meta.ALLREDUCE, finish=None, error=None):
+                    kind: int = meta.ALLREDUCE, finish=None, error=None, submit=None):
     """Reduce ``tensor``; the result goes to ``out`` (default: a new tensor of ``tensor``'s
-    dtype and device).  ``finish(y)`` replaces the delivery (reducescatter's slice)."""
+    dtype and device).  ``finish(y)`` replaces the delivery (reducescatter's slice).
+    ``submit`` (every ``start_*`` here): where the collective goes, ``ops.submit`` by
+    default, a grouped call's :class:`~mpsync.torch._collectives.Parts` for its parts."""
     compression = as_compressor(compression)
     if error is None and tensor.dtype not in _REDUCIBLE:
         error = ValueError(f"{meta.KIND_NAMES[kind]}: tensor type {tensor.dtype} is not "
@@ -172,11 +174,12 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
 
     fusion = (source, pack, finish_from, lambda buf: _reduce_started(ops, buf, op)) \
         if kind == meta.ALLREDUCE else None
-    return ops.submit(meta.KIND_NAMES[kind], name, rec, start, error, fusion=fusion)
+    return (submit or ops.submit)(meta.KIND_NAMES[kind], name, rec, start, error,
+                                  fusion=fusion)
 
 
 def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float,
-                        postscale: float, compression, name):
+                        postscale: float, compression, name, submit=None):
     """Member ``rank``'s rows of the reduction of ``tensor`` over the members (rows split as
     :func:`reducescatter_rows`): each member receives and reduces only its own rows, (N-1)/N
     of the tensor's bytes in and out, half of what an allreduce moves.  One
@@ -192,12 +195,13 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
     error = check_reducescatter(tensor, op)
     if error is not None or tensor.dtype in _HALF or tensor.dtype not in _REDUCIBLE:
         return start_allreduce(ops, tensor, op, prescale, postscale, compression, name,
-                               kind=meta.REDUCESCATTER, finish=keep_rows, error=error)
+                               kind=meta.REDUCESCATTER, finish=keep_rows, error=error,
+                               submit=submit)
     compression = as_compressor(compression)
     wire, ctx = compression.compress(tensor.detach())
     if wire.dtype in _HALF:  # an fp16 wire: the half sum, as above
         return start_allreduce(ops, tensor, op, prescale, postscale, compression, name,
-                               kind=meta.REDUCESCATTER, finish=keep_rows)
+                               kind=meta.REDUCESCATTER, finish=keep_rows, submit=submit)
     rec = meta.record(ops.size, meta.REDUCESCATTER, dtype=dtype_code(wire.dtype),
                       shape=tuple(wire.shape), op=op, prescale=prescale, postscale=postscale,
                       name=name, nbytes=wire.numel() * wire.element_size())
@@ -225,7 +229,7 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
         y = compression.decompress(_scale_(out.view(count, *wire.shape[1:]), post), ctx)
         return y.to(tensor.device, tensor.dtype)
 
-    return ops.submit("reducescatter", name, rec, start)
+    return (submit or ops.submit)("reducescatter", name, rec, start)
 
 
 def _reduce_scatter_by_alltoall(ops: UserOps, x: torch.Tensor, counts: np.ndarray, finish):
@@ -349,7 +353,7 @@ def _allgatherv(ops: UserOps, send: np.ndarray, out: np.ndarray, counts: np.ndar
     return test
 
 
-def start_allgather(ops: UserOps, tensor: torch.Tensor, name):
+def start_allgather(ops: UserOps, tensor: torch.Tensor, name, submit=None):
     """Every member's ``tensor`` concatenated along the first dimension, in member order."""
     error = None
     if tensor.dim() == 0:
@@ -368,7 +372,7 @@ def start_allgather(ops: UserOps, tensor: torch.Tensor, name):
     # Fused with others (one shape on every worker): the packed bytes in one allgather.
     fusion = (lambda: _readable(tensor), None, lambda out: out.to(tensor.device),
               lambda send, out, counts: _allgatherv(ops, send, out, counts))
-    return ops.submit("allgather", name, rec, start, error, fusion=fusion)
+    return (submit or ops.submit)("allgather", name, rec, start, error, fusion=fusion)
 
 
 def start_broadcast(ops: UserOps, tensor: torch.Tensor, root: int, name, out=None,
@@ -463,14 +467,37 @@ def take_part_joined(ops: UserOps, records: np.ndarray):
     active = records[records[:, F.KIND] != meta.JOINED]
     ref = active[0]
     kind = int(ref[F.KIND])
-    if kind == meta.ALLREDUCE:
-        from mpsync.torch._collectives import DTYPES
+    if kind == meta.GROUP:  # a grouped allreduce: zeros into each of its data steps
+        from mpsync.torch import _negotiation as neg
 
-        dtype = DTYPES[int(ref[F.DTYPE])]
-        zeros = torch.zeros(int(ref[F.NBYTES]) // torch.empty((), dtype=dtype).element_size(),
-                            dtype=dtype)
-        started = _reduce_started(ops, zeros, int(ref[F.OP]))
-        return lambda: started() and zeros is not None  # the buffer lives until it is done
+        parts = meta.group_parts(records)
+        tests = [_zeros_reduced(ops, [parts[i] for i in step])
+                 for step in neg.group_steps(parts, ops.answered_fusion_bytes)]
+        tests = [t for t in tests if t is not None]
+
+        def test():
+            tests[:] = [t for t in tests if not t()]
+            return not tests
+
+        return test
+    if kind == meta.ALLREDUCE:
+        return _zeros_reduced(ops, [records])
     if kind == meta.BARRIER:
         return ops.comm.Ibarrier().Test
     return None
+
+
+def _zeros_reduced(ops: UserOps, parts: list[np.ndarray]):
+    """A joined member's zeros into one allreduce data step of ``parts`` (each its members'
+    records; several: a fused step); its ``test`` (None: not an allreduce)."""
+    F = meta.Field
+    ref = parts[0][parts[0][:, F.KIND] != meta.JOINED][0]
+    if int(ref[F.KIND]) != meta.ALLREDUCE:
+        return None
+    from mpsync.torch._collectives import DTYPES
+
+    dtype = DTYPES[int(ref[F.DTYPE])]
+    nbytes = sum(int(p[p[:, F.KIND] != meta.JOINED][0][F.NBYTES]) for p in parts)
+    zeros = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+    started = _reduce_started(ops, zeros, int(ref[F.OP]))
+    return lambda: started() and zeros is not None  # the buffer lives until it is done

@@ -9,8 +9,10 @@ worker in the order they became ready, so every worker starts the same data step
 order whatever order it submitted them in.  Ready allreduces of one dtype and op, and
 allgathers of one shape on every worker, that were answered together are fused into one
 buffer up to a byte threshold (Horovod's tensor fusion, 128 MB by default as in Horovod
-0.28.1, ``HOROVOD_FUSION_THRESHOLD``).  A name negotiated before, submitted unchanged by
-every worker, skips the exchange of records (the response cache,
+0.28.1, ``HOROVOD_FUSION_THRESHOLD``).  A grouped call is one name whose record holds its
+parts' (:func:`~mpsync.torch._metadata.group_record`): one submission, one answer, and its
+parts fused by the same rule (:func:`group_steps`).  A name negotiated before, submitted
+unchanged by every worker, skips the exchange of records (the response cache,
 :mod:`~mpsync.torch._response_cache`); the table sees it as any submission.
 
 A worker that gives up on a name at its deadline withdraws its record (``cancel``); the
@@ -31,8 +33,8 @@ from mpsync.torch import _metadata as meta
 
 __all__ = ["SUBMIT", "CANCEL", "JOIN", "HIT", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED",
            "FUSION_BYTES", "ALLGATHER_FUSION_BYTES", "frame", "unframe", "name_words",
-           "word_name", "Negotiator", "fusion_groups", "stall_text", "unnamed_key",
-           "local_name", "UNNAMED"]
+           "word_name", "Negotiator", "fusion_groups", "group_steps", "stall_text",
+           "unnamed_key", "local_name", "UNNAMED"]
 
 # Message kinds: worker -> coordinator, then coordinator -> worker.  HIT: a SUBMIT by the
 # number of a response cache entry (mpsync.torch._response_cache).
@@ -123,11 +125,12 @@ class Negotiator:
         numbers = np.full(self.size, -1, dtype=np.int64)
         for w in range(self.size):
             if have.get(w):
-                local, recs[w], _t, _seq = have[w].pop(0)
+                local, rec, _t, _seq = have[w].pop(0)
+                recs[w] = _fit(rec, width)
                 if local != key:
                     numbers[w] = int(local.rpartition(".")[2])
             else:
-                recs[w] = meta.joined_record(self.size, 0)[:width]
+                recs[w] = _fit(meta.joined_record(self.size, 0), width)
         if not any(have.values()):
             del self.waiting[key]
         self.reported.discard(key)
@@ -220,6 +223,17 @@ class Negotiator:
         return out
 
 
+def _fit(rec: np.ndarray, width: int) -> np.ndarray:
+    """``rec`` cut or padded with zeros to ``width``: a grouped call's record is longer than
+    a single one's, and a worker that grouped another number of tensors under the same name
+    (or called a single collective) is told so by the check, whose fields stay in place."""
+    if rec.size == width:
+        return rec
+    out = np.zeros(width, dtype=np.int64)
+    out[:min(width, rec.size)] = rec[:width]
+    return out
+
+
 def stall_text(stalled: dict[str, list[int]], warn_after: float, deadline: float) -> str:
     """Horovod's stall warning, per missing worker the names it has not submitted."""
     by_worker: dict[int, list[str]] = {}
@@ -259,6 +273,15 @@ def _fused_bytes(recs: np.ndarray) -> int:
     if r[F.KIND] == meta.ALLGATHER:
         return int(r[F.DIMS]) * int(r[F.ROW_BYTES]) * len(recs)
     return int(r[F.NBYTES])
+
+
+def group_steps(parts: list[np.ndarray], threshold: int) -> list[list[int]]:
+    """A grouped call's parts (each its workers' records, :func:`~mpsync.torch._metadata.
+    group_parts`) cut into the data steps they run as, in order: parts fuse by the rule of
+    :func:`fusion_groups`, as names answered together do.  Every worker cuts them alike from
+    the same records and ``threshold`` (member 0's, sent with the answer)."""
+    items = [(i, recs, None) for i, recs in enumerate(parts)]
+    return [[item[0] for item in group] for group in fusion_groups(items, threshold)]
 
 
 def local_name(name: str, numbers: np.ndarray, worker: int) -> str:

@@ -112,7 +112,8 @@ class ResponseCache:
         kinds = records[:, meta.Field.KIND]
         if np.any(kinds == meta.JOINED):
             return
-        ok = int(kinds[0]) in CACHED_KINDS and meta.mismatch(records, _CODES, _CODES) is None
+        ok = meta.mismatch(records, _CODES, _CODES) is None and \
+            all(k in CACHED_KINDS for k in meta.part_kinds(records))
         number = self._names.get(name)
         if number is not None:
             if ok and np.array_equal(self._live[number][1], records):

@@ -23,7 +23,8 @@ import torch
 
 from mpsync.torch import _moves, _runtime
 from mpsync.torch._collectives import (  # noqa: F401  (Average ... Product are public here)
-    Adasum, Average, Max, Min, Product, Sum, UserOps, _Done, _Group, name_of, reduce_op)
+    Adasum, Average, Max, Min, Product, Sum, UserOps, Parts, _Done, _Group, name_of,
+    reduce_op)
 from mpsync.torch.process_sets import user_ops
 
 __all__ = [
@@ -85,9 +86,11 @@ def _part_name(name, i: int):
 
 
 def start_grouped_allreduce(ops, tensors, op, pre, post, compression, name, in_place):
-    return _Group([_moves.start_allreduce(ops, t, op, pre, post, compression,
-                                          _part_name(name, i), out=t if in_place else None)
-                   for i, t in enumerate(tensors)])
+    parts = Parts()
+    for i, t in enumerate(tensors):
+        _moves.start_allreduce(ops, t, op, pre, post, compression, _part_name(name, i),
+                               out=t if in_place else None, submit=parts.submit)
+    return ops.submit_group("grouped allreduce", name, parts.parts)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -158,8 +161,10 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 
 
 def start_grouped_allgather(ops, tensors, name):
-    return _Group([_moves.start_allgather(ops, t, _part_name(name, i))
-                   for i, t in enumerate(tensors)])
+    parts = Parts()
+    for i, t in enumerate(tensors):
+        _moves.start_allgather(ops, t, _part_name(name, i), submit=parts.submit)
+    return ops.submit_group("grouped allgather", name, parts.parts)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
@@ -206,8 +211,11 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
 
 
 def start_grouped_reducescatter(ops, tensors, op, pre, post, compression, name):
-    return _Group([start_reducescatter(ops, t, op, pre, post, compression, _part_name(name, i))
-                   for i, t in enumerate(tensors)])
+    parts = Parts()
+    for i, t in enumerate(tensors):
+        _moves.start_reducescatter(ops, t, op, pre, post, compression, _part_name(name, i),
+                                   submit=parts.submit)
+    return ops.submit_group("grouped reducescatter", name, parts.parts)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None,
