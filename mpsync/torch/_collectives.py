@@ -318,13 +318,18 @@ def _start_group(ops: "UserOps", parts: list, records: np.ndarray):
         for i in step:
             parts[i].records = part_records[i]
         if len(members) > 1:
-            if int(part_records[step[0]][0, meta.Field.KIND]) == meta.ALLGATHER:
+            if _kind(part_records[step[0]]) == meta.ALLGATHER:
                 _start_fused_allgather(ops, members, 0)
             else:
                 _start_fused(ops, members, 0)
         else:
             members[0]._test, members[0]._finish = members[0].start(part_records[step[0]])
     return _GroupTest(parts), lambda: [p._finish() for p in parts]
+
+
+def _kind(records: np.ndarray) -> int:
+    """The kind of collective the active members' records describe."""
+    return int(records[records[:, meta.Field.KIND] != meta.JOINED][0, meta.Field.KIND])
 
 
 class _Group:
@@ -567,7 +572,7 @@ class UserOps:
                 op._checked(records, known)
             self.execs += 1
             fused = [op for op, _, _ in group]
-            if int(group[0][1][0, meta.Field.KIND]) == meta.ALLGATHER:
+            if _kind(group[0][1]) == meta.ALLGATHER:
                 _start_fused_allgather(self, fused, self.execs)
             else:
                 _start_fused(self, fused, self.execs)
