@@ -329,7 +329,7 @@ def _start_group(ops: "UserOps", parts: list, records: np.ndarray):
 
 def _kind(records: np.ndarray) -> int:
     """The kind of collective the active members' records describe."""
-    return int(records[records[:, meta.Field.KIND] != meta.JOINED][0, meta.Field.KIND])
+    return int(meta.reference(records)[meta.Field.KIND])
 
 
 class _Group:

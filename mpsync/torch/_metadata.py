@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER",
            "JOINED", "GROUP", "KIND_NAMES", "HEAD", "MAX_DIMS", "record", "joined_record",
-           "group_record", "group_parts", "part_kinds", "mismatch", "Field", "shape_of",
+           "group_record", "group_parts", "part_kinds", "reference", "mismatch", "Field", "shape_of",
            "float_bits", "name_hash"]
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOINED, GROUP = range(1, 9)
@@ -126,15 +126,20 @@ def group_parts(records: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+def reference(records: np.ndarray) -> np.ndarray | None:
+    """The record of the first member that has not joined (None: every member has)."""
+    active = records[records[:, Field.KIND] != JOINED]
+    return active[0] if len(active) else None
+
+
 def part_kinds(records: np.ndarray) -> list[int]:
     """The kinds of collective a checked entry runs: its own, or a group's parts'."""
-    rows = np.flatnonzero(records[:, Field.KIND] != JOINED)
-    if not rows.size:
+    ref = reference(records)
+    if ref is None:
         return []
-    first = int(rows[0])
-    if records[first, Field.KIND] != GROUP:
-        return [int(records[first, Field.KIND])]
-    return [int(part[first, Field.KIND]) for part in group_parts(records)]
+    if ref[Field.KIND] != GROUP:
+        return [int(ref[Field.KIND])]
+    return [int(reference(part)[Field.KIND]) for part in group_parts(records)]
 
 
 def shape_of(rec: np.ndarray) -> tuple | None:

@@ -464,8 +464,7 @@ def take_part_joined(ops: UserOps, records: np.ndarray):
     has joined).  Returns its ``test`` (None: nothing to do); the caller polls it, so a joined
     worker keeps answering everything else meanwhile (its optimizers' aggregations)."""
     F = meta.Field
-    active = records[records[:, F.KIND] != meta.JOINED]
-    ref = active[0]
+    ref = meta.reference(records)
     kind = int(ref[F.KIND])
     if kind == meta.GROUP:  # a grouped allreduce: zeros into each of its data steps
         from mpsync.torch import _negotiation as neg
@@ -491,13 +490,13 @@ def _zeros_reduced(ops: UserOps, parts: list[np.ndarray]):
     """A joined member's zeros into one allreduce data step of ``parts`` (each its members'
     records; several: a fused step); its ``test`` (None: not an allreduce)."""
     F = meta.Field
-    ref = parts[0][parts[0][:, F.KIND] != meta.JOINED][0]
+    ref = meta.reference(parts[0])
     if int(ref[F.KIND]) != meta.ALLREDUCE:
         return None
     from mpsync.torch._collectives import DTYPES
 
     dtype = DTYPES[int(ref[F.DTYPE])]
-    nbytes = sum(int(p[p[:, F.KIND] != meta.JOINED][0][F.NBYTES]) for p in parts)
+    nbytes = sum(int(meta.reference(p)[F.NBYTES]) for p in parts)
     zeros = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
     started = _reduce_started(ops, zeros, int(ref[F.OP]))
     return lambda: started() and zeros is not None  # the buffer lives until it is done
