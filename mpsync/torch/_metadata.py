@@ -21,8 +21,8 @@ import numpy as np
 
 __all__ = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER",
            "JOINED", "GROUP", "KIND_NAMES", "HEAD", "MAX_DIMS", "record", "joined_record",
-           "group_record", "group_parts", "part_kinds", "reference", "mismatch", "Field", "shape_of",
-           "float_bits", "name_hash"]
+           "group_record", "group_parts", "part_kinds", "reference", "mismatch", "Field",
+           "shape_of", "float_bits", "name_hash"]
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOINED, GROUP = range(1, 9)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
