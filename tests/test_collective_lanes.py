@@ -21,7 +21,7 @@ def test_the_scratch_pool_reuses_the_smallest_buffer_that_fits_and_keeps_a_bound
 
     from mpsync.torch.dataplane.scratch import ScratchPool
 
-    pool = ScratchPool(keep_bytes=1000)
+    pool = ScratchPool(keep_bytes=1000, fresh_below=0)
     a = pool.take(400, torch.float32)
     assert a.dtype == torch.float32 and a.numel() == 100
     b = pool.take(100)
@@ -39,3 +39,9 @@ def test_the_scratch_pool_reuses_the_smallest_buffer_that_fits_and_keeps_a_bound
     assert pool.kept_bytes() == 500
     odd = pool.take(7, torch.float32)  # whole elements only
     assert odd.numel() == 1
+    small = ScratchPool(fresh_below=1 << 10)  # below it: allocated fresh, never kept
+    kept = small.take(2048)
+    small.give(kept)
+    assert small.take(100, torch.float64).numel() == 12 and small.allocated == 1
+    small.give(small.take(512))
+    assert small.kept_bytes() == 2048

@@ -65,9 +65,7 @@ def test_a_changed_answer_replaces_the_entry_and_an_error_erases_it():
 
 @pytest.mark.parametrize("name, recs", [
     ("noname.3", _recs()),                                     # unnamed: never repeats
-    ("b", _recs(kind=meta.BROADCAST, root=0)),                 # Horovod caches no broadcast
     ("bar", _recs(kind=meta.BARRIER)),
-    ("rs", _recs(kind=meta.REDUCESCATTER)),
     ("j", np.stack([meta.joined_record(2, 0), _recs()[0]])),   # a worker joined
     ("bad", np.stack([_recs()[0], _recs(invalid=True)[1]])),   # a worker's invalid argument
 ])
@@ -75,6 +73,16 @@ def test_what_is_never_cached(name, recs):
     c = ResponseCache(4)
     c.answered(name, recs)
     assert len(c) == 0
+
+
+@pytest.mark.parametrize("kind", [meta.REDUCESCATTER, meta.BROADCAST])
+def test_reducescatters_and_broadcasts_are_cached_though_horovod_does_not(kind):
+    c = ResponseCache(4)
+    recs = _recs(kind=kind, root=0 if kind == meta.BROADCAST else -1)
+    c.answered("x", recs)
+    assert len(c) == 1 and c.lookup("x", 1, recs[1]) != MISS
+    other = _recs(kind=kind, root=1 if kind == meta.BROADCAST else -1, shape=(5,))
+    assert c.lookup("x", 1, other[1]) == MISS  # another root or shape: the full exchange
 
 
 def test_an_answer_while_a_worker_is_joined_leaves_the_entry():

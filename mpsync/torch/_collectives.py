@@ -41,7 +41,7 @@ from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "UserOps",
-           "wait_while_stepping", "AdasumRefused", "DTYPES", "Parts"]
+           "wait_while_stepping", "AdasumRefused", "DTYPES", "Parts", "Fusable", "scale_"]
 
 # Horovod's values, so ``op=horovod.torch.Average`` means the same here.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -104,12 +104,8 @@ class _Op:
     """A collective in flight: waiting for its name to be negotiated, then for its data step.
 
     ``start(records)`` starts the data step and returns ``(test, finish)``; ``finish()``
-    gives the result that ``synchronize(handle)`` returns.  ``fusion``, for a reduction that
-    may share a buffer with others: ``(source, pack, finish_from, reduce)`` --
-    ``source()`` is this worker's tensor to pack (read, never written), ``pack(view, x)``
-    copies it into its place in the buffer, prescaled, ``finish_from(x)`` the result from the
-    reduced ``x``,
-    ``reduce(buf)`` starts reducing a buffer in place and returns its ``test``."""
+    gives the result that ``synchronize(handle)`` returns.  ``fusion`` (a :class:`Fusable`):
+    how it shares one data step with others."""
 
     def __init__(self, ops: "UserOps", what: str, name, start, local_error=None,
                  fusion=None):
@@ -183,31 +179,72 @@ class _Op:
         return self.result
 
 
+class Fusable:
+    """How a collective joins a fused data step (tensor fusion): ``source()`` is this
+    worker's tensor to pack (read, never written); ``reduce(buf)`` starts the step on the
+    packed buffer (an allgather: ``reduce(send, out, counts)``) and returns its ``test``;
+    ``deliver(x)`` the result from this collective's piece ``x`` of the finished buffer.  A
+    reduction's piece is scaled by ``prescale`` before the step and ``postscale`` after it
+    (Horovod's arithmetic, :func:`scale_`)."""
+
+    __slots__ = ("source", "reduce", "deliver", "prescale", "postscale")
+
+    def __init__(self, source, reduce, deliver, prescale: float = 1.0,
+                 postscale: float = 1.0):
+        self.source, self.reduce, self.deliver = source, reduce, deliver
+        self.prescale, self.postscale = prescale, postscale
+
+
+def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x * factor`` in ``x``'s dtype; integers go through float64 and truncate (Horovod)."""
+    if factor == 1.0:
+        return x
+    if x.is_floating_point():
+        return x.mul_(factor)
+    return x.copy_((x.to(torch.float64) * factor).trunc().to(x.dtype))
+
+
+def _scale_pieces(buf: torch.Tensor, pieces, factors: list) -> None:
+    """Each piece of ``buf`` scaled by its factor: one pass over the buffer when they agree
+    (the usual case: a group, or one optimizer's gradients, share them)."""
+    if all(f == factors[0] for f in factors):
+        scale_(buf, factors[0])
+        return
+    for piece, f in zip(pieces, factors):
+        scale_(piece, f)
+
+
 def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
-    """One data step for several allreduces: their tensors packed into one scratch buffer (one
-    copy of each, straight from the caller's tensor, prescaled on the way), reduced in place,
-    and each result copied out of it when its op completes; the buffer goes back to the pool
-    after the last one (:mod:`~mpsync.torch.dataplane.scratch`: a fresh buffer of this size
-    would cost its page faults at every step)."""
+    """One data step for several allreduces: their tensors packed into one scratch buffer
+    (one ``torch.cat``, straight from the callers' tensors), scaled, reduced in place; the
+    first of them to complete scales the whole buffer and each copies its result out of it;
+    the buffer goes back to the pool after the last one
+    (:mod:`~mpsync.torch.dataplane.scratch`: a fresh buffer of this size would cost its page
+    faults at every step).  Per tensor, only what cannot be shared is done one by one: a
+    group of 4 took 111 us here before (a view, a copy and a scale each), 4 ranks on 2 cores
+    pay it twice."""
     from mpsync.torch.dataplane.scratch import pool
 
-    xs = [op.fusion[0]() for op in group]
-    total = sum(x.numel() for x in xs)
-    buf = pool().take(total * xs[0].element_size(), xs[0].dtype)[:total]
-    views, at = [], 0
-    for op, x in zip(group, xs):
-        view = buf[at:at + x.numel()].view(x.shape)
-        at += x.numel()
-        op.fusion[1](view, x)
-        views.append(view)
-    test = group[0].fusion[3](buf)
-    left = [len(group)]
+    specs = [op.fusion for op in group]
+    xs = [spec.source() for spec in specs]
+    sizes = [x.numel() for x in xs]
+    total = sum(sizes)
+    buf = pool().take(total * xs[0].element_size(), xs[0].dtype)
+    torch.cat([x.reshape(-1) for x in xs], out=buf)
+    pieces = buf.split(sizes)
+    _scale_pieces(buf, pieces, [spec.prescale for spec in specs])
+    test = specs[0].reduce(buf)
+    left, scaled = [len(group)], [False]
+    where = buf.untyped_storage().data_ptr()
 
-    def finish(op, view):
+    def finish(i):
         try:
-            result = op.fusion[2](view)  # scales the view in place, then delivers it
+            if not scaled[0]:
+                _scale_pieces(buf, pieces, [spec.postscale for spec in specs])
+                scaled[0] = True
+            result = specs[i].deliver(pieces[i].view(xs[i].shape))
             if isinstance(result, torch.Tensor) and \
-                    result.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                    result.untyped_storage().data_ptr() == where:
                 result = result.clone()  # the buffer goes back to the pool: the caller's own
             return result
         finally:
@@ -215,8 +252,8 @@ def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
             if left[0] == 0:
                 pool().give(buf)
 
-    for op, view in zip(group, views):
-        op._test, op._finish = test, (lambda op=op, view=view: finish(op, view))
+    for i, op in enumerate(group):
+        op._test, op._finish = test, (lambda i=i: finish(i))
         op.seq = seq
 
 
@@ -226,31 +263,27 @@ def _start_fused_allgather(ops: "UserOps", group: list, seq: int) -> None:
     its tensors' bytes one after another, one allgather of the packed bytes moves them, and
     each result is cut out of it -- every worker's piece of it, in worker order -- when its
     op completes (the first to complete cuts them all)."""
-    xs = [op.fusion[0]() for op in group]
+    xs = [op.fusion.source() for op in group]
     sizes = [x.numel() * x.element_size() for x in xs]
     width = sum(sizes)
-    send = torch.empty(width, dtype=torch.uint8)
-    at = 0
-    for x, n in zip(xs, sizes):
-        send[at:at + n].copy_(x.reshape(-1).view(torch.uint8))
-        at += n
-    out = torch.empty(ops.size * width, dtype=torch.uint8)
-    test = group[0].fusion[3](send.numpy(), out.numpy(),
-                              np.full(ops.size, width, dtype=np.int64))
+    # (one cat of byte views, and numpy slices for the cutting: per tensor, each torch call
+    # costs microseconds, a numpy slice a fraction of one)
+    send = torch.cat([x.reshape(-1).view(torch.uint8) for x in xs])
+    out = np.empty(ops.size * width, dtype=np.uint8)
+    test = group[0].fusion.reduce(send.numpy(), out, np.full(ops.size, width, dtype=np.int64))
     results: list = []
 
     def cut():
-        grid, at = out.view(ops.size, width), 0
+        grid, at = out.reshape(ops.size, width), 0
         for x, n in zip(xs, sizes):
-            y = torch.empty((ops.size * x.shape[0], *x.shape[1:]), dtype=x.dtype)
-            y.reshape(-1).view(torch.uint8).view(ops.size, n).copy_(grid[:, at:at + n])
+            piece = torch.from_numpy(np.ascontiguousarray(grid[:, at:at + n]))
+            results.append(piece.view(x.dtype).view(ops.size * x.shape[0], *x.shape[1:]))
             at += n
-            results.append(y)
 
     def finish(i, op):
         if not results:
             cut()
-        return op.fusion[2](results[i])
+        return op.fusion.deliver(results[i])
 
     for i, op in enumerate(group):
         op._test, op._finish = test, (lambda i=i, op=op: finish(i, op))
@@ -289,31 +322,38 @@ class _Part:
 
 
 class _GroupTest:
-    """The test of a grouped call's data steps: True once every part's is; ``event`` is the
-    lane event of the first part still in flight (the waiter blocks on it while that part's
-    bytes move on a lane, as it would for the part alone)."""
+    """The test of a grouped call's data steps (one test per step: fused parts share one):
+    True once every step's is.  Only the first step still in flight is tested: one ``Test``
+    makes Open MPI progress every request of the rank, so testing each step at every poll
+    only multiplied the calls (and, with ``mpi_yield_when_idle``, the yields inside them;
+    4 ranks, a group of 4 fused into one step: 1.73 ms a call against 0.79 for one
+    allreduce of the same bytes).  Every worker completes the steps in the order they
+    started.  ``event`` is the lane event of that first step (the waiter blocks on it while
+    its bytes move on a lane, as it would for the step alone)."""
 
     __slots__ = ("pending",)
 
-    def __init__(self, parts: list):
-        self.pending = list(parts)
+    def __init__(self, tests: list):
+        self.pending = tests
 
     def __call__(self) -> bool:
-        # (fused parts share one test: a completed request tests True again)
-        self.pending = [p for p in self.pending if not p._test()]
-        return not self.pending
+        pending = self.pending
+        while pending and pending[0]():
+            del pending[0]
+        return not pending
 
     @property
     def event(self):
-        return getattr(self.pending[0]._test, "event", None) if self.pending else None
+        return getattr(self.pending[0], "event", None) if self.pending else None
 
 
 def _start_group(ops: "UserOps", parts: list, records: np.ndarray):
     """A grouped call's data steps, in order: its parts fused as member 0's threshold says
     (:func:`~mpsync.torch._negotiation.group_steps`), each other part alone; ``(test,
     finish)``, ``finish()`` giving the parts' results in order."""
-    part_records = meta.group_parts(records)
-    for step in neg.group_steps(part_records, ops.answered_fusion_bytes):
+    part_records, steps = _group_plan(records, ops.answered_fusion_bytes)
+    tests = []
+    for step in steps:
         members = [parts[i] for i in step]
         for i in step:
             parts[i].records = part_records[i]
@@ -324,7 +364,27 @@ def _start_group(ops: "UserOps", parts: list, records: np.ndarray):
                 _start_fused(ops, members, 0)
         else:
             members[0]._test, members[0]._finish = members[0].start(part_records[step[0]])
-    return _GroupTest(parts), lambda: [p._finish() for p in parts]
+        tests.append(members[0]._test)
+    return _GroupTest(tests), lambda: [p._finish() for p in parts]
+
+
+def _group_plan(records: np.ndarray, threshold: int) -> tuple[list, list]:
+    """A grouped call's parts' records (:func:`~mpsync.torch._metadata.group_parts`) and its
+    data steps (:func:`~mpsync.torch._negotiation.group_steps`), kept by the records' bytes:
+    a loop submits the same group at every step, and cutting it (a fusion key per part, each
+    a few numpy calls) cost more than looking its bytes up.  The parts are views of a copy
+    kept with them, never of the caller's array."""
+    key = (threshold, records.shape, records.tobytes())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        parts = meta.group_parts(records.copy())
+        plan = _PLANS[key] = (parts, neg.group_steps(parts, threshold))
+    return plan
+
+
+_PLANS: dict = {}
 
 
 def _kind(records: np.ndarray) -> int:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from mpsync.torch import _metadata as meta
-from mpsync.torch._collectives import (Average, Max, Min, Product, Sum, UserOps, dtype_code,
-                                       wait_while_stepping)
+from mpsync.torch._collectives import (Average, Fusable, Max, Min, Product, Sum, UserOps,
+                                       dtype_code, scale_, wait_while_stepping)
 from mpsync.torch.dataplane.compression import as_compressor
 from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
@@ -77,15 +77,6 @@ def _mpi_op(op: int):
     from mpi4py import MPI
 
     return getattr(MPI, _MPI_OPS[op])
-
-
-def _scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """``x * factor`` in ``x``'s dtype; integers go through float64 and truncate (Horovod)."""
-    if factor == 1.0:
-        return x
-    if x.is_floating_point():
-        return x.mul_(factor)
-    return x.copy_((x.to(torch.float64) * factor).trunc().to(x.dtype))
 
 
 def _deliver(y: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -151,29 +142,22 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
     post = postscale / ops.size if op == Average else postscale
 
     def prepare():
-        return _scale_(_own_buffer(wire, tensor), prescale)
+        return scale_(_own_buffer(wire, tensor), prescale)
 
-    def source():  # what a fused step packs (the packing is the copy)
-        return _readable(wire)
-
-    def pack(view, x):  # x into its place in a fused step's buffer, prescaled on the way
-        if prescale == 1.0:
-            view.copy_(x)
-        elif view.is_floating_point():
-            torch.mul(x, prescale, out=view)
-        else:  # integers: Horovod's truncating scale, on the packed copy
-            _scale_(view.copy_(x), prescale)
-
-    def finish_from(x):
-        y = compression.decompress(_scale_(x, post), ctx)
+    def deliver(x):  # the result from the reduced, postscaled x
+        y = compression.decompress(x, ctx)
         return finish(y) if finish is not None else _deliver(y, tensor, out)
 
     def start(_records):
         x = prepare()
-        return _reduce_started(ops, x, op), lambda: finish_from(x)
+        return _reduce_started(ops, x, op), lambda: deliver(scale_(x, post))
 
-    fusion = (source, pack, finish_from, lambda buf: _reduce_started(ops, buf, op)) \
-        if kind == meta.ALLREDUCE else None
+    # A fused step packs the wire tensor itself (the packing is the copy, whatever its
+    # strides); a device tensor is staged on the host first.
+    fusion = Fusable(lambda: wire if wire.is_cpu else _host(wire),
+                     lambda buf: _reduce_started(ops, buf, op),
+                     deliver, prescale, post) \
+        if kind in (meta.ALLREDUCE, meta.REDUCESCATTER) else None
     return (submit or ops.submit)(meta.KIND_NAMES[kind], name, rec, start, error,
                                   fusion=fusion)
 
@@ -213,7 +197,7 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
     def start(_records):
         from mpi4py import MPI
 
-        x = _readable(wire) if prescale == 1.0 else _scale_(_host(wire), prescale)
+        x = _readable(wire) if prescale == 1.0 else scale_(_host(wire), prescale)
         if engine().use_lane(x.numel() * x.element_size()):
             return _reduce_scatter_by_alltoall(ops, x, counts, finish)
         out = torch.empty((count, *wire.shape[1:]), dtype=wire.dtype)
@@ -226,10 +210,17 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
         return test, lambda: finish(out)
 
     def finish(out):
-        y = compression.decompress(_scale_(out.view(count, *wire.shape[1:]), post), ctx)
+        y = compression.decompress(scale_(out.view(count, *wire.shape[1:]), post), ctx)
         return y.to(tensor.device, tensor.dtype)
 
-    return (submit or ops.submit)("reducescatter", name, rec, start)
+    def deliver(x):  # fused: x is the whole reduction (postscaled), these rows are kept
+        y = compression.decompress(x[first:first + count], ctx)
+        return y.to(tensor.device, tensor.dtype)
+
+    # Small ones fuse into one allreduce (_negotiation.REDUCESCATTER_FUSION_BYTES).
+    fusion = Fusable(lambda: wire if wire.is_cpu else _host(wire),
+                     lambda buf: _reduce_started(ops, buf, op), deliver, prescale, post)
+    return (submit or ops.submit)("reducescatter", name, rec, start, fusion=fusion)
 
 
 def _reduce_scatter_by_alltoall(ops: UserOps, x: torch.Tensor, counts: np.ndarray, finish):
@@ -370,8 +361,9 @@ def start_allgather(ops: UserOps, tensor: torch.Tensor, name, submit=None):
         return test, lambda: out.to(tensor.device)
 
     # Fused with others (one shape on every worker): the packed bytes in one allgather.
-    fusion = (lambda: _readable(tensor), None, lambda out: out.to(tensor.device),
-              lambda send, out, counts: _allgatherv(ops, send, out, counts))
+    fusion = Fusable(lambda: _readable(tensor),
+                     lambda send, out, counts: _allgatherv(ops, send, out, counts),
+                     lambda out: out.to(tensor.device))
     return (submit or ops.submit)("allgather", name, rec, start, error, fusion=fusion)
 
 

@@ -32,7 +32,8 @@ from mpsync.config import HOROVOD_FUSION_BYTES
 from mpsync.torch import _metadata as meta
 
 __all__ = ["SUBMIT", "CANCEL", "JOIN", "HIT", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED",
-           "FUSION_BYTES", "ALLGATHER_FUSION_BYTES", "frame", "unframe", "name_words",
+           "FUSION_BYTES", "ALLGATHER_FUSION_BYTES", "REDUCESCATTER_FUSION_BYTES", "frame",
+           "unframe", "name_words",
            "word_name", "Negotiator", "fusion_groups", "group_steps", "stall_text",
            "unnamed_key", "local_name", "UNNAMED"]
 
@@ -47,6 +48,13 @@ EXEC, CANCELLED, ALL_JOINED, EXTENDED = 11, 12, 13, 14
 # (a grouped allgather of 4 tensors, medians of 3 runs of 500-1000 calls, fused against
 # not): 0.86-0.99x the time at 16 KB and 256 KB of output, 1.0x at 1 MB, 1.4-1.6x at 4 MB.
 ALLGATHER_FUSION_BYTES = 1 << 20
+
+# Reduce-scatters fuse, up to this many bytes of input, into one allreduce of the packed
+# tensors, each worker keeping its rows of each.  An allreduce moves twice a reduce-scatter's
+# bytes, but below this size a collective costs its latency, not its bytes: one allreduce of
+# a group instead of a reduce-scatter per tensor.  (Packing every member's rows of every part
+# together for one reduce-scatter was slower still: the packing is per member and per part.)
+REDUCESCATTER_FUSION_BYTES = 256 << 10
 
 EXTEND = "extend"  # :meth:`Negotiator.cancel`'s answer: wait one more deadline
 
@@ -249,8 +257,9 @@ def stall_text(stalled: dict[str, list[int]], warn_after: float, deadline: float
 
 def _fusion_key(recs: np.ndarray):
     """What a collective may share one data step with (None: it runs alone): allreduces of
-    one dtype and op; allgathers of any dtype (they move bytes) whose every worker sends the
-    same shape, so each worker's part of the fused buffer has one size."""
+    one dtype and op; reduce-scatters of one dtype and op (one allreduce of them all, each
+    worker keeping its rows); allgathers of any dtype (they move bytes) whose every worker
+    sends the same shape, so each worker's part of the fused buffer has one size."""
     F = meta.Field
     r = recs[0]
     head = recs[:, :meta.HEAD]
@@ -258,8 +267,8 @@ def _fusion_key(recs: np.ndarray):
         return None
     if r[F.INVALID]:
         return None
-    if r[F.KIND] == meta.ALLREDUCE:
-        return meta.ALLREDUCE, int(r[F.DTYPE]), int(r[F.OP])
+    if r[F.KIND] in (meta.ALLREDUCE, meta.REDUCESCATTER):
+        return int(r[F.KIND]), int(r[F.DTYPE]), int(r[F.OP])
     if r[F.KIND] == meta.ALLGATHER:
         return (meta.ALLGATHER,)
     return None
@@ -304,11 +313,16 @@ class _Codes(dict):
 _CODES = _Codes()
 
 
+_KIND_LIMITS = {meta.ALLGATHER: ALLGATHER_FUSION_BYTES,
+                meta.REDUCESCATTER: REDUCESCATTER_FUSION_BYTES}
+
+
 def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     """``ready`` (name, records) in order, cut into the groups that run as one data step:
-    consecutive allreduces with the same dtype and op, or consecutive allgathers of one
-    shape on every worker, with no mismatch, up to ``threshold`` bytes (Horovod fuses both
-    kinds; allgathers to ``ALLGATHER_FUSION_BYTES`` of output at most); everything else
+    consecutive allreduces (or reduce-scatters) with the same dtype and op, or consecutive
+    allgathers of one shape on every worker, with no mismatch, up to ``threshold`` bytes
+    (Horovod fuses all three kinds; allgathers to ``ALLGATHER_FUSION_BYTES`` of output and
+    reduce-scatters to ``REDUCESCATTER_FUSION_BYTES`` of input at most); everything else
     alone.  ``threshold`` 0 turns fusion off."""
     if len(ready) < 2:
         return [list(ready)] if ready else []  # nothing to fuse with (the usual case)
@@ -318,7 +332,7 @@ def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     for item in ready:
         k = _fusion_key(item[1]) if threshold > 0 else None
         nbytes = _fused_bytes(item[1])  # item: (name, records, numbers)
-        limit = min(threshold, ALLGATHER_FUSION_BYTES) if k == (meta.ALLGATHER,) else threshold
+        limit = threshold if k is None else min(threshold, _KIND_LIMITS.get(k[0], threshold))
         if k is not None and k == key and total + nbytes <= limit:
             groups[-1].append(item)
             total += nbytes

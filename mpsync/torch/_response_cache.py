@@ -31,11 +31,16 @@ within one cycle).  A worker's ``HIT`` may cross member 0's answer that retired 
 that answer (each request carries the number of answers its sender has applied), so a late
 ``HIT`` still resolves to the record its sender compared.
 
-What is cached follows Horovod 0.28.1 (controller.cc puts only allreduce, allgather, alltoall
-and adasum responses that name every rank): named allreduces, allgathers and alltoalls whose
-records agree.  Not broadcasts, barriers, reducescatters, nor unnamed collectives (their
-names, ``noname.<n>``, never repeat); an answer while a worker is joined leaves the cache as
-it is.  The least recently used entry is evicted beyond ``capacity``; capacity 0: no cache.
+What is cached: named allreduces, allgathers, alltoalls, reduce-scatters and broadcasts whose
+records agree (grouped calls when all their parts are of those kinds).  Not barriers, nor
+unnamed collectives (their names, ``noname.<n>``, never repeat); an answer while a worker is
+joined leaves the cache as it is.  Horovod 0.28.1 caches fewer (controller.cc puts only
+allreduce, allgather, alltoall and adasum responses), so its reduce-scatters and broadcasts
+pay the full exchange at every call; nothing in a record makes them unsafe to cache (a
+worker's own row is compared, so another root or shape is a miss), and a grouped
+reduce-scatter of 4 tensors on 4 ranks took 2.5 ms uncached against 0.9 for the grouped
+allreduce of the same tensors, cached.  The least recently used entry is evicted beyond
+``capacity``; capacity 0: no cache.
 The process set is the cache's own (one per set); the device is not part of a record here
 (tensors are staged through host memory), so it is not part of the key.
 
@@ -54,7 +59,8 @@ from mpsync.torch._negotiation import _CODES, unnamed_key
 __all__ = ["ResponseCache", "MISS", "CACHED_KINDS"]
 
 MISS = -1
-CACHED_KINDS = (meta.ALLREDUCE, meta.ALLGATHER, meta.ALLTOALL)
+CACHED_KINDS = (meta.ALLREDUCE, meta.ALLGATHER, meta.ALLTOALL, meta.REDUCESCATTER,
+                meta.BROADCAST)
 
 
 class ResponseCache:

@@ -22,6 +22,7 @@ import pickle
 import torch
 
 from mpsync.torch import _moves, _runtime
+from mpsync.torch._grouped import part_name, submit_plain_group
 from mpsync.torch._collectives import (  # noqa: F401  (Average ... Product are public here)
     Adasum, Average, Max, Min, Product, Sum, UserOps, Parts, _Done, _Group, name_of,
     reduce_op)
@@ -81,14 +82,16 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                   name_of(name), out=tensor).wait()
 
 
-def _part_name(name, i: int):
-    return None if name is None else f"{name}.{i}"
-
-
 def start_grouped_allreduce(ops, tensors, op, pre, post, compression, name, in_place):
+    """A grouped allreduce: plain host tensors as one collective (:mod:`~mpsync.torch.
+    _grouped`), anything else part by part."""
+    tensors = list(tensors)
+    group = submit_plain_group(ops, tensors, op, pre, post, compression, name, in_place)
+    if group is not None:
+        return group
     parts = Parts()
     for i, t in enumerate(tensors):
-        _moves.start_allreduce(ops, t, op, pre, post, compression, _part_name(name, i),
+        _moves.start_allreduce(ops, t, op, pre, post, compression, part_name(name, i),
                                out=t if in_place else None, submit=parts.submit)
     return ops.submit_group("grouped allreduce", name, parts.parts)
 
@@ -163,7 +166,7 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 def start_grouped_allgather(ops, tensors, name):
     parts = Parts()
     for i, t in enumerate(tensors):
-        _moves.start_allgather(ops, t, _part_name(name, i), submit=parts.submit)
+        _moves.start_allgather(ops, t, part_name(name, i), submit=parts.submit)
     return ops.submit_group("grouped allgather", name, parts.parts)
 
 
@@ -213,7 +216,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
 def start_grouped_reducescatter(ops, tensors, op, pre, post, compression, name):
     parts = Parts()
     for i, t in enumerate(tensors):
-        _moves.start_reducescatter(ops, t, op, pre, post, compression, _part_name(name, i),
+        _moves.start_reducescatter(ops, t, op, pre, post, compression, part_name(name, i),
                                    submit=parts.submit)
     return ops.submit_group("grouped reducescatter", name, parts.parts)
 
