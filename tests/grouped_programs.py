@@ -104,6 +104,14 @@ def reducescatters_fused(r, n):
         assert got[3].dtype == torch.float16 and torch.equal(got[3].double(), want), got[3]
         want = mine(lambda k: torch.full((n * 70_000,), float(k)), n * 70_000) * scale
         assert torch.equal(got[4].double(), want), op
+    small = [t * (i + 1) for i, t in enumerate(parts[:3])]  # one dtype: one fused step
+    for op in (mps.Sum, mps.Average):
+        got = mps.grouped_reducescatter(small, name=f"rss.{op}", op=op, postscale_factor=3.0)
+        scale = 3.0 / (n if op == mps.Average else 1)
+        for i in range(3):
+            want = mine(lambda k: (torch.arange(10.).reshape(5, 2) + k + 3 * i) * (i + 1),
+                        5) * scale
+            assert got[i].dtype == torch.float32 and torch.equal(got[i].double(), want), i
     handles = [mpi_ops.reducescatter_async(torch.ones(n * 2, 3) * (r + i), name=f"rsn.{i}",
                                            op=mps.Sum) for i in range(3)]
     for i, h in enumerate(handles):
@@ -111,12 +119,41 @@ def reducescatters_fused(r, n):
         assert torch.equal(mps.synchronize(h), want), i
 
 
+def allgathers(r, n):
+    """Grouped allgathers: one shape on every worker (one fused step, dtypes mixed), first
+    dimensions differing by worker (each part alone), and the two in one group."""
+    same = [torch.full((2, 3), float(r)), torch.tensor([[r, r + 1]], dtype=torch.int64),
+            torch.full((1, 2, 2), r % 2 == 0), torch.full((3,), r, dtype=torch.bfloat16)]
+    ragged = [torch.full((r + 1, 2), float(r)), torch.arange(r + 2, dtype=torch.int32)]
+    for c, group in enumerate((same, ragged, same + ragged)):
+        got = mps.grouped_allgather(group, name=f"ag.{c}")
+        for g, x in zip(got, group):
+            want = torch.cat([_like(x, k) for k in range(n)])
+            assert g.dtype == x.dtype and torch.equal(g, want), (c, g, want)
+
+
+def _like(x, k):
+    """Worker ``k``'s version of this worker's allgather input ``x`` (see allgathers)."""
+    if x.dtype == torch.int32:
+        return torch.arange(k + 2, dtype=torch.int32)
+    if x.dtype == torch.int64:
+        return torch.tensor([[k, k + 1]], dtype=torch.int64)
+    if x.dtype == torch.bool:
+        return torch.full((1, 2, 2), k % 2 == 0)
+    if x.dtype == torch.bfloat16:
+        return torch.full((3,), k, dtype=torch.bfloat16)
+    if x.shape[1:] == (2,):
+        return torch.full((k + 1, 2), float(k))
+    return torch.full((2, 3), float(k))
+
+
 def main():
     mps.init(policy="bsp", topology="ring", backend="mpi", server="colocated", deadline=30)
     r, n = mps.rank(), mps.size()
     if r == 1:  # the general path, part by part
-        mpi_ops.submit_plain_group = lambda *args, **kwargs: None
-    for part in (plain_and_general_agree, reducescatters_fused):
+        for plain in ("group", "allgather", "reducescatter"):
+            setattr(mpi_ops, f"submit_plain_{plain}", lambda *args, **kwargs: None)
+    for part in (plain_and_general_agree, reducescatters_fused, allgathers):
         part(r, n)
         print(f"PART-OK {part.__name__} rank={r}", flush=True)
     mps.shutdown()

@@ -41,7 +41,8 @@ from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "reduce_op", "UserOps",
-           "wait_while_stepping", "AdasumRefused", "DTYPES", "Parts", "Fusable", "scale_"]
+           "wait_while_stepping", "AdasumRefused", "DTYPES", "Parts", "Fusable", "scale_",
+           "packed_allgather"]
 
 # Horovod's values, so ``op=horovod.torch.Average`` means the same here.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -259,35 +260,43 @@ def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
 
 def _start_fused_allgather(ops: "UserOps", group: list, seq: int) -> None:
     """One data step for several allgathers whose every worker sends one shape (member 0
-    fuses only those, :func:`~mpsync.torch._negotiation.fusion_groups`): each worker packs
-    its tensors' bytes one after another, one allgather of the packed bytes moves them, and
-    each result is cut out of it -- every worker's piece of it, in worker order -- when its
-    op completes (the first to complete cuts them all)."""
-    xs = [op.fusion.source() for op in group]
+    fuses only those, :func:`~mpsync.torch._negotiation.fusion_groups`): see
+    :func:`packed_allgather`; each op delivers its piece when it completes."""
+    test, results = packed_allgather(ops, [op.fusion.source() for op in group],
+                                     group[0].fusion.reduce)
+
+    def finish(i, op):
+        return op.fusion.deliver(results()[i])
+
+    for i, op in enumerate(group):
+        op._test, op._finish = test, (lambda i=i, op=op: finish(i, op))
+        op.seq = seq
+
+
+def packed_allgather(ops: "UserOps", xs: list, gather):
+    """Allgather host tensors ``xs`` (every worker sends the same shapes) as one: each worker
+    packs their bytes one after another, ``gather(send, out, counts)`` starts one allgather
+    of the packed bytes, and each result is cut out of it -- every worker's piece, in worker
+    order.  Returns ``(test, results)``; ``results()`` cuts them, once."""
     sizes = [x.numel() * x.element_size() for x in xs]
     width = sum(sizes)
     # (one cat of byte views, and numpy slices for the cutting: per tensor, each torch call
     # costs microseconds, a numpy slice a fraction of one)
     send = torch.cat([x.reshape(-1).view(torch.uint8) for x in xs])
     out = np.empty(ops.size * width, dtype=np.uint8)
-    test = group[0].fusion.reduce(send.numpy(), out, np.full(ops.size, width, dtype=np.int64))
-    results: list = []
+    test = gather(send.numpy(), out, np.full(ops.size, width, dtype=np.int64))
+    cut: list = []
 
-    def cut():
-        grid, at = out.reshape(ops.size, width), 0
-        for x, n in zip(xs, sizes):
-            piece = torch.from_numpy(np.ascontiguousarray(grid[:, at:at + n]))
-            results.append(piece.view(x.dtype).view(ops.size * x.shape[0], *x.shape[1:]))
-            at += n
+    def results() -> list:
+        if not cut:
+            grid, at = out.reshape(ops.size, width), 0
+            for x, n in zip(xs, sizes):
+                piece = torch.from_numpy(np.ascontiguousarray(grid[:, at:at + n]))
+                cut.append(piece.view(x.dtype).view(ops.size * x.shape[0], *x.shape[1:]))
+                at += n
+        return cut
 
-    def finish(i, op):
-        if not results:
-            cut()
-        return op.fusion.deliver(results[i])
-
-    for i, op in enumerate(group):
-        op._test, op._finish = test, (lambda i=i, op=op: finish(i, op))
-        op.seq = seq
+    return test, results
 
 
 class Parts:

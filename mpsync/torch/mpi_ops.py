@@ -22,7 +22,8 @@ import pickle
 import torch
 
 from mpsync.torch import _moves, _runtime
-from mpsync.torch._grouped import part_name, submit_plain_group
+from mpsync.torch._grouped import (part_name, submit_plain_allgather, submit_plain_group,
+                                   submit_plain_reducescatter)
 from mpsync.torch._collectives import (  # noqa: F401  (Average ... Product are public here)
     Adasum, Average, Max, Min, Product, Sum, UserOps, Parts, _Done, _Group, name_of,
     reduce_op)
@@ -164,10 +165,19 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 
 
 def start_grouped_allgather(ops, tensors, name):
-    parts = Parts()
-    for i, t in enumerate(tensors):
-        _moves.start_allgather(ops, t, part_name(name, i), submit=parts.submit)
-    return ops.submit_group("grouped allgather", name, parts.parts)
+    """A grouped allgather: plain host tensors as one collective (:mod:`~mpsync.torch.
+    _grouped`), anything else part by part."""
+    tensors = list(tensors)
+
+    def general():
+        parts = Parts()
+        for i, t in enumerate(tensors):
+            _moves.start_allgather(ops, t, part_name(name, i), submit=parts.submit)
+        return parts.parts
+
+    group = submit_plain_allgather(ops, tensors, name, general)
+    return group if group is not None else ops.submit_group("grouped allgather", name,
+                                                            general())
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
@@ -214,11 +224,21 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
 
 
 def start_grouped_reducescatter(ops, tensors, op, pre, post, compression, name):
-    parts = Parts()
-    for i, t in enumerate(tensors):
-        _moves.start_reducescatter(ops, t, op, pre, post, compression, part_name(name, i),
-                                   submit=parts.submit)
-    return ops.submit_group("grouped reducescatter", name, parts.parts)
+    """A grouped reduce-scatter: plain host tensors as one collective (:mod:`~mpsync.torch.
+    _grouped`), anything else part by part."""
+    tensors = list(tensors)
+
+    def general():
+        parts = Parts()
+        for i, t in enumerate(tensors):
+            _moves.start_reducescatter(ops, t, op, pre, post, compression,
+                                       part_name(name, i), submit=parts.submit)
+        return parts.parts
+
+    group = submit_plain_reducescatter(ops, tensors, op, pre, post, compression, name,
+                                       general)
+    return group if group is not None else ops.submit_group("grouped reducescatter", name,
+                                                            general())
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None,
