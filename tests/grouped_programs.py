@@ -130,6 +130,15 @@ def allgathers(r, n):
         for g, x in zip(got, group):
             want = torch.cat([_like(x, k) for k in range(n)])
             assert g.dtype == x.dtype and torch.equal(g, want), (c, g, want)
+    # Pieces at offsets that suit no wider dtype, an empty one, named ones fused together.
+    odd = [torch.full((3,), r % 2 == 1), torch.zeros((0, 2), dtype=torch.int64),
+           torch.full((1, 2), r, dtype=torch.int64), torch.full((1,), r, dtype=torch.int16)]
+    handles = [mpi_ops.allgather_async(x, name=f"odd.{i}") for i, x in enumerate(odd)]
+    for c, got in enumerate((mps.grouped_allgather(odd, name="odd"),
+                             [mps.synchronize(h) for h in handles])):
+        assert [g.tolist() for g in got] == [
+            [k % 2 == 1 for k in range(n) for _ in range(3)], [],
+            [[k, k] for k in range(n)], list(range(n))], (c, got)
 
 
 def _like(x, k):

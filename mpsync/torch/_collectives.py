@@ -291,7 +291,8 @@ def packed_allgather(ops: "UserOps", xs: list, gather):
         if not cut:
             grid, at = out.reshape(ops.size, width), 0
             for x, n in zip(xs, sizes):
-                piece = torch.from_numpy(np.ascontiguousarray(grid[:, at:at + n]))
+                # (a copy, flat: aligned for any dtype, an empty piece and one worker too)
+                piece = torch.from_numpy(grid[:, at:at + n].copy().reshape(-1))
                 cut.append(piece.view(x.dtype).view(ops.size * x.shape[0], *x.shape[1:]))
                 at += n
         return cut
