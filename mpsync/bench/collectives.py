@@ -27,6 +27,11 @@ median over the rounds of those medians:
 * ``mpi_ms``: plain mpi4py's ``Allreduce`` (also the floor for the fp16 and grouped
   allreduce), ``Allgather``, ``Bcast``, ``Alltoall``, ``Reduce_scatter_block``, from the
   mpsync jobs (``mpi_ms_hvd_job``: the same from the Horovod jobs).
+
+``--loop N`` adds ``mpsync_loop_ms`` and ``horovod_loop_ms``: after a barrier, ``N`` calls
+back to back, as a training loop makes them, the slowest rank's time divided by ``N``.  A call
+timed alone measures its latency from a common start; back to back, what each call costs
+every rank in CPU shows too (on ranks that share cores it is most of the time).
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 3)")
     p.add_argument("--calls-per-job", type=int, default=5,
                    help="timed calls per call and size in each job (default 5)")
+    p.add_argument("--loop", type=int, default=0,
+                   help="also time this many calls back to back per call and size (default "
+                        "0: not)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write collectives_npN.json into this dir")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
@@ -70,7 +78,7 @@ def _job(args, library: str, sizes: list[int], calls: list[str]) -> dict:
 
     argv = mpirun_argv(args.np, python_argv("mpsync.bench.collectives", "--child", library,
                                             ",".join(map(str, sizes)), ",".join(calls),
-                                            str(args.calls_per_job)),
+                                            str(args.calls_per_job), str(args.loop)),
                        forward_env=("OMP_NUM_THREADS", "PYTHONPATH"))
     res = run_with_deadline(argv, args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if res.returncode != 0:
@@ -93,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 3:
         raise SystemExit(f"--repeats must be >= 3 (a median of fewer says little), got "
                          f"{args.repeats}")
+    if args.loop < 0:
+        raise SystemExit(f"--loop must be >= 0, got {args.loop}")
     if args.calls_per_job < 1:
         raise SystemExit(f"--calls-per-job must be >= 1, got {args.calls_per_job}")
     sizes = byte_sizes(args.sizes, DEFAULT_SIZES)
@@ -119,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
                    "horovod_ms": median("horovod", key, "lib_ms"),
                    "mpi_ms": median("mpsync", key, "mpi_ms"),
                    "mpi_ms_hvd_job": median("horovod", key, "mpi_ms")}
+            if args.loop:
+                row["mpsync_loop_ms"] = median("mpsync", key, "loop_ms")
+                row["horovod_loop_ms"] = median("horovod", key, "loop_ms")
+                row["loop_mpsync_vs_horovod"] = row["mpsync_loop_ms"] / row["horovod_loop_ms"]
             row["mpsync_vs_horovod"] = row["mpsync_ms"] / row["horovod_ms"]
             row["mpsync_vs_mpi"] = row["mpsync_ms"] / row["mpi_ms"]
             rows.append(row)
@@ -130,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     cols = ("call", "bytes", "mpsync_ms", "horovod_ms", "mpi_ms", "mpsync_vs_horovod",
-            "mpsync_vs_mpi")
+            "mpsync_vs_mpi") + (("mpsync_loop_ms", "horovod_loop_ms",
+                                 "loop_mpsync_vs_horovod") if args.loop else ())
     print("  ".join(f"{c:>21}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]:>21.4g}" if isinstance(r[c], float) else f"{r[c]:>21}"
@@ -212,7 +227,21 @@ _FLOOR = {"allreduce_fp16": "allreduce", "grouped_allreduce": "allreduce",
           "grouped_allgather": "allgather", "grouped_reducescatter": "reducescatter"}
 
 
-def _child(library: str, sizes: list[int], calls: list[str], repeats: int) -> None:
+def _back_to_back(comm, fn, count: int) -> float:
+    """ms per call of ``count`` calls of ``fn`` back to back after a barrier, slowest rank."""
+    import time
+
+    from mpi4py import MPI
+
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    return 1e3 * comm.allreduce((time.perf_counter() - t0) / count, op=MPI.MAX)
+
+
+def _child(library: str, sizes: list[int], calls: list[str], repeats: int,
+           loop: int = 0) -> None:
     import torch
     from mpi4py import MPI
 
@@ -234,6 +263,8 @@ def _child(library: str, sizes: list[int], calls: list[str], repeats: int) -> No
             row = {"call": call, "bytes": nbytes}
             # budget 1e9: exactly ``repeats`` interleaved calls after one warm-up call each
             row.update(timed(world, methods[call], repeats, 1e9))
+            if loop:
+                row["loop_ms"] = _back_to_back(world, methods[call]["lib_ms"], loop)
             if rank == 0:
                 print("ROW " + json.dumps(row), flush=True)
         del methods
@@ -242,9 +273,9 @@ def _child(library: str, sizes: list[int], calls: list[str], repeats: int) -> No
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--child" and sys.argv[2] in ("mpsync", "horovod"):
+    if len(sys.argv) == 7 and sys.argv[1] == "--child" and sys.argv[2] in ("mpsync", "horovod"):
         _child(sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4].split(","),
-               int(sys.argv[5]))
+               int(sys.argv[5]), int(sys.argv[6]))
     else:
         raise SystemExit("usage: mpsync bench collectives --np N [--sizes ...] (the --child "
                          "form is for the ranks mpirun starts)")
