@@ -57,20 +57,18 @@ def submit_plain_group(ops: UserOps, tensors, op: int, pre: float, post: float,
         if t.dtype is not dtype or not t.is_cpu:
             return None
     shapes = tuple(t.shape for t in tensors)
-    key = (ops.size, op, pre, post, name, dtype, shapes)
-    rec = _RECORDS.get(key)
-    if rec is None:
-        if len(_RECORDS) >= 1024:
-            _RECORDS.clear()
-        code = dtype_code(dtype)
-        rec = _RECORDS[key] = meta.group_record([
-            meta.record(ops.size, meta.ALLREDUCE, dtype=code, shape=tuple(s), op=op,
-                        prescale=pre, postscale=post, name=part_name(name, i),
+
+    def make():
+        return meta.group_record([
+            meta.record(ops.size, meta.ALLREDUCE, dtype=dtype_code(dtype), shape=tuple(s),
+                        op=op, prescale=pre, postscale=post, name=part_name(name, i),
                         nbytes=t.numel() * t.element_size())
             for i, (t, s) in enumerate(zip(tensors, shapes))])
+
+    rec = _kept((meta.ALLREDUCE, ops.size, op, pre, post, name, dtype, shapes), make)
     group = _PlainGroup(ops, tensors, shapes, op, pre,
                         post / ops.size if op == Average else post, in_place)
-    return ops.submit("grouped allreduce", name, rec.copy(), group.start)
+    return ops.submit("grouped allreduce", name, rec, group.start)
 
 
 # Group records by the call's fields (a loop submits the same group at every step).
@@ -117,10 +115,8 @@ def submit_plain_allgather(ops: UserOps, tensors, name, general):
         _parts, steps = _group_plan(records, ops.answered_fusion_bytes)
         if len(steps) != 1 or len(steps[0]) != len(tensors):
             return _start_group(ops, general(), records)
-        test, results = packed_allgather(
-            ops, [t.detach() for t in tensors],
-            lambda send, out, counts: _allgatherv(ops, send, out, counts))
-        return test, results
+        return packed_allgather(ops, [t.detach() for t in tensors],
+                                lambda send, out, counts: _allgatherv(ops, send, out, counts))
 
     return ops.submit("grouped allgather", name, rec, start)
 
