@@ -131,7 +131,7 @@ def test_allgathers_of_one_shape_on_every_worker_fuse_by_their_output_bytes():
     reduce = item("a", np.stack([_rec(), _rec()]))
     assert [len(g) for g in neg.fusion_groups([same[0], reduce, same[1], same[2]])] == \
         [1, 1, 2]
-    # each output: 2 workers x rows x 12 bytes; three of 0.4 MB make two groups under 1 MB
+    # each output: 2 workers x rows x 12 bytes; three of 0.4 x the cap make two groups
     rows = int(0.4 * neg.ALLGATHER_FUSION_BYTES) // 24
     big = [item(f"b{i}", _gather_recs(rows=(rows, rows))) for i in range(3)]
     assert [len(g) for g in neg.fusion_groups(big)] == [2, 1]

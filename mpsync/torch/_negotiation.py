@@ -44,10 +44,12 @@ EXEC, CANCELLED, ALL_JOINED, EXTENDED = 11, 12, 13, 14
 
 # Allgathers fuse up to this many bytes of output, below the fusion threshold: packing and
 # cutting copy every byte once more, and a fused output that reaches the progress engine's
-# lane size runs as a blocking call on a thread.  Measured on 4 ranks sharing 2 cores
-# (a grouped allgather of 4 tensors, medians of 3 runs of 500-1000 calls, fused against
-# not): 0.86-0.99x the time at 16 KB and 256 KB of output, 1.0x at 1 MB, 1.4-1.6x at 4 MB.
-ALLGATHER_FUSION_BYTES = 1 << 20
+# lane size (4 MB) runs as a blocking call on a thread.  Measured with a grouped allgather of
+# 4 tensors, fused against not (ms per call, medians of runs of 300-400 calls back to back,
+# bench/collectives/README.md): 2 ranks, 2 MB of output 0.47-1.26 against 1.6-2.2, 4 MB
+# 1.3-2.0 against 0.77-0.99; 4 ranks sharing 2 cores, 2 MB 3.6-4.6 against 3.5-5.6, 4 MB
+# 4.2-4.7 against 2.5-2.8.  So fused outputs stay below the lane's size.
+ALLGATHER_FUSION_BYTES = 2 << 20
 
 # Reduce-scatters fuse, up to this many bytes of input, into one allreduce of the packed
 # tensors, each worker keeping its rows of each.  An allreduce moves twice a reduce-scatter's
