@@ -1,6 +1,8 @@
 """Multi-rank program for tests/test_collective_lanes.py: the script's collectives give the
 same results whether their data step runs blocking on the progress engine's lane or
-non-blocking on the communicator, with uneven splits and rows (np 3).
+non-blocking on the communicator, with uneven splits and rows (np 3), their results in
+memory leased from the scratch pool (``ScratchPool.result``, from 1 KB here instead of 32 MB:
+memory that held other data before).
 
 The lane is taken at ``thread_min_bytes`` and up; the program sets it to 1 byte (every data
 step on the lane) and to None (never), so both paths run at sizes a test can afford.  Every
@@ -18,6 +20,7 @@ from mpsync.torch import _moves, mpi_ops
 from mpsync.torch._collectives import Average, Sum, UserOps
 from mpsync.torch.dataplane.compression import Compression
 from mpsync.torch.dataplane.progress import engine
+from mpsync.torch.dataplane.scratch import pool
 
 
 def _input(r: int, shape, dtype=torch.float32) -> torch.Tensor:
@@ -129,16 +132,51 @@ def check_all(ops: UserOps, r: int, n: int, mode: str) -> None:
                                                   for d in (0, 1)]))
 
 
+def check_leases(ops: UserOps, r: int, n: int, mode: str) -> None:
+    """A result kept is never reused by the next call; once dropped (views too), its memory
+    serves the next result."""
+    shape, want = (300, 3), sum(np.arange(900.0).reshape(300, 3) + w for w in range(n))
+    calls = {
+        "allreduce": lambda i: _moves.start_allreduce(
+            ops, torch.arange(900.0).reshape(shape) + r + i, Sum, 1.0, 1.0, None,
+            f"lease.ar.{mode}").wait(),
+        "allgather": lambda i: _moves.start_allgather(
+            ops, torch.arange(900.0).reshape(shape) + r + i, f"lease.ag.{mode}").wait(),
+    }
+    wants = {"allreduce": lambda i: want + n * i,
+             "allgather": lambda i: np.concatenate([np.arange(900.0).reshape(shape) + w + i
+                                                    for w in range(n)])}
+    for what, call in calls.items():
+        kept = call(0)
+        view = kept[1:]
+        ptr = kept.untyped_storage().data_ptr()
+        later = call(1)  # `kept` is alive: other memory
+        assert later.untyped_storage().data_ptr() != ptr, what
+        _check(f"{what} kept", kept, wants[what](0))
+        _check(f"{what} later", later, wants[what](1))
+        del kept
+        again = call(2)  # the view keeps the memory: still other memory
+        assert again.untyped_storage().data_ptr() != ptr, what
+        _check(f"{what} view", view, wants[what](0)[1:])
+        ptrs = {ptr, later.untyped_storage().data_ptr(), again.untyped_storage().data_ptr()}
+        del view, again, later
+        reused = pool().reused
+        assert call(3).untyped_storage().data_ptr() in ptrs, what  # back in the pool, reused
+        assert pool().reused > reused, what
+
+
 def main() -> None:
     world = MPI.COMM_WORLD
     r, n = world.Get_rank(), world.Get_size()
     assert n == 3, "run on 3 ranks: the rows and splits are uneven over 3"
     ops = UserOps(world.Dup(), 60.0)
     eng = engine()
+    pool().lease_min = pool().fresh_below = 1 << 10
     for mode, threshold in (("lane", 1), ("no-lane", None)):
         eng.thread_min_bytes = threshold
         calls = eng.counts["lane_calls"]
         check_all(ops, r, n, mode)
+        check_leases(ops, r, n, mode)
         used = eng.counts["lane_calls"] - calls
         assert (used > 0) == (mode == "lane"), (mode, used)
         print(f"LANES-OK {mode} rank={r} lane_calls={used}", flush=True)

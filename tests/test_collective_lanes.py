@@ -45,3 +45,24 @@ def test_the_scratch_pool_reuses_the_smallest_buffer_that_fits_and_keeps_a_bound
     assert small.take(100, torch.float64).numel() == 12 and small.allocated == 1
     small.give(small.take(512))
     assert small.kept_bytes() == 2048
+
+
+def test_a_leased_result_goes_back_to_the_pool_only_when_nothing_refers_to_it():
+    import torch
+
+    from mpsync.torch.dataplane.scratch import ScratchPool
+
+    pool = ScratchPool(fresh_below=0, lease_min=1 << 10)
+    assert pool.result((10,), torch.float32).numel() == 10 and pool.allocated == 0  # fresh
+    y = pool.result((64, 8), torch.bfloat16)
+    assert y.shape == (64, 8) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    where = y.untyped_storage().data_ptr()
+    part = y[3:].view(torch.int16)  # a view of another dtype holds it too
+    del y
+    assert pool.kept_bytes() == 0
+    other = pool.result((1024,), torch.uint8)
+    assert other.untyped_storage().data_ptr() != where and pool.allocated == 2
+    del part
+    assert pool.kept_bytes() == 1024  # `other` is still alive: only the first is back
+    again = pool.result((256,), torch.float32)  # the first one's memory, reused
+    assert again.untyped_storage().data_ptr() == where and pool.reused == 1

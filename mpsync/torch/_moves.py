@@ -21,6 +21,7 @@ from mpsync.torch._collectives import (Average, Fusable, Max, Min, Product, Sum,
                                        dtype_code, scale_, wait_while_stepping)
 from mpsync.torch.dataplane.compression import as_compressor
 from mpsync.torch.dataplane.progress import engine
+from mpsync.torch.dataplane.scratch import pool
 from mpsync.torch.dataplane.exceptions import HorovodInternalError
 
 __all__ = ["start_allreduce", "start_allgather", "start_broadcast", "start_alltoall",
@@ -33,8 +34,9 @@ _REDUCIBLE = (torch.float64, torch.float32, torch.int64, torch.int32, torch.int1
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy (the staging buffer for a CUDA tensor; a fresh buffer for CPU)."""
-    out = torch.empty(tensor.shape, dtype=tensor.dtype)  # standard strides, even for size-1 dims
+    """A contiguous CPU copy (the staging buffer for a CUDA tensor; a new buffer for CPU,
+    leased from the pool from its size on: :meth:`ScratchPool.result`)."""
+    out = pool().result(tensor.shape, tensor.dtype)  # standard strides, even for size-1 dims
     return out.copy_(tensor.detach())
 
 
@@ -200,7 +202,7 @@ def start_reducescatter(ops: UserOps, tensor: torch.Tensor, op: int, prescale: f
         x = _readable(wire) if prescale == 1.0 else scale_(_host(wire), prescale)
         if engine().use_lane(x.numel() * x.element_size()):
             return _reduce_scatter_by_alltoall(ops, x, counts, finish)
-        out = torch.empty((count, *wire.shape[1:]), dtype=wire.dtype)
+        out = pool().result((count, *wire.shape[1:]), wire.dtype)
         send, recv = x.reshape(-1).numpy(), out.reshape(-1).numpy()
         req = ops.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
 
@@ -231,8 +233,6 @@ def _reduce_scatter_by_alltoall(ops: UserOps, x: torch.Tensor, counts: np.ndarra
     the alltoall moves the same (N-1)/N of the bytes and the sum reads them once."""
     from mpi4py import MPI
 
-    from mpsync.torch.dataplane.scratch import pool
-
     item = x.element_size()
     mine = int(counts[ops.rank])
     parts = pool().take(ops.size * mine * item, x.dtype).view(ops.size, mine)
@@ -245,8 +245,11 @@ def _reduce_scatter_by_alltoall(ops: UserOps, x: torch.Tensor, counts: np.ndarra
     flight = engine().run_on_lane(ops.lane, lambda: ops.lane.Alltoallv(send, recv))
 
     def summed():
-        out = torch.add(parts[0], parts[1]) if ops.size == 2 else \
-            torch.sum(parts, dim=0, dtype=x.dtype)
+        out = pool().result((mine,), x.dtype)
+        if ops.size == 2:
+            torch.add(parts[0], parts[1], out=out)
+        else:
+            torch.sum(parts, dim=0, dtype=x.dtype, out=out)
         pool().give(parts)
         return finish(out)
 
@@ -356,7 +359,7 @@ def start_allgather(ops: UserOps, tensor: torch.Tensor, name, submit=None):
     def start(records):
         x = _readable(tensor)
         rows = _rows(records)
-        out = torch.empty((int(rows.sum()), *x.shape[1:]), dtype=x.dtype)
+        out = pool().result((int(rows.sum()), *x.shape[1:]), x.dtype)
         test = _allgatherv(ops, _bytes_view(x), _bytes_view(out), rows * _row_bytes(x))
         return test, lambda: out.to(tensor.device)
 
@@ -414,7 +417,7 @@ def start_alltoall(ops: UserOps, tensor: torch.Tensor, splits, name):
         x = _readable(tensor)
         recv_rows = records[:, meta.HEAD + ops.rank].copy()
         row = _row_bytes(x)
-        out = torch.empty((int(recv_rows.sum()), *x.shape[1:]), dtype=x.dtype)
+        out = pool().result((int(recv_rows.sum()), *x.shape[1:]), x.dtype)
         sc, rc = send_rows * row, recv_rows * row
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(np.int64)
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(np.int64)
