@@ -50,13 +50,23 @@ def run_suite(test_file: Path, source: Path, np: int, timeout: float,
     ``test/utils`` on the path for its helpers."""
     with tempfile.TemporaryDirectory(prefix="hvd-suite-") as tmp:
         reports = Path(tmp)
-        # Each rank writes its own junit report (Open MPI's rank variable names it).
+        # Each rank writes its own junit report (Open MPI's rank variable names it) and, as
+        # it goes, the test it is in and the last one that failed: a run that ends without
+        # a report (killed, aborted, timed out) still says where each rank was.
         runner = reports / "rank_pytest.py"
         runner.write_text(
             "import os, sys, pytest\n"
             "rank = os.environ.get('OMPI_COMM_WORLD_RANK', '0')\n"
+            f"where = os.path.join({str(reports)!r}, f'rank{{rank}}.where')\n"
+            "class Where:\n"
+            "    def pytest_runtest_logstart(self, nodeid, location):\n"
+            "        open(where, 'a').write('in ' + nodeid + '\\n')\n"
+            "    def pytest_runtest_logreport(self, report):\n"
+            "        if report.failed:\n"
+            "            open(where, 'a').write(report.when + ' failed ' + report.nodeid + '\\n')\n"
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--junitxml',"
-            f" os.path.join({str(reports)!r}, f'rank{{rank}}.xml'), {str(test_file)!r}]))\n")
+            f" os.path.join({str(reports)!r}, f'rank{{rank}}.xml'), {str(test_file)!r}],"
+            f" plugins=[Where()]))\n")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(source), str(source.parent / "utils"), str(REPO), env.get("PYTHONPATH", "")])
@@ -64,9 +74,23 @@ def run_suite(test_file: Path, source: Path, np: int, timeout: float,
                            forward_env=tuple(["PYTHONPATH", "OMP_NUM_THREADS",
                                               "PYTHONUNBUFFERED", *env_extra]))
         res = run_with_deadline(argv, timeout, env=env)
-        if "MPI_ABORT" in res.stderr or res.timed_out:
-            print(f"  aborted or timed out: {res.stderr[-2000:]}", file=sys.stderr)
+        if "MPI_ABORT" in res.stderr or res.timed_out or res.returncode not in (0, 1):
+            print(f"  ended abnormally (exit {res.returncode}, timed out: {res.timed_out}): "
+                  f"{res.stderr[-2000:]}", file=sys.stderr)
+        for r in range(np):
+            if not (reports / f"rank{r}.xml").exists():
+                print(f"  rank {r} wrote no report; {where(reports, r)}", file=sys.stderr)
         return outcomes(reports)
+
+
+def where(reports: Path, rank: int) -> str:
+    """Where ``rank`` was: the test it started last and the last failures before it."""
+    path = reports / f"rank{rank}.where"
+    lines = path.read_text().splitlines() if path.exists() else []
+    started = [ln[3:] for ln in lines if ln.startswith("in ")]
+    failed = [ln for ln in lines if " failed " in ln][-3:]
+    return (f"last test started: {started[-1] if started else 'none'}; "
+            f"last failures: {failed or 'none'}")
 
 
 def main(argv=None) -> int:

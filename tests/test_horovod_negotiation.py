@@ -227,3 +227,25 @@ def test_the_suite_runner_counts_a_test_passed_only_where_every_rank_passed(tmp_
         (tmp_path / f"rank{rank}.xml").write_text(f"<testsuites><testsuite>{cases}"
                                                   f"</testsuite></testsuites>")
     assert outcomes(tmp_path) == {"a": "passed", "b": "failed", "c": "skipped"}
+
+
+@pytest.mark.mpi
+def test_the_suite_runner_names_where_a_rank_that_wrote_no_report_was(tmp_path, capsys):
+    """A rank stuck in a test (killed at the runner's deadline) wrote no report: the runner
+    names the test it was in and its last failure."""
+    from horovod_suite import run_suite
+
+    suite = tmp_path / "test_stuck_suite.py"
+    suite.write_text(
+        "import os, time\n"
+        "RANK = int(os.environ.get('OMPI_COMM_WORLD_RANK', '0'))\n"
+        "def test_fine():\n    pass\n"
+        "def test_fails_on_rank_1():\n    assert RANK == 0\n"
+        "def test_stuck_on_rank_1():\n    time.sleep(120 if RANK == 1 else 0)\n")
+    found = run_suite(suite, tmp_path, 2, 25.0, {})
+    err = capsys.readouterr().err
+    assert "rank 1 wrote no report; last test started: " \
+           "test_stuck_suite.py::test_stuck_on_rank_1" in err, err
+    assert "call failed test_stuck_suite.py::test_fails_on_rank_1" in err, err
+    assert "rank 0 wrote no report" not in err, err
+    assert found["test_fine"] == "passed", found  # rank 0's report is still read
