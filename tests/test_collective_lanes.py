@@ -1,7 +1,8 @@
 """The script's collectives on both of the progress engine's paths: a data step run blocking
 on the lane and one run non-blocking give the same results (reducescatter as one
-``Ireduce_scatter`` or as an alltoall and a sum, alltoall with uneven splits, the fp16 half sum, a fused grouped allreduce,
-an allgather read without a copy, the grouped forms), 3 ranks."""
+``Ireduce_scatter`` or as an alltoall and a sum, alltoall with uneven splits, the fp16 half
+sum, a fused grouped allreduce, an allgather read without a copy, the grouped forms, results
+in leased memory), 3 ranks; the scratch pool's buffers and leases."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def test_the_scratch_pool_reuses_the_smallest_buffer_that_fits_and_keeps_a_bound
     pool.give(small)
     big = pool.take(2000)  # nothing fits: a new one
     assert pool.allocated == 3 and big.numel() == 2000
-    pool.give(big)  # 2,500 bytes kept would pass the bound: the largest is dropped
+    pool.give(big)  # larger than the bound: never kept
     assert pool.kept_bytes() == 500
+    third = pool.take(600)  # a new one (the 400 is too small)
+    pool.give(third)  # 1,100 bytes kept would pass the bound: the longest unused goes first
+    assert pool.kept_bytes() == 700 and pool.allocated == 4
+    assert pool.take(400).untyped_storage().data_ptr() == third.untyped_storage().data_ptr()
     odd = pool.take(7, torch.float32)  # whole elements only
     assert odd.numel() == 1
     small = ScratchPool(fresh_below=1 << 10)  # below it: allocated fresh, never kept

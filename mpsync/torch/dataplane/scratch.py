@@ -65,9 +65,9 @@ class _Leased(np.ndarray):
 
 class ScratchPool:
     """Reusable uint8 host buffers.  ``keep_bytes``: the most kept between collectives (the
-    largest buffers given back beyond it are dropped, the smallest kept); ``fresh_below``:
-    smaller buffers are allocated fresh and dropped when given back; ``lease_min``: results
-    from this size on are leased (:meth:`result`)."""
+    longest unused dropped first, one larger than it never kept); ``fresh_below``: smaller
+    buffers are allocated fresh and dropped when given back; ``lease_min``: results from
+    this size on are leased (:meth:`result`)."""
 
     def __init__(self, keep_bytes: int = KEEP_BYTES, fresh_below: int = FRESH_BELOW,
                  lease_min: int = LEASE_MIN):
@@ -122,10 +122,15 @@ class ScratchPool:
             if any(b.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
                    for b in self._free):
                 return
+            if raw.numel() > self.keep_bytes:
+                return
+            # Kept in the order given back; beyond the bound the longest unused go first.  The
+            # one just given back is the likeliest to be taken next (a loop's next call): with
+            # the largest dropped instead, a loop of 128 MB allgathers beside other buffers
+            # allocated (and page-faulted) its output afresh at every call.
             self._free.append(raw)
-            self._free.sort(key=torch.Tensor.numel)
-            while self._free and sum(b.numel() for b in self._free) > self.keep_bytes:
-                self._free.pop()
+            while sum(b.numel() for b in self._free) > self.keep_bytes:
+                self._free.pop(0)
 
     def kept_bytes(self) -> int:
         with self._lock:
