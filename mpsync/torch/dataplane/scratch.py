@@ -15,12 +15,13 @@ pool and :meth:`ScratchPool.give` returns it.  A collective that is abandoned (i
 up while a lane may still write into its buffer) never gives its buffer back; it is then
 simply collected when nothing refers to it any more.
 
-A result the caller keeps is fresh memory, but from 32 MB up (:data:`LEASE_MIN`) a fresh
-buffer is the page faults above at every call, the caller's loop dropping last call's result
-as it gets this one's.  :meth:`ScratchPool.result` hands such a result memory of the pool's
-instead, and the memory goes back to the pool only once nothing refers to the tensor any
-more (its storage, views included): a loop of calls reuses one buffer, and a result kept is
-simply not returned.  Horovod allocates every result afresh; this is where mpsync departs.
+A result the caller keeps is fresh memory, but from 32 MB up a fresh buffer is the page
+faults above at every call (below it, at a process's first calls: :data:`LEASE_MIN`), the
+caller's loop dropping last call's result as it gets this one's.  :meth:`ScratchPool.result`
+hands such a result memory of the pool's instead, and the memory goes back to the pool only
+once nothing refers to the tensor any more (its storage, views included): a loop of calls
+reuses one buffer, and a result kept is simply not returned.  Horovod allocates every result
+afresh; this is where mpsync departs.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ KEEP_BYTES = 256 << 20
 # a group of 4 small allreduces paid it at every call).
 FRESH_BELOW = 1 << 20
 
-# Results from this size on are leased from the pool (:meth:`ScratchPool.result`).  Below it
-# glibc reuses freed memory of the size by itself (its mmap threshold rises to a freed
-# chunk's size, up to 32 MB on 64-bit); from it on every allocation is a fresh mmap.  A
-# result written into (filled from a tensor) and dropped, in a loop, one core: 16 MB fresh
-# 1.4 ms against 1.1-1.3 reused; 32 MB 23-25 ms against 3.4-4.7; 64 MB 44-49 against 6.7.
-LEASE_MIN = 32 << 20
+# Results from this size on are leased (:meth:`ScratchPool.result`).  From 32 MB every
+# allocation is a fresh mmap (glibc's mmap threshold rises to a freed chunk's size, up to
+# 32 MB on 64-bit): a result written into (filled from a tensor) and dropped, in a loop, one
+# core: 32 MB 23-25 ms fresh against 3.4-4.7 reused; 64 MB 44-49 against 6.7.  Below it,
+# glibc's reuse of freed memory comes only after the first calls: a broadcast of 16 MB on 2
+# ranks, median of calls 2-8 of a process, 9-13 ms in 2 of 3 runs with results fresh, 5.9-6.6
+# in 3 of 3 leased (later calls: 5.4-7.9 either way).  The lane's size is where it starts.
+LEASE_MIN = 4 << 20
 
 
 class _Leased(np.ndarray):
