@@ -32,7 +32,8 @@ from mpsync.config import HOROVOD_FUSION_BYTES
 from mpsync.torch import _metadata as meta
 
 __all__ = ["SUBMIT", "CANCEL", "JOIN", "HIT", "EXEC", "CANCELLED", "ALL_JOINED", "EXTENDED",
-           "FUSION_BYTES", "ALLGATHER_FUSION_BYTES", "REDUCESCATTER_FUSION_BYTES", "frame",
+           "FUSION_BYTES", "ALLGATHER_FUSION_BYTES", "allgather_fusion_bytes",
+           "REDUCESCATTER_FUSION_BYTES", "frame",
            "unframe", "name_words",
            "word_name", "Negotiator", "fusion_groups", "group_steps", "stall_text",
            "unnamed_key", "local_name", "UNNAMED"]
@@ -42,14 +43,20 @@ __all__ = ["SUBMIT", "CANCEL", "JOIN", "HIT", "EXEC", "CANCELLED", "ALL_JOINED",
 SUBMIT, CANCEL, JOIN, HIT = 1, 2, 3, 4
 EXEC, CANCELLED, ALL_JOINED, EXTENDED = 11, 12, 13, 14
 
-# Allgathers fuse up to this many bytes of output, below the fusion threshold: packing and
-# cutting copy every byte once more, and a fused output that reaches the progress engine's
-# lane size (4 MB) runs as a blocking call on a thread.  Measured with a grouped allgather of
-# 4 tensors, fused against not (ms per call, medians of runs of 300-400 calls back to back,
-# bench/collectives/README.md): 2 ranks, 2 MB of output 0.47-1.26 against 1.6-2.2, 4 MB
-# 1.3-2.0 against 0.77-0.99; 4 ranks sharing 2 cores, 2 MB 3.6-4.6 against 3.5-5.6, 4 MB
-# 4.2-4.7 against 2.5-2.8.  So fused outputs stay below the lane's size.
-ALLGATHER_FUSION_BYTES = 2 << 20
+# Allgathers fuse up to this many bytes of output, below the fusion threshold; on 2 workers
+# up to twice that.  Packing and cutting copy every byte once more, a fused output that
+# reaches the progress engine's lane size (4 MB) runs as a blocking call on a thread, and
+# several fused steps in flight at once crawl on shared cores.  Measured with a grouped
+# allgather of 4 tensors (ms per call, medians of runs of 100-400 calls back to back,
+# bench/collectives/README.md): 2 ranks, 2 MB of output fused 0.47-1.26 against 1.6-2.2 as
+# four, 4 MB fused 1.3-2.0 against 0.77-0.99; 4 ranks sharing 2 cores, 4 MB as four 2.7,
+# fused in two steps of 2 MB 12.9, in one 5.5.
+ALLGATHER_FUSION_BYTES = 1 << 20
+
+
+def allgather_fusion_bytes(workers: int) -> int:
+    """The most output bytes allgathers fuse into one step on ``workers`` workers."""
+    return 2 * ALLGATHER_FUSION_BYTES if workers <= 2 else ALLGATHER_FUSION_BYTES
 
 # Reduce-scatters fuse, up to this many bytes of input, into one allreduce of the packed
 # tensors, each worker keeping its rows of each.  An allreduce moves twice a reduce-scatter's
@@ -315,15 +322,19 @@ class _Codes(dict):
 _CODES = _Codes()
 
 
-_KIND_LIMITS = {meta.ALLGATHER: ALLGATHER_FUSION_BYTES,
-                meta.REDUCESCATTER: REDUCESCATTER_FUSION_BYTES}
+def _kind_limit(kind: int, workers: int, threshold: int) -> int:
+    if kind == meta.ALLGATHER:
+        return min(threshold, allgather_fusion_bytes(workers))
+    if kind == meta.REDUCESCATTER:
+        return min(threshold, REDUCESCATTER_FUSION_BYTES)
+    return threshold
 
 
 def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     """``ready`` (name, records) in order, cut into the groups that run as one data step:
     consecutive allreduces (or reduce-scatters) with the same dtype and op, or consecutive
     allgathers of one shape on every worker, with no mismatch, up to ``threshold`` bytes
-    (Horovod fuses all three kinds; allgathers to ``ALLGATHER_FUSION_BYTES`` of output and
+    (Horovod fuses all three kinds; allgathers to :func:`allgather_fusion_bytes` of output and
     reduce-scatters to ``REDUCESCATTER_FUSION_BYTES`` of input at most); everything else
     alone.  ``threshold`` 0 turns fusion off."""
     if len(ready) < 2:
@@ -334,7 +345,7 @@ def fusion_groups(ready: list, threshold: int = FUSION_BYTES) -> list[list]:
     for item in ready:
         k = _fusion_key(item[1]) if threshold > 0 else None
         nbytes = _fused_bytes(item[1])  # item: (name, records, numbers)
-        limit = threshold if k is None else min(threshold, _KIND_LIMITS.get(k[0], threshold))
+        limit = threshold if k is None else _kind_limit(k[0], len(item[1]), threshold)
         if k is not None and k == key and total + nbytes <= limit:
             groups[-1].append(item)
             total += nbytes
