@@ -32,6 +32,7 @@ from mpsync.torch._collectives import (Average, Sum, UserOps, _group_plan, _Grou
 from mpsync.torch._moves import (_REDUCIBLE, _allgatherv, _reduce_started, _row_bytes,
                                  reducescatter_rows)
 from mpsync.torch.dataplane.compression import NoneCompressor
+from mpsync.torch.dataplane.scratch import pool
 
 __all__ = ["submit_plain_group", "submit_plain_allgather", "submit_plain_reducescatter",
            "part_name"]
@@ -170,14 +171,12 @@ class _PlainGroup:
         self.steps: list = []
 
     def start(self, records):
-        from mpsync.torch.dataplane.scratch import pool
-
         _parts, steps = _group_plan(records, self.ops.answered_fusion_bytes)
         tests = []
         for step in steps:
             xs = [self.tensors[i].detach() for i in step]
             if len(xs) == 1:  # its own buffer: the result itself unless it goes in place
-                buf = torch.empty(xs[0].numel(), dtype=xs[0].dtype)
+                buf = pool().result((xs[0].numel(),), xs[0].dtype)
                 buf.copy_(xs[0].reshape(-1))
             else:
                 total = sum(x.numel() for x in xs)
@@ -189,8 +188,6 @@ class _PlainGroup:
         return _GroupTest(tests), self.finish
 
     def finish(self) -> list:
-        from mpsync.torch.dataplane.scratch import pool
-
         out = [None] * len(self.tensors)
         for step, buf in self.steps:
             scale_(buf, self.post)
@@ -210,5 +207,5 @@ class _PlainGroup:
                 return self.tensors[i].copy_(y)
         if self.scatter:
             first, count = reducescatter_rows(self.shapes[i][0], self.ops.size, self.ops.rank)
-            return y[first:first + count].clone()
-        return y if fresh else y.clone()  # (a pooled buffer is reused: the caller's own)
+            return pool().copy_of(y[first:first + count])
+        return y if fresh else pool().copy_of(y)  # (a pooled buffer is reused: the caller's own)

@@ -85,12 +85,14 @@ class ScratchPool:
 
     def take(self, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat buffer of ``nbytes // itemsize`` elements of ``dtype`` (its contents
-        undefined), the smallest kept one that fits, else a new one."""
+        undefined), the smallest kept one that fits in at most twice its size, else a new
+        one."""
         nbytes = max(int(nbytes), 0)
         if nbytes < self.fresh_below:
             return torch.empty(nbytes // dtype.itemsize, dtype=dtype)
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            # (one more than twice the size stays for a larger request: a result may be kept)
+            fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
             raw = min(fits, key=torch.Tensor.numel) if fits else None
             if raw is not None:
                 self._free = [b for b in self._free if b is not raw]
@@ -115,6 +117,11 @@ class ScratchPool:
         leased = raw.numpy()[:nbytes].view(_Leased)
         leased._back = lambda: self.give(raw)
         return torch.from_numpy(leased).view(dtype).view(shape)
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        """``t.clone()`` (contiguous) in :meth:`result`'s memory: a result cut out of a
+        buffer that goes back to the pool."""
+        return self.result(t.shape, t.dtype).copy_(t)
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer :meth:`take` handed out (any view of it)."""
