@@ -246,6 +246,14 @@ def test_the_first_decision_tries_the_ps_within_the_uncertainty_only_once_measur
     unmeasured = Decider(ebsp, explore=True)
     record = unmeasured.decide(ranked, _equal_speeds(), 1.0, "first measurement")
     assert not record.switch and "not yet measured" in record.reason, record.reason
+    # Nothing changes in the cluster, but the gain gets measured: it ranks again and tries.
+    assert unmeasured.wants_ranking(_equal_speeds()) is None
+    later = _equal_speeds(ps_gain=1.3, ps_gain_sd=0.1)
+    trigger = unmeasured.wants_ranking(later)
+    assert trigger and "gain first measured" in trigger, trigger
+    record = unmeasured.decide(ranked, later, 3.0, trigger)
+    assert record.switch and unmeasured.current == ssp, record.reason
+    assert unmeasured.wants_ranking(later) is None and not unmeasured.explore
     measured = Decider(ebsp, explore=True)
     record = measured.decide(ranked, _equal_speeds(ps_gain=1.3, ps_gain_sd=0.1), 1.0,
                              "first measurement")

@@ -159,13 +159,13 @@ def test_leaving_a_diverging_ps_restarts_the_ring_from_earlier_weights():
     # Deciding, auto runs ElasticBSP from the first step on every worker (no switch to it).
     assert decisions[0]["trigger"] == "start" and not decisions[0]["switch"], decisions[0]
     assert res[1]["timeline"][0]["policy"] == "ebsp", res[1]["timeline"]
-    assert {r["switches"][0]["from"] for r in res.values()} == {"ebsp"}, run.report()
     went = [d for d in decisions if d["switch"] and d["chosen"].split(" ")[0].endswith("/ps")]
     assert went, ("the ranking did not move the equal-speeds job to the PS, which this test "
-                  "needs", [(d["trigger"], d["chosen"]) for d in decisions])
+                  "needs", [(d["trigger"], d["chosen"], d["reason"]) for d in decisions])
+    assert {r["switches"][0]["from"] for r in res.values()} == {"ebsp"}, run.report()
     back = [d for d in decisions if d["trigger"] == "training loss"]
     assert len(back) == 1 and back[0]["switch"] and back[0]["chosen"].endswith("/ring"), \
-        decisions
+        [(d["at_s"], d["trigger"], d["chosen"], d["reason"]) for d in decisions]
     assert "asp/ps" in back[0]["reason"] and "ssp/ps" in back[0]["reason"]
     rolled = [r["rolled"] for r in res.values()]
     assert all(r is not None for r in rolled), run.report()

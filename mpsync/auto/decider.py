@@ -94,6 +94,11 @@ class Decider:
         # A move from the ring to the parameter server waits for the run's first timed
         # aggregation (``decide``); then the next check ranks again.
         self._awaits_network = False
+        # Likewise a try of the PS within the model's uncertainty waits for the run's first
+        # measured gain, then the next check ranks again (a job whose first iterations were
+        # slow -- compiling, loading -- had no gain yet at the first decision and, nothing in
+        # the cluster changing, was never ranked again: the try was lost for the whole run).
+        self._awaits_gain = False
 
     @property
     def switches(self) -> int:
@@ -107,6 +112,9 @@ class Decider:
         if self._awaits_network and m.aggregation_s is not None:
             self._awaits_network, self._seen = False, 0
             return "first aggregation timed (the network's cost was assumed before)"
+        if self._awaits_gain and m.ps_gain is not None:
+            self._awaits_gain, self._seen = False, 0
+            return "the parameter server's gain first measured (a try of it waited for it)"
         if self._forced is not None:
             trigger, self._forced, self._seen = self._forced, None, 0
             return trigger
@@ -178,9 +186,11 @@ class Decider:
                           f"{self.current.label} on an assumed network: no aggregation "
                           f"timed in the run yet; stay, rank again once one is")
             elif tryable and unmeasured:
+                self._awaits_gain = True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label}, within the model's uncertainty, with the "
-                          f"parameter server's gain not yet measured in the run: stay")
+                          f"parameter server's gain not yet measured in the run: stay, rank "
+                          f"again once it is")
             elif tryable:
                 chosen, switch = best.candidate, True
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
@@ -199,8 +209,9 @@ class Decider:
                 reason = (f"{best.candidate.label} predicted {gain:.0%} faster than "
                           f"{self.current.label} ({best.predicted_time_to_target_s:.1f} s vs "
                           f"{_to_target(here.predicted_time_to_target_s, m)})")
-        if not self._awaits_network:
-            self.explore = False      # (only ever at the first decision on a timed network)
+        if not (self._awaits_network or self._awaits_gain):
+            self.explore = False      # (only at the first decision with the network timed
+                                      # and, for a try of the PS, its gain measured)
         record = DecisionRecord(at_s=now_s, trigger=trigger, measurements=m.as_dict(),
                                 ranking=[r.as_dict() for r in ranked],
                                 previous=self.current.label, chosen=chosen.label,
