@@ -254,6 +254,15 @@ def test_the_first_decision_tries_the_ps_within_the_uncertainty_only_once_measur
     record = unmeasured.decide(ranked, later, 3.0, trigger)
     assert record.switch and unmeasured.current == ssp, record.reason
     assert unmeasured.wants_ranking(later) is None and not unmeasured.explore
+    # A change of the cluster before any gain is measured: an ordinary decision, no try.
+    waiting = Decider(ebsp, explore=True)
+    waiting.decide(ranked, _equal_speeds(), 1.0, "first measurement")
+    slower = Measurements(compute_s=(0.05, 0.05, 0.05, 0.2), aggregation_s=0.004,
+                          topologies=("ring", "ps"))
+    trigger = None
+    for _ in range(waiting.confirm + 1):
+        trigger = trigger or waiting.wants_ranking(slower)
+    assert trigger and "cluster changed" in trigger and not waiting.explore, trigger
     measured = Decider(ebsp, explore=True)
     record = measured.decide(ranked, _equal_speeds(ps_gain=1.3, ps_gain_sd=0.1), 1.0,
                              "first measurement")

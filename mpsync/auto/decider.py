@@ -117,6 +117,7 @@ class Decider:
             return "the parameter server's gain first measured (a try of it waited for it)"
         if self._forced is not None:
             trigger, self._forced, self._seen = self._forced, None, 0
+            self._stop_awaiting_gain()
             return trigger
         change = m.change_from(self.basis, self.change_tolerance)
         if change is None:
@@ -127,6 +128,7 @@ class Decider:
             return None
         self._seen = 0
         self.refuted.clear()
+        self._stop_awaiting_gain()
         trigger = f"cluster changed: {change}"
         if self.unstable and ("compute" in change or "workers" in change):
             # A worker's speed or the number of workers changed: the staleness a candidate
@@ -136,6 +138,14 @@ class Decider:
                         f"unstable on the cluster as it was)")
             self.unstable.clear()
         return trigger
+
+    def _stop_awaiting_gain(self) -> None:
+        """Another reason to rank came first: the decision it leads to is an ordinary one, no
+        try within the uncertainty (a job that never measures the gain would keep it open)."""
+        if self._awaits_gain:
+            self._awaits_gain = False
+            if not self._awaits_network:
+                self.explore = False
 
     def learning_rate_changed(self, note: str) -> list[str]:
         """The job's learning rate changed (``note`` says where): what was ruled out or
