@@ -136,6 +136,43 @@ def test_a_probe_sums_the_dot_and_half_squared_difference_and_puts_the_step_back
     assert pairs.take()[2] == 0
 
 
+def test_probes_take_at_most_their_share_of_the_workers_time():
+    """A cheap probe comes at its period; a costly one waits until its time is at most the
+    share (``FIRST_PROBE_SHARE`` for the first ``FIRST_PROBES``, ``PROBE_SHARE`` after): a
+    probe of 0.2 s at a 0.1 share is followed by 1.8 s without one, whatever the period."""
+    from mpsync.torch.strategies import gradient_pairs as gp
+
+    model, x, y = _model_and_data()
+    clock = [0.0]
+    pairs = GradientPairs(list(model.parameters()), every_s=1.0, clock=lambda: clock[0])
+    cost = [0.0]
+
+    def second():
+        clock[0] += cost[0]
+        torch.nn.functional.mse_loss(model(x[32:64]).squeeze(1), y[32:64]).backward()
+
+    def next_probe_after(at: float, seconds: float) -> None:
+        """A probe at ``at`` (its cost on the clock), and the next one due ``seconds`` after
+        its end: not a moment before."""
+        clock[0] = at
+        _grad_of(model, x[:32], y[:32])
+        assert pairs.probe(second)
+        end = clock[0]
+        clock[0] = end + seconds - 0.002
+        assert not pairs.probe(lambda: None)
+        clock[0] = end + seconds + 0.002
+        assert pairs.probe(lambda: None)
+
+    next_probe_after(0.0, gp.FIRST_EVERY_S)
+    cost[0] = 0.2
+    share = gp.FIRST_PROBE_SHARE
+    next_probe_after(1.0, 0.2 * (1 - share) / share)
+    pairs.probes = gp.FIRST_PROBES
+    next_probe_after(clock[0] + 2.0, 0.2 * (1 - gp.PROBE_SHARE) / gp.PROBE_SHARE)
+    cost[0] = 0.0
+    next_probe_after(clock[0] + 2.0, 1.0)
+
+
 def test_probes_of_a_real_model_measure_its_noise_scale():
     """A linear regression: the ratio from 300 probes of batch-32 gradients (each pair at
     the same weights) is within 20% of tr(Σ) / (b |G|²) computed from every sample's

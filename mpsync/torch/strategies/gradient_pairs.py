@@ -8,10 +8,16 @@ batch): the half squared difference and the dot product of the two are summed un
 loss report carries them to the server (:meth:`GradientPairs.take`), and the step's own
 gradients are put back.  The second batch is not trained on.
 
-Cost: one forward and backward, one copy of the gradients and two reductions over them, once
-per ``every_s`` (1 s: a 2% longer step of 50 ms iterations, 0.1% of 1 s ones; the first
-``FIRST_PROBES`` every ``FIRST_EVERY_S``).  A probe whose
-gradients are sparse, missing or of other shapes is not counted.
+Cost: one forward and backward (two with the step test), one copy of the gradients and two
+reductions over them, once per ``every_s`` (the first ``FIRST_PROBES`` every
+``FIRST_EVERY_S``), and never more than a share of the worker's time: after a probe that took
+``d`` seconds the next waits at least ``d (1 - share) / share`` (``PROBE_SHARE``,
+``FIRST_PROBE_SHARE`` for the first probes).  The periods alone charged a large model in
+proportion to its step: a probe of two forward and backward passes every second costs a model
+with 0.3 s steps about 40% of its time.  The shares are set above what the jobs ``auto`` was
+tried on pay (the wide MLP, 5 ranks on 2 cores: about 60 ms a probe, 6% of the time at 1 s,
+24% at 0.25 s), so their schedule is the periods'.  A probe whose gradients are sparse,
+missing or of other shapes is not counted.
 
 The step test (``mpsync.auto.curvature``), where the closure returns its loss and the
 optimizer is SGD: the second batch's loss is taken once more, ``steps_ahead`` of this
@@ -39,13 +45,18 @@ import time
 
 import torch
 
-__all__ = ["GradientPairs", "PAIR_EVERY_S", "FIRST_PROBES", "FIRST_EVERY_S", "sgd_step_sizes"]
+__all__ = ["GradientPairs", "PAIR_EVERY_S", "FIRST_PROBES", "FIRST_EVERY_S", "PROBE_SHARE",
+           "FIRST_PROBE_SHARE", "sgd_step_sizes"]
 
 PAIR_EVERY_S = 1.0
 # The first probes come faster: auto's first ranking wants the job's own gain in its first
 # seconds (the step test's early strides are the ones it can read, ``mpsync.auto.curvature``).
 FIRST_PROBES = 12
 FIRST_EVERY_S = 0.25
+# The most of a worker's time the probes may take (module doc): a small model's probes come at
+# the periods above, a large one's further apart.
+PROBE_SHARE = 0.1
+FIRST_PROBE_SHARE = 0.25
 
 
 def sgd_step_sizes(optimizer, params) -> list[float] | None:
@@ -103,8 +114,18 @@ class GradientPairs:
         if grads is None:
             return False
         self.probes += 1
-        self._next = self.clock() + (min(self.every_s, FIRST_EVERY_S)
-                                     if self.probes <= FIRST_PROBES else self.every_s)
+        started = self.clock()
+        try:
+            return self._probe(second, grads)
+        finally:
+            first = self.probes <= FIRST_PROBES
+            every = min(self.every_s, FIRST_EVERY_S) if first else self.every_s
+            share = FIRST_PROBE_SHARE if first else PROBE_SHARE
+            ended = self.clock()
+            self._next = max(started + every, ended + (ended - started) * (1.0 - share) / share)
+
+    def _probe(self, second, grads) -> bool:
+        """One probe (``probe``), its schedule left to the caller."""
         with torch.no_grad():
             first = [g.detach().clone() for g in grads]
             for g in grads:
