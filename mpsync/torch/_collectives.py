@@ -206,6 +206,42 @@ def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x.copy_((x.to(torch.float64) * factor).trunc().to(x.dtype))
 
 
+def average_scales(op: int, dtype: torch.dtype, size: int, prescale: float,
+                   postscale: float) -> tuple[float, float]:
+    """The factors a reduction over ``size`` workers scales each worker's part by before
+    the sum and the sum by after it: Horovod's arithmetic (``op=Average`` divides the
+    postscale by ``size``), except that a float average over a power-of-two number of
+    workers divides the prescale instead.  Scaling by a power of two is exact short of
+    subnormal values, so the bits are the same; the copy a reduction makes anyway then does
+    the scaling (:func:`pack_scaled`), and the pass over the result after the sum is saved."""
+    if op != Average:
+        return prescale, postscale
+    if dtype in (torch.float32, torch.float64) and size & (size - 1) == 0:
+        return prescale / size, postscale
+    return prescale, postscale / size
+
+
+# Up to this many tensors are packed into a buffer one ``torch.mul`` each, which scales them
+# in the copy's pass; more are packed by one ``torch.cat`` and then scaled (a call per
+# tensor would cost more than the pass it saves).
+_PACK_SCALED_MAX = 16
+
+
+def pack_scaled(xs: list, buf: torch.Tensor, factor: float) -> None:
+    """``buf`` (flat, CPU) <- the tensors ``xs`` one after the other, times ``factor``
+    (:func:`scale_`'s arithmetic): one pass over the bytes where the tensors are few and of
+    a float dtype."""
+    if factor == 1.0 or not buf.is_floating_point() or len(xs) > _PACK_SCALED_MAX:
+        torch.cat([x.reshape(-1) for x in xs], out=buf)
+        scale_(buf, factor)
+        return
+    offset = 0
+    for x in xs:
+        n = x.numel()
+        torch.mul(x.reshape(-1), factor, out=buf[offset:offset + n])
+        offset += n
+
+
 def _scale_pieces(buf: torch.Tensor, pieces, factors: list) -> None:
     """Each piece of ``buf`` scaled by its factor: one pass over the buffer when they agree
     (the usual case: a group, or one optimizer's gradients, share them)."""
@@ -230,9 +266,13 @@ def _start_fused(ops: "UserOps", group: list, seq: int) -> None:
     sizes = [x.numel() for x in xs]
     total = sum(sizes)
     buf = pool().take(total * xs[0].element_size(), xs[0].dtype)
-    torch.cat([x.reshape(-1) for x in xs], out=buf)
     pieces = buf.split(sizes)
-    _scale_pieces(buf, pieces, [spec.prescale for spec in specs])
+    factors = [spec.prescale for spec in specs]
+    if all(f == factors[0] for f in factors):
+        pack_scaled(xs, buf, factors[0])
+    else:
+        torch.cat([x.reshape(-1) for x in xs], out=buf)
+        _scale_pieces(buf, pieces, factors)
     test = specs[0].reduce(buf)
     left, scaled = [len(group)], [False]
     where = buf.untyped_storage().data_ptr()
@@ -442,10 +482,10 @@ class UserOps:
     ``comm``'s order (a process set); ``idle``: called while a collective waits (see
     :func:`wait_while_stepping`), True if it did something.
 
-    An allreduce or allgather data step of ``THREAD_MIN_BYTES`` or more (the same size on
-    every member) runs as a blocking call on the progress engine's lane of ``lane`` (a
-    ``Dup()``), everything else non-blocking on ``comm``; the waits go through the engine
-    either way.
+    A data step of ``THREAD_MIN_BYTES`` or more (an allreduce's: ``REDUCE_THREAD_MIN_BYTES``;
+    the same size on every member) runs as a blocking call on the progress engine's lane of
+    ``lane`` (a ``Dup()``), everything else non-blocking on ``comm``; the waits go through
+    the engine either way.
 
     Collectives are matched by name (:mod:`~mpsync.torch._negotiation`): an unnamed one is
     ``noname.<n>``, this set's n-th unnamed collective, matched with the others' in order

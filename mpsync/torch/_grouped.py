@@ -28,7 +28,8 @@ import torch
 
 from mpsync.torch import _metadata as meta
 from mpsync.torch._collectives import (Average, Sum, UserOps, _group_plan, _GroupTest,
-                                       _start_group, dtype_code, packed_allgather, scale_)
+                                       _start_group, average_scales, dtype_code, pack_scaled,
+                                       packed_allgather, scale_)
 from mpsync.torch._moves import (_REDUCIBLE, _allgatherv, _reduce_started, _row_bytes,
                                  reducescatter_rows)
 from mpsync.torch.dataplane.compression import NoneCompressor
@@ -67,8 +68,8 @@ def submit_plain_group(ops: UserOps, tensors, op: int, pre: float, post: float,
             for i, (t, s) in enumerate(zip(tensors, shapes))])
 
     rec = _kept((meta.ALLREDUCE, ops.size, op, pre, post, name, dtype, shapes), make)
-    group = _PlainGroup(ops, tensors, shapes, op, pre,
-                        post / ops.size if op == Average else post, in_place)
+    group = _PlainGroup(ops, tensors, shapes, op, *average_scales(op, dtype, ops.size, pre, post),
+                        in_place)
     return ops.submit("grouped allreduce", name, rec, group.start)
 
 
@@ -144,8 +145,8 @@ def submit_plain_reducescatter(ops: UserOps, tensors, op: int, pre: float, post:
             for i, (t, s) in enumerate(zip(tensors, shapes))])
 
     rec = _kept((meta.REDUCESCATTER, ops.size, op, pre, post, name, dtype, shapes), make)
-    group = _PlainGroup(ops, tensors, shapes, op, pre,
-                        post / ops.size if op == Average else post, False, scatter=True)
+    group = _PlainGroup(ops, tensors, shapes, op, *average_scales(op, dtype, ops.size, pre, post),
+                        False, scatter=True)
 
     def start(records):
         _parts, steps = _group_plan(records, ops.answered_fusion_bytes)
@@ -177,12 +178,10 @@ class _PlainGroup:
             xs = [self.tensors[i].detach() for i in step]
             if len(xs) == 1:  # its own buffer: the result itself unless it goes in place
                 buf = pool().result((xs[0].numel(),), xs[0].dtype)
-                buf.copy_(xs[0].reshape(-1))
             else:
-                total = sum(x.numel() for x in xs)
-                buf = pool().take(total * xs[0].element_size(), xs[0].dtype)
-                torch.cat([x.reshape(-1) for x in xs], out=buf)
-            scale_(buf, self.pre)
+                buf = pool().take(sum(x.numel() for x in xs) * xs[0].element_size(),
+                                  xs[0].dtype)
+            pack_scaled(xs, buf, self.pre)
             tests.append(_reduce_started(self.ops, buf, self.op))
             self.steps.append((step, buf))
         return _GroupTest(tests), self.finish

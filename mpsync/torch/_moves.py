@@ -18,7 +18,8 @@ import torch
 
 from mpsync.torch import _metadata as meta
 from mpsync.torch._collectives import (Average, Fusable, Max, Min, Product, Sum, UserOps,
-                                       dtype_code, scale_, wait_while_stepping)
+                                       average_scales, dtype_code, scale_,
+                                       wait_while_stepping)
 from mpsync.torch.dataplane.compression import as_compressor
 from mpsync.torch.dataplane.progress import engine
 from mpsync.torch.dataplane.scratch import pool
@@ -33,11 +34,14 @@ _REDUCIBLE = (torch.float64, torch.float32, torch.int64, torch.int32, torch.int1
               torch.uint8) + _HALF
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
+def _host(tensor: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
     """A contiguous CPU copy (the staging buffer for a CUDA tensor; a new buffer for CPU,
-    leased from the pool from its size on: :meth:`ScratchPool.result`)."""
+    leased from the pool from its size on: :meth:`ScratchPool.result`), times ``factor``
+    (:func:`scale_`'s arithmetic; a CPU float tensor's in the copy's one pass)."""
     out = pool().result(tensor.shape, tensor.dtype)  # standard strides, even for size-1 dims
-    return out.copy_(tensor.detach())
+    if factor != 1.0 and tensor.is_floating_point() and tensor.device.type == "cpu":
+        return torch.mul(tensor.detach(), factor, out=out)
+    return scale_(out.copy_(tensor.detach()), factor)
 
 
 def _readable(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,13 +54,14 @@ def _readable(tensor: torch.Tensor) -> torch.Tensor:
     return _host(tensor)
 
 
-def _own_buffer(wire: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU buffer holding ``wire`` that may be reduced in place: ``wire`` itself when the
-    compressor made it (fp16's cast: a tensor of its own), else :func:`_host`'s copy."""
+def _own_buffer(wire: torch.Tensor, tensor: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    """A CPU buffer holding ``wire`` times ``factor`` that may be reduced in place: ``wire``
+    itself when the compressor made it (fp16's cast: a tensor of its own), else
+    :func:`_host`'s copy."""
     if wire.device.type == "cpu" and _standard_strides(wire) and \
             wire.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
-        return wire
-    return _host(wire)
+        return scale_(wire, factor)
+    return _host(wire, factor)
 
 
 def _standard_strides(t: torch.Tensor) -> bool:
@@ -89,12 +94,13 @@ def _deliver(y: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None) -> t
     return out
 
 
-def _on_lane(ops: UserOps, nbytes: int, call):
+def _on_lane(ops: UserOps, nbytes: int, call, reduction: bool = False):
     """A data step of ``nbytes`` (the same on every member) large enough to run as the
     blocking ``call(comm)`` on the progress engine's lane: its test (a
     :class:`~mpsync.torch.dataplane.progress.Flight`, whose event the waiter blocks on);
-    None: start it non-blocking instead."""
-    if not engine().use_lane(nbytes):
+    None: start it non-blocking instead.  ``reduction``: an allreduce (its own threshold,
+    :meth:`~mpsync.torch.dataplane.progress.ProgressEngine.use_lane`)."""
+    if not engine().use_lane(nbytes, reduction=reduction):
         return None
     lane = ops.lane
     return engine().run_on_lane(lane, lambda: call(lane))
@@ -120,7 +126,8 @@ def _reduce_started(ops: UserOps, x: torch.Tensor, op: int):
 
         return test
     arr, mpi_op = x.numpy(), _mpi_op(op)
-    flight = _on_lane(ops, arr.nbytes, lambda comm: comm.Allreduce(MPI.IN_PLACE, arr, op=mpi_op))
+    flight = _on_lane(ops, arr.nbytes, lambda comm: comm.Allreduce(MPI.IN_PLACE, arr,
+                                                                   op=mpi_op), reduction=True)
     if flight is not None:
         return flight
     return ops.comm.Iallreduce(MPI.IN_PLACE, arr, op=mpi_op).Test
@@ -141,10 +148,10 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
     rec = meta.record(ops.size, kind, dtype=dtype_code(wire.dtype), shape=tuple(wire.shape),
                       op=op, prescale=prescale, postscale=postscale, name=name,
                       nbytes=wire.numel() * wire.element_size())
-    post = postscale / ops.size if op == Average else postscale
+    pre, post = average_scales(op, wire.dtype, ops.size, prescale, postscale)
 
     def prepare():
-        return scale_(_own_buffer(wire, tensor), prescale)
+        return _own_buffer(wire, tensor, pre)
 
     def deliver(x):  # the result from the reduced, postscaled x
         y = compression.decompress(x, ctx)
@@ -158,7 +165,7 @@ def start_allreduce(ops: UserOps, tensor: torch.Tensor, op: int, prescale: float
     # strides); a device tensor is staged on the host first.
     fusion = Fusable(lambda: wire if wire.is_cpu else _host(wire),
                      lambda buf: _reduce_started(ops, buf, op),
-                     deliver, prescale, post) \
+                     deliver, pre, post) \
         if kind in (meta.ALLREDUCE, meta.REDUCESCATTER) else None
     return (submit or ops.submit)(meta.KIND_NAMES[kind], name, rec, start, error,
                                   fusion=fusion)

@@ -6,10 +6,11 @@ therefore stalls its own transfer, and Open MPI's non-blocking algorithms (``lib
 also 2-3x slower than its blocking ones (``tuned``) for large buffers on shared memory.  So a
 collective is moved one of two ways, chosen by its size (the same on every worker):
 
-* **small** (below ``thread_min_bytes``): the non-blocking call, and the waiter spins on
-  ``Test`` without ever sleeping (it yields the core between tests, as Open MPI's own
-  blocking calls do with ``mpi_yield_when_idle``): a thread hand-off would cost more than
-  the transfer;
+* **small** (below ``thread_min_bytes``; an allreduce below ``REDUCE_THREAD_MIN_BYTES``,
+  smaller: libnbc's ``Iallreduce`` falls behind its blocking twin early): the non-blocking
+  call, and the waiter spins on ``Test`` without ever sleeping (it yields the core between
+  tests, as Open MPI's own blocking calls do with ``mpi_yield_when_idle``): a thread
+  hand-off would cost more than the transfer;
 * **large**: the blocking call (tuned algorithms, progressing on its own) on a *lane*, a
   communication thread owned by one communicator, and the waiter blocks on the lane's event
   (no core, no sleep), waking at most every ``poll_every`` seconds only when it must keep
@@ -47,14 +48,20 @@ import time
 
 from mpsync.torch.dataplane.waiting import UNKNOWN_MISSING, CollectiveTimeout, PeerWatch
 
-__all__ = ["ProgressEngine", "Flight", "engine", "THREAD_MIN_BYTES", "poll_until_done",
-           "wait_on_event"]
+__all__ = ["ProgressEngine", "Flight", "engine", "THREAD_MIN_BYTES", "REDUCE_THREAD_MIN_BYTES",
+           "poll_until_done", "wait_on_event"]
 
 # Below this a thread hand-off costs more than it saves (measured on 2 ranks of one host, the
 # script's collectives: at 4 MB a spun Iallreduce took 4.3 ms, the blocking Allreduce on a
 # lane 2.2 ms; at 1 MB on a loaded machine the lane's two thread wake-ups cost more than
 # libnbc's slower algorithm; bench/collectives/README.md).
 THREAD_MIN_BYTES = 4 << 20
+# An allreduce takes the lane from a smaller size: libnbc's Iallreduce is the slowest of the
+# non-blocking calls against its blocking twin (2 ranks of one host, median ms at 1 MB: the
+# spun Iallreduce 0.49-0.59, the blocking Allreduce on a lane 0.32-0.38; at 2 MB 1.07 against
+# 0.49), where Iallgather, Ibcast and Ialltoall at 1-2 MB are as fast as or faster than their
+# blocking calls on a lane (bench/collectives/README.md).
+REDUCE_THREAD_MIN_BYTES = 1 << 20
 
 # While no data step has started (the waiter waits for a peer to submit the collective), the
 # waiter spins this long, then pauses ``_BACKOFF_S`` between tests so a late peer on the same
@@ -143,10 +150,14 @@ class ProgressEngine:
             self._threads_ok = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         return self._threads_ok
 
-    def use_lane(self, nbytes: int, threshold: int | None = -1) -> bool:
+    def use_lane(self, nbytes: int, threshold: int | None = -1, reduction: bool = False) -> bool:
         """Should a collective of ``nbytes`` (the same on every worker) run blocking on a lane?
-        ``threshold``: the caller's own (None: never), default the engine's."""
+        ``threshold``: the caller's own (None: never), default the engine's; ``reduction``
+        (an allreduce): from :data:`REDUCE_THREAD_MIN_BYTES` already, or the engine's own
+        threshold where that is lower."""
         threshold = self.thread_min_bytes if threshold == -1 else threshold
+        if reduction and threshold is not None:
+            threshold = min(threshold, REDUCE_THREAD_MIN_BYTES)
         return threshold is not None and nbytes >= threshold and self.threads_ok()
 
     def run_on_lane(self, comm, fn) -> Flight:
