@@ -273,17 +273,18 @@ def test_ebsp_with_equal_speeds_degenerates_to_bsp(tmp_path):
     # on an oversubscribed machine a descheduled iteration reads several ms long, and ZipLine
     # then rightly prefers a barrier where that "slower" worker runs one iteration fewer once
     # the shift fits in the lookahead (after gamma / delta_gamma iterations). With 50 ms
-    # iterations and R = 15 that needs a measured difference above 3.3 ms. On a machine loaded
-    # by other jobs it still happens in a round now and then, so most rounds, not all, must be
+    # iterations and R = 7 that needs a measured difference above 7.1 ms. (R = 15 put it at
+    # 3.3 ms, which a CI run on 2 busy cores overran in every round of three runs.) On a loaded
+    # machine it still happens in a round now and then, so most rounds, not all, must be
     # BSP-like here; test_server_policies.py checks the exact property on a noise-free clock.
     def clean_rounds(workers):
         # A round's plan is made from intervals measured in the round before: a round is clean
-        # if no worker's iteration ran over its 50 ms by 3 ms or more in it or the one before.
-        over = np.max([rec["overrun"] for rec in workers], axis=0) >= 0.003
+        # if no worker's iteration ran over its 50 ms by 6 ms or more in it or the one before.
+        over = np.max([rec["overrun"] for rec in workers], axis=0) >= 0.006
         return ~(over | np.concatenate([[False], over[:-1]]))
 
     _, workers, clean = _undisturbed_run(tmp_path, "ebsp", clean_rounds, 5, speeds="1,1,1",
-                                         rounds=10, base=0.05, lookahead=15)
+                                         rounds=10, base=0.05, lookahead=7)
     equal = [len({rec["local_before_sync"][rnd] for rec in workers}) == 1 for rnd in range(10)]
     assert sum(e for e, c in zip(equal, clean) if c) >= 0.6 * clean.sum(), (
         [rec["local_before_sync"] for rec in workers], clean.tolist())
