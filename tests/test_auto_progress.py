@@ -229,6 +229,36 @@ def test_nothing_is_read_from_too_little_or_from_a_flat_loss():
         PhaseProgress(window_s=0)
 
 
+def test_a_stall_is_where_neither_side_of_the_switch_made_measurable_progress():
+    """``ratio`` has no reference where the loss was flat before the switch; ``stalled`` says
+    whether the running policy moves the loss itself: not where it stays flat too, not where
+    it falls, nor where the policy left was falling (``ratio`` measures that)."""
+    def switched(before, after, seed):
+        rng = np.random.default_rng(seed)
+        progress = PhaseProgress("ssp/ps (staleness=3)")
+        _curve(progress, rng, 0.0, 6.0, before, noise=0.2)
+        progress.begin(6.0, "asp/ps", int(6.0 * RATE))
+        _curve(progress, rng, 6.0, 10.0, after, noise=0.2)
+        return progress
+
+    # Two flat windows read as a stall but where noise tilts one past 2 standard errors
+    # (about 1 in 40 each): then the confirmation is what it was without the test.
+    flats = [switched(lambda it: 0.6, lambda it: 0.6, seed) for seed in range(10)]
+    assert all(f.ratio(10.0) is None for f in flats)
+    stalls = [f.stalled(10.0) for f in flats]
+    assert sum(why is not None for why in stalls) >= 8, stalls
+    flat = flats[stalls.index(next(w for w in stalls if w is not None))]
+    assert stalls[flats.index(flat)].startswith(
+        "neither ssp/ps (staleness=3)'s last 3.0 s nor asp/ps's 3.5 s since the switch")
+    for seed in range(10):
+        falls = switched(lambda it: 0.6, lambda it: 0.6 * math.exp(-3e-3 * (it - 240)), seed)
+        assert falls.ratio(10.0) is None and falls.stalled(10.0) is None
+    left_fell = _across_a_switch(lambda it: 0.5, "asp/ps", 5)
+    assert left_fell.ratio(10.0) is not None and left_fell.stalled(10.0) is None
+    assert flat.stalled(6.4) is None                   # nothing after the switch yet
+    assert PhaseProgress("bsp/ring").stalled(1.0) is None   # no switch
+
+
 # -- what the bracket moves ----------------------------------------------------------------------
 def _ratio(ratio, sd=0.05, left="bsp/ring", label="ssp/ps (staleness=3)"):
     return ProgressRatio(left, label, ratio, sd, ratio * 1e-3, sd * 1e-3, 1e-3, 1e-5, 30, 30)
@@ -269,6 +299,35 @@ def test_a_confirmation_goes_back_when_the_measured_progress_refutes_the_model()
     lifted.decide(_ranked([(ssp, 5.0, 0.9), (bsp, 8.0, 1.0)]), m, 1.0, "first measurement")
     record = lifted.confirm_switch(bsp, 10.0, 9.0, 7.0, 4.0, progress=_ratio(2.0))
     assert not record.switch and record.measurements["efficiency"] == pytest.approx(1.9)
+
+
+def test_a_stalled_parameter_server_goes_to_the_ring():
+    """Switched between two of the PS's policies with the loss flat before and after: the
+    rates alone (+118% as ranked) would confirm it; ``stalled`` sends it to the ring's best
+    in the ranking that switched (ElasticBSP), not back to the PS policy left, and the
+    running one is refuted.  Left from the ring, it goes back there; unjudged, it stays."""
+    ebsp, ssp = Candidate("ebsp", "ring"), Candidate("ssp", "ps", (("staleness", 3),))
+    asp = Candidate("asp", "ps")
+    m = Measurements(compute_s=(0.05,) * 4, aggregation_s=0.002)
+    why = "neither ssp/ps's last 3.0 s nor asp/ps's 3.5 s since the switch made progress"
+    d = Decider(ssp)
+    d.decide(_ranked([(asp, 5.0, 1.2), (ebsp, 8.0, 0.93), (ssp, 11.0, 1.2)]), m, 1.0, "change")
+    assert d.current == asp
+    confirmed = Decider(ssp)
+    confirmed.decide(_ranked([(asp, 5.0, 1.2), (ebsp, 8.0, 0.93)]), m, 1.0, "change")
+    assert not confirmed.confirm_switch(ssp, 2.8, 8.9, 7.0, 4.0).switch
+    record = d.confirm_switch(ssp, None, 8.9, 7.0, 4.0, stalled=why)
+    assert record.switch and record.chosen == "ebsp/ring" and d.current == ebsp, record.reason
+    assert record.reason.startswith(why) and "asp/ps" in d.refuted
+    assert record.measurements["stalled"] == why
+    from_ring = Decider(ebsp)
+    from_ring.decide(_ranked([(asp, 5.0, 1.2), (ebsp, 8.0, 0.93)]), m, 1.0, "change")
+    back = from_ring.confirm_switch(ebsp, 12.0, 8.9, 7.0, 4.0, stalled=why)
+    assert back.switch and from_ring.current == ebsp
+    unjudged = Decider(ebsp)
+    unjudged.decide(_ranked([(asp, 5.0, 1.2), (ebsp, 8.0, 0.93)]), m, 1.0, "change")
+    kept = unjudged.confirm_switch(ebsp, 12.0, 14.0, 7.0, 4.0, judged=False, stalled=why)
+    assert not kept.switch and unjudged.current == asp
 
 
 def test_the_gain_bracket_moves_the_ranked_gain_and_reads_as_a_change():

@@ -233,6 +233,30 @@ class Decider:
             self.last_switch_s = now_s
         return record
 
+    def _stalled(self, left: Candidate, switched, why: str, rate: float,
+                 left_rate: float | None, now_s: float, measured_s: float) -> DecisionRecord:
+        """``confirm_switch`` where no progress was measurable (its doc)."""
+        to = left
+        if left.topology != "ring":
+            ring = [r for r in (switched.ranking if switched is not None else ())
+                    if r["topology"] == "ring" and r["candidate"] not in self.unstable]
+            to = Candidate.from_dict(ring[0]) if ring else left
+        measured = {"left": left.label, "iterations_per_s": round(rate, 2),
+                    "left_iterations_per_s": None if left_rate is None else round(left_rate, 2),
+                    "measured_s": round(measured_s, 2), "stalled": why}
+        back = to != self.current
+        reason = (f"{why}: " + (f"to {to.label}, which averages the workers' updates"
+                                if back else "stay"))
+        record = DecisionRecord(at_s=now_s, trigger="confirmation", measurements=measured,
+                                ranking=[], previous=self.current.label, chosen=to.label,
+                                switch=back, reason=reason)
+        self.records.append(record)
+        if back:
+            self.refuted.add(self.current.label)
+            self.current = to
+            self.last_switch_s = now_s
+        return record
+
     def diverged(self, back_to: Candidate, reason: str, now_s: float,
                  unstable: list[Candidate], measured: dict | None = None) -> DecisionRecord:
         """The training diverges under the running policy (``reason``: what the loss did):
@@ -253,7 +277,7 @@ class Decider:
 
     def confirm_switch(self, left: Candidate, left_rate: float | None, rate: float,
                        now_s: float, measured_s: float, progress: ProgressRatio | None = None,
-                       judged: bool = True) -> DecisionRecord:
+                       judged: bool = True, stalled: str | None = None) -> DecisionRecord:
         """The last switch (from ``left``) measured: the job's iterations per second (every
         worker's, the same batch each) under ``left`` before it (None: too little of it ran
         on the cluster as it is now; the ranking's prediction of ``left`` stands in, scaled
@@ -263,8 +287,19 @@ class Decider:
         ``progress`` (the training loss's progress per sample since the switch against
         before it, ``mpsync.auto.progress``; None: not measured) allows (where ``judged``;
         otherwise the measurement is only recorded); the record switches back when the new
-        policy's is more than ``min_gain`` below the left one's."""
+        policy's is more than ``min_gain`` below the left one's.
+
+        ``stalled`` (``PhaseProgress.stalled``: neither the policy left's last seconds nor the
+        running one's since the switch made measurable progress; None: either did, or it was
+        not asked): where ``judged``, the record leaves the running policy for the ring, the
+        policy left if it ran there, else the ring's best in the ranking that switched.  With
+        no falling loss to measure against, a rate from the model alone confirmed a move
+        between two of the parameter server's policies at +118% progress per second, and
+        the run then trained 40 s at a flat loss (bench/auto/README.md, *A confirmation with
+        no progress to measure against*); the ring's averaged updates carry no staleness."""
         switched = next((r for r in reversed(self.records) if r.switch), None)
+        if stalled is not None and judged:
+            return self._stalled(left, switched, stalled, rate, left_rate, now_s, measured_s)
         eff = {} if switched is None else {r["candidate"]: r["efficiency"]
                                            for r in switched.ranking}
         model, left_eff = eff.get(self.current.label, 1.0), eff.get(left.label, 1.0)

@@ -287,6 +287,28 @@ class PhaseProgress:
                              old.rho_se, len(after), len(self.before),
                              reference_s=self.before_span)
 
+    def stalled(self, now: float) -> str | None:
+        """Why neither the policy left (its last window) nor the running one (from the switch,
+        after ``settle_s``, to ``now``) made measurable progress, or None where either did or
+        there is too little to say.  Where the policy left was not falling, :meth:`ratio` has
+        no reference; the running policy's own slope still shows whether it moves the job.
+        Each is judged as :meth:`ratio` judges the policy left: ``-d ln L / d iteration``
+        more than ``SIGNIFICANT`` standard errors above 0."""
+        lo = (self.start or 0.0) + self.settle_s
+        after = [r for r in self.current if lo <= r[0] <= now]
+        if self.before_label is None or min(len(self.before), len(after)) < self.min_reports:
+            return None
+        if any(not (math.isfinite(r[2]) and r[2] > 0) for r in self.before + after):
+            return None
+        old, new = _fit(self._points(self.before)), _fit(self._points(after))
+        if old is None or new is None or old.rho > SIGNIFICANT * old.rho_se \
+                or new.rho > SIGNIFICANT * new.rho_se:
+            return None
+        return (f"neither {self.before_label}'s last {self.before_span:.1f} s nor "
+                f"{self.label}'s {now - lo:.1f} s since the switch made measurable progress "
+                f"(-d ln loss / d iteration {old.rho:.1e} +- {old.rho_se:.1e} over "
+                f"{len(self.before)} loss reports, then {new.rho:.1e} +- {new.rho_se:.1e} "
+                f"over {len(after)})")
 
     def _declined(self, why: str) -> None:
         self.declined = why

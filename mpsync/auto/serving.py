@@ -369,9 +369,13 @@ class AutoPolicy(Policy):
         basis = self.decider.basis
         used = ranked_gain(None) if basis is None else basis.ranked_ps_gain()
         running = self.running_candidate
+        # No falling loss to measure against: whether the parameter server moves the job at
+        # all (``PhaseProgress.stalled``; ``Decider.confirm_switch`` leaves it if not).
+        stalled = (self.progress.stalled(now) if measured is None and running.topology == "ps"
+                   else None)
         record = self.decider.confirm_switch(left, left_rate, (self.steps_done - steps) / (now - t),
                                              now - self.t0, now - t, progress=measured,
-                                             judged=_applies_in_full(running))
+                                             judged=_applies_in_full(running), stalled=stalled)
         if measured is None:
             record.measurements["progress_declined"] = self.progress.declined
         else:
@@ -386,8 +390,9 @@ class AutoPolicy(Policy):
                 self.gain_bracket = (bracket[0] * factor, bracket[1] * factor,
                                      f"{measured.note} at {now - self.t0:.1f} s")
         if record.switch:
-            self._schedule(left, now, confirm=False)   # a switch back is not raced again
-            if running.topology == "ps" and left.topology == "ring" and measured is not None:
+            to = next((c for c in self.candidates if c.label == record.chosen), left)
+            self._schedule(to, now, confirm=False)   # a switch back is not raced again
+            if running.topology == "ps" and to.topology == "ring" and measured is not None:
                 # Refuted by its measured progress: the parameter server's last seconds may
                 # have undone what it made (a run too young for the loss watch to judge, its
                 # loss flat at chance, stayed there on the ring for 25 s from such weights):
