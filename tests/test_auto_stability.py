@@ -91,6 +91,48 @@ def test_a_swing_that_gives_back_a_third_of_the_progress_for_seconds_trips_it(gi
         assert reason is not None and "second rise" in reason and at <= 21.5, (reason, at)
 
 
+def _feed_slowly(watch, start, stop, loss_at, rng, step_s=1.4, noise=0.3):
+    """As ``_feed``, but each of 4 workers reports once a step of ``step_s`` (a worker reports
+    once a step at most), the workers a quarter of a step apart."""
+    t = start
+    while t < stop:
+        for w in range(4):
+            if abs(((t - w * step_s / 4) / step_s) % 1.0) < 1e-6 or \
+                    abs(((t - w * step_s / 4) / step_s) % 1.0 - 1.0) < 1e-6:
+                watch.add(t, loss_at(t) * math.exp(rng.normal(0.0, noise)))
+        t = round(t + 0.05, 9)
+        if abs(t * 2 - round(t * 2)) < 1e-9:
+            reason = watch.check(t)
+            if reason is not None:
+                return reason, t
+    return None, None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_job_that_steps_slowly_is_watched_too(seed):
+    """4 workers at 1.4 s a step send about 3 reports a second, fewer than a 1 s window's 6:
+    the level widens to the last 6 reports.  A divergence trips it within 3 s, which the 1 s
+    window alone (``max_window_s=1``) never saw; noisy convergence never trips it."""
+    def diverging(t):
+        return _converging(t) if t < 20.0 else 2.3
+
+    reasons = []
+    for watch in (LossWatch(), LossWatch(max_window_s=1.0)):
+        rng = np.random.default_rng(seed)
+        _feed_slowly(watch, 0.0, 4.0, _converging, rng)
+        watch.begin(4.0, "ssp/ps")
+        reasons.append(_feed_slowly(watch, 4.0, 30.0, diverging, rng))
+    (reason, at), blind = reasons
+    assert reason is not None and "ssp/ps" in reason and 20.0 < at <= 23.0, (reason, at)
+    assert blind == (None, None)
+    rng = np.random.default_rng(seed)
+    watch = LossWatch()
+    _feed_slowly(watch, 0.0, 4.0, _converging, rng)
+    assert watch.initial == pytest.approx(2.1, rel=0.2)
+    watch.begin(4.0, "ssp/ps")
+    assert _feed_slowly(watch, 4.0, 60.0, _converging, rng) == (None, None)
+
+
 def test_risen_says_when_the_loss_is_up_from_its_phases_lowest():
     """What a switch off the PS for another reason (a slower worker) reads to decide whether
     the ring restarts from a snapshot: the last second's mean more than 20% above the phase's
@@ -143,6 +185,8 @@ def test_a_phase_that_starts_high_is_judged_from_its_own_start():
 def test_the_settings_are_checked():
     with pytest.raises(ValueError, match="window_s"):
         LossWatch(window_s=0)
+    with pytest.raises(ValueError, match="max_window_s"):
+        LossWatch(window_s=2.0, max_window_s=1.0)
 
 
 def _ranked(label_times):

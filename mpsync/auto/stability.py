@@ -18,7 +18,8 @@ after 26 s on the PS.
 
 :class:`LossWatch` measures instead of predicting: the workers report their training loss
 (each a mean over its last iterations), and a policy *undoes its progress* when the mean
-loss over the last ``window_s`` rises back above the lowest level of its phase by more than
+loss over the last ``window_s`` (widened to the last ``min_reports`` reports where a job
+that steps slowly sent fewer: ``LossWatch.level``) rises back above the lowest level of its phase by more than
 ``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
 ``confirm`` consecutive checks; a non-finite loss is that at once.  Where the phase is still
 below the level it started from (it made progress of its own and gave part of it back), the
@@ -69,18 +70,21 @@ class LossWatch:
 
     def __init__(self, *, window_s: float = 1.0, min_reports: int = 6, undone: float = 0.3,
                  rise: float = 0.2, min_progress: float = 0.1, confirm: int = 2,
-                 persist_s: float = 3.0):
+                 persist_s: float = 3.0, max_window_s: float = 5.0):
         if not (window_s > 0 and min_reports >= 1 and 0 < undone and rise >= 0
-                and 0 <= min_progress < 1 and confirm >= 1 and persist_s >= 0):
+                and 0 <= min_progress < 1 and confirm >= 1 and persist_s >= 0
+                and max_window_s >= window_s):
             raise ValueError("LossWatch: window_s > 0, min_reports >= 1, undone > 0, "
-                             "rise >= 0, 0 <= min_progress < 1, confirm >= 1, persist_s >= 0")
+                             "rise >= 0, 0 <= min_progress < 1, confirm >= 1, persist_s >= 0, "
+                             "max_window_s >= window_s")
+        self.max_window_s = float(max_window_s)
         self.persist_s = float(persist_s)
         self._rising_since: float | None = None
         self._overshot = False       # this phase already had its one allowed overshoot
         self.window_s, self.min_reports = float(window_s), int(min_reports)
         self.undone, self.rise = float(undone), float(rise)
         self.min_progress, self.confirm = float(min_progress), int(confirm)
-        self.reports = deque()        # (time, loss, count) within the last window
+        self.reports = deque()        # (time, loss, count) within the last max_window_s
         self.total_reports = 0
         self.initial: float | None = None      # the first full window's mean loss
         self._first: list = []                 # the reports that make it
@@ -122,12 +126,25 @@ class LossWatch:
 
     # -- the test ------------------------------------------------------------------------------
     def level(self, now: float) -> float | None:
-        """The mean loss over the last ``window_s`` (None: fewer than ``min_reports``)."""
-        while self.reports and self.reports[0][0] < now - self.window_s:
+        """The mean loss over the last ``window_s``, widened back to the last ``min_reports``
+        reports where fewer arrived in it, as far as ``max_window_s`` (None: fewer than that).
+
+        A worker reports once a step at most, so a job whose n workers step less often than
+        ``min_reports / window_s`` times a second in all never filled the window: at 0.35 s
+        steps a 4x straggler held SSP's fast workers at its pace, about 3 reports a second
+        came, and the watch saw no level from the straggler's arrival to the next switch,
+        4 s in which it would have left a phase that had given back 95% of its progress
+        (bench/auto/README.md, *The loss watch of a job that steps slowly*)."""
+        while self.reports and self.reports[0][0] < now - self.max_window_s:
             self.reports.popleft()
-        if len(self.reports) < self.min_reports:
+        recent, since = [], now - self.window_s
+        for report in reversed(self.reports):
+            if report[0] < since and len(recent) >= self.min_reports:
+                break
+            recent.append(report)
+        if len(recent) < self.min_reports:
             return None
-        return _mean(self.reports)
+        return _mean(recent)
 
     def check(self, now: float) -> str | None:
         """Why the phase that began last undoes the run's progress, or None."""
