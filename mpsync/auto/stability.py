@@ -19,8 +19,8 @@ after 26 s on the PS.
 :class:`LossWatch` measures instead of predicting: the workers report their training loss
 (each a mean over its last iterations), and a policy *undoes its progress* when the mean
 loss over the last ``window_s`` (widened to the last ``min_reports`` reports where a job
-that steps slowly sent fewer: ``LossWatch.level``) rises back above the lowest level of its phase by more than
-``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
+that steps slowly sent fewer: ``LossWatch.level``) rises back above the lowest level of its
+phase by more than ``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
 ``confirm`` consecutive checks; a non-finite loss is that at once.  Where the phase is still
 below the level it started from (it made progress of its own and gave part of it back), the
 rise must also last ``persist_s``: a parameter server with a straggler overshoots and comes
