@@ -295,8 +295,9 @@ class Decider:
         policy left if it ran there, else the ring's best in the ranking that switched.  With
         no falling loss to measure against, a rate from the model alone confirmed a move
         between two of the parameter server's policies at +118% progress per second, and
-        the run then trained 40 s at a flat loss (bench/auto/README.md, *A confirmation with
-        no progress to measure against*); the ring's averaged updates carry no staleness."""
+        the run then needed 45 s more to reach its target (bench/auto/README.md, *A slow
+        job's loss watch, and a confirmation with nothing to measure against*); the ring's
+        averaged updates carry no staleness."""
         switched = next((r for r in reversed(self.records) if r.switch), None)
         if stalled is not None and judged:
             return self._stalled(left, switched, stalled, rate, left_rate, now_s, measured_s)

@@ -16,36 +16,33 @@ over a whole second and on two checks, is that instability, not minibatch noise 
 of 4 workers' reports moves by a few percent); at 0.5 the swinging run above was left only
 after 26 s on the PS.
 
-:class:`LossWatch` measures instead of predicting: the workers report their training loss
-(each a mean over its last iterations), and a policy *undoes its progress* when the mean
-loss over the last ``window_s`` (widened to the last ``min_reports`` reports where a job
-that steps slowly sent fewer: ``LossWatch.level``) rises back above the lowest level of its
-phase by more than ``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
+:class:`LossWatch` measures instead of predicting: the workers report their training loss (each
+a mean over its last iterations), and a policy *undoes its progress* when the mean loss over the
+last ``window_s`` (widened to the last ``min_reports`` reports where a job that steps slowly
+sent fewer: ``LossWatch.level``) rises back above the lowest level of its phase by more than
+``undone`` of the way to the run's initial loss (and by ``rise`` relative at least), on
 ``confirm`` consecutive checks; a non-finite loss is that at once.  Where the phase is still
-below the level it started from (it made progress of its own and gave part of it back), the
-rise must also last ``persist_s``: a parameter server with a straggler overshoots and comes
-back (fixed ASP on a CNN at lr 0.01 with momentum 0.9: the evaluation loss from 0.68-0.92 up
-to 1.19-1.88 for 2-3 s, each run reaching the target 3-8 s later), and a watch that left it
-on two checks cost those runs 10 s.  That allowance is made once per phase: a phase that
-swings up again is swinging, not overshooting (SSP at equal speeds, lr 0.05 with momentum
-0.9: the evaluation loss between 0.5 and 2.0 for 25 s in one run, each swing shorter than
-3 s), and is left on two checks; so is a phase back above its start, which undid more than
-it made.  (A rise seen on a single check uses the allowance up too: in that run the first
-swing showed on one check, the second on two.  The rule is read off these runs: 8 ASP runs
-at lr 0.01-0.1 rose on one stretch of checks each at most, 4 SSP runs at equal speeds on 1-4.
-Also leaving a rise below the start on two checks once it gave back 0.8 of the progress was
-tried, and dropped: an ASP run at lr 0.1 overshot by 0.83 and was taken back, 24.3 s to the
-target against 13.1-20.6 for the three others.)  Measured against the run's own progress
-(initial minus lowest), the test is scale-free and robust to the noise of minibatch losses,
-which is large against the loss itself late in a run and small against the progress made.
-Before the run has made ``min_progress`` of its initial loss there is no progress to undo,
-and nothing fires.  The serving side (``serving.AutoPolicy``) switches back to the policy it
-left and does not choose the diverging one (or, on the PS, any full-update candidate) again
-until a worker's speed or the number of workers changes.  Nothing is predicted, nothing is
-raced: the figures come from the training the job does anyway, at one 64-byte message per
-worker every 0.1 s
-(``mpsync.torch.strategies.switching``).
-"""
+below the level it started from (it made progress of its own and gave part of it back), the rise
+must also last ``persist_s``: a parameter server with a straggler overshoots and comes back
+(fixed ASP on a CNN at lr 0.01 with momentum 0.9: the evaluation loss from 0.68-0.92 up to
+1.19-1.88 for 2-3 s, each run reaching the target 3-8 s later), and a watch that left it on two
+checks cost those runs 10 s.  That allowance is made once per phase: a phase that swings up again
+is swinging, not overshooting (SSP at equal speeds, lr 0.05 with momentum 0.9: the evaluation
+loss between 0.5 and 2.0 for 25 s in one run, each swing shorter than 3 s), and is left on two
+checks; so is a phase back above its start, which undid more than it made.  (A rise seen on a
+single check uses the allowance up too: in that run the first swing showed on one check, the
+second on two.  The rule is read off these runs: 8 ASP runs at lr 0.01-0.1 rose on one stretch of
+checks each at most, 4 SSP runs at equal speeds on 1-4. Also leaving a rise below the start on
+two checks once it gave back 0.8 of the progress was tried, and dropped: an ASP run at lr 0.1
+overshot by 0.83 and was taken back, 24.3 s to the target against 13.1-20.6 for the three
+others.)  Measured against the run's own progress (initial minus lowest), the test is scale-free
+and robust to the noise of minibatch losses, which is large against the loss itself late in a
+run and small against the progress made. Before the run has made ``min_progress`` of its initial
+loss there is no progress to undo, and nothing fires.  The serving side (``serving.AutoPolicy``)
+switches back to the policy it left and does not choose the diverging one (or, on the PS, any
+full-update candidate) again until a worker's speed or the number of workers changes.  Nothing is
+predicted, nothing is raced: the figures come from the training the job does anyway, at one
+64-byte message per worker every 0.1 s (``mpsync.torch.strategies.switching``). """
 
 from __future__ import annotations
 
@@ -134,7 +131,7 @@ class LossWatch:
         steps a 4x straggler held SSP's fast workers at its pace, about 3 reports a second
         came, and the watch saw no level from the straggler's arrival to the next switch,
         4 s in which it would have left a phase that had given back 95% of its progress
-        (bench/auto/README.md, *The loss watch of a job that steps slowly*)."""
+        (bench/auto/README.md, *A slow job's loss watch*)."""
         while self.reports and self.reports[0][0] < now - self.max_window_s:
             self.reports.popleft()
         recent, since = [], now - self.window_s
