@@ -225,6 +225,30 @@ def test_ebsp_runs_the_monitoring_phase_after_every_barrier_and_learns_a_new_spe
     assert plan["z"] == [0, 3] and plan["target_iteration"] == [6, 9]
 
 
+def test_ebsp_plans_a_straggler_by_its_iterations_not_by_its_idle_steps():
+    """A worker waiting in a collective of the script's own steps idly every 1-50 ms and
+    reports its usual compute time each step (``Strategy.idle_step``).  ZipLine must still
+    predict it at its iteration time: a 0.4 s worker whose idle steps came 55 ms apart was
+    planned 13 more iterations (5 s of waiting for the others) in a 100 Mbit/s run."""
+    policy = make_policy(SyncConfig(policy="ebsp", topology="ring", lookahead=15), 2)
+    t = policy.t
+    t.registered[:] = True
+    t.last_event[:] = 0.0
+    # Worker 0 steps every 0.1 s; worker 1 finishes one 0.4 s iteration, then idles twice
+    # (55 ms apart, reporting its 0.4 s), which ends its monitoring phase.
+    events = [(0, 1, 0.1, 0.1), (0, 2, 0.1, 0.2), (0, 3, 0.1, 0.3), (0, 4, 0.1, 0.4),
+              (1, 1, 0.4, 0.4), (1, 2, 0.4, 0.455), (1, 3, 0.4, 0.51)]
+    for w, k, compute, now in events:
+        t.record_report(w, k, compute, now)
+        policy.on_step(w, k, compute, now)
+    plan = policy.plans[0]
+    assert plan["interval"] == pytest.approx([0.1, 0.4])
+    # Worker 1 next pushes at 0.91, 1.31, ...; worker 0 at 0.5, 0.6, ...: the barrier comes
+    # at worker 1's next iteration or the one after, not 13 iterations (5 s) later.
+    assert plan["z"][1] <= 1, plan
+    assert plan["target_iteration"][1] <= 5, plan
+
+
 def test_esync_on_the_ps_holds_every_pull_until_every_delta_of_the_round_is_in():
     """ESync Alg. 1 lines 17-22 on the PS: w_{t+1} is read only when every Δ of round t is in."""
     c = _PsClock("esync", 3)

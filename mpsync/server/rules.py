@@ -202,10 +202,16 @@ def describe_problem(msg) -> str | None:
 @jit
 def record_report(tables, w, k, compute, now):
     """Worker ``w`` reports local iteration ``k`` (``compute`` seconds, its own measure) at
-    ``now``: the time since its previous event is one iteration interval."""
+    ``now``: the time since its previous event is one iteration interval, and never less than
+    the compute the worker measured within it.  A shorter one is a report that came early: an
+    idle step's (a worker waiting in a collective of the script's own steps every 1-50 ms and
+    reports its usual compute), or one whose previous receipt the server's sleep delayed.
+    ZipLine predicts each worker's next pushes from this interval (``ElasticBSP``): a 4x
+    straggler's idle steps 55 ms apart read as the fastest worker, and the barrier planned 13
+    more of its 0.4 s iterations, a 5 s wait for the others (``bench/auto/README.md``)."""
     last = tables.last_event[w]
     if last == last:   # not NaN: an earlier event opened this interval
-        tables.interval[w] = now - last
+        tables.interval[w] = max(now - last, compute)
     tables.last_event[w] = now
     tables.iteration[w] = k
     tables.compute[w] = compute
@@ -213,7 +219,7 @@ def record_report(tables, w, k, compute, now):
 
 def record_report_reference(tables, w, k, compute, now):
     if not math.isnan(tables.last_event[w]):
-        tables.interval[w] = now - tables.last_event[w]
+        tables.interval[w] = max(now - tables.last_event[w], compute)
     tables.last_event[w] = now
     tables.iteration[w] = k
     tables.compute[w] = compute

@@ -22,7 +22,9 @@ class ElasticBSP(Policy):
     Each superstep has the two phases of Fig. 5.  *Monitoring*: after a worker passed a barrier
     (its reset), its steps are answered LOCAL until it has reported ``MONITOR_REPORTS`` times,
     which gives the server its current iteration interval (the time between its two latest
-    reports, on the server's clock).  *Prediction*: once every active worker has passed the
+    reports, on the server's clock, never less than the compute the worker reported for that
+    iteration: a worker idling in a collective of the script's own reports every 1-50 ms,
+    ``rules.record_report``).  *Prediction*: once every active worker has passed the
     last barrier and been monitored, the server predicts ``R`` iterations of each from its
     latest report and interval (``sched.predict``) and ZipLine picks the barrier with the least
     total waiting; worker p synchronizes at iteration ``z[p] + 1`` after its latest report.
