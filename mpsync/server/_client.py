@@ -164,7 +164,8 @@ class SyncClient(ParameterServerCalls):
         # Replies to requests sent without waiting (push_pull), collected before the next
         # call that waits for a reply: (request, buffer, seq, what).
         self._later: list = []
-        self._later_bufs = (W.new_msg(),)   # push_pull's reply, collected at the next call
+        # push_pull's replies, collected at the next call (ASP's: after the next exchange)
+        self._later_bufs = (W.new_msg(), W.new_msg())
         self._version = 0        # the model version in the latest pull reply collected
         self.iteration = 0
         # Control-plane bytes on this worker's link (headers, replies, their payloads).
@@ -277,9 +278,11 @@ class SyncClient(ParameterServerCalls):
             self._wait(rdata, what + " (payload)")
         return self._rep
 
-    def _collect_later(self) -> None:
-        """Wait for the replies to the requests sent without waiting (``push_pull``)."""
-        later, self._later = self._later, []
+    def _collect_later(self, keep: int = 0) -> None:
+        """Wait for the replies to the requests sent without waiting (``push_pull``), all
+        but the newest ``keep``."""
+        cut = max(len(self._later) - keep, 0)
+        later, self._later = self._later[:cut], self._later[cut:]
         for request, buf, seq, what in later:
             self._wait(request, what)
             self.control_received += _MSG_BYTES

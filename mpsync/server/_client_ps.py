@@ -82,9 +82,14 @@ class ParameterServerCalls:
         told of the push and the pull while the shards work; ``gated``, once every shard
         has applied the push (the staleness rules count only pushes that are in on every
         shard, which the sure pulls of others rely on).  Returns the model version of the
-        latest pull reply collected.  ``finite``: as :meth:`push`'s."""
+        latest pull reply collected.  ``finite``: as :meth:`push`'s.
+
+        Under ASP the reply to the previous ``push_pull`` is collected after this one's
+        exchange, not before it: the server need not wake up for a request whose reply
+        nobody waits for (``StateServer._not_awaited``), so, back to back, the reply may
+        still be on its way when the next exchange starts."""
         wire = self.shards.checked_push(np.ascontiguousarray(delta), finite)  # before any send
-        if self._later:
+        if self._later and (gated or len(self._later) >= len(self._later_bufs)):
             self._collect_later()
         if gated:
             if self.sure_pulls < 1:
@@ -93,7 +98,8 @@ class ParameterServerCalls:
             self.sure_pulls -= 1
 
         def tell_server():   # one header for both (``PUSH_PULL``), its reply the pull's
-            buf = self._later_bufs[0]
+            pending = {id(b) for _, b, _, _ in self._later}
+            buf = next(b for b in self._later_bufs if id(b) not in pending)
             request = self.comm.Irecv([buf, MPI.DOUBLE], source=self.server, tag=W.REPLY)
             self.comm.Send(self._header(iteration), dest=self.server, tag=W.PUSH_PULL)
             self._later.append((request, buf, self._seq, f"push_pull {iteration}"))
@@ -103,6 +109,7 @@ class ParameterServerCalls:
             self.shards.push_pull(wire, out, applied=tell_server)
         else:
             self.shards.push_pull(wire, out, meanwhile=tell_server)
+            self._collect_later(keep=1)   # the one before, had this exchange's time to come
         return self._version
 
     def push_then_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,

@@ -144,7 +144,7 @@ class MessageHandlers:
             return self._reject(src, W.PUSH_PULL, "push_pull with a payload: the shard "
                                                   "servers hold the model")
         if self._count_push(src, w, msg, now, _NO_PAYLOAD, W.PUSH_PULL):
-            self._on_pull(src, w, msg, now)
+            self._on_pull(src, w, msg, now, push_pull=True)
 
     def _count_push(self, src, w, msg, now, data, tag) -> bool:
         """Apply (a sharded PS: count) worker ``w``'s push; False if it was refused."""
@@ -169,7 +169,7 @@ class MessageHandlers:
         self.events.add(now - self.t0, w, "push", int(msg[W.ITER]))
         return True
 
-    def _on_pull(self, src, w, msg, now):
+    def _on_pull(self, src, w, msg, now, push_pull=False):
         if not self.weights.ready or (msg[W.FLAG] != 1 and not self.policy.may_pull(w)):
             # Held: worker 0's ps_init may still be on its way, or the staleness rule.
             if self.weights.ready:
@@ -179,9 +179,14 @@ class MessageHandlers:
             self.table.waiting[w] = True
             return
         self._answer_pull(src, w, float(msg[W.SEQ]), int(msg[W.COUNT]),
-                          final=msg[W.FLAG] == 1)
+                          final=msg[W.FLAG] == 1, push_pull=push_pull)
 
-    def _answer_pull(self, src, w, seq, count, final=False):
+    def _answer_pull(self, src, w, seq, count, final=False, push_pull=False):
+        """``push_pull``: answering a ``PUSH_PULL``, where the worker reads the shards in
+        one exchange; where the policy never holds a pull (ASP) its next one's reply is
+        collected later (``table.unawaited``, as ``pull_rules.ps_push_pull`` marks it).
+        A sure pull's is too, but the worker may still ask (a benchmark of the asked path
+        does): the loop keeps waking up for those."""
         problem = self.weights.pull_problem(count)
         if problem:
             return self._reject(src, W.PULL, problem)
@@ -192,8 +197,10 @@ class MessageHandlers:
             count = left_out.size
         # EXTRA: the further pushes whose pulls the policy grants whatever comes meanwhile
         # (``Policy.sure_pulls``): the worker reads those from the shards without asking.
+        extra = self.policy.sure_pulls(w)
         self._send_reply(src, seq, count=count, version=self.weights.version,
-                         extra=self.policy.sure_pulls(w), pull_round=round_)
+                         extra=extra, pull_round=round_)
+        self.table.unawaited[w] = push_pull and not final and self.pulls_ungated
         if left_out is not None:
             if left_out.size:
                 self.comm.Send([left_out, MPI.DOUBLE], dest=src, tag=W.REPLY_DATA)

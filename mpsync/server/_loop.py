@@ -15,7 +15,9 @@ polls a core at 100 %): it polls with ``Iprobe`` and has four speeds.
 * Expected (dedicated server): no sleep runs past the moment a computing worker's next report
   is due (its last event plus its last compute time); the loop polls again, yielding the
   core between polls, from 0.3 ms before that until 1 ms after.  A worker with 10 ms
-  iterations would otherwise find the server asleep for up to 1 ms at every query.
+  iterations would otherwise find the server asleep for up to 1 ms at every query.  Not for
+  a message whose reply the worker collects later (the sharded PS's ``PUSH_PULL`` under
+  ASP: ``_not_awaited``).
 
 Where Open MPI and the policy allow it (``_fastpath``), the hot window runs in compiled code:
 when a probe finds a message, one call receives, checks, records, decides and answers the
@@ -107,6 +109,8 @@ class StateServer(MessageHandlers):
         spec = config.resolved().spec
         # ESync §4.2: a report may be sent without waiting for its reply.
         self.delayed_ack = spec.reads("esync_delayed_ack")
+        # The sharded PS never holds a pull (ASP): its push-and-pull replies are read later.
+        self.pulls_ungated = bool(spec.ps_pull_ungated)
         self.table = self.policy.t
         self.cells = self.table.cells          # the arrays the per-message rules write
         self.policy.warm_up()
@@ -177,7 +181,8 @@ class StateServer(MessageHandlers):
             t = self.table
             self.ps = pull_rules.new_ps_tables(t.pushes, t.push_table, t.final_pushed, t.done,
                                                self.counters.pushes, self.counters.pulls,
-                                               self.policy.compiled_controller())
+                                               self.policy.compiled_controller(),
+                                               unawaited=t.unawaited)
             self.ps.cells[pull_rules.PS_BOUND] = self.policy.compiled_pull_bound()
             self.fast = _fastpath.FastPath(comm, self.index, kind, self.policy, self.cells,
                                            self.counters.cells, self.events.cells, self._msg,
@@ -264,7 +269,7 @@ class StateServer(MessageHandlers):
             nap = sleep
             if wake_ahead:
                 if due_stale:
-                    due = rules.next_report_due(self.cells, self.table.done)
+                    due = rules.next_report_due(self.cells, self._not_awaited())
                     due_stale = False
                 if due is not None:
                     ahead = due - now
@@ -283,6 +288,15 @@ class StateServer(MessageHandlers):
             time.sleep(nap)
             sleep = min(sleep * 2, _SLEEP_IDLE_MAX_S if quiet > _IDLE_AFTER_S else _SLEEP_MAX_S)
         return self.stats()
+
+    def _not_awaited(self) -> np.ndarray:
+        """The workers whose next message the loop need not wake up for: gone, or reporting
+        no steps with their next ``PUSH_PULL``'s reply collected later (``table.unawaited``:
+        ASP's).  Its handling would only take a core from the exchange with
+        the shards it overlaps, where ranks share cores (a reporting worker keeps its due
+        reports: its steps are answered at once)."""
+        t = self.table
+        return t.done | (t.unawaited & ~(t.compute > 0))
 
     def _serve_compiled(self, last_msg, hot_s, until, first_by):
         """``FastPath.serve``, with the store's version and the largest lead handed to it

@@ -47,6 +47,9 @@ class WorkerTable:
         self.registered = np.zeros(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)                 # sent shutdown
         self.final_pushed = np.zeros(n, dtype=bool)         # PS: sent its last update
+        # Sharded PS: its next push-and-pull's reply is collected later (ASP's:
+        # ``SyncClient.push_pull``), so the serve loop does not wake up ahead of it.
+        self.unawaited = np.zeros(n, dtype=bool)
 
     @property
     def active(self) -> np.ndarray:

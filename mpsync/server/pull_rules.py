@@ -57,12 +57,14 @@ class PSTables(NamedTuple):
     cells: np.ndarray         # int64 (6,): PS_VERSION ... PS_DSSP
     r_extra: np.ndarray       # int64: DSSP's r_p, the extra iterations granted and not run
     held: np.ndarray          # bool: DSSP's pull held by Alg. 1 line 17
+    unawaited: np.ndarray     # bool: its next PUSH_PULL's reply is collected later (ASP)
 
 
 def new_ps_tables(pushes, push_table, final_pushed, done, counted, pulls,
-                  controller=None) -> PSTables:
+                  controller=None, unawaited=None) -> PSTables:
     """The tables over the server's arrays; ``controller``: DSSP's ``(r_extra, held)``
-    (its rule is then compiled too, ``PS_DSSP``), None for every other policy."""
+    (its rule is then compiled too, ``PS_DSSP``), None for every other policy;
+    ``unawaited``: the server table's (None: an array of its own)."""
     cells = np.zeros(6, np.int64)
     cells[PS_BOUND] = NOT_SERVED
     n = pushes.shape[0]
@@ -71,8 +73,10 @@ def new_ps_tables(pushes, push_table, final_pushed, done, counted, pulls,
     else:
         r_extra, held = controller
         cells[PS_DSSP] = 1
+    if unawaited is None:
+        unawaited = np.zeros(n, np.bool_)
     return PSTables(pushes, push_table, final_pushed, done, counted, pulls, cells, r_extra,
-                    held)
+                    held, unawaited)
 
 
 @jit
@@ -123,8 +127,9 @@ def ps_push_pull(tables, ps, w, now):
     returns the further pulls sure to be granted (the reply's ``R_EXTRA``).  What
     ``_count_push`` and ``_answer_pull`` write, in their order: the version, the stats,
     ``Policy.on_push`` (DSSP's: r_p and the held flag), the pacing of a worker that reports
-    no steps, then the pull's count and the largest lead.  (Events are logged by the
-    caller, which knows the clock origin.)"""
+    no steps, then the pull's count and the largest lead, and whether the worker's next
+    ``PUSH_PULL`` is one whose reply it collects later (``unawaited``: no bound, ASP).
+    (Events are logged by the caller, which knows the clock origin.)"""
     ps.cells[PS_VERSION] += 1
     ps.counted[w] += 1
     ps.pushes[w] += 1
@@ -147,6 +152,7 @@ def ps_push_pull(tables, ps, w, now):
         if gap > ps.cells[PS_MAX_GAP]:
             ps.cells[PS_MAX_GAP] = gap
     bound = ps.cells[PS_BOUND]
+    ps.unawaited[w] = bound == BOUND_NONE
     if bound < 0 or ps.done[w] or ps.final_pushed[w]:
         return 0
     dssp = ps.cells[PS_DSSP] == 1
@@ -182,6 +188,7 @@ def ps_push_pull_reference(tables, ps, w, now) -> int:
                                    int(ps.pushes[w] - ps.pushes[active].min()))
     bound = int(ps.cells[PS_BOUND])
     going = ~(ps.done | ps.final_pushed)
+    ps.unawaited[w] = bound == BOUND_NONE
     if bound < 0 or not going[w]:
         return 0
     extra = 0
