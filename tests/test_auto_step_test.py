@@ -173,6 +173,36 @@ def test_the_estimate_waits_for_enough_strides_keeps_its_best_reading_and_resets
     assert test.kept().gain is None and test.best is None
 
 
+def test_a_gain_that_falls_within_the_window_is_read_from_its_later_strides():
+    """The ranking asks about the strides to come: where the later half of the window's
+    strides reads below the whole window by more than its spread, the estimate is the later
+    half's, its spread widened by the drop, and the note says so; a steady or a rising gain
+    keeps the window's reading (a straggler job's first ranking read 2.56 +- 0.37 from 21
+    strides whose later half read 1.87, and the parameter server lost to the ring)."""
+    steady, rising, falling = StepTest(4), StepTest(4), StepTest(4)
+    _reports(steady, 24, 0.01, 0.05, 0.001)
+    _reports(rising, 12, 0.01, 0.05, 0.006)
+    _reports(rising, 12, 0.01, 0.05, 0.001, start=1.2)
+    _reports(falling, 12, 0.01, 0.05, 0.001)
+    _reports(falling, 12, 0.01, 0.05, 0.006, start=1.2)
+    whole = stride_gain(0.24, 1.2, 0.084, 4)
+    later = stride_gain(0.12, 0.6, 0.072, 4)
+    assert later < whole - 0.5, (later, whole)
+    for test, gain in ((steady, stride_gain(0.24, 1.2, 0.024, 4)), (rising, whole)):
+        est = test.estimate()
+        assert est.gain == pytest.approx(gain, rel=1e-9) and "falling" not in est.note
+    est = falling.estimate()
+    assert est.gain == pytest.approx(later, rel=1e-9), est
+    assert est.sd >= whole - later and "falling: the later half" in est.note, est
+    # The slope gone in the later half, the ring's own stride rising there: no reading
+    # there, the ranking's floor, 0.
+    gone = StepTest(4)
+    _reports(gone, 12, 0.05, 0.1, 0.001)
+    _reports(gone, 12, 0.002, 0.05, 0.02, start=1.2)
+    assert stride_gain(0.024, 0.6, 0.24, 4) is None
+    assert gone.estimate().gain == 0.0 and gone.estimate().lower < 0
+
+
 def _equal_speeds(**kw):
     return Measurements(compute_s=(0.05,) * 4, aggregation_s=0.004, topologies=("ring", "ps"),
                         **kw)
