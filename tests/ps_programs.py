@@ -398,5 +398,38 @@ def bsp_round_left_out() -> None:
             moved=bool(not torch.equal(flat, torch.ones_like(flat))))
 
 
+def pulls_land_in_the_parameters() -> None:
+    """ASP on 2 shards, a float64 model, gradients set by hand (worker r's are r + 1 times a
+    power of two, so every sum is exact): the parameters share one storage (each is its
+    view of the flat tensor a pull lands in), and the final model holds every push exactly
+    once, also where the script rebound one parameter's ``.data`` mid-run (``rebind=1``).
+    ``server=1``: the shards run the optimizer."""
+    a = _args()
+    steps, rebind = int(a.get("steps", 6)), a.get("rebind") == "1"
+    mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated", deadline=60,
+             ps_shards=2, ps_optimizer="server" if a.get("server") == "1" else "worker")
+    me, workers = mps.rank(), mps.size()
+    torch.manual_seed(0)    # one starting model (the shards start from worker 0's)
+    model = torch.nn.Linear(30, 7).double()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    shared = []
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.25 * (me + 1))
+        opt.step()
+        shared.append(len({p.untyped_storage().data_ptr() for p in model.parameters()}))
+        if rebind and step == steps // 2:
+            model.weight.data = model.weight.data.clone()
+    opt.synchronize()
+    mps.shutdown()
+    moved = 0.5 * 0.25 * steps * sum(r + 1 for r in range(workers))
+    exact = all(torch.equal(p.detach(), s - moved) for p, s in zip(model.parameters(), start))
+    _result(rank=me, shared=shared, exact=exact)
+    if not exact:
+        raise AssertionError("the final model does not hold every push exactly once")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

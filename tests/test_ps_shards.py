@@ -282,3 +282,14 @@ def test_a_bsp_round_without_a_silent_worker_is_the_same_round_on_every_shard():
     assert "taken out of the bsp decisions" in run.stdout + run.stderr, run.report()
     for r in res.values():
         assert r["moved"] and r["halves_equal"], (r, run.report())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("args", [[], ["rebind=1"], ["server=1"]])
+def test_a_pull_lands_in_the_parameters_and_every_push_counts_once(args):
+    run = run_mpi("ps_programs:pulls_land_in_the_parameters", np=3, timeout=150, args=args)
+    res = run.results()
+    assert sorted(r["rank"] for r in res.values()) == [0, 1], run.report()
+    for r in res.values():
+        # One storage for all parameters after every step (bound again after the rebind).
+        assert r["exact"] and r["shared"] == [1] * 6, (r, run.report())
