@@ -53,7 +53,8 @@ class ParameterServer(LocalStepsThenAggregate):
     fusion buffer (and a float16 wire buffer under compression).  Δ is computed into
     ``_base`` itself and pushed from there: the push returns once every shard has applied
     it, and the pull that follows overwrites ``_base`` with the current weights, so the base
-    is not needed between the two.
+    is not needed between the two.  (With the shards' optimizer the base carries gradients
+    only: a one-exchange pull lands in the parameters and is not copied to it.)
 
     Parameters in host memory, in a dtype the shards store as it is (``_weights``): each
     parameter becomes a view of one flat tensor, so Δ is read from the parameters where the
@@ -371,7 +372,8 @@ class ParameterServer(LocalStepsThenAggregate):
             into = (self._weights if bound else flat).numpy()
             self.version = self.client.push_pull(delta, into, self.iteration,
                                                  gated=gated, finite=finite)
-            np.copyto(self._base, into)
+            if not self.server_optimizer:   # the shards' optimizer: the base holds gradients
+                np.copyto(self._base, into)
             if not bound:
                 self.buf.unpack_to_params()
         elif barrier or self.client.shards is None:
