@@ -238,3 +238,25 @@ def test_without_the_compiled_loop_a_shard_says_so_in_one_line(monkeypatch):
                     "loop serves"]
     assert not server.stats()["compiled_loop"]
     requests.Free()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_in_place_add_refuses_a_bad_value_anywhere_and_adds_numpys_bits_otherwise(dtype):
+    # The check reads the whole delta before the add (no early exit, so that it vectorizes):
+    # a bad value in the first, a middle or the last element still leaves the weights as
+    # they were, and a finite delta adds the bits numpy's ``weights + delta * scale`` gives.
+    rng = np.random.default_rng(3)
+    n = 10_007                                     # not a multiple of any vector width
+    weights = rng.standard_normal(n).astype(dtype)
+    delta = (rng.standard_normal(n) * 1e-3).astype(dtype)
+    for scale in (1.0, 0.25):
+        s = np.array([scale], dtype=dtype)
+        for at in (0, n // 2, n - 1):
+            for bad in (np.nan, np.inf, -np.inf):
+                poisoned, before = delta.copy(), weights.copy()
+                poisoned[at] = bad
+                assert not _shard_loop.add_checked_in_place(weights, poisoned, s)
+                assert np.array_equal(weights, before)
+        expected = weights + delta * s[0] if scale != 1.0 else weights + delta
+        assert _shard_loop.add_checked_in_place(weights, delta, s)
+        np.testing.assert_array_equal(weights, expected)

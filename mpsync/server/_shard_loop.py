@@ -60,7 +60,7 @@ from mpsync.server import _fastpath
 from mpsync.server._fastpath import (_get_count, _i32, _iprobe, _jit, _ptr, _recv,
                                      _sched_yield, _send, _status_layout, _test)
 from mpsync.server.shard_optimizer import step_pass
-from mpsync.server.weights import round_to_bfloat16, widen_bfloat16
+from mpsync.server.weights import _finite, round_to_bfloat16, widen_bfloat16
 
 __all__ = ["ShardLoop", "unavailable_reason", "QUIET", "PROBED", "RECEIVED", "REFUSED",
            "STUCK", "MPI_FAILED", "ADD", "HAND_BACK"]
@@ -232,11 +232,13 @@ def add_checked(weights, delta, scale, out):
 def add_checked_in_place(weights, delta, scale):
     """``weights += scale * delta`` (rounded as :func:`add_checked`) if every value of
     ``delta`` is finite, else False and the weights untouched: a checking pass, then the
-    add, for weights no reply reads (their cache lines stay warm: no third array to write)."""
-    for i in range(delta.size):
-        x = delta[i]
-        if (x - x) != 0:
-            return False
+    add, for weights no reply reads (their cache lines stay warm: no third array to write).
+
+    The check reads all of ``delta`` without stopping at the first bad value: a loop that
+    returns early is not vectorized, and on a 4.35 MB shard it took 0.45 ms of the call's
+    0.73 ms where the whole pass (``weights._finite``) takes 0.04 ms; a bad push is rare."""
+    if not _finite(delta):
+        return False
     s = scale[0]
     if s == 1:
         for i in range(weights.size):
@@ -250,12 +252,11 @@ def add_checked_in_place(weights, delta, scale):
 @_jit
 def step_checked(kind, weights, delta, out, settings, m, v, vmax, cells):
     """The optimizer's step (``step_pass``) with the gradient ``delta`` into ``out`` (may be
-    ``weights``), counted in ``cells[C_STEPS]``, if every value of ``delta`` is finite; else
-    False, and the weights and the state untouched."""
-    for i in range(delta.size):
-        x = delta[i]
-        if (x - x) != 0:
-            return False
+    ``weights``), counted in ``cells[C_STEPS]``, if every value of ``delta`` is finite (the
+    check as :func:`add_checked_in_place`'s); else False, and the weights and the state
+    untouched."""
+    if not _finite(delta):
+        return False
     cells[C_STEPS] += 1
     step_pass(kind, weights, out, delta, m, v, vmax, settings, cells[C_STEPS], False)
     return True
