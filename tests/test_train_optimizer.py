@@ -85,3 +85,49 @@ def test_train_runs_adam(topology, extra, tmp_path):
     assert c["ps_optimizer"] == ("server" if topology == "ps" else "worker")
     # Adam at lr 0.005 learns digits in 2 epochs: well above chance (10 classes).
     assert m["final_acc"] > 0.5 and m["evals"][0]["accuracy"] < m["final_acc"], m["evals"]
+
+
+def _steps(opt_class, params, grads, **kw) -> list:
+    """Twenty steps of ``opt_class`` from ``params`` with the gradients ``grads`` (a list per
+    step), the parameters after them."""
+    import torch
+
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = opt_class(ps, **kw)
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in ps]
+
+
+def test_train_fuses_the_step_where_it_steps_to_the_default_steps_bits():
+    import torch
+
+    from mpsync.apps.models import build_model
+    from mpsync.apps.trainer import fused_step
+
+    model = build_model((64,), 10, 0, "wide-mlp")
+    cpu = torch.device("cpu")
+    assert fused_step(model, cpu) == {"fused": True}
+    assert fused_step(model.to(torch.float64), cpu) == {"fused": True}
+    # Half precision keeps torch's default step (the fused kernel rounds once, not per
+    # operation), and so does a device without the kernel.
+    assert fused_step(build_model((64,), 10, 0, "wide-mlp").to(torch.bfloat16), cpu) == {}
+    assert fused_step(build_model((64,), 10, 0, "mlp").to("meta"), torch.device("meta")) == {}
+    # What the docstring promises, on the wide MLP's own shapes: the default step's result
+    # to rounding, for SGD (momentum; Nesterov and weight decay), Adam and AdamW.
+    gen = torch.Generator().manual_seed(0)
+    params = [p.detach().float() for p in build_model((64,), 10, 0, "wide-mlp").parameters()]
+    grads = [[torch.randn(p.shape, generator=gen) * 0.1 for p in params] for _ in range(20)]
+    for cls, kw in [(torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+                    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True,
+                                           weight_decay=1e-4)),
+                    (torch.optim.Adam, dict(lr=0.003, weight_decay=1e-4)),
+                    (torch.optim.AdamW, dict(lr=0.003))]:
+        fused = _steps(cls, params, grads, **kw, fused=True)
+        default = _steps(cls, params, grads, **kw)
+        moved = max((a - p).abs().max().item() for a, p in zip(default, params))
+        assert moved > 1e-3, "the steps must move the weights for the comparison to mean much"
+        for a, b in zip(fused, default):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -72,6 +72,28 @@ def build_optimizer_choice(args) -> OptimizerChoice:
                             weight_decay=getattr(args, "weight_decay", None))
 
 
+def fused_step(model, device) -> dict:
+    """``fused=True`` where torch has a fused step for the model's device and dtypes: the
+    optimizer then updates each parameter, its gradient and state in one pass instead of one
+    per arithmetic operation (SGD with momentum: three passes over the model fewer).  On the
+    wide MLP (2,176,010 float32) the step takes 0.58 ms instead of 0.78 alone, and four
+    compute-only processes on two cores train 6-9% more samples a second.  The arithmetic is
+    torch's own; in float32 and float64 it agrees with the default step's to rounding (the
+    fused kernel may contract a multiply and an add into one instruction: after 20 SGD steps
+    on the wide MLP, 1.5e-8 apart at most).  In half precision the fused kernels round once
+    where the default rounds per operation, so a bfloat16 or float16 model (and any device but
+    the CPU and CUDA) keeps torch's default step, as it would without mpsync.  (torch has
+    fused SGD, Adam and AdamW on the CPU and CUDA since 2.4; the pinned torch is newer.)"""
+    import torch
+
+    if device.type not in ("cpu", "cuda"):
+        return {}
+    if not all(p.dtype in (torch.float32, torch.float64) and p.device == device
+               for p in model.parameters()):
+        return {}
+    return {"fused": True}
+
+
 def train(args, config: SyncConfig, workers: int, resume: dict | None) -> int:
     """Run the training loop on this rank (a dedicated server rank serves inside init)."""
     w = Worker.start(args, config, workers, resume)
@@ -211,7 +233,8 @@ class Worker:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
         self.inner = getattr(torch.optim, self.optimizer_choice.torch_class)(
-            self.model.parameters(), **self.optimizer_choice.torch_kwargs())
+            self.model.parameters(), **self.optimizer_choice.torch_kwargs(),
+            **fused_step(self.model, self.device))
         self.x_test = torch.from_numpy(self.ds.x_test).to(self.device)
         self.y_test = torch.from_numpy(self.ds.y_test).to(self.device)
         self._restore_or_seed()
@@ -438,7 +461,9 @@ def _metrics(w: Worker, gathered: list[dict], final_wall: float) -> dict:
         "schema": 1,
         "config": {**w.config.to_dict(), "workers": w.n, "dataset": ds.name,
                    "partition": args.partition, "batch_size": args.batch_size,
-                   **w.optimizer_choice.to_dict(), "seed": args.seed, "epochs": args.epochs,
+                   **w.optimizer_choice.to_dict(),
+                   "fused_step": bool(w.inner.param_groups[0].get("fused")),
+                   "seed": args.seed, "epochs": args.epochs,
                    "time_budget": args.time_budget, "target_acc": args.target_acc,
                    "stop_at_target": args.stop_at_target,
                    "slowdown": hetero.factors, "slowdown_schedule": args.slowdown_schedule,
