@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 from mpsync.bench.memory import CASES
 
@@ -23,14 +24,28 @@ def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 def test_bench_allreduce_json_is_a_list_of_rows():
     sizes = [4096, 65536]
     r = _bench(["allreduce", "--np", "2", "--sizes", ",".join(map(str, sizes)), "--json",
-                "--max-repeats", "5", "--seconds-per-point", "0.2", "--timeout", "170"],
-               timeout=180)
+                "--max-repeats", "5", "--seconds-per-point", "0.2", "--timeout", "170",
+                "--pace", "compute"], timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout)  # the whole of stdout is the JSON list
     assert isinstance(rows, list) and [row["bytes"] for row in rows] == sizes
     for row in rows:
+        assert row["ps_pace"] == "compute", row
         for key in ROW_KEYS[1:]:
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+
+
+def test_the_paced_exchanges_wait_by_sleeping_or_by_computing_on_the_callers_thread():
+    from mpsync.bench.ps_exchange import PACES
+
+    for pace, computes in (("idle", False), ("compute", True)):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        PACES[pace](0.05)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        assert wall >= 0.05, (pace, wall)
+        # this thread's CPU time: most of the pace computing (a loaded machine may take
+        # some of its core), almost none sleeping
+        assert (cpu > 0.3 * wall) if computes else (cpu < 0.1 * wall), (pace, wall, cpu)
 
 
 def test_bench_memory_rows_per_policy():

@@ -211,6 +211,40 @@ def test_the_compiled_loop_records_who_it_heard_and_when_the_next_push_is_due():
     shard.close()
 
 
+def test_how_late_sleeps_wake_is_the_largest_recent_overshoot_decaying_per_sleep():
+    for late_wake in (_shard_loop.late_wake, _shard_loop.late_wake.py_func):
+        assert late_wake(0.0, 3e-3) == 3e-3                 # a late wake is taken at once
+        assert late_wake(3e-3, 1e-4) == pytest.approx(3e-3 * _shard_loop.LATE_DECAY)
+        estimate = 5e-3
+        for _ in range(300):                                # then forgotten, sleep by sleep
+            estimate = late_wake(estimate, 1e-4)
+        assert estimate == 1e-4
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_shard_polls_for_a_due_push_as_early_as_its_sleeps_have_been_waking_late(compiled):
+    # Beside a trainer computing on its core a shard's sleep wakes milliseconds late, and a
+    # push due meanwhile waits for it: the window before a due push in which the shard polls
+    # (and never sleeps) widens by how late its sleeps have been waking.
+    shard = _Shard(1_000, np.float32, compiled=compiled)
+    shard.client.init(np.zeros(1_000, np.float32))
+    times, late = shard.server._times, _shard_loop.T_LATE_WAKE
+    time.sleep(0.05)                    # idle, nothing due: it sleeps, and measures its wakes
+    assert 0.0 < times[late] < 0.05
+    times[_shard_loop.T_NEXT_DUE] = time.monotonic() + 0.5   # a push due in 0.5 s
+    for _ in range(2):                  # (again after any sleep begun before, which decays it)
+        times[late] = 1.0               # its sleeps wake 1 s late: the push is within reach
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert times[late] == 1.0, "the shard slept with the push due within its late wake"
+    times[late] = 0.0                   # they wake on time: 0.25 s ahead, it sleeps again
+    deadline = time.monotonic() + 0.2
+    while times[late] == 0.0:
+        assert time.monotonic() < deadline, "the shard did not sleep with nothing due soon"
+        time.sleep(0.005)
+    shard.close()
+
+
 def test_a_pull_reply_nobody_takes_is_cancelled_at_the_deadline_and_the_shard_serves_on():
     n = 1 << 20        # 4 MB: a rendezvous send, which completes only once it is received
     shard = _Shard(n, np.float32, compiled=True, deadline=0.5)

@@ -44,9 +44,10 @@ sizes, next to the ring's ``mpsync_ms`` (ring vs PS); ``ps_shard_ms``, the shard
 without the state server's round trips; their baseline ``ps_raw_ms``, a plain mpi4py program
 sending the same slices between the same ranks to echo threads (the faster of a blocking
 and a polling receiver), in the same job
-(``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of idling (``*_paced_ms``); and the
-data bytes one worker's exchange moved (``ps_wire_bytes``) beside the analytic minima
-(``ps_min_bytes``, ``ring_min_bytes``).
+(``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of idling (``*_paced_ms``;
+``--pace compute``: of computing, as a trainer does between exchanges); and the data bytes
+one worker's exchange moved (``ps_wire_bytes``) beside the analytic minima (``ps_min_bytes``,
+``ring_min_bytes``).
 
 ``--json`` prints only the list of rows, one per size, with the keys above (``ps_ms`` and
 ``ps_vs_ring`` when the PS job ran; ``np`` and the ratios ``mpsync_vs_horovod``,
@@ -82,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ps", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PS topology's push+pull at the same sizes (ps_ms; on by "
                         "default: ring vs PS at the same sizes; --no-ps skips the extra job)")
+    p.add_argument("--pace", choices=("idle", "compute"), default="idle",
+                   help="what the PS job's workers do for 20 ms before each *_paced_ms exchange: "
+                        "sleep (default) or compute on their main thread, as a trainer does")
     p.add_argument("--fp16", action="store_true",
                    help="also time Compression.fp16 allreduces (mpsync vs Horovod's own)")
     p.add_argument("--osp", action="store_true",
@@ -116,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--np must be >= 1, got {args.np}")
     sizes = byte_sizes(args.sizes, DEFAULT_SIZES)
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
-              "--seconds-per-point", str(args.seconds_per_point)] + \
+              "--seconds-per-point", str(args.seconds_per_point),
+              "--pace", getattr(args, "pace", "idle")] + \
         (["--fp16"] if getattr(args, "fp16", False) else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else []) \
@@ -187,7 +192,7 @@ def _print_table(table: list[dict]) -> None:
             "ps_paced_vs_raw", "ps_shard_paced_vs_raw", "ps_ssp_ms", "ps_ssp_asked_ms",
             "ps_ssp_vs_raw", "ps_ssp_asked_vs_raw", "ps_ssp_paced_ms", "ps_ssp_asked_paced_ms",
             "ps_ssp_paced_vs_raw", "ps_ssp_asked_paced_vs_raw", "ps_ssp_sure_share",
-            "ps_vs_ring", "ps_shards",
+            "ps_vs_ring", "ps_shards", "ps_pace",
             "ps_wire_bytes",
             "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
             "mpsync_fp16_vs_horovod_fp16", "mpsync_opt_fp16_ms", "mpsync_mpi_fp16_ms",
@@ -447,15 +452,19 @@ def _child_main(argv: list[str]) -> None:
     p.add_argument("--max-repeats", type=int, default=100)
     p.add_argument("--seconds-per-point", type=float, default=2.0)
     p.add_argument("--fp16", action="store_true")
+    p.add_argument("--pace", choices=("idle", "compute"), default="idle")
     a = p.parse_args(argv)
     if a.child == "ring":
         _ring_child(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point,
                     fp16=a.fp16)
         return
-    from mpsync.bench.ps_exchange import ps_child
+    sizes = byte_sizes(a.sizes, DEFAULT_SIZES)
+    if a.child == "ps":
+        from mpsync.bench.ps_exchange import ps_child
 
-    fn = {"ps": ps_child, "two_stage": _osp_child}[a.child]
-    fn(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point)
+        ps_child(sizes, a.max_repeats, a.seconds_per_point, a.pace)
+        return
+    _osp_child(sizes, a.max_repeats, a.seconds_per_point)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ transport), each the median over repeats of the slowest worker's time:
   (``SyncClient.push_then_pull``);
 * ``*_paced_ms``: each of these after ``PACE_S`` without any message (as
   between a training job's iterations, where a shard or server that sleeps while idle has
-  to wake up for the push).
+  to wake up for the push), the workers idle then (``--pace idle``, the default) or
+  computing on their main thread (``--pace compute``, as a trainer does: a shard thread on
+  the same core then shares it); ``ps_pace`` says which.
 
 Ratios: ``ps_vs_raw``, ``ps_shard_vs_raw``, ``ps_ssp_vs_raw``, ``ps_ssp_asked_vs_raw`` and
 their paced forms.  With the data bytes one
@@ -49,7 +51,7 @@ __all__ = ["ps_child", "PACE_S"]
 PACE_S = 0.02   # idle time before each paced exchange (an iteration's compute)
 
 
-def ps_child(sizes, max_repeats, budget) -> None:
+def ps_child(sizes, max_repeats, budget, pace: str = "idle") -> None:
     """The rank side of the PS job; rank 0 of the workers prints one ``ROW`` per size."""
     from mpi4py import MPI
 
@@ -59,7 +61,7 @@ def ps_child(sizes, max_repeats, budget) -> None:
     workers = world.Split(color=1 if is_worker else MPI.UNDEFINED, key=world.Get_rank())
     for nbytes in sizes:
         row = _bounded_exchange(_Session(world, control, workers, _bounded_ps_policy(), nbytes),
-                                max_repeats, budget)
+                                max_repeats, budget, pace)
         ps = _Session(world, control, workers, _ps_policy(), nbytes)
         if ps.client is None:   # the state server's rank: it served this size
             continue
@@ -86,13 +88,15 @@ def ps_child(sizes, max_repeats, budget) -> None:
                          max_repeats, budget))
         per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / (2 * (it[0] - calls))
         # One loop each: every worker then pushes once per PACE_S and a bit, as in training.
-        row.update(paced(workers, {"ps_paced_ms": exchange}, max_repeats, budget))
-        row.update(paced(workers, {"ps_shard_paced_ms": shard_exchange}, max_repeats, budget))
+        row.update(paced(workers, {"ps_paced_ms": exchange}, max_repeats, budget, pace))
+        row.update(paced(workers, {"ps_shard_paced_ms": shard_exchange}, max_repeats, budget,
+                         pace))
         ps.stop(idle_after=False)
-        row.update(_raw_slices(workers, ps.layout.hosts, weights.size, max_repeats, budget))
+        row.update(_raw_slices(workers, ps.layout.hosts, weights.size, max_repeats, budget,
+                               pace))
         if workers.Get_rank() == 0:
             size = workers.Get_size()
-            row.update({"bytes": nbytes, "ps_shards": ps.layout.count,
+            row.update({"bytes": nbytes, "ps_shards": ps.layout.count, "ps_pace": pace,
                         "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
                         "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size})
             for subject in ("ps", "ps_shard", "ps_ssp", "ps_ssp_asked"):
@@ -144,7 +148,7 @@ class _Session:
             _idle_barrier(self.world)
 
 
-def _bounded_exchange(ps: _Session, max_repeats, budget) -> dict:
+def _bounded_exchange(ps: _Session, max_repeats, budget, pace: str) -> dict:
     """Under ssp (the bound never binds: the workers are in step): ``ps_ssp_ms``, a push
     and a pull as ``ParameterServer._push_pull`` runs them, in one exchange per shard while
     the state server's last reply says the pull is sure (``SyncClient.pull_is_sure``); and
@@ -171,8 +175,8 @@ def _bounded_exchange(ps: _Session, max_repeats, budget) -> dict:
 
     row = timed(ps.workers, {"ps_ssp_ms": exchange, "ps_ssp_asked_ms": asked},
                 max_repeats, budget)
-    row.update(paced(ps.workers, {"ps_ssp_paced_ms": exchange}, max_repeats, budget))
-    row.update(paced(ps.workers, {"ps_ssp_asked_paced_ms": asked}, max_repeats, budget))
+    row.update(paced(ps.workers, {"ps_ssp_paced_ms": exchange}, max_repeats, budget, pace))
+    row.update(paced(ps.workers, {"ps_ssp_asked_paced_ms": asked}, max_repeats, budget, pace))
     row["ps_ssp_sure_share"] = sure[0] / tried[0]
     ps.stop()
     return row
@@ -186,19 +190,32 @@ def _idle_barrier(comm) -> None:
         time.sleep(1e-3)
 
 
-def paced(comm, methods: dict, max_repeats: int, budget: float) -> dict:
-    """Like :func:`~mpsync.bench._timing.timed`, each call after ``PACE_S`` of idling (every
-    rank sleeps after the barrier, then times the call): ``{name: median ms}``."""
+def _compute(seconds: float) -> None:
+    """``seconds`` of a training step's kind of work on this thread: small float32 matrix
+    products (one core with ``OMP_NUM_THREADS=1``)."""
+    a = np.full((96, 96), 1e-3, dtype=np.float32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
+PACES = {"idle": time.sleep, "compute": _compute}
+
+
+def paced(comm, methods: dict, max_repeats: int, budget: float, pace: str = "idle") -> dict:
+    """Like :func:`~mpsync.bench._timing.timed`, each call after ``PACE_S`` of ``pace`` on
+    every rank after the barrier (``"idle"``: sleeping; ``"compute"``: computing on the
+    caller's thread, as a trainer does), then times the call: ``{name: median ms}``."""
     from mpi4py import MPI
 
-    names = list(methods)
+    names, wait = list(methods), PACES[pace]
     repeats = comm.bcast(int(min(max_repeats, max(3, budget / (len(names) * PACE_S * 1.5)))),
                          root=0)
     times = np.zeros((len(names), repeats))
     for i in range(repeats):
         for j, name in enumerate(names):
             comm.Barrier()
-            time.sleep(PACE_S)
+            wait(PACE_S)
             t0 = time.perf_counter()
             methods[name]()
             times[j, i] = time.perf_counter() - t0
@@ -206,18 +223,19 @@ def paced(comm, methods: dict, max_repeats: int, budget: float) -> dict:
     return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}
 
 
-def _raw_slices(workers, hosts, n: int, max_repeats: int, budget: float) -> dict:
+def _raw_slices(workers, hosts, n: int, max_repeats: int, budget: float, pace: str) -> dict:
     """The PS exchange's baseline (module doc): ``ps_raw_ms`` and ``ps_raw_paced_ms``, each the
     faster of two plain programs (``_raw_program``): the echo thread in a blocking ``Probe``
     (it wakes at once after a pause) or polling ``Iprobe`` (it never spins inside Open MPI
     against the exchange on its rank); both under ``ps_raw_variants``."""
-    variants = {probe: _raw_program(workers, hosts, n, max_repeats, budget, probe)
+    variants = {probe: _raw_program(workers, hosts, n, max_repeats, budget, probe, pace)
                 for probe in ("blocking", "polled")}
     return {**{key: min(v[key] for v in variants.values()) for key in variants["polled"]},
             "ps_raw_variants": variants}
 
 
-def _raw_program(workers, hosts, n: int, max_repeats: int, budget: float, probe: str) -> dict:
+def _raw_program(workers, hosts, n: int, max_repeats: int, budget: float, probe: str,
+                 pace: str) -> dict:
     """Each worker sends every shard's slice to the rank hosting it and gets a slice back,
     answered there by an echo thread (``probe``: ``"blocking"`` or ``"polled"``); the
     exchange's requests are tested with ``time.sleep(0)`` between tests, which lets go of the
@@ -264,7 +282,7 @@ def _raw_program(workers, hosts, n: int, max_repeats: int, budget: float, probe:
             time.sleep(0)
 
     row = timed(replies, {"ps_raw_ms": exchange}, max_repeats, budget)
-    row.update(paced(replies, {"ps_raw_paced_ms": exchange}, max_repeats, budget))
+    row.update(paced(replies, {"ps_raw_paced_ms": exchange}, max_repeats, budget, pace))
     for h in hosts:
         comm.Send([np.zeros(1, dtype=np.uint8), MPI.BYTE], dest=h, tag=stop_tag)
     if thread is not None:

@@ -48,8 +48,10 @@ UNHEARD, HEARD_FROM, GONE = 0, 1, 2
 SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
 IDLE_AFTER_S = 0.05
 # Waking up for a push that is due (one push interval after a worker's last): no sleep runs
-# past WAKE_MARGIN_S before it, and the loop polls, yielding the core, until DUE_SLACK_S after
-# it (as the state server's loop does for reports; a sleep overshoots by ~0.1 ms here).
+# past WAKE_MARGIN_S before it, plus how late this thread's sleeps have been waking
+# (``_shard_loop.late_wake``: ~0.1 ms on an idle core, milliseconds beside a computing
+# trainer), and the loop polls, yielding the core, until DUE_SLACK_S after it (as the state
+# server's loop does for reports).
 # Intervals longer than PACE_MAX_S are not paced pushes (a worker in join, a checkpoint).
 WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S = 300e-6, 1e-3, 1.0
 
@@ -127,10 +129,11 @@ class ShardServer:
         self._spares: list[np.ndarray] = []    # weight buffers to add into (_spare)
         self._widened: np.ndarray | None = None  # a bfloat16 gradient, widened (apply_push)
         # Per worker: its last push (perf_counter, CLOCK_MONOTONIC as the compiled loop's
-        # clock) and when its next is due (inf: unknown); ``_times[0]``: the earliest of those.
+        # clock) and when its next is due (inf: unknown); ``_times[0]``: the earliest of those,
+        # ``_times[1]``: how late a sleep of this thread wakes (``_shard_loop.late_wake``).
         self._last_push = np.zeros(n_workers)
         self._push_due = np.full(n_workers, np.inf)
-        self._times = np.array([np.inf])
+        self._times = np.array([np.inf, 0.0])
         # The compiled loop (``_shard_loop``) where this MPI allows it, and the two buffers
         # besides the weights that it may sum a push into (the three take turns).
         self._loop: _shard_loop.ShardLoop | None = None
@@ -203,10 +206,14 @@ class ShardServer:
                 self._next_due = min((d for d in self._push_due if d > now - DUE_SLACK_S),
                                      default=float("inf"))
                 ahead = self._next_due - now
-            if -DUE_SLACK_S < ahead < WAKE_MARGIN_S:
+            margin = WAKE_MARGIN_S + self._times[_shard_loop.T_LATE_WAKE]
+            if -DUE_SLACK_S < ahead < margin:
                 sched_yield()   # a push is due about now: poll for it, others run first
                 continue
-            time.sleep(min(sleep, ahead - WAKE_MARGIN_S) if ahead > 0 else sleep)
+            pause = min(sleep, ahead - margin) if ahead > 0 else sleep
+            time.sleep(pause)
+            self._times[_shard_loop.T_LATE_WAKE] = _shard_loop.late_wake.py_func(
+                self._times[_shard_loop.T_LATE_WAKE], clock() - now - pause)
             idle = now - last > IDLE_AFTER_S
             sleep = min(2 * sleep, SLEEP_IDLE_S if idle else SLEEP_MAX_S)
         return self.stats()
