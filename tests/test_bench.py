@@ -13,7 +13,8 @@ import time
 from mpsync.bench.memory import CASES
 
 ROW_KEYS = ("bytes", "mpsync_ms", "horovod_ms", "mpi_ms", "ps_ms", "ps_shard_ms", "ps_raw_ms",
-            "ps_paced_ms", "ps_raw_paced_ms", "ps_ssp_ms", "ps_ssp_asked_ms", "ps_ssp_paced_ms")
+            "ps_paced_ms", "ps_raw_paced_ms", "ps_ssp_ms", "ps_ssp_asked_ms", "ps_ssp_paced_ms",
+            "ps_raw_apply_ms", "ps_raw_apply_paced_ms", "ps_vs_raw_apply")
 
 
 def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess:

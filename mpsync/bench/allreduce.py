@@ -192,6 +192,8 @@ def _print_table(table: list[dict]) -> None:
             "ps_paced_vs_raw", "ps_shard_paced_vs_raw", "ps_ssp_ms", "ps_ssp_asked_ms",
             "ps_ssp_vs_raw", "ps_ssp_asked_vs_raw", "ps_ssp_paced_ms", "ps_ssp_asked_paced_ms",
             "ps_ssp_paced_vs_raw", "ps_ssp_asked_paced_vs_raw", "ps_ssp_sure_share",
+            "ps_raw_apply_ms", "ps_vs_raw_apply", "ps_ssp_vs_raw_apply",
+            "ps_ssp_asked_vs_raw_apply",
             "ps_vs_ring", "ps_shards", "ps_pace",
             "ps_wire_bytes",
             "ps_min_bytes", "ring_min_bytes", "horovod_fp16_ms", "mpsync_fp16_ms",
