@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpsync.server import _shard_loop
+from mpsync.server import _fastpath, _shard_loop
 from mpsync.server.shard_optimizer import OptimizerSettings, ServerUpdates
 from mpsync.server.shard_server import (ACK, OK, PULL, PUSH, REFUSED, ShardServer, ShardThread,
                                         wire_code)
@@ -212,9 +212,10 @@ def test_the_compiled_loop_records_who_it_heard_and_when_the_next_push_is_due():
 
 
 def test_how_late_sleeps_wake_is_the_largest_recent_overshoot_decaying_per_sleep():
-    for late_wake in (_shard_loop.late_wake, _shard_loop.late_wake.py_func):
+    # (the shards' loops and the state server's loop share it)
+    for late_wake in (_fastpath.late_wake, _fastpath.late_wake.py_func):
         assert late_wake(0.0, 3e-3) == 3e-3                 # a late wake is taken at once
-        assert late_wake(3e-3, 1e-4) == pytest.approx(3e-3 * _shard_loop.LATE_DECAY)
+        assert late_wake(3e-3, 1e-4) == pytest.approx(3e-3 * _fastpath.LATE_DECAY)
         estimate = 5e-3
         for _ in range(300):                                # then forgotten, sleep by sleep
             estimate = late_wake(estimate, 1e-4)

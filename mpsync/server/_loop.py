@@ -67,7 +67,9 @@ _SLEEP_IDLE_MAX_S = 4e-3
 # Waking up for a report that is due (serve): sleep until this long before it, poll from then
 # on until this long after it.  The margin covers a sleep's overshoot (~0.1 ms median here);
 # the slack, a late worker (iteration-time jitter); past it the loop backs off as usual.  Each
-# expected report costs at most margin + slack of polling, with yields.
+# expected report costs at most margin + slack of polling, with yields.  The margin grows by
+# how late the loop's sleeps have been waking (``_fastpath.late_wake``): where ranks share
+# cores with computing trainers a sleep may end milliseconds late.
 _WAKE_MARGIN_S = 300e-6
 _DUE_SLACK_S = 1e-3
 _HOUSEKEEPING_S = 0.1   # how often silent workers and expired payload headers are looked for
@@ -211,6 +213,7 @@ class StateServer(MessageHandlers):
         due_stale = True     # the tables changed since ``due`` was computed
         fast, messages = self.fast, self.messages
         first_by = 0.0       # > 0: wait for a due report in compiled code until then
+        late, late_wake = 0.0, _fastpath.late_wake.py_func   # how late its sleeps wake
         while not self._stop:
             if first_by or iprobe(any_source, any_tag, status):
                 probed = True
@@ -273,7 +276,7 @@ class StateServer(MessageHandlers):
                     due_stale = False
                 if due is not None:
                     ahead = due - now
-                    if -_DUE_SLACK_S < ahead < _WAKE_MARGIN_S:
+                    if -_DUE_SLACK_S < ahead < _WAKE_MARGIN_S + late:
                         # A report is due about now: poll for it, but let a runnable process
                         # have the core first; it may be the very worker being waited for.
                         # In compiled code where it can be answered there: the report then
@@ -284,8 +287,9 @@ class StateServer(MessageHandlers):
                             os.sched_yield()
                         continue
                     if ahead > 0:
-                        nap = min(nap, ahead - _WAKE_MARGIN_S)
+                        nap = min(nap, ahead - _WAKE_MARGIN_S - late)
             time.sleep(nap)
+            late = late_wake(late, clock() - now - nap)
             sleep = min(sleep * 2, _SLEEP_IDLE_MAX_S if quiet > _IDLE_AFTER_S else _SLEEP_MAX_S)
         return self.stats()
 

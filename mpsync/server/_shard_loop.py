@@ -45,9 +45,9 @@ take turns as the weights' buffers do.
 Idle, the loop sleeps as the Python one did (20 µs doubling to 1 ms, 4 ms after 50 ms of
 silence) but never past a worker's next push: it keeps ``ShardServer``'s per-worker push
 clocks, in the same arrays, so a paced push finds the shard polling.  It starts polling
-``WAKE_MARGIN_S`` plus how late its own sleeps have woken of late (``late_wake``) before the
-push is due: beside a trainer computing on the same core a sleep ends late by up to a few
-milliseconds, and the push would wait for it (20 ms of compute between pushes, 64 KB, 2
+``WAKE_MARGIN_S`` plus how late its own sleeps have woken of late (``_fastpath.late_wake``)
+before the push is due: beside a trainer computing on the same core a sleep ends late by up
+to a few milliseconds, and the push would wait for it (20 ms of compute between pushes, 64 KB, 2
 workers: push+pull 1.3-1.4 ms with the fixed margin, 0.3 ms with this one).  And for
 ``DUE_SLACK_S`` after a push alone (not ``PUSH_PULL``) it polls for the pull that follows
 once the state server grants it.  It writes each worker's last-heard time
@@ -61,8 +61,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.server import _fastpath
-from mpsync.server._fastpath import (_get_count, _i32, _iprobe, _jit, _ptr, _recv,
-                                     _sched_yield, _send, _status_layout, _test)
+from mpsync.server._fastpath import (LATE_DECAY, _get_count, _i32, _iprobe, _jit, _ptr,
+                                     _recv, _sched_yield, _send, _status_layout, _test,
+                                     late_wake)
 from mpsync.server.shard_optimizer import step_pass
 from mpsync.server.weights import _finite, round_to_bfloat16, widen_bfloat16
 
@@ -94,7 +95,6 @@ T_NEXT_DUE, T_LATE_WAKE = 0, 1
 # loop's optimizer (handed back, not received); or one for ``step_pass`` (STEP_SGD,
 # STEP_ADAM).
 ADD, HAND_BACK = 0, -1
-LATE_DECAY = 0.98   # per sleep (``late_wake``): a busy spell is forgotten in ~100 sleeps
 
 unavailable_reason = _fastpath.unavailable_reason
 
@@ -266,17 +266,6 @@ def step_checked(kind, weights, delta, out, settings, m, v, vmax, cells):
     cells[C_STEPS] += 1
     step_pass(kind, weights, out, delta, m, v, vmax, settings, cells[C_STEPS], False)
     return True
-
-
-@_jit
-def late_wake(estimate, overshoot):
-    """How late a sleep of this thread wakes, given the last estimate and one sleep's
-    ``overshoot`` (woken minus asked for): the largest recent overshoot, each older one
-    decaying by ``LATE_DECAY`` per sleep.  A push due at ``t`` is then polled for from ``t -
-    WAKE_MARGIN_S - estimate``, not slept through: beside a computing thread on its core a
-    1 ms sleep wakes 0.9 ms late at the median and 3.4 ms at the 90th percentile (the kernel
-    lets the computing thread finish its slice), on an idle core 0.08 ms."""
-    return max(overshoot, estimate * LATE_DECAY)
 
 
 @_jit

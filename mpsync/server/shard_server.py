@@ -49,7 +49,7 @@ SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S = 20e-6, 1e-3, 4e-3
 IDLE_AFTER_S = 0.05
 # Waking up for a push that is due (one push interval after a worker's last): no sleep runs
 # past WAKE_MARGIN_S before it, plus how late this thread's sleeps have been waking
-# (``_shard_loop.late_wake``: ~0.1 ms on an idle core, milliseconds beside a computing
+# (``_fastpath.late_wake``: ~0.1 ms on an idle core, milliseconds beside a computing
 # trainer), and the loop polls, yielding the core, until DUE_SLACK_S after it (as the state
 # server's loop does for reports).
 # Intervals longer than PACE_MAX_S are not paced pushes (a worker in join, a checkpoint).
@@ -130,7 +130,7 @@ class ShardServer:
         self._widened: np.ndarray | None = None  # a bfloat16 gradient, widened (apply_push)
         # Per worker: its last push (perf_counter, CLOCK_MONOTONIC as the compiled loop's
         # clock) and when its next is due (inf: unknown); ``_times[0]``: the earliest of those,
-        # ``_times[1]``: how late a sleep of this thread wakes (``_shard_loop.late_wake``).
+        # ``_times[1]``: how late a sleep of this thread wakes (``_fastpath.late_wake``).
         self._last_push = np.zeros(n_workers)
         self._push_due = np.full(n_workers, np.inf)
         self._times = np.array([np.inf, 0.0])
