@@ -44,8 +44,8 @@ sizes, next to the ring's ``mpsync_ms`` (ring vs PS); ``ps_shard_ms``, the shard
 without the state server's round trips; their baseline ``ps_raw_ms``, a plain mpi4py program
 sending the same slices between the same ranks to echo threads (the faster of a blocking
 and a polling receiver), in the same job
-(``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of idling (``*_paced_ms``;
-``--pace compute``: of computing, as a trainer does between exchanges); and the data bytes
+(``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of computing, as a trainer does
+between exchanges (``*_paced_ms``; ``--pace idle``: of sleeping); and the data bytes
 one worker's exchange moved (``ps_wire_bytes``) beside the analytic minima (``ps_min_bytes``,
 ``ring_min_bytes``).
 
@@ -83,9 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ps", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PS topology's push+pull at the same sizes (ps_ms; on by "
                         "default: ring vs PS at the same sizes; --no-ps skips the extra job)")
-    p.add_argument("--pace", choices=("idle", "compute"), default="idle",
+    p.add_argument("--pace", choices=("compute", "idle"), default="compute",
                    help="what the PS job's workers do for 20 ms before each *_paced_ms exchange: "
-                        "sleep (default) or compute on their main thread, as a trainer does")
+                        "compute on their main thread, as a trainer does (default), or sleep")
     p.add_argument("--fp16", action="store_true",
                    help="also time Compression.fp16 allreduces (mpsync vs Horovod's own)")
     p.add_argument("--osp", action="store_true",
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = byte_sizes(args.sizes, DEFAULT_SIZES)
     common = ["--sizes", ",".join(map(str, sizes)), "--max-repeats", str(args.max_repeats),
               "--seconds-per-point", str(args.seconds_per_point),
-              "--pace", getattr(args, "pace", "idle")] + \
+              "--pace", getattr(args, "pace", "compute")] + \
         (["--fp16"] if getattr(args, "fp16", False) else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     jobs = [("ring", args.np)] + ([("ps", args.np + 1)] if args.ps else []) \
@@ -454,7 +454,7 @@ def _child_main(argv: list[str]) -> None:
     p.add_argument("--max-repeats", type=int, default=100)
     p.add_argument("--seconds-per-point", type=float, default=2.0)
     p.add_argument("--fp16", action="store_true")
-    p.add_argument("--pace", choices=("idle", "compute"), default="idle")
+    p.add_argument("--pace", choices=("compute", "idle"), default="compute")
     a = p.parse_args(argv)
     if a.child == "ring":
         _ring_child(byte_sizes(a.sizes, DEFAULT_SIZES), a.max_repeats, a.seconds_per_point,

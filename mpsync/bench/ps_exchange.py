@@ -24,9 +24,9 @@ transport), each the median over repeats of the slowest worker's time:
   (``SyncClient.push_then_pull``);
 * ``*_paced_ms``: each of these after ``PACE_S`` without any message (as
   between a training job's iterations, where a shard or server that sleeps while idle has
-  to wake up for the push), the workers idle then (``--pace idle``, the default) or
-  computing on their main thread (``--pace compute``, as a trainer does: a shard thread on
-  the same core then shares it); ``ps_pace`` says which;
+  to wake up for the push), the workers computing then on their main thread (``--pace
+  compute``, the default, as a trainer does: a shard thread on the same core then shares
+  it) or idle (``--pace idle``); ``ps_pace`` says which;
 * ``ps_raw_apply_ms`` (and paced): the blocking baseline whose echo thread also adds each
   slice into its own weights with numpy and replies with the sum: the least work a parameter
   server does with a push (where every core is busy, as back to back on 2 cores, that add is
@@ -53,10 +53,10 @@ from mpsync.bench._timing import timed
 
 __all__ = ["ps_child", "PACE_S"]
 
-PACE_S = 0.02   # idle time before each paced exchange (an iteration's compute)
+PACE_S = 0.02   # time before each paced exchange (an iteration's compute)
 
 
-def ps_child(sizes, max_repeats, budget, pace: str = "idle") -> None:
+def ps_child(sizes, max_repeats, budget, pace: str = "compute") -> None:
     """The rank side of the PS job; rank 0 of the workers prints one ``ROW`` per size."""
     from mpi4py import MPI
 
@@ -208,7 +208,7 @@ def _compute(seconds: float) -> None:
 PACES = {"idle": time.sleep, "compute": _compute}
 
 
-def paced(comm, methods: dict, max_repeats: int, budget: float, pace: str = "idle") -> dict:
+def paced(comm, methods: dict, max_repeats: int, budget: float, pace: str = "compute") -> dict:
     """Like :func:`~mpsync.bench._timing.timed`, each call after ``PACE_S`` of ``pace`` on
     every rank after the barrier (``"idle"``: sleeping; ``"compute"``: computing on the
     caller's thread, as a trainer does), then times the call: ``{name: median ms}``."""
