@@ -61,9 +61,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpsync.server import _fastpath
-from mpsync.server._fastpath import (LATE_DECAY, _get_count, _i32, _iprobe, _jit, _ptr,
-                                     _recv, _sched_yield, _send, _status_layout, _test,
-                                     late_wake)
+from mpsync.server._fastpath import (_get_count, _i32, _iprobe, _jit, _ptr, _recv,
+                                     _sched_yield, _send, _status_layout, _test, late_wake)
 from mpsync.server.shard_optimizer import step_pass
 from mpsync.server.weights import _finite, round_to_bfloat16, widen_bfloat16
 

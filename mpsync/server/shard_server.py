@@ -14,7 +14,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpsync.server import _shard_loop
+from mpsync.server import _fastpath, _shard_loop
 from mpsync.server._client import DeadlineExceeded
 from mpsync.server.shard_optimizer import ServerUpdates, pack_state
 from mpsync.server.weights import BFLOAT16, WeightStore, numpy_cast
@@ -212,7 +212,7 @@ class ShardServer:
                 continue
             pause = min(sleep, ahead - margin) if ahead > 0 else sleep
             time.sleep(pause)
-            self._times[_shard_loop.T_LATE_WAKE] = _shard_loop.late_wake.py_func(
+            self._times[_shard_loop.T_LATE_WAKE] = _fastpath.late_wake.py_func(
                 self._times[_shard_loop.T_LATE_WAKE], clock() - now - pause)
             idle = now - last > IDLE_AFTER_S
             sleep = min(2 * sleep, SLEEP_IDLE_S if idle else SLEEP_MAX_S)
