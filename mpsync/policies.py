@@ -100,6 +100,11 @@ class PolicySpec:
     (ESync) needs their own optimizer.
     ``ps_pull_ungated``: the server never holds a pull on the PS (ASP), so a worker pushes
     and pulls in one exchange per shard and collects the server's replies later.
+    ``steps_unawaited``: the server's answer to every step is SYNC (ASP, SSP, DSSP: every
+    iteration pushes, and what the rules decide they decide on the pull), so a worker
+    reports its step without waiting for the reply and collects it after its next exchange
+    (``SyncClient.step_unawaited``); under ASP the state server does not wake up for those
+    reports either.  Never under ``auto``, whose replies may name the policy to switch to.
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
     the fidelity table of docs/fidelity.md (:func:`fidelity_table`).  Each departure carries
     its key in brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
@@ -119,6 +124,7 @@ class PolicySpec:
     ps_average: bool = False
     ps_server_optimizer: bool = False
     ps_pull_ungated: bool = False
+    steps_unawaited: bool = False
     fidelity: Mapping[str, tuple[str, str]] = None
     simulation: Mapping[str, str] | None = None
 
@@ -198,7 +204,8 @@ _REGISTRY: dict[str, PolicySpec] = {}
 def register(name: str, *, description: str, server: str, strategies: Mapping[str, str],
              paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
              ps_average: bool = False, ps_server_optimizer: bool = False,
-             ps_pull_ungated: bool = False, simulation: Mapping[str, str] | None = None,
+             ps_pull_ungated: bool = False, steps_unawaited: bool = False,
+             simulation: Mapping[str, str] | None = None,
              fidelity: Mapping[str, tuple[str, str]] | None = None,
              replace: bool = False) -> PolicySpec:
     """Add a policy; returns its entry.
@@ -232,6 +239,7 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
                       topologies=tuple(strategies), server=server, strategies=strategies,
                       fast_path=fast_path, options=tuple(options), ps_average=ps_average,
                       ps_server_optimizer=ps_server_optimizer, ps_pull_ungated=ps_pull_ungated,
+                      steps_unawaited=steps_unawaited,
                       simulation=dict(simulation) if simulation else None,
                       fidelity=dict(fidelity or {}))
     old = _REGISTRY.get(name)
@@ -389,13 +397,14 @@ register(
 register(
     "asp", description="never wait: push updates, pull whatever is current", paper="DSSP §I.A",
     server=_SERVER + "ASP", strategies={"ps": "default"}, fast_path="tables",
-    ps_server_optimizer=True, ps_pull_ungated=True, simulation={"ps": "no_wait"},
+    ps_server_optimizer=True, ps_pull_ungated=True, steps_unawaited=True,
+    simulation={"ps": "no_wait"},
     fidelity={"ps": ("push every iteration, applied on arrival; pull whatever is current",
                      _PS_WORKER_OPTIMIZER)})
 register(
     "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
     paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},
-    fast_path="tables", options=("staleness",), ps_server_optimizer=True,
+    fast_path="tables", options=("staleness",), ps_server_optimizer=True, steps_unawaited=True,
     simulation={"ps": "staleness"},
     fidelity={"ps": ("a pull waits while the worker is more than s pushes ahead of the "
                      "slowest", _PS_WORKER_OPTIMIZER)})
@@ -403,6 +412,7 @@ register(
     "dssp", description="SSP whose bound moves within `[s_L, s_U]`, set per push by a controller",
     paper="DSSP Alg. 1-2", server=_SERVER + "DSSP", strategies={"ps": "default"},
     fast_path="tables", options=("staleness_low", "staleness_high"), ps_server_optimizer=True,
+    steps_unawaited=True,
     simulation={"ps": "dynamic_staleness"},
     fidelity={"ps": ("Alg. 1 server and Alg. 2 synchronization controller on every push",
                      "the controller is given the allowance left, not the full r_max, so the "

@@ -284,3 +284,63 @@ def test_the_gap_recorded_is_over_the_workers_the_bound_compares():
             ps.cells[pull_rules.PS_BOUND] = 2
             run(t.cells, ps, 1, 1.0)
             assert ps.cells[pull_rules.PS_MAX_GAP] == gap, (run, pushes, final)
+
+
+def _colocated(policy, topology="ps"):
+    """A client and its server (a thread of this process) over ``COMM_SELF``: real
+    messages, the server's own loop."""
+    from mpsync.server import SyncClient, start_colocated
+
+    comm = MPI.COMM_SELF.Dup()
+    config = SyncConfig.from_options(env={}, policy=policy, topology=topology,
+                                      server="colocated", silent_timeout=600.0, deadline=60.0)
+    return comm, start_colocated(comm, config), SyncClient(comm, config)
+
+
+@pytest.mark.parametrize("policy", ["asp", "ssp", "dssp"])
+def test_steps_are_reported_without_waiting_and_every_one_is_counted(policy):
+    from mpsync import policies
+
+    # Their servers answer every step SYNC (what they rule on is the pull); not the others'.
+    assert all(policies.get(p).steps_unawaited for p in ("asp", "ssp", "dssp"))
+    assert not any(policies.get(p).steps_unawaited for p in ("bsp", "ebsp", "esync", "osp",
+                                                             "auto"))
+    comm, server, client = _colocated(policy)
+    steps = 3 * len(client._later_bufs) + 1   # more than the buffers: the oldest are collected
+    try:
+        for k in range(1, steps + 1):
+            assert client.step_unawaited(k, 0.002).sync
+            assert len(client._later) <= len(client._later_bufs)
+        assert client.iteration == steps
+    finally:
+        client.shutdown()          # collects every reply still out (a call that waits)
+        stats = server.join(timeout=60)
+        comm.Free()
+    assert client._later == []
+    worker = stats["workers"]["0"]
+    assert (worker["iterations"], worker["last_iteration"]) == (steps, steps)
+    assert worker["decisions"] == {"LOCAL": 0, "SYNC": steps}
+    assert worker["compute_s"] == pytest.approx(0.002 * steps)
+
+
+def test_a_step_reported_without_waiting_that_the_server_answers_local_is_an_error():
+    # ElasticBSP answers a first step LOCAL (no barrier planned yet): a worker that took it
+    # for SYNC would aggregate alone, so the reply, once collected, raises.
+    from mpsync.server import ServerError
+
+    comm, server, client = _colocated("ebsp", topology="ring")
+    try:
+        assert client.step_unawaited(1, 0.002).sync
+        with pytest.raises(ServerError, match="answered LOCAL to a step"):
+            client.stats()
+        comm2, server2, twin = _colocated("ebsp", topology="ring")   # the same, waited for
+        try:
+            assert not twin.step(1, 0.002).sync
+        finally:
+            twin.shutdown()
+            server2.join(timeout=60)
+            comm2.Free()
+    finally:
+        client.shutdown()
+        server.join(timeout=60)
+        comm.Free()

@@ -69,7 +69,7 @@ class ParameterServerCalls:
         others do meanwhile (``sure_pulls``, with the replies still to collect collected)?
         Then :meth:`push_pull` may read it without asking (``gated``)."""
         if self._later:
-            self._collect_later()
+            self._collect_later(steps_if_in=True)   # (a step's reply says nothing of pulls)
         return self.sure_pulls > 0
 
     def push_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,
@@ -90,7 +90,7 @@ class ParameterServerCalls:
         still be on its way when the next exchange starts."""
         wire = self.shards.checked_push(np.ascontiguousarray(delta), finite)  # before any send
         if self._later and (gated or len(self._later) >= len(self._later_bufs)):
-            self._collect_later()
+            self._collect_later(steps_if_in=True)
         if gated:
             if self.sure_pulls < 1:
                 raise ValueError("push_pull(gated=True) of a pull the server may hold "
@@ -98,18 +98,15 @@ class ParameterServerCalls:
             self.sure_pulls -= 1
 
         def tell_server():   # one header for both (``PUSH_PULL``), its reply the pull's
-            pending = {id(b) for _, b, _, _ in self._later}
-            buf = next(b for b in self._later_bufs if id(b) not in pending)
-            request = self.comm.Irecv([buf, MPI.DOUBLE], source=self.server, tag=W.REPLY)
-            self.comm.Send(self._header(iteration), dest=self.server, tag=W.PUSH_PULL)
-            self._later.append((request, buf, self._seq, f"push_pull {iteration}"))
-            self.control_sent += _MSG_BYTES
+            self._post_later(W.PUSH_PULL, self._header(iteration), f"push_pull {iteration}")
 
         if gated:
             self.shards.push_pull(wire, out, applied=tell_server)
         else:
             self.shards.push_pull(wire, out, meanwhile=tell_server)
-            self._collect_later(keep=1)   # the one before, had this exchange's time to come
+            # The one before had this exchange's time to come; a step reported without
+            # waiting (ASP's) is taken if it is in, else at the next collection.
+            self._collect_later(keep=1, steps_if_in=True)
         return self._version
 
     def push_then_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,

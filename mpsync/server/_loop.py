@@ -113,6 +113,8 @@ class StateServer(MessageHandlers):
         self.delayed_ack = spec.reads("esync_delayed_ack")
         # The sharded PS never holds a pull (ASP): its push-and-pull replies are read later.
         self.pulls_ungated = bool(spec.ps_pull_ungated)
+        # Its steps are all SYNC (ASP): the workers collect those replies later too.
+        self.steps_unawaited = bool(spec.steps_unawaited)
         self.table = self.policy.t
         self.cells = self.table.cells          # the arrays the per-message rules write
         self.policy.warm_up()
@@ -298,8 +300,11 @@ class StateServer(MessageHandlers):
         no steps with their next ``PUSH_PULL``'s reply collected later (``table.unawaited``:
         ASP's).  Its handling would only take a core from the exchange with
         the shards it overlaps, where ranks share cores (a reporting worker keeps its due
-        reports: its steps are answered at once)."""
+        reports: its steps are answered at once, unless the policy's steps are unawaited
+        too, ``PolicySpec.steps_unawaited``)."""
         t = self.table
+        if self.steps_unawaited:
+            return t.done | t.unawaited
         return t.done | (t.unawaited & ~(t.compute > 0))
 
     def _serve_compiled(self, last_msg, hot_s, until, first_by):

@@ -149,6 +149,10 @@ class Strategy(Following):
             # Report without waiting and keep training on the implicit NOT-READY; aggregate
             # once the READY sent for an earlier report has arrived.
             decision = self.client.step_async(iteration, compute_time).poll() or _NOT_READY
+        elif self.code == 0 and spec_of(self.config).steps_unawaited:
+            # Every step is SYNC (ASP, SSP, DSSP: their rules rule on the pull): report, and
+            # collect the reply after the exchange.
+            decision = self.client.step_unawaited(iteration, compute_time)
         else:
             decision = self.client.step(iteration, compute_time)
         self.last_decision = decision
