@@ -323,6 +323,30 @@ def test_steps_are_reported_without_waiting_and_every_one_is_counted(policy):
     assert worker["compute_s"] == pytest.approx(0.002 * steps)
 
 
+@pytest.mark.parametrize("policy", ["asp", "ssp"])
+def test_the_server_does_not_wake_for_reports_nobody_waits_for(policy):
+    # A reporting worker (compute > 0) whose push-and-pull replies are read later: under ASP
+    # its steps are unawaited too, so the loop need not wake for its next message; SSP's
+    # next gated pull reads the sure pulls of a reply: it does.
+    comm, server = _server(policy)
+    try:
+        steps = []
+        for k in (1, 2):
+            msg = W.new_msg()
+            msg[W.SEQ], msg[W.ITER], msg[W.COMPUTE] = 10 + k, k, 0.01
+            steps.append(comm.Isend([msg, MPI.DOUBLE], dest=0, tag=W.STEP))
+        requests, _ = _send_push_pulls(comm, 1, first=3)
+        now = MPI.Wtime()
+        done = server._serve_compiled(now, 0.05, now + 30.0, 0.0)
+        MPI.Request.Waitall(steps + requests)
+        assert done.handled == 3, done
+        _replies(comm, 3)
+        assert server.table.compute[0] > 0
+        assert server._not_awaited().tolist() == [policy == "asp"]
+    finally:
+        comm.Free()
+
+
 def test_a_step_reported_without_waiting_that_the_server_answers_local_is_an_error():
     # ElasticBSP answers a first step LOCAL (no barrier planned yet): a worker that took it
     # for SYNC would aggregate alone, so the reply, once collected, raises.

@@ -113,7 +113,8 @@ class StateServer(MessageHandlers):
         self.delayed_ack = spec.reads("esync_delayed_ack")
         # The sharded PS never holds a pull (ASP): its push-and-pull replies are read later.
         self.pulls_ungated = bool(spec.ps_pull_ungated)
-        # Its steps are all SYNC (ASP): the workers collect those replies later too.
+        # Its steps are all SYNC (ASP, SSP, DSSP): the workers collect those replies later
+        # too, so under ASP nobody waits for any reply of a reporting worker.
         self.steps_unawaited = bool(spec.steps_unawaited)
         self.table = self.policy.t
         self.cells = self.table.cells          # the arrays the per-message rules write
