@@ -147,6 +147,33 @@ def test_mpsync_train_under_auto_crosses_topologies_and_ends_cleanly(tmp_path):
     assert timeline == [("bsp", "ring"), ("asp", "ps"), ("bsp", "ring")], timeline
 
 
+def test_auto_on_the_ps_counts_the_samples_the_server_applied_so_the_axis_never_goes_back(
+        tmp_path):
+    """On the PS, ``auto``'s samples axis goes on from the ring's last agreed sum by the
+    server's count of updates; worker 0's own samples times the workers ran ahead of it by
+    as much as the workers differ (here 3 against 2.125 at the straggler's 8x), and the last
+    evaluation, which sums every worker's samples, came out below the one before."""
+    import json
+    import os
+    import sys
+
+    from mpsync.launch import run_with_deadline
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), MPSYNC_AUTO_PLAN="2:asp")
+    env.pop("MPSYNC_DEBUG", None)
+    res = run_with_deadline([sys.executable, "-m", "mpsync.cli", "train", "--np", "3",
+                             "--policy", "auto", "--time-budget", "6", "--slowdown", "1,1,8",
+                             "--eval-every", "0.5", "--no-progress", "--no-plots",
+                             "--deadline", "60", "--out", str(tmp_path / "run")], 300, env=env,
+                            cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [t["policy"] for t in m["policy_timeline"]] == ["bsp", "asp"], m["policy_timeline"]
+    samples = [e["samples"] for e in m["evals"]]
+    assert len(samples) >= 6 and samples == sorted(samples), samples
+    assert samples[-1] == m["total_samples"], (samples, m["total_samples"])
+
+
 def test_leaving_a_diverging_ps_restarts_the_ring_from_earlier_weights():
     """The training loss the workers report rises back to its start 4 s after auto moved them
     to the parameter server: it goes back to the ring, every worker from the same weights,

@@ -110,9 +110,17 @@ class AutoStop:
         self.w = w
         self.reason: str | None = None
         self.ring, self.ps = RingStop(w), PsStop(w)
+        self.on_ps = False
 
     def after_step(self, round_before: int) -> bool:
-        rule = self.ps if self.w.opt.strategy.topology == "ps" else self.ring
+        w = self.w
+        on_ps = w.opt.strategy.topology == "ps"
+        if on_ps and not self.on_ps:
+            # The PS's model starts counting its updates at 0 at each move from the ring:
+            # they are samples beyond the ring's last sum, which every worker agreed on.
+            w.ps_samples_base = w.agreed_samples
+        self.on_ps = on_ps
+        rule = self.ps if on_ps else self.ring
         done = rule.after_step(round_before)
         self.reason = rule.reason if done else None
         return done
@@ -201,11 +209,10 @@ def ps_samples(w) -> int:
     (the pull's version), a batch each, over those before a resume.  Not this worker's
     samples times the workers, which overstates them by as much as the workers differ in
     speed, so that the final count (each worker's own, summed) came out below the evaluation
-    before it.  ``auto`` starts the server's count again at each switch: its estimate stays
-    the old one."""
-    if w.config.policy == policies.AUTO:
-        return w.samples * w.n
-    return w.samples_at_start + int(w.opt.strategy.version) * w.args.batch_size
+    before it.  ``auto`` starts the server's count again at each move from the ring: there the
+    count goes on from the ring's last agreed sum (:class:`AutoStop`)."""
+    base = w.ps_samples_base if w.config.policy == policies.AUTO else w.samples_at_start
+    return base + int(w.opt.strategy.version) * w.args.batch_size
 
 
 class StopSignal:

@@ -255,6 +255,7 @@ class Worker:
         self.samples_at_start = self.global_samples
         # The workers' samples as last summed exactly (the ring's stop checks).
         self.agreed_samples = self.global_samples
+        self.ps_samples_base = self.global_samples   # auto: where the PS's count starts
         self.start_time = time.perf_counter()
         # When a resumed run is ready to train: a supervisor's restart cost ends here.
         self.resumed_at_clock = time.time() if self.resume is not None else None
