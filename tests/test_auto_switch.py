@@ -125,24 +125,30 @@ def test_a_worker_stopped_on_the_ps_ends_the_job_instead_of_hanging_the_switch_b
     assert "worker rank(s) [2] silent" in run.stderr + str(run.ranks), run.report()
 
 
-def test_mpsync_train_under_auto_crosses_topologies_and_ends_cleanly(tmp_path):
-    """``mpsync train`` decides when to stop by the ring's rule on the ring and by the PS's
-    on the PS (where each worker counts its own rounds, so a stop check at round boundaries
-    would pair different rounds and straddle the switch back to the ring)."""
+def _train_auto(tmp_path, plan: str, budget: str, *more: str) -> dict:
+    """``mpsync train --np 3 --policy auto`` with the switches of ``plan``, the straggler
+    8x slower; its ``metrics.json``."""
     import json
     import os
     import sys
 
     from mpsync.launch import run_with_deadline
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), MPSYNC_AUTO_PLAN="3:asp,30:bsp")
+    env = dict(os.environ, PYTHONPATH=str(REPO), MPSYNC_AUTO_PLAN=plan)
     env.pop("MPSYNC_DEBUG", None)
     res = run_with_deadline([sys.executable, "-m", "mpsync.cli", "train", "--np", "3",
-                             "--policy", "auto", "--time-budget", "8", "--slowdown", "1,1,8",
-                             "--no-progress", "--no-plots", "--deadline", "60",
+                             "--policy", "auto", "--time-budget", budget, "--slowdown", "1,1,8",
+                             *more, "--no-progress", "--no-plots", "--deadline", "60",
                              "--out", str(tmp_path / "run")], 300, env=env, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    return json.loads((tmp_path / "run" / "metrics.json").read_text())
+
+
+def test_mpsync_train_under_auto_crosses_topologies_and_ends_cleanly(tmp_path):
+    """``mpsync train`` decides when to stop by the ring's rule on the ring and by the PS's
+    on the PS (where each worker counts its own rounds, so a stop check at round boundaries
+    would pair different rounds and straddle the switch back to the ring)."""
+    metrics = _train_auto(tmp_path, "3:asp,30:bsp", "8")
     timeline = [(t["policy"], t.get("topology", "ring")) for t in metrics["policy_timeline"]]
     assert timeline == [("bsp", "ring"), ("asp", "ps"), ("bsp", "ring")], timeline
 
@@ -153,21 +159,7 @@ def test_auto_on_the_ps_counts_the_samples_the_server_applied_so_the_axis_never_
     server's count of updates; worker 0's own samples times the workers ran ahead of it by
     as much as the workers differ (here 3 against 2.125 at the straggler's 8x), and the last
     evaluation, which sums every worker's samples, came out below the one before."""
-    import json
-    import os
-    import sys
-
-    from mpsync.launch import run_with_deadline
-
-    env = dict(os.environ, PYTHONPATH=str(REPO), MPSYNC_AUTO_PLAN="2:asp")
-    env.pop("MPSYNC_DEBUG", None)
-    res = run_with_deadline([sys.executable, "-m", "mpsync.cli", "train", "--np", "3",
-                             "--policy", "auto", "--time-budget", "6", "--slowdown", "1,1,8",
-                             "--eval-every", "0.5", "--no-progress", "--no-plots",
-                             "--deadline", "60", "--out", str(tmp_path / "run")], 300, env=env,
-                            cwd=str(tmp_path))
-    assert res.returncode == 0, res.stderr
-    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    m = _train_auto(tmp_path, "2:asp", "6", "--eval-every", "0.5")
     assert [t["policy"] for t in m["policy_timeline"]] == ["bsp", "asp"], m["policy_timeline"]
     samples = [e["samples"] for e in m["evals"]]
     assert len(samples) >= 6 and samples == sorted(samples), samples
