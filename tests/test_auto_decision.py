@@ -436,37 +436,3 @@ def test_within_the_models_uncertainty_the_best_is_tried_once_and_kept_if_measur
     assert d.confirm_switch(bsp, 10.0, 7.5, 7.0, 4.0).switch and d.current == bsp
     again = d.decide(ranked, equal, 12.0, "test")
     assert not again.switch and again.chosen == "bsp/ring", again.reason
-
-
-def test_no_move_to_the_parameter_server_before_the_run_has_timed_an_aggregation():
-    """At 100 Mbit/s the first ranking (no aggregation timed yet: the link assumed at
-    10 Gbit/s) once put ASP on the PS ahead and switched; measured 64-76% slower.  Now it
-    stays, ranks again at the first timed aggregation, and decides on the link as it is."""
-    ebsp = Candidate("ebsp", "ring")
-    # That run's first ranking (its 1,1,2,4 workers at 0.1 s; the noise scale's gain, and the
-    # step test's first reading, which raised it)
-    seen = dict(compute_s=(0.10, 0.16, 0.22, 0.40), jitter=0.14, topologies=("ring", "ps"),
-                ps_gain=1.5, ps_gain_sd=0.12, ps_stride_gain=1.89, ps_stride_gain_sd=0.43)
-    assumed = Measurements(**seen)
-    ranked = rank_candidates(assumed, LIVE)
-    assert ranked[0].candidate.topology == "ps", [r.candidate.label for r in ranked[:3]]
-    d = Decider(ebsp, explore=True)
-    assert d.wants_ranking(assumed) == "first measurement"
-    stay = d.decide(ranked, assumed, 1.1, "first measurement")
-    assert not stay.switch and "no aggregation timed" in stay.reason, stay.reason
-    assert d.wants_ranking(assumed) is None          # still nothing timed: no new ranking
-    # The first ElasticBSP barrier, timed on the slow link
-    timed = Measurements(aggregation_s=0.05, **seen)
-    trigger = d.wants_ranking(timed)
-    assert trigger and "first aggregation timed" in trigger, trigger
-    ranked = rank_candidates(timed, LIVE)
-    record = d.decide(ranked, timed, 2.4, trigger)
-    assert not record.switch and record.chosen == "ebsp/ring", (record.reason, [
-        (r.candidate.label, round(r.predicted_time_to_target_s, 1)) for r in ranked[:3]])
-    # On a fast link the same gain moves to the PS once the aggregation is timed.
-    d = Decider(ebsp, explore=True)
-    d.decide(rank_candidates(assumed, LIVE), assumed, 1.1, "first measurement")
-    fast = Measurements(aggregation_s=0.002, **seen)
-    trigger = d.wants_ranking(fast)
-    record = d.decide(rank_candidates(fast, LIVE), fast, 2.4, trigger)
-    assert record.switch and record.chosen.endswith("/ps"), record.reason

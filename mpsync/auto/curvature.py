@@ -137,6 +137,8 @@ class StepTest:
         self.reports: deque = deque(maxlen=max_reports)   # (time, worker, pairs, p, a, q)
         self.refused = 0
         self.best: StrideEstimate | None = None
+        # The clock's reading the notes count seconds from (the run's start on the server).
+        self.origin = 0.0
 
     def reset(self) -> None:
         """Forget every stride (the learning rate changed: they were the old rate's)."""
@@ -152,7 +154,7 @@ class StepTest:
             self.best = current
         if self.best is None or self.best is current:
             return current
-        return self.best.with_note(f"{self.best.note}, kept from {self.best.at:.1f} s (now: "
+        return self.best.with_note(f"{self.best.note}, kept from {self.best.at - self.origin:.1f} s (now: "
                                    f"{current.note.removeprefix('step test: ')})")
 
     def add(self, now: float, worker: int, pairs: int, p: float, a: float, q: float) -> bool:

@@ -20,7 +20,14 @@ import numpy as np
 from mpsync.auto.efficiency import ranked_gain
 
 __all__ = ["Measurements", "Window", "DEFAULT_TARGET_SAMPLES", "CHANGE_FLOOR_S",
-           "NOISE_MULTIPLE", "NOISE_REPORTS", "GAIN_CHANGE_FLOOR"]
+           "NOISE_MULTIPLE", "NOISE_REPORTS", "GAIN_CHANGE_FLOOR", "SLOW_LINK",
+           "SLOW_LINK_WORDS"]
+
+# The slow link a move to the parameter server is ranked on before the run has timed an
+# aggregation (``Decider.decide_on_slow_link``): bytes/s and seconds per message.  100 Mbit/s,
+# the slowest link mpsync's comparisons run on, and a switched Ethernet's tenth of a millisecond.
+SLOW_LINK = (12.5e6, 1e-4)
+SLOW_LINK_WORDS = "100 Mbit/s, 0.1 ms per message"
 
 # Samples of BSP-equivalent progress a job needs to reach its target when nothing says more
 # (the digits task of ``mpsync train`` reaches 0.9 after about 9-10k samples under BSP,
@@ -186,6 +193,14 @@ class Measurements:
         if self.ps_stride_gain is None:
             return None
         return self.ps_stride_gain, self.ps_stride_gain_sd
+
+    def on_slow_link(self) -> "Measurements":
+        """These measurements with the link at ``SLOW_LINK`` (where no aggregation was timed,
+        the ranking costs every transfer on the link; one that was timed stays as it is)."""
+        bandwidth, latency = SLOW_LINK
+        return replace(self, bandwidth=min(self.bandwidth, bandwidth),
+                       latency=max(self.latency, latency),
+                       notes=self.notes + (f"the link assumed slow ({SLOW_LINK_WORDS})",))
 
     def ranked_ps_gain(self) -> float:
         """The full-update gain the ranking uses (``efficiency.ranked_gain``)."""
