@@ -154,7 +154,8 @@ class StepTest:
             self.best = current
         if self.best is None or self.best is current:
             return current
-        return self.best.with_note(f"{self.best.note}, kept from {self.best.at - self.origin:.1f} s (now: "
+        return self.best.with_note(f"{self.best.note}, kept from "
+                                   f"{self.best.at - self.origin:.1f} s (now: "
                                    f"{current.note.removeprefix('step test: ')})")
 
     def add(self, now: float, worker: int, pairs: int, p: float, a: float, q: float) -> bool:

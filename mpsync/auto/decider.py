@@ -8,13 +8,14 @@ more than ``CHANGE_FLOOR_S``; or the aggregation by more than twice ``change_tol
 5 ms), seen on ``confirm`` consecutive checks, so one slow window is not a change (a rise
 of the step test's kept reading, which never falls back, is one at once), and switches only
 when the best candidate is predicted at least ``min_gain`` faster than the policy running,
-and not sooner than ``min_dwell_s`` after the last switch.  On a steady cluster it therefore decides once and
-switches at most once; what it decided, on what, and why, is in ``records``.  Two moves wait
-for a measurement rather than rest on an assumed figure: onto the parameter server's full
-updates before the run measured their gain, and from the ring to the parameter server before
-the run timed one aggregation (the link is then an assumed 10 Gbit/s); the first timed
-aggregation asks for a ranking of its own.  The second waits only where the move is not clear
-on a slow link as well (``decide_on_slow_link``: ranked again at 100 Mbit/s).
+and not sooner than ``min_dwell_s`` after the last switch.  On a steady cluster it therefore
+decides once and switches at most once; what it decided, on what, and why, is in
+``records``.  Two moves wait for a measurement rather than rest on an assumed figure: onto
+the parameter server's full updates before the run measured their gain, and from the ring to
+the parameter server before the run timed one aggregation (the link is then an assumed 10
+Gbit/s); the first timed aggregation asks for a ranking of its own.  The second waits only
+where the move is not clear on a slow link as well (``decide_on_slow_link``: ranked again at
+100 Mbit/s).
 
 A switch is a prediction until measured: after it, :meth:`Decider.confirm_switch` sets the progress
 per second measured under the new policy (its measured samples per second times the
