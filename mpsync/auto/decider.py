@@ -188,9 +188,7 @@ class Decider:
         """Choose among ``ranked`` (best first); the record says whether it switches."""
         if not ranked:
             raise ValueError("decide: no candidates were ranked")
-        ranked = [r for r in ranked if (r.candidate.label not in self.refuted
-                                        and r.candidate.label not in self.unstable)
-                  or r.candidate == self.current] or ranked
+        ranked = self._admitted(ranked)
         best = ranked[0]
         here = next((r for r in ranked if r.candidate == self.current), None)
         chosen, switch = self.current, False
@@ -261,6 +259,13 @@ class Decider:
             self.last_switch_s = now_s
         return record
 
+    def _admitted(self, ranked: list[Ranked]) -> list[Ranked]:
+        """``ranked`` without the candidates refuted or ruled out as unstable (the running one
+        stays); all of them where nothing else is left."""
+        return [r for r in ranked if (r.candidate.label not in self.refuted
+                                      and r.candidate.label not in self.unstable)
+                or r.candidate == self.current] or ranked
+
     def decide_on_slow_link(self, ranked: list[Ranked], m: Measurements, now_s: float,
                             *, cost_s: float = 0.0) -> DecisionRecord:
         """The move to the parameter server that ``decide`` held for want of a timed
@@ -278,9 +283,7 @@ class Decider:
         as before.  A link slower still is what the confirmation after the switch measures."""
         self.wants_slow_link = False
         trigger = f"the held move ranked on an assumed slow link ({SLOW_LINK_WORDS})"
-        ranked = [r for r in ranked if (r.candidate.label not in self.refuted
-                                        and r.candidate.label not in self.unstable)
-                  or r.candidate == self.current] or ranked
+        ranked = self._admitted(ranked)
         best = next((r for r in ranked if r.candidate.topology == "ps"), None)
         here = next((r for r in ranked if r.candidate == self.current), None)
         gain = (here.predicted_time_to_target_s / best.predicted_time_to_target_s - 1.0
