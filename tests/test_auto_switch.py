@@ -164,6 +164,13 @@ def test_auto_on_the_ps_counts_the_samples_the_server_applied_so_the_axis_never_
     samples = [e["samples"] for e in m["evals"]]
     assert len(samples) >= 6 and samples == sorted(samples), samples
     assert samples[-1] == m["total_samples"], (samples, m["total_samples"])
+    # The count on the PS goes on from the samples taken at the move, which the workers
+    # agree on at the ring's last round (BSP: a step of each of the 3 workers per round),
+    # not from the last stop check before it (BSP checks every 5 rounds: here, the start).
+    moved = m["switches"][0]
+    batch = m["config"]["batch_size"]
+    assert moved["to_topology"] == "ps" and moved["round"] == 2, moved
+    assert moved["samples"] == moved["round"] * 3 * batch, moved
 
 
 def test_leaving_a_diverging_ps_restarts_the_ring_from_earlier_weights():

@@ -93,12 +93,14 @@ class RingStop:
         self.agreed_at = (w.agreed_samples, w.samples)
         self.share = float(w.n)
 
-    def after_step(self, round_before: int) -> bool:
+    def after_step(self, round_before: int, *, check: bool = False) -> bool:
+        """Whether the run stops after this step; ``check``: agree on the sum at this round
+        whether or not one is due (every worker must pass it, as at any check)."""
         import torch
 
         w, rnd = self.w, self.w.opt.strategy.round
         done = False
-        if rnd != self.last_checked and w.round % self.check_every == 0:
+        if rnd != self.last_checked and (check or w.round % self.check_every == 0):
             self.last_checked = rnd
             agreed = w.mps.allreduce(torch.tensor([w.samples, int(w.time_up()),
                                                    int(w.reached_target)], dtype=torch.int64),
@@ -143,11 +145,24 @@ class AutoStop:
     def after_step(self, round_before: int) -> bool:
         w = self.w
         on_ps = w.opt.strategy.topology == "ps"
-        if on_ps and not self.on_ps:
+        moved = on_ps and not self.on_ps
+        self.on_ps = on_ps
+        if moved and w.opt.strategy.round != round_before:
+            # The step that moved to the PS closed the ring's last round (every worker
+            # switches after it): the workers agree on the samples there, the ring's rule once
+            # more.  Without it the PS's count went on from the round before, and the axis
+            # (which never goes back) stood still for a round's samples, 1.2 s in a CNN job.
+            done = self.ring.after_step(round_before, check=True)
+            w.ps_samples_base = w.agreed_samples
+            switches = getattr(w.opt.strategy, "switches", None)
+            if switches:   # (the metrics' record of the move: the samples taken before it)
+                switches[-1]["samples"] = w.agreed_samples
+            self.reason = self.ring.reason if done else None
+            return done
+        if moved:
             # The PS's model starts counting its updates at 0 at each move from the ring:
             # they are samples beyond the ring's last sum, which every worker agreed on.
             w.ps_samples_base = w.agreed_samples
-        self.on_ps = on_ps
         rule = self.ps if on_ps else self.ring
         done = rule.after_step(round_before)
         self.reason = rule.reason if done else None
