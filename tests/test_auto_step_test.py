@@ -351,3 +351,29 @@ def test_a_rise_of_the_kept_step_test_asks_for_a_ranking_at_once_a_noise_scale_r
     assert noisy.ranked_ps_gain() > first.ranked_ps_gain() + 0.1
     assert d.wants_ranking(noisy) is None
     assert "statistical efficiency" in d.wants_ranking(noisy)
+
+
+def test_soon_after_a_ranking_only_what_needs_one_check_asks_again():
+    """Within ``RANK_EVERY_S`` of a ranking the checks go on every ``CHECK_EVERY_S``, and
+    a rise of the step test's kept reading asks at once (a CNN at lr 0.1 read 1.50 +- 63.6
+    at its first ranking and waited 1 s for the next, where it read 2.97 +- 0.86); a change
+    that needs two checks is neither asked for nor counted there."""
+    from mpsync.auto import Decider
+
+    seen = dict(compute_s=(0.15, 0.15, 0.30, 0.60), topologies=("ring", "ps"), ps_gain=1.09,
+                ps_gain_sd=0.13)
+    first = Measurements(ps_stride_gain=1.50, ps_stride_gain_sd=63.6, **seen)
+    d = Decider(Candidate("ebsp", "ring"))
+    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    rose = Measurements(ps_stride_gain=2.97, ps_stride_gain_sd=0.86, **seen)
+    trigger = d.wants_ranking(rose, soon=True)
+    assert trigger and "statistical efficiency" in trigger, trigger
+
+    d = Decider(Candidate("ebsp", "ring"))
+    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    slower = Measurements(**{**seen, "compute_s": (0.15, 0.15, 0.30, 1.20)},
+                          ps_stride_gain=1.50, ps_stride_gain_sd=63.6)
+    assert d.wants_ranking(slower, soon=True) is None
+    assert d.wants_ranking(slower, soon=True) is None      # not counted: still no ranking
+    assert d.wants_ranking(slower) is None                 # the first counted check
+    assert "compute" in d.wants_ranking(slower)            # the second

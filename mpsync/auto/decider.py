@@ -126,9 +126,13 @@ class Decider:
     def switches(self) -> int:
         return sum(r.switch for r in self.records)
 
-    def wants_ranking(self, m: Measurements) -> str | None:
+    def wants_ranking(self, m: Measurements, *, soon: bool = False) -> str | None:
         """Why the cluster needs a (new) decision, or None.  The first call always wants
-        one; later ones only for a change confirmed on ``confirm`` consecutive calls."""
+        one; later ones only for a change confirmed on ``confirm`` consecutive calls.
+        ``soon``: a check soon after the last ranking, where only what needs no second
+        check asks again (a first timed aggregation or measured gain, a new learning rate,
+        a rise of the step test's kept reading); a change that does is counted at the
+        checks a ranking apart."""
         if self.basis is None:
             return "first measurement"
         if self._awaits_network and m.aggregation_s is not None:
@@ -145,9 +149,11 @@ class Decider:
         if change is None:
             self._seen = 0
             return None
+        rose = change.startswith("statistical efficiency") and _stride_rose(self.basis, m)
+        if soon and not rose:
+            return None
         self._seen += 1
-        if self._seen < self.confirm and not (change.startswith("statistical efficiency")
-                                              and _stride_rose(self.basis, m)):
+        if self._seen < self.confirm and not rose:
             return None
         self._seen = 0
         self.refuted.clear()
