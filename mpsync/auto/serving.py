@@ -525,7 +525,12 @@ class AutoPolicy(Policy):
             return
         if self.switch_after is not None or self.gathering is not None or now < self.next_check:
             return
-        self.next_check = now + CHECK_EVERY_S
+        # A check soon after a ranking leaves the next one where it was before there were
+        # such checks, a ranking's length after it: a change that needs two checks is
+        # ranked no later for them (one more check in between put it 0.2 s later).
+        soon = now - self.ranked_at < RANK_EVERY_S
+        self.next_check = min(now + CHECK_EVERY_S, self.ranked_at + RANK_EVERY_S) if soon \
+            else now + CHECK_EVERY_S
         self._confirm(now)
         if self.switch_after is None and self.gathering is None:
             self._watch_loss(now)
@@ -538,7 +543,7 @@ class AutoPolicy(Policy):
                                                      source="live reports"), now)
         # (A rise of the step test's kept reading soon after the first ranking: a CNN at lr
         # 0.1 read 1.50 +- 63.6 at its first ranking, 2.97 +- 0.86 at the next, 1 s later.)
-        trigger = self.decider.wants_ranking(m, soon=now - self.ranked_at < RANK_EVERY_S)
+        trigger = self.decider.wants_ranking(m, soon=soon)
         if trigger is not None and ("compute" in trigger or "workers" in trigger):
             # A worker's speed changed: the rates before and after a switch compare not (an
             # aggregation that changed may be the switch's doing); the running policy's rate
@@ -547,6 +552,7 @@ class AutoPolicy(Policy):
         if trigger is not None:
             self._ask(m, trigger, now)
             self.ranked_at = now
+            self.next_check = now + CHECK_EVERY_S
 
     def _answered(self, answer: dict, now: float) -> None:
         trigger, m, asked_at = self.asked
