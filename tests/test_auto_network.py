@@ -132,3 +132,43 @@ def test_the_server_policy_ranks_a_held_move_on_a_slow_link_in_its_helper_and_sw
         assert second.extra["answered_after_s"] >= 0
     finally:
         pol.ranker.close()
+
+
+def test_the_server_policy_checks_again_half_a_ranking_after_one_on_the_ring():
+    """After a ranking that kept the ring, the next check comes ``CHECK_EVERY_S`` later (a
+    step test's rise asks there at once), and the one after it a ranking's length after the
+    ranking, where it was before: a change that needs two checks is not put off by it."""
+    from mpsync.auto.serving import CHECK_EVERY_S, RANK_EVERY_S
+    from mpsync.config import SyncConfig
+    from mpsync.server.policies import make_policy
+
+    pol = make_policy(SyncConfig(policy="auto").validate(), 4)
+    pol.warm_up()
+    pol.t0 = pol.stride.origin = 0.0
+    for w, seconds in enumerate((0.15, 0.15, 0.30, 0.60)):
+        for _ in range(3):
+            pol.window.add_compute(w, seconds)
+    try:
+        deadline = time.monotonic() + 120
+        while pol.asked is not None and time.monotonic() < deadline:   # the warm-up's
+            pol._think(0.5)
+            time.sleep(0.02)
+        first = 1.9
+        pol._think(first)
+        assert pol.asked is not None and pol.asked[0] == "first measurement", pol.asked
+        deadline = time.monotonic() + 120
+        while pol.asked is not None and time.monotonic() < deadline:
+            pol._think(first + 0.01)
+            time.sleep(0.02)
+        assert pol.decider.records and pol.switch_after is None, \
+            [(r.trigger, r.chosen, r.reason) for r in pol.decider.records]
+        checked = len(pol.stride_series)
+        pol._think(first + CHECK_EVERY_S - 0.01)
+        assert len(pol.stride_series) == checked             # not yet
+        pol._think(first + CHECK_EVERY_S + 0.1)
+        assert len(pol.stride_series) == checked + 1         # the check soon after
+        assert pol.next_check == first + RANK_EVERY_S
+        pol._think(first + RANK_EVERY_S)
+        assert len(pol.stride_series) == checked + 2
+    finally:
+        pol.ranker.close()
