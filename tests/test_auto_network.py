@@ -172,3 +172,38 @@ def test_the_server_policy_checks_again_half_a_ranking_after_one_on_the_ring():
         assert len(pol.stride_series) == checked + 2
     finally:
         pol.ranker.close()
+
+
+def test_on_the_ps_the_aggregation_the_last_ranking_used_stands():
+    """On the PS the window times no ring aggregation, so its median is what the ring's last
+    rounds left in it: a round timed after the ranking that moved the run (4.6 ms, then
+    14.8) read as "aggregation 4.6 -> 9.7 ms/round" there and ranked again.  On the ring the
+    same two timings are a change."""
+    from mpsync.config import SyncConfig
+    from mpsync.policies import auto_code
+    from mpsync.server.policies import make_policy
+
+    def policy_after_a_ranking(running):
+        pol = make_policy(SyncConfig(policy="auto").validate(), 4)
+        pol.t0 = pol.stride.origin = 0.0
+        for w, seconds in enumerate((0.15, 0.15, 0.30, 0.60)):
+            for _ in range(3):
+                pol.window.add_compute(w, seconds)
+        pol.window.add_aggregation(0.0046)
+        m = pol._live_measurements(2.0)
+        pol.decider.decide(rank_candidates(m), m, 2.0, pol.decider.wants_ranking(m))
+        pol.window.add_aggregation(0.0148)    # a round after the ranking
+        pol.code = auto_code(*running)
+        return pol
+
+    pol = policy_after_a_ranking(("asp", "ps"))
+    later = pol._live_measurements(3.0)
+    assert later.aggregation_s == 0.0046
+    assert pol.decider.wants_ranking(later) is None
+    assert pol.decider.wants_ranking(pol._live_measurements(3.5)) is None
+
+    pol = policy_after_a_ranking(("ebsp", "ring"))
+    later = pol._live_measurements(3.0)
+    assert later.aggregation_s == (0.0046 + 0.0148) / 2
+    assert pol.decider.wants_ranking(later) is None          # one check
+    assert "aggregation" in pol.decider.wants_ranking(pol._live_measurements(3.5))
