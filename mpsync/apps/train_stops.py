@@ -95,7 +95,8 @@ class RingStop:
 
     def after_step(self, round_before: int, *, check: bool = False) -> bool:
         """Whether the run stops after this step; ``check``: agree on the sum at this round
-        whether or not one is due (every worker must pass it, as at any check)."""
+        whether or not one is due (every worker must pass it, as at any check), and write no
+        checkpoint (``auto``'s move to the PS, whose rounds write none)."""
         import torch
 
         w, rnd = self.w, self.w.opt.strategy.round
@@ -120,7 +121,7 @@ class RingStop:
         # Every K rounds, whether or not this round also checks for the stop: every worker
         # completes the same rounds, so all of them get here.
         k = w.args.checkpoint_every
-        if k and rnd != round_before and w.round % k == 0 and not done:
+        if k and rnd != round_before and w.round % k == 0 and not done and not check:
             gathered = w.mps.gather_object(w.state(), root_rank=0, name="checkpoint state")
             if w.me == 0:
                 write_checkpoint(w.out, w.model, gathered, w.n, w.wall(), w.evals, w.round,

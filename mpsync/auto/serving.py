@@ -560,9 +560,9 @@ class AutoPolicy(Policy):
     def _live_measurements(self, now: float):
         """The window's measurements with the job's gain (``_with_gain``).  On the PS no
         ring aggregation is timed: the one the last ranking used stands, where the window's
-        median had moved by the ring's rounds after that ranking (a switch round's among two
-        or three: "aggregation 4.6 -> 9.7 ms/round" ranked a run again on the PS, where
-        nothing on the ring had changed)."""
+        median could still move by the ring's rounds timed after that ranking (with two or
+        three in the window, one round does: "aggregation 4.6 -> 9.7 ms/round" ranked a run
+        again on the PS, where nothing on the ring had changed)."""
         m = self._with_gain(self.window.measurements(topologies=self.topologies,
                                                      source="live reports"), now)
         basis = self.decider.basis
