@@ -328,24 +328,33 @@ def test_a_script_with_adam_tells_the_server_it_has_no_step_test():
     assert not any(r["pairs"] for r in res[1]["step_test"] or ()), res[1]["step_test"]
 
 
+# A CNN's first ranking at lr 0.01 or 0.1 with stragglers 1,1,2,4 (bench/auto/README.md).
+CNN_FIRST = dict(compute_s=(0.15, 0.15, 0.30, 0.60), topologies=("ring", "ps"), ps_gain=1.09,
+                 ps_gain_sd=0.13)
+
+
+def _ranked_once(first: Measurements):
+    """A Decider on ElasticBSP after its first ranking, on ``first``."""
+    from mpsync.auto import Decider
+
+    d = Decider(Candidate("ebsp", "ring"))
+    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    return d
+
+
 def test_a_rise_of_the_kept_step_test_asks_for_a_ranking_at_once_a_noise_scale_rise_twice():
     """The step test's kept reading only rises (``StepTest.kept``): its rise is a change at
     the first check, where the noise scale's gain, which may fall back, needs ``confirm``
     checks as a compute time does.  (The CNN at lr 0.01: 1.91 +- 6.00 at the first ranking,
     2.99 +- 0.91 1.1 s later; the switch waited for the second check.)"""
-    from mpsync.auto import Decider
-
-    seen = dict(compute_s=(0.15, 0.15, 0.30, 0.60), topologies=("ring", "ps"), ps_gain=1.09,
-                ps_gain_sd=0.13)
+    seen = CNN_FIRST
     first = Measurements(ps_stride_gain=1.91, ps_stride_gain_sd=6.0, **seen)
-    d = Decider(Candidate("ebsp", "ring"))
-    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    d = _ranked_once(first)
     rose = Measurements(ps_stride_gain=2.99, ps_stride_gain_sd=0.91, **seen)
     trigger = d.wants_ranking(rose)
     assert trigger and "statistical efficiency" in trigger and "2.08" in trigger, trigger
 
-    d = Decider(Candidate("ebsp", "ring"))
-    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    d = _ranked_once(first)
     noisy = Measurements(**{**seen, "ps_gain": 1.6, "ps_gain_sd": 0.1},
                          ps_gain_capped=False, ps_stride_gain=1.91, ps_stride_gain_sd=6.0)
     assert noisy.ranked_ps_gain() > first.ranked_ps_gain() + 0.1
@@ -358,19 +367,14 @@ def test_soon_after_a_ranking_only_what_needs_one_check_asks_again():
     a rise of the step test's kept reading asks at once (a CNN at lr 0.1 read 1.50 +- 63.6
     at its first ranking and waited 1 s for the next, where it read 2.97 +- 0.86); a change
     that needs two checks is neither asked for nor counted there."""
-    from mpsync.auto import Decider
-
-    seen = dict(compute_s=(0.15, 0.15, 0.30, 0.60), topologies=("ring", "ps"), ps_gain=1.09,
-                ps_gain_sd=0.13)
+    seen = CNN_FIRST
     first = Measurements(ps_stride_gain=1.50, ps_stride_gain_sd=63.6, **seen)
-    d = Decider(Candidate("ebsp", "ring"))
-    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    d = _ranked_once(first)
     rose = Measurements(ps_stride_gain=2.97, ps_stride_gain_sd=0.86, **seen)
     trigger = d.wants_ranking(rose, soon=True)
     assert trigger and "statistical efficiency" in trigger, trigger
 
-    d = Decider(Candidate("ebsp", "ring"))
-    d.decide(rank_candidates(first), first, 1.8, d.wants_ranking(first))
+    d = _ranked_once(first)
     slower = Measurements(**{**seen, "compute_s": (0.15, 0.15, 0.30, 1.20)},
                           ps_stride_gain=1.50, ps_stride_gain_sd=63.6)
     assert d.wants_ranking(slower, soon=True) is None
