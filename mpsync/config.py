@@ -133,6 +133,11 @@ class SyncConfig:
     # BSP, once per round on the merged pushes (the DSSP paper's Alg. 1, MXNet's kvstore).
     # The default is measured in bench/psopt/README.md; the papers' way is a keyed departure.
     ps_optimizer: str = "worker"
+    # Parameter server, workers on one node under ASP, SSP or DSSP: each worker adds its
+    # pushes into the shards' weights and reads them itself through an RMA window on shared
+    # memory (MPI_Accumulate, MPI_Get), with no message to the shard's thread
+    # (mpsync.server.shard_window).  Off: every push and pull is a message.
+    ps_one_sided: bool = True
     # Emulated network latency (seconds) added to every aggregation: each model/gradient
     # collective on the ring, each push+pull on the PS.  For experiments on one machine; 0 = off.
     comm_delay: float = 0.0

@@ -144,11 +144,13 @@ def _count_server_calls() -> dict:
 def shard_fault() -> None:
     """ASP on the sharded PS; at step 5 the rank hosting shard ``victim`` is killed
     (``kind=sigkill``) or stopped (``kind=sigstop``); ``heartbeat``: the beat period (0:
-    none).  Prints ``FAULT <wall time>`` first."""
+    none); ``one_sided=0``: pushes and pulls as messages.  Prints ``FAULT <wall time>``
+    first."""
     a = _args()
     kind, victim = a.get("kind", "sigkill"), int(a.get("victim", 1))
     mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated",
-             ps_shards=int(a.get("ps_shards", 3)), heartbeat_s=float(a.get("heartbeat", 0.5)))
+             ps_shards=int(a.get("ps_shards", 3)), heartbeat_s=float(a.get("heartbeat", 0.5)),
+             ps_one_sided=a.get("one_sided", "1") == "1")
     from mpsync.torch import _runtime
 
     host = _runtime.context().shard_layout.hosts[victim]

@@ -102,6 +102,7 @@ def ps_child(sizes, max_repeats, budget, pace: str = "compute") -> None:
         if workers.Get_rank() == 0:
             size = workers.Get_size()
             row.update({"bytes": nbytes, "ps_shards": ps.layout.count, "ps_pace": pace,
+                        "ps_one_sided": ps.one_sided,
                         "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
                         "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size})
             for subject in ("ps", "ps_shard", "ps_ssp", "ps_ssp_asked"):
@@ -138,6 +139,8 @@ class _Session:
         self.client = SyncClient(control, config, server_rank=0, shards=self.shards)
         n = max(self.layout.count, nbytes // 4)
         self.weights = np.zeros(n, dtype=np.float32)
+        self.shards.layout(n)
+        self.one_sided = self.shards.open_window(self.weights.dtype) is None   # as in training
         if workers.Get_rank() == 0:
             self.client.ps_init(self.weights)
         self.delta = np.full(n, 1e-6, dtype=np.float32)

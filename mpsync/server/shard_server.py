@@ -138,6 +138,10 @@ class ShardServer:
         # besides the weights that it may sum a push into (the three take turns).
         self._loop: _shard_loop.ShardLoop | None = None
         self._others: list[np.ndarray] = []
+        # One-sided pushes (``pin``): when each worker last pushed, and the pushes applied,
+        # as the workers write them into the window; None while pushes come as messages.
+        self._window_heard: np.ndarray | None = None
+        self._window_pushes: np.ndarray | None = None
         if compiled and comm is not None:
             reason = _shard_loop.unavailable_reason()
             if reason is None:
@@ -151,6 +155,25 @@ class ShardServer:
             else:
                 self.log(f"mpsync PS shard {index}: no compiled loop ({reason}); the Python "
                          f"loop serves")
+
+    def pin(self, weights: np.ndarray, heard: np.ndarray, pushes: np.ndarray) -> None:
+        """Store the weights in ``weights`` for good, the memory of a window the workers
+        add their pushes into and read from themselves (``shard_window``): the initial
+        weights are copied there, and every later sum is made there, in place.  ``heard``
+        and ``pushes`` are what the workers write beside them (their last push, and the
+        count).  Before the first INIT."""
+        self.store.pinned = weights
+        self._window_heard, self._window_pushes = heard, pushes
+
+    def _heard(self) -> tuple[np.ndarray, np.ndarray]:
+        """When each worker was last heard from and its state (``UNHEARD``, ``HEARD_FROM``,
+        ``GONE``), its one-sided pushes included."""
+        if self._window_heard is None:
+            return self.heard, self.state
+        heard = np.maximum(self.heard, self._window_heard)
+        state = np.where((self.state == UNHEARD) & (self._window_heard > 0), HEARD_FROM,
+                         self.state)
+        return heard, state
 
     @property
     def bytes_received(self) -> int:
@@ -219,7 +242,9 @@ class ShardServer:
         return self.stats()
 
     def stats(self) -> dict:
-        return {"shard": self.index, "elements": self.store.size, "version": self.store.version,
+        one_sided = 0 if self._window_pushes is None else int(self._window_pushes.sum())
+        return {"shard": self.index, "elements": self.store.size,
+                "version": self.store.version + one_sided, "one_sided_pushes": one_sided,
                 "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
                 "dropped": self.dropped, "compiled_loop": self._loop is not None,
                 "served_compiled": self._compiled_count(_shard_loop.C_SERVED)}
@@ -229,9 +254,12 @@ class ShardServer:
         """Can the compiled loop serve now?  It keeps its own replies in flight: so no reply
         of the Python loop's is, no pull waits for the initial weights, the workers run the
         optimizer or the shard's runs per push (not once per round: a pull waits for its
-        round's step), and the store is float32 or float64."""
+        round's step), the store is float32 or float64, and not in a window."""
         weights = self.store.weights
-        return (self._loop is not None and weights is not None
+        # Not with the weights in a window (``pin``): its sums go to a second buffer where a
+        # reply reads the first, and the workers add into the window only.  What still comes
+        # as a message there (a first pull, the initial weights) is Python's.
+        return (self._loop is not None and weights is not None and self.store.pinned is None
                 and (self.updates is None or not self.updates.per_round)
                 and not self._sending and not self._waiting_pulls
                 and weights.dtype.kind == "f" and weights.itemsize >= 4)
@@ -285,10 +313,11 @@ class ShardServer:
         message is older than the deadline (one never heard from: this shard started longer
         than the start-up time ago, ``startup``, as for the state server)."""
         now = time.monotonic() if now is None else now
-        quiet = now - self.heard
-        limit = np.where(self.state == UNHEARD, self.startup, self.deadline)
+        heard, state = self._heard()
+        quiet = now - heard
+        limit = np.where(state == UNHEARD, self.startup, self.deadline)
         return [(w, float(quiet[w])) for w in np.flatnonzero(
-            (self.state != GONE) & (quiet > limit))]
+            (state != GONE) & (quiet > limit))]
 
     # -- requests -------------------------------------------------------------------------
     def _handle(self, src: int, tag: int, nbytes: int, payload=None) -> None:
@@ -577,9 +606,10 @@ class ShardServer:
     def _answer_watch(self, src: int) -> None:
         """How long since each worker's last message, and whether it said goodbye."""
         now = time.monotonic()
+        last, state = self._heard()
         heard = np.empty((2, self.heard.size))
-        heard[0] = now - self.heard
-        heard[1] = self.state
+        heard[0] = now - last
+        heard[1] = state
         self.replies.Send([heard, MPI.DOUBLE], dest=src, tag=HEARD)
 
 

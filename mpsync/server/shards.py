@@ -85,6 +85,7 @@ from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD,
                                         PULL, PUSH, PUSH_PULL, RESTORE, SAVE, STATE,
                                         UNHEARD, WATCH, WIRE_DTYPES,
                                         ShardServer, ShardThread, wire_code)
+from mpsync.server.shard_window import ShardWindow, unavailable_reason, window_layout
 from mpsync.server.weights import BFLOAT16, all_finite, numpy_cast
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "spin_until",
@@ -129,6 +130,14 @@ class ShardClient:
         # How a wait on the shards' answers runs (``_wait``): None, ``spin_until``; a worker's
         # runtime sets its progress engine's ``wait``.
         self.waiter = None
+        # One-sided pushes and pulls (``shard_window``): why not (``start_shards`` sets it),
+        # the window once ``open_window`` opened it, this rank's own shard (it stores into
+        # the window's memory), and whether a first pull has read the initial weights.
+        self.one_sided_unavailable: str | None = "no window set up (start_shards)"
+        self.window: ShardWindow | None = None
+        self._window_comm = None
+        self._local_shard: ShardServer | None = None
+        self._read_once = False
 
     @property
     def count(self) -> int:
@@ -159,6 +168,34 @@ class ShardClient:
             self._wire_in = np.empty(out.size, dtype=self.wire)
         return self._wire_in
 
+    def open_window(self, dtype) -> str | None:
+        """Collective over the workers, once the layout and the wire are fixed: open the
+        one-sided window (``shard_window``) for a model of ``dtype``, where this job can use
+        it.  Returns None where it did, else why pushes and pulls stay two-sided."""
+        dtype = np.dtype(dtype)
+        reason = self.one_sided_unavailable
+        if reason is None and dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            reason = f"the model is {dtype} (float32 and float64 only)"
+        if reason is None and self.wire is not None and np.dtype(self.wire) != dtype:
+            reason = f"the wire is {_name(self.wire)}, the model {dtype}"
+        if self.window is not None or reason is not None or self.bounds is None:
+            return reason if self.window is None else None
+        n, me = len(self.worker_names), self.comm.Get_rank()
+        mine = self.hosts.index(me) if me in self.hosts else None
+        a, b = self.bounds[mine] if mine is not None else (0, 0)
+        heard_at, pushes_at, size = window_layout(b - a, dtype, n)
+        win = MPI.Win.Allocate(size if mine is not None else 0, 1, comm=self._window_comm)
+        if mine is not None:
+            memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
+            memory[:] = 0
+            self._local_shard.pin(memory[:heard_at].view(dtype)[:b - a],
+                                  memory[heard_at:pushes_at].view(np.float64),
+                                  memory[pushes_at:size].view(np.int64))
+        _OPEN_WINDOWS.append(win)   # freed with MPI at exit (a collective free could hang)
+        self._window_comm.Barrier()  # every shard stores into its window before any INIT
+        self.window = ShardWindow(win, self.bounds, self.hosts, dtype, n, me)
+        return None
+
     def init(self, flat: np.ndarray) -> None:
         """The initial weights, in the store's dtype (the first worker's wins on each shard)."""
         self._send_slices(INIT, flat, flat, "ps_init")
@@ -173,6 +210,12 @@ class ShardClient:
         Empty: every shard is told of a push with nothing in it (the server's optimizer: an
         idle iteration's push, ``ServerUpdates.take``), once the layout is fixed.
         ``finite``: as :meth:`checked_push`'s."""
+        if self.window is not None and delta.size:
+            wire = self.checked_push(delta, finite)
+            self.layout(wire.size)
+            self.window.push(wire)
+            self.bytes_sent += wire.nbytes
+            return
         if delta.size == 0:
             if self.bounds is None:
                 raise ValueError("an empty push before the parameter server's layout is fixed "
@@ -224,6 +267,16 @@ class ShardClient:
         back = self._on_wire_in(out)
         if np.shares_memory(wire, back):
             raise ValueError("push_pull needs the update and the weights in separate buffers")
+        if self.window is not None and self._read_once:
+            if meanwhile is not None:
+                meanwhile()
+            self.window.push(wire)
+            if applied is not None:
+                applied()
+            self.window.pull(out)
+            self.bytes_sent += wire.nbytes
+            self.bytes_received += out.nbytes
+            return
         tag = PUSH_PULL + wire_code(wire.dtype)
         reads = [self.replies.Irecv([back[a:b], MPI.BYTE], source=h, tag=DATA)
                  for (a, b), h in zip(self.bounds, self.hosts)]
@@ -345,6 +398,10 @@ class ShardClient:
         ``excluded`` workers (``ServerUpdates``)."""
         self.layout(out.size)
         self._check_lost("pull")
+        if self.window is not None and self._read_once and barrier == 0 and round_ == 0:
+            self.window.pull(out)
+            self.bytes_received += out.nbytes
+            return
         wire = self._on_wire(out)
         tag = PULL + wire_code(wire.dtype)
         if round_ > 0:
@@ -360,6 +417,8 @@ class ShardClient:
         self.bytes_received += wire.nbytes
         if wire is not out:
             self.cast(out, wire)
+        # A first pull waits on the shards for the initial weights; a window's read would not.
+        self._read_once = True
 
     def silent_workers(self) -> list[tuple[int, float]]:
         """Ask every shard how long since it heard from each worker: ``(worker, seconds)``
@@ -446,6 +505,10 @@ class ShardClient:
                                f"the {self.deadline:g}s deadline", names, what)
 
 
+# Windows opened by ``ShardClient.open_window``: kept for the process's life (module doc of
+# ``shard_window``).
+_OPEN_WINDOWS: list = []
+
 # A wait on the shards' work (a push's answers) spins this long, then pauses between tests.
 ELSEWHERE_SPIN_S = 2e-3
 ELSEWHERE_PAUSE_S = 1e-4
@@ -531,4 +594,7 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     client = ShardClient(requests, replies, layout.hosts, labels, config.deadline,
                          worker_names=worker_names, startup=config.startup_timeout, cast=cast)
     client.nodes = layout.nodes
+    client.one_sided_unavailable = unavailable_reason(config, workers)
+    client._window_comm = workers.Dup()
+    client._local_shard = thread.server if thread is not None else None
     return client, thread, layout

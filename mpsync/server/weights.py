@@ -97,6 +97,9 @@ class WeightStore:
         self.remote = False
         self.cast = cast   # an update in another dtype (a float16 wire) into the store's
         self._scratch: np.ndarray | None = None
+        # Where the weights live for good, if set before ``init`` (a shard's one-sided
+        # window, ``ShardServer.pin``): ``init`` copies into it and every sum is made in it.
+        self.pinned: np.ndarray | None = None
 
     @property
     def ready(self) -> bool:
@@ -115,13 +118,16 @@ class WeightStore:
             return
         if data.size == 0:
             self.remote = True
+        elif self.pinned is not None and self.pinned.shape == data.shape:
+            self.cast(self.pinned, data)
+            self.weights = self.pinned
         else:
             self.weights = np.array(data, copy=True)
 
     def detach(self) -> None:
         """Move the weights to a buffer of their own: the old one is still being read (a
         shard's pull reply in flight) and must not change under it."""
-        if self.weights is not None:
+        if self.weights is not None and self.weights is not self.pinned:
             self.weights = self.weights.copy()
 
     def apply(self, update: np.ndarray, into: np.ndarray | None = None) -> str | None:
@@ -147,7 +153,7 @@ class WeightStore:
             if self.scale != 1.0:
                 np.multiply(update, self.scale, out=self._scratch)
                 update = self._scratch
-        if into is None:
+        if into is None or self.weights is self.pinned:
             self.weights += update
         else:
             np.add(self.weights, update, out=into)

@@ -5,6 +5,7 @@ weights under the policy's staleness rule (``ParameterServer``), and ElasticBSP'
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -121,6 +122,12 @@ class ParameterServer(LocalStepsThenAggregate):
         if shards is not None:
             shards.layout(self._base.size)   # every worker: too many shards fails here
             shards.wire = self._wire_dtype()
+            two_sided = shards.open_window(self._base.dtype)   # collective
+            if self.worker_rank == 0:
+                print("mpsync: PS pushes and pulls " +
+                      ("one-sided (MPI_Accumulate and MPI_Get on the shards' shared memory)"
+                       if two_sided is None else f"as messages ({two_sided})"),
+                      file=sys.stderr, flush=True)
         if self.worker_rank == 0:
             if self._shards_state is not None:
                 # Before the weights: every other worker pushes only after ps_init.

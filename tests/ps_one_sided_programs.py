@@ -1,0 +1,65 @@
+"""Rank programs for tests/test_ps_one_sided.py: pushes and pulls through the shards' RMA
+window (``mpsync.server.shard_window``) on real ranks.  Each prints ``RESULT {...}`` per
+worker and raises on a wrong answer."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+import mpsync.torch as mps  # noqa: E402
+from ps_programs import BASE, _decode  # noqa: E402
+
+
+def _args() -> dict:
+    return dict(a.partition("=")[::2] for a in sys.argv[1:] if "=" in a)
+
+
+def pushes_land_once() -> None:
+    """``policy`` on 2 shards, float64 model at 0, every push of worker j adds BASE**j to
+    every coordinate (``ps_programs``): each pull holds all of this worker's own pushes on
+    every coordinate, and after shutdown (ASP) every push of every worker is in exactly once.
+    Reports whether the window carried them, what the shards counted, and the liveness
+    answers while training (nobody silent, nobody unheard)."""
+    from mpsync.torch import _runtime
+
+    a = _args()
+    policy, steps = a.get("policy", "asp"), int(a.get("steps", 20))
+    mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
+             ps_shards=2, staleness=2, ps_one_sided=a.get("one_sided", "1") == "1")
+    me, n = mps.rank(), mps.size()
+    model = torch.nn.Linear(10, 6).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    ctx = _runtime.context()
+    silent = None
+    for k in range(1, steps + 1):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, -float(BASE ** me))
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        counts = _decode(flat, n)
+        if np.any(counts[:, me] != k):
+            raise AssertionError(f"pull {k}: this worker's own pushes {counts[:, me]}")
+        if k == steps // 2:
+            silent = ctx.shards.silent_workers()
+    window = ctx.shards.window is not None
+    mps.shutdown()
+    final = _decode(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
+                    n)
+    if policy == "asp" and np.any(final != steps):
+        raise AssertionError(f"after shutdown the model holds {final.min(axis=0)} to "
+                             f"{final.max(axis=0)} pushes per worker, each made {steps}")
+    shard = ctx.shard_thread.result if ctx.shard_thread is not None else None
+    print("RESULT " + json.dumps({
+        "rank": me, "window": window, "silent": silent,
+        "shard": None if shard is None else {k: shard[k] for k in
+                                             ("version", "one_sided_pushes")}}), flush=True)
