@@ -16,15 +16,16 @@ TRAIN = str(REPO / "mpsync" / "apps" / "train.py")
 
 # policy, its flags, the bound on the gap
 CASES = [("ssp", ["--staleness", "2"], 2), ("dssp", ["--staleness-range", "1,3"], 3)]
+ITER_TIME = 0.01
 
 
 def _run(case, out):
     policy, flags, _ = case
-    # Evaluations every 0.1 s: worker 0 spends a good part of the budget evaluating, which
+    # Evaluations every 0.05 s: worker 0 spends a good part of the budget evaluating, which
     # its clock leaves out and the others' (held by the bound meanwhile) count.
     return run_mpi(TRAIN, np=3, timeout=180, check=False, args=[
         "--policy", policy, *flags, "--ps-optimizer", "server", "--lr", "0.02",
-        "--time-budget", "3", "--eval-every", "0.1", "--iter-time", "0.01",
+        "--time-budget", "3", "--eval-every", "0.05", "--iter-time", str(ITER_TIME),
         "--batch-size", "16", "--out", str(out), "--no-progress", "--no-plots"])
 
 
@@ -35,7 +36,10 @@ def test_the_bound_holds_to_the_last_iteration(tmp_path):
     for (policy, _, bound), run in zip(CASES, runs):
         assert run.ok, run.report()
         m = json.loads((tmp_path / policy / "metrics.json").read_text())
-        assert m["eval_s"] > 0.2, m["eval_s"]     # the premise: evaluations took a while
+        # The premise: worker 0 evaluated for longer than twice the iterations the bound
+        # allows between the workers (alone for that long, it would break the checks below).
+        # Not a fixed time: on an idle machine 30 evaluations took 0.08 s, under load 0.2+.
+        assert m["eval_s"] > 2 * (bound + 1) * ITER_TIME, m["eval_s"]
         assert m["server"]["max_staleness_gap"] <= bound, (policy, m["server"])
         iterations = [w["iterations"] for w in m["workers"].values()]
         # The workers stop together: after worker 0 stops, another takes at most the step
