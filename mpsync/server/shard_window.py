@@ -16,16 +16,15 @@ decides when a pull may happen, the shards only store).  Their guarantees carry 
 
 * a push is complete on every shard (``MPI_Win_flush_all``) before the worker tells the state
   server of it, so a pull the server grants reads at least every push it counted (SSP's and
-  DSSP's bound, "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
-  Server", §3: a lower bound on what a read contains, as in the two-sided path);
+  DSSP's bound, "Dynamic Stale Synchronous Parallel Distributed Training for Deep Learning",
+  §I.A and Alg. 1: a lower bound on what a read contains, as in the two-sided path);
 * a refused push never reaches a shard: the worker checks it before anything is sent
   (``ShardClient.checked_push``), as it already did for the two-sided path.
 
 What differs: a read may see another worker's concurrent push applied to part of a slice
-(never part of an element).  ASP's reads are unsynchronised by design ("Dynamic Stale
-Synchronous Parallel Distributed Training for Deep Learning", §I.A: a worker reads whatever
-is current), and the two-sided path already lets a pull see newer pushes on one shard than on
-another.  BSP, ESync and ElasticBSP read a round's or a barrier's frozen weights, and the
+(never part of an element).  ASP's reads are unsynchronised by design (the same paper, §I.A:
+a worker reads whatever is current), and the two-sided path already lets a pull see newer
+pushes on one shard than on another.  BSP, ESync and ElasticBSP read a round's or a barrier's frozen weights, and the
 server-side optimizer steps on the shard: those stay two-sided, as do a compressed wire, a
 job whose workers span nodes, ``auto`` (a switch reloads the shards), and an MPI other than
 Open MPI (:func:`unavailable_reason` names which; ``ShardClient.open_window`` adds a wire
