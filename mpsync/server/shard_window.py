@@ -24,11 +24,12 @@ decides when a pull may happen, the shards only store).  Their guarantees carry 
 What differs: a read may see another worker's concurrent push applied to part of a slice
 (never part of an element).  ASP's reads are unsynchronised by design (the same paper, §I.A:
 a worker reads whatever is current), and the two-sided path already lets a pull see newer
-pushes on one shard than on another.  BSP, ESync and ElasticBSP read a round's or a barrier's frozen weights, and the
-server-side optimizer steps on the shard: those stay two-sided, as do a compressed wire, a
-job whose workers span nodes, ``auto`` (a switch reloads the shards), and an MPI other than
-Open MPI (:func:`unavailable_reason` names which; ``ShardClient.open_window`` adds a wire
-in another dtype than the model's, and a dtype other than float32 and float64).
+pushes on one shard than on another.  BSP, ESync and ElasticBSP read a round's or a
+barrier's frozen weights, and the server-side optimizer steps on the shard: those stay
+two-sided, as do a compressed wire, a job whose workers span nodes, ``auto`` (a switch
+reloads the shards), and an MPI other than Open MPI (:func:`unavailable_reason` names which;
+``ShardClient.open_window`` adds a wire in another dtype than the model's, and a dtype other
+than float32 and float64).
 
 The window also carries, per shard, when each worker last pushed (``CLOCK_MONOTONIC``, one
 clock on one node) and how many pushes were applied, so the shard's liveness answers and its
