@@ -5,7 +5,6 @@ worker and raises on a wrong answer."""
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import torch
@@ -13,11 +12,7 @@ import torch
 torch.set_num_threads(1)
 
 import mpsync.torch as mps  # noqa: E402
-from ps_programs import BASE, _decode  # noqa: E402
-
-
-def _args() -> dict:
-    return dict(a.partition("=")[::2] for a in sys.argv[1:] if "=" in a)
+from ps_programs import BASE, _args, _decode, counting_model  # noqa: E402
 
 
 def pushes_land_once() -> None:
@@ -33,12 +28,7 @@ def pushes_land_once() -> None:
     mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
              ps_shards=2, staleness=2, ps_one_sided=a.get("one_sided", "1") == "1")
     me, n = mps.rank(), mps.size()
-    model = torch.nn.Linear(10, 6).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                   named_parameters=model.named_parameters())
+    model, opt = counting_model()
     ctx = _runtime.context()
     silent = None
     for k in range(1, steps + 1):

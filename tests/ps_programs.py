@@ -53,6 +53,17 @@ def _decode(flat: np.ndarray, workers: int) -> np.ndarray:
     return counts
 
 
+def counting_model():
+    """A float64 model at 0 and SGD at lr 1 on it: a gradient of -BASE**j pushes BASE**j."""
+    model = torch.nn.Linear(10, 6).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    return model, opt
+
+
 def staleness_over_shards() -> None:
     """SSP or DSSP on ``ps_shards`` shards, float64 model starting at 0: every push of
     worker j adds BASE**j to every coordinate, so each pull tells, per coordinate (per
@@ -71,12 +82,7 @@ def staleness_over_shards() -> None:
     exchanges = _count_one_exchanges()
     server_calls = _count_server_calls()
     me, n = mps.rank(), mps.size()
-    model = torch.nn.Linear(10, 6).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    opt = mps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                   named_parameters=model.named_parameters())
+    model, opt = counting_model()
     worst_gap, shards_differ = 0, 0
     for k in range(1, steps + 1):
         for p in model.parameters():
