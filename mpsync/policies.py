@@ -400,7 +400,9 @@ register(
     ps_server_optimizer=True, ps_pull_ungated=True, steps_unawaited=True,
     simulation={"ps": "no_wait"},
     fidelity={"ps": ("push every iteration, applied on arrival; pull whatever is current",
-                     _PS_WORKER_OPTIMIZER)})
+                     _PS_WORKER_OPTIMIZER + "; with ps_optimizer='server' on one node a "
+                     "shard steps once on the gradients pushed since its last step, not once "
+                     "per push [ps-server-inbox] (mpsync.server.shard_window:ShardInbox)")})
 register(
     "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
     paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},

@@ -8,7 +8,8 @@ import pytest
 
 from mpi_harness import run_mpi
 from mpsync.config import SyncConfig
-from mpsync.server.shard_window import unavailable_reason, window_layout
+from mpsync.server.shard_window import (SLOTS, ShardInbox, inbox_layout, slot_bytes,
+                                        unavailable_reason, window_layout)
 from mpsync.server.weights import WeightStore
 
 
@@ -32,10 +33,73 @@ def test_a_pinned_store_keeps_its_weights_in_the_window_through_init_apply_and_d
     assert spare.tolist() == [-1] * 4 and store.version == 1
 
 
+def test_an_inbox_follows_the_window_with_counts_then_aligned_slots_per_worker():
+    assert slot_bytes(5, np.float32) == 64 and slot_bytes(16, np.float32) == 64
+    assert slot_bytes(17, np.float32) == 128
+    # 3 workers: weights 24 B, heard 24, pushes 24 -> 72; posted 72, taken 96, slots at 128.
+    assert inbox_layout(5, np.float32, 3) == (72, 96, 128, 128 + SLOTS * 3 * 64)
+
+
+def _inbox(workers=2, elements=3):
+    rows = np.zeros((SLOTS * workers, 16))
+    return ShardInbox(np.zeros(workers, np.int64), np.zeros(workers, np.int64), rows,
+                      elements), rows
+
+
+def test_an_inbox_sums_each_slot_written_since_the_last_take_once():
+    inbox, rows = _inbox()
+    inbox.ready = True
+    assert not inbox.waiting()
+    rows[SLOTS * 0 + 0, :3] = [1, 2, 3]        # worker 0's push 0
+    rows[SLOTS * 1 + 0, :3] = [10, 20, 30]     # worker 1's pushes 0 and 1
+    rows[SLOTS * 1 + 1, :3] = [100, 200, 300]
+    rows[:, 3:] = np.nan                       # padding past the range is never read
+    inbox.posted[:] = [1, 2]
+    assert inbox.waiting()
+    total, pushes, counts = inbox.take()
+    assert total.tolist() == [111, 222, 333] and pushes == 3
+    inbox.done(counts)
+    assert inbox.taken.tolist() == [1, 2] and not inbox.waiting()
+    rows[SLOTS * 0 + 1, :3] = [5, 5, 5]        # worker 0's push 1 goes to its other slot
+    inbox.posted[0] = 2
+    total, pushes, counts = inbox.take()
+    assert total.tolist() == [5, 5, 5] and pushes == 1
+
+
+def test_a_shard_steps_in_place_on_its_inbox_in_compiled_code_or_refuses_all_of_it():
+    from mpsync.server import _shard_loop
+    from mpsync.server.shard_optimizer import STEP_SGD
+
+    inbox, rows = _inbox()
+    posted, taken, _, total = inbox.compiled_form()
+    weights = np.array([1.0, 1.0, 1.0])
+    momentum = np.zeros(3)
+    sgd = np.array([0.0, 0.0, 1.0, 0.5, 0.0])   # wd, momentum, 1-dampening, lr, nesterov
+    cells = np.zeros(_shard_loop.N_CELLS, np.int64)
+
+    def take():
+        return _shard_loop._take_inbox(posted, taken, rows, total, STEP_SGD, weights, sgd,
+                                       momentum, momentum, momentum, cells)
+
+    assert take() == 0 and weights.tolist() == [1, 1, 1]
+    rows[0, :3], rows[SLOTS, :3] = [2, 4, 6], [2, 0, 2]
+    posted[:] = [1, 1]
+    assert take() == 1
+    assert weights.tolist() == [-1, -1, -3]     # 1 - 0.5 * (g0 + g1), one step
+    assert taken.tolist() == [1, 1] and cells[_shard_loop.C_VERSION] == 2
+    rows[1, :3] = [np.inf, 0, 0]
+    posted[0] = 2
+    assert take() == -1 and weights.tolist() == [-1, -1, -3]   # refused: nothing applied
+    assert taken.tolist() == [2, 1] and cells[_shard_loop.C_VERSION] == 2
+
+
 @pytest.mark.parametrize("settings, reason", [
     (dict(policy="bsp", topology="ps"), "bsp's shards hold its rounds or barriers"),
     (dict(policy="ebsp", topology="ps"), "ebsp's shards hold its rounds or barriers"),
-    (dict(policy="asp", ps_optimizer="server"), "the shards run the optimizer"),
+    (dict(policy="asp", ps_optimizer="server"), None),
+    (dict(policy="ssp", ps_optimizer="server"),
+     "the shards run the optimizer and ssp's reads must hold every push the state server "
+     "counted"),
     (dict(policy="asp", ps_one_sided=False), "ps_one_sided is off"),
     (dict(policy="asp"), None),
     (dict(policy="ssp"), None),
@@ -78,3 +142,18 @@ def test_without_the_window_the_same_pushes_come_as_messages():
     for r in res.values():
         assert r["shard"]["one_sided_pushes"] == 0, res
         assert r["shard"]["version"] >= workers * steps, res
+
+
+@pytest.mark.mpi
+def test_the_shards_optimizer_steps_on_every_pushed_gradient_once_through_the_inbox():
+    steps, workers = 20, 2
+    run = run_mpi("ps_one_sided_programs:pushes_land_once", np=workers + 1, timeout=180,
+                  args=["policy=asp", f"steps={steps}", "optimizer=server"])
+    res = {r["rank"]: r for r in run.results().values()}
+    assert len(res) == workers and all(r["window"] for r in res.values()), res
+    text = "".join(run.rank_err(r) for r in run.ranks)
+    assert "the shards step on the gradients written since their last step" in text, \
+        run.report()
+    for r in res.values():   # every push stepped on once (the program checks the weights)
+        assert r["shard"]["dropped"] == 0, res
+        assert r["shard"]["version"] == workers * steps, res

@@ -64,6 +64,7 @@ from mpsync.server import _fastpath
 from mpsync.server._fastpath import (_get_count, _i32, _iprobe, _jit, _ptr, _recv,
                                      _sched_yield, _send, _status_layout, _test, late_wake)
 from mpsync.server.shard_optimizer import step_pass
+from mpsync.server.shard_window import sum_slots
 from mpsync.server.weights import _finite, round_to_bfloat16, widen_bfloat16
 
 __all__ = ["ShardLoop", "unavailable_reason", "QUIET", "PROBED", "RECEIVED", "REFUSED",
@@ -76,6 +77,7 @@ RECEIVED = 2    # a pull was received here and is handed over: its barrier in ``
 REFUSED = 3     # a push was refused (a value not finite) and ACKed REFUSED: log it
 STUCK = 4       # a reply was not taken within the deadline (handed over with the others)
 MPI_FAILED = 5  # an MPI call returned an error code (in the cells)
+INBOX_REFUSED = 6   # the sum of the pushes in the inbox was not finite (none applied): log it
 
 # The int64 cells shared with Python (``ShardLoop.cells``).
 C_VERSION, C_RECEIVED, C_SENT, C_CURRENT, C_SOURCE, C_TAG, C_COUNT, C_ERROR, C_SERVED, \
@@ -130,7 +132,8 @@ class ShardLoop:
         self.halves = np.empty((HALVES, 0), np.uint16)
 
     def serve(self, buffers: tuple, scale: float, code: int, version: int,
-              until: float, step: tuple | None = None, half_code: int = -1) -> int:
+              until: float, step: tuple | None = None, half_code: int = -1,
+              inbox: tuple | None = None) -> int:
         """Serve until ``until`` (``time.monotonic``) or a message for Python.  ``buffers``:
         the weights, then two buffers of their size and dtype that nothing reads; after the
         call, ``cells[C_CURRENT]`` says which of the three the weights are, and
@@ -164,7 +167,8 @@ class ShardLoop:
                           buffers[1], buffers[2], self._delta,
                           np.asarray([scale], weights.dtype), code, heard, state, last_push,
                           push_due, times, self.tags, self.sleeps, self.deadline,
-                          float(until), kind, optimizer, half_code, self._bits, self.halves))
+                          float(until), kind, optimizer, half_code, self._bits, self.halves,
+                          inbox))
 
     def in_flight(self) -> list[tuple[MPI.Request, int, int, float]]:
         """The replies the last call left in flight, handed over (their rows freed):
@@ -177,7 +181,7 @@ class ShardLoop:
             self.flight[row, F_BUFFER] = -1
         return out
 
-    def warm_up(self, dtype=np.float32, stepping: bool = False) -> None:
+    def warm_up(self, dtype=np.float32, stepping: bool = False, inbox: bool = False) -> None:
         """Load the loop for a ``dtype`` store from Numba's cache (compile it the first time)
         before the first push: one call on this process's own communicator that finds no
         message and returns.  ``stepping``: the loop that takes the server-side optimizer's
@@ -194,7 +198,9 @@ class ShardLoop:
                weights.copy(), weights.copy(), weights.copy(), weights.copy(), 0, heard,
                np.zeros(1, np.int64), heard.copy(), heard.copy(), np.zeros(1), self.tags,
                self.sleeps, self.deadline, 0.0, ADD, optimizer, -1, np.empty(0, np.uint16),
-               np.empty((HALVES, 0), np.uint16))
+               np.empty((HALVES, 0), np.uint16),
+               (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0), dtype),
+                np.zeros(0, dtype)) if inbox and stepping else None)
 
 
 # -- the compiled part ------------------------------------------------------------------------
@@ -268,6 +274,31 @@ def step_checked(kind, weights, delta, out, settings, m, v, vmax, cells):
 
 
 @_jit
+def _take_inbox(posted, taken, rows, total, kind, weights, settings, m, v, vmax, cells):
+    """The server-side optimizer's step, in place, on the gradients the workers wrote into
+    their slots since the last take (``shard_window``'s module doc; ``sum_slots``): 0 if none
+    came, 1 if stepped, -1 if a value was not finite (nothing applied, the pushes dropped).
+    The counts are read before the slots, with an external call between that the compiler
+    cannot move a load across; the taken counts are written after the step, as another."""
+    fresh = False
+    for w in range(posted.size):
+        fresh |= posted[w] != taken[w]
+    if not fresh:
+        return 0
+    counts = posted.copy()
+    _monotonic(cells)
+    pushes, row = sum_slots(counts, taken, rows, total)
+    gradient = total if row < 0 else rows[row, :total.size]
+    applied = step_checked(kind, weights, gradient, weights, settings, m, v, vmax, cells)
+    if applied:
+        cells[C_VERSION] += pushes
+    _monotonic(cells)
+    for w in range(posted.size):
+        taken[w] = counts[w]
+    return 1 if applied else -1
+
+
+@_jit
 def _expect_next_push(src, now, last_push, push_due, times, pace_max):
     """``ShardServer._expect_next_push``: worker ``src`` pushed at ``now``; its next push is
     due one interval later (none if the interval was longer than ``pace_max``)."""
@@ -328,7 +359,7 @@ def _free_row(flight):
 def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, status, scratch,
            cells, flight, flight_since, pull_arg, w0, w1, w2, delta, scale, code, heard, state,
            last_push, push_due, times, tags, sleeps, deadline, until, step_kind, optimizer,
-           half_code, bits, halves):
+           half_code, bits, halves, inbox):
     """The loop (module doc).  ``tags``: PUSH, PUSH_PULL, PULL, ACK, DATA, OK, REFUSED,
     UNHEARD, HEARD_FROM; ``sleeps``: SLEEP_MIN_S, SLEEP_MAX_S, SLEEP_IDLE_S, IDLE_AFTER_S,
     WAKE_MARGIN_S, DUE_SLACK_S, PACE_MAX_S (``shard_server``'s constants); ``step_kind``:
@@ -337,7 +368,9 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
     jobs run compiles in 8 s, where one loop with the step in it took 22 s (cold cache, the
     2-core VM at load 5; 7 s before the step and the bfloat16 wire came);
     ``half_code``: the bfloat16 wire's code where the store is float32 (else -1), ``bits``
-    and ``halves`` its buffers."""
+    and ``halves`` its buffers; ``inbox``: None, or the server-side optimizer's inbox in the
+    shard's window (``shard_window``): ``(posted, taken, slots, total)``, stepped on in
+    place (:func:`_take_inbox`)."""
     push_t, push_pull_t, pull_t, ack_t, data_t = tags[0], tags[1], tags[2], tags[3], tags[4]
     ok, refused, unheard, heard_from = tags[5], tags[6], tags[7], tags[8]
     sleep_min, sleep_max, sleep_idle, idle_after = sleeps[0], sleeps[1], sleeps[2], sleeps[3]
@@ -353,6 +386,15 @@ def _serve(requests, replies, h_byte, any_source, any_tag, src_at, tag_at, statu
     pull_by = 0.0   # a worker's pull is expected until then (after its push alone)
     while True:
         now = _monotonic(cells)
+        if inbox is not None and optimizer is not None:
+            current = cells[C_CURRENT]
+            taken = _take_inbox(inbox[0], inbox[1], inbox[2], inbox[3], step_kind,
+                                w0 if current == 0 else (w1 if current == 1 else w2),
+                                optimizer[0], optimizer[1], optimizer[2], optimizer[3], cells)
+            if taken < 0:
+                return INBOX_REFUSED
+            if taken > 0:
+                sleep, last = sleep_min, now
         if sending:
             done = _progress(flight, flight_since, cells, status_p, flag_p, scratch, now,
                              deadline)

@@ -142,6 +142,10 @@ class ShardServer:
         # as the workers write them into the window; None while pushes come as messages.
         self._window_heard: np.ndarray | None = None
         self._window_pushes: np.ndarray | None = None
+        # The server-side optimizer's inbox in the window (``shard_window.ShardInbox``), or
+        # None: the gradient slots the workers write, stepped on by the compiled loop or, for
+        # the first step and before a pull's answer, by :meth:`_take_inbox`.
+        self._inbox_window = None
         if compiled and comm is not None:
             reason = _shard_loop.unavailable_reason()
             if reason is None:
@@ -156,14 +160,34 @@ class ShardServer:
                 self.log(f"mpsync PS shard {index}: no compiled loop ({reason}); the Python "
                          f"loop serves")
 
-    def pin(self, weights: np.ndarray, heard: np.ndarray, pushes: np.ndarray) -> None:
+    def pin(self, weights: np.ndarray, heard: np.ndarray, pushes: np.ndarray,
+            inbox=None) -> None:
         """Store the weights in ``weights`` for good, the memory of a window the workers
         add their pushes into and read from themselves (``shard_window``): the initial
         weights are copied there, and every later sum is made there, in place.  ``heard``
         and ``pushes`` are what the workers write beside them (their last push, and the
-        count).  Before the first INIT."""
+        count).  ``inbox``: with the server-side optimizer, the ``ShardInbox`` the workers
+        write their gradients into instead.  Before the first INIT."""
         self.store.pinned = weights
         self._window_heard, self._window_pushes = heard, pushes
+        self._inbox_window = inbox
+
+    def _take_inbox(self) -> bool:
+        """One step of the server-side optimizer on the gradients the workers wrote into the
+        inbox since the last (``shard_window``'s module doc); False if none came."""
+        inbox = self._inbox_window
+        if inbox is None or not self.store.ready or not inbox.waiting():
+            return False
+        grad, pushes, counts = inbox.take()
+        problem = self.updates.take(self.store.weights, grad, 0)
+        if problem is None:
+            self.store.version += pushes
+        else:
+            self.dropped += pushes
+            self.log(f"mpsync PS shard {self.index}: refused the sum of {pushes} pushes in "
+                     f"its inbox: {problem}; the shard serves on")
+        inbox.done(counts)
+        return True
 
     def _heard(self) -> tuple[np.ndarray, np.ndarray]:
         """When each worker was last heard from and its state (``UNHEARD``, ``HEARD_FROM``,
@@ -205,11 +229,15 @@ class ShardServer:
             self._loop.warm_up()   # most models are float32; another dtype loads at its first push
             if self.updates is not None and not self.updates.per_round:
                 self._loop.warm_up(stepping=True)   # the loop that takes the optimizer's steps
+                self._loop.warm_up(stepping=True, inbox=True)   # ... from a window's inbox
         status = MPI.Status()
         probe = self.comm.Iprobe
         clock, sched_yield = time.perf_counter, os.sched_yield
         sleep, last = SLEEP_MIN_S, clock()
         while self.left > 0 or self._sending:
+            if self._take_inbox():
+                sleep, last = SLEEP_MIN_S, clock()
+                continue
             if self._compiled_serves():
                 self._serve_compiled()
                 sleep, last = SLEEP_MIN_S, clock()
@@ -239,12 +267,15 @@ class ShardServer:
                 self._times[_shard_loop.T_LATE_WAKE], clock() - now - pause)
             idle = now - last > IDLE_AFTER_S
             sleep = min(2 * sleep, SLEEP_IDLE_S if idle else SLEEP_MAX_S)
+        self._take_inbox()   # the last pushes, added before their workers said goodbye
         return self.stats()
 
     def stats(self) -> dict:
         one_sided = 0 if self._window_pushes is None else int(self._window_pushes.sum())
+        # (Through an inbox the shard counts the pushes it stepped on in ``version`` itself.)
+        added = one_sided if self._inbox_window is None else 0
         return {"shard": self.index, "elements": self.store.size,
-                "version": self.store.version + one_sided, "one_sided_pushes": one_sided,
+                "version": self.store.version + added, "one_sided_pushes": one_sided,
                 "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
                 "dropped": self.dropped, "compiled_loop": self._loop is not None,
                 "served_compiled": self._compiled_count(_shard_loop.C_SERVED)}
@@ -258,8 +289,14 @@ class ShardServer:
         weights = self.store.weights
         # Not with the weights in a window (``pin``): its sums go to a second buffer where a
         # reply reads the first, and the workers add into the window only.  What still comes
-        # as a message there (a first pull, the initial weights) is Python's.
-        return (self._loop is not None and weights is not None and self.store.pinned is None
+        # as a message there (a first pull, the initial weights) is Python's.  Unless the
+        # shard steps from an inbox (``shard_window``): then its only writes are those steps,
+        # in place, once the Python loop took the first (which makes the optimizer's state).
+        inbox = self._inbox_window
+        return (self._loop is not None and weights is not None
+                and (self.store.pinned is None or inbox is not None and inbox.ready
+                     and self.updates is not None and self.updates.compiled_form() is not None
+                     and weights is self.store.pinned)
                 and (self.updates is None or not self.updates.per_round)
                 and not self._sending and not self._waiting_pulls
                 and weights.dtype.kind == "f" and weights.itemsize >= 4)
@@ -282,8 +319,10 @@ class ShardServer:
             form = self.updates.compiled_form()
             step = ((_shard_loop.HAND_BACK, None, None, None, None, 0) if form is None
                     else (*form, self.updates.optimizer.steps))
+        inbox = self._inbox_window.compiled_form() if store.pinned is not None else None
         outcome = loop.serve(tuple(buffers), store.scale, wire_code(weights.dtype),
-                             store.version, time.monotonic() + 0.5, step, wire_code(BFLOAT16))
+                             store.version, time.monotonic() + 0.5, step, wire_code(BFLOAT16),
+                             inbox)
         cells = loop.cells
         if step is not None and step[0] != _shard_loop.HAND_BACK:
             self.updates.optimizer.steps = int(cells[_shard_loop.C_STEPS])
@@ -302,6 +341,10 @@ class ShardServer:
             self._handle(src, tag, count, loop.pull_arg.view(np.uint8))
         elif outcome == _shard_loop.REFUSED:
             self._refuse(src, "push", "push with NaN or inf")
+        elif outcome == _shard_loop.INBOX_REFUSED:
+            self.dropped += 1
+            self.log(f"mpsync PS shard {self.index}: refused the sum of the pushes in its "
+                     f"inbox: NaN or inf; the shard serves on")
         elif outcome == _shard_loop.MPI_FAILED:
             code = int(cells[_shard_loop.C_ERROR])
             raise RuntimeError(f"PS shard {self.index}: an MPI call of its compiled loop "
@@ -557,7 +600,9 @@ class ShardServer:
         """Send this shard's weights to ``src`` (at ``barrier`` > 0: that barrier's).  With
         the optimizer once per round: after round ``round_``'s step, without the pushes of
         the ``excluded`` workers, if this is the round's first pull here; after a step on
-        every push kept at ``ALL_PUSHES_IN`` (``ServerUpdates.settle``)."""
+        every push kept at ``ALL_PUSHES_IN`` (``ServerUpdates.settle``).  With an inbox:
+        after a step on what is in it."""
+        self._take_inbox()
         if self.updates is not None:
             round_ = None if barrier == ALL_PUSHES_IN else round_
             if self.updates.due(round_, excluded) and self._reading(self.store.weights):

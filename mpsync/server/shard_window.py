@@ -34,6 +34,30 @@ than float32 and float64).
 The window also carries, per shard, when each worker last pushed (``CLOCK_MONOTONIC``, one
 clock on one node) and how many pushes were applied, so the shard's liveness answers and its
 stats still count the pushes it no longer receives.
+
+The server-side optimizer under ASP (``ps_pull_ungated``) has an inbox instead: ``SLOTS``
+gradient slots per worker in each shard's window.  A worker writes its gradient into its next
+slot (``MPI_Put``), then its count of pushes beside them, and reads the weights (``MPI_Get``)
+without waiting for the shard; the shard's compiled loop (``_shard_loop``), whenever it runs,
+sums the slots written since it last looked, steps once on the sum in place, and writes back
+the count it took.  So the step is off every worker's path: answered as a message, a push
+waited 8.6-11.5 ms for a shard whose work was about 1.2 ms, as the shard threads took turns on
+cores the trainers held (bench/psopt/README.md).  A worker writes a slot again only once the
+shard took the push that was in it, so it waits only when its shard is ``SLOTS`` pushes behind.
+Each count has one writer and a slot is complete (``MPI_Win_flush``) before its count is
+written, so no push is read half-written or lost, and nothing locks.  (An accumulate into one
+sum per shard, with MPI's atomics to take turns on it, took 14-17 ms a push: Open MPI's
+``osc/sm`` serializes both on the shard's one lock.)  The first step, which makes the
+optimizer's state, and a pull alone (the last one of a run, a message) are the shard's Python
+loop's: it steps on what is in before it answers, so the final weights hold every push.
+
+Departure [ps-server-inbox]: the papers' server steps once per push (DSSP, Alg. 1); through
+the inbox a shard steps once on the sum of the pushes that came since its last step (k pushes,
+one step: for SGD without momentum the same weights as k steps; with momentum or Adam, one step
+on a larger batch), and a worker's pull may not yet hold its own last ``SLOTS`` pushes.  Both
+are within ASP's reads, which are whatever is current (DSSP, §I.A); SSP's and DSSP's reads
+must hold every push the state server counted, so with the server's optimizer they stay
+messages.
 """
 
 from __future__ import annotations
@@ -43,7 +67,16 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["ShardWindow", "unavailable_reason", "window_layout"]
+__all__ = ["ShardWindow", "ShardInbox", "unavailable_reason", "window_layout", "inbox_layout",
+           "slot_bytes", "sum_slots", "SLOTS"]
+
+# A worker whose shard has not taken its last gradient looks again every INBOX_PAUSE_S, for at
+# most INBOX_WAIT_S (a shard takes within milliseconds; one that stopped is named by the
+# liveness checks before this).
+INBOX_PAUSE_S, INBOX_WAIT_S = 50e-6, 60.0
+# Gradient slots per worker on each shard: a worker waits only when its shard is this many
+# pushes behind it.
+SLOTS = 2
 
 _MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
 
@@ -63,8 +96,9 @@ def unavailable_reason(config, workers) -> str | None:
     spec = policies.get(config.policy)
     if not spec.steps_unawaited or spec.ps_average:
         return f"{config.policy}'s shards hold its rounds or barriers"
-    if config.ps_optimizer == "server":
-        return "the shards run the optimizer"
+    if config.ps_optimizer == "server" and not spec.ps_pull_ungated:
+        return (f"the shards run the optimizer and {config.policy}'s reads must hold every "
+                f"push the state server counted")
     if not one_node:
         return "the workers span nodes"
     if "Open MPI" not in MPI.Get_library_version():
@@ -81,6 +115,23 @@ def window_layout(elements: int, dtype, n_workers: int) -> tuple[int, int, int]:
     return heard_at, pushes_at, pushes_at + 8 * n_workers
 
 
+def inbox_layout(elements: int, dtype, n_workers: int) -> tuple[int, int, int, int]:
+    """The server-side optimizer's inbox after :func:`window_layout`'s bytes: ``(posted_at,
+    taken_at, slots_at, size)``: an int64 per worker (the pushes it wrote), an int64 per worker
+    (the pushes the shard took), then a gradient slot of the shard's range per worker, each
+    64-byte aligned (``slot_bytes`` apart)."""
+    posted_at = window_layout(elements, dtype, n_workers)[2]
+    taken_at = posted_at + 8 * n_workers
+    slots_at = -(-(taken_at + 8 * n_workers) // 64) * 64
+    return posted_at, taken_at, slots_at, slots_at + SLOTS * n_workers * slot_bytes(elements,
+                                                                                      dtype)
+
+
+def slot_bytes(elements: int, dtype) -> int:
+    """A gradient slot's bytes: the range's, padded to 64."""
+    return -(-elements * np.dtype(dtype).itemsize // 64) * 64
+
+
 class ShardWindow:
     """A worker's one-sided access to every shard (module doc).
 
@@ -91,8 +142,10 @@ class ShardWindow:
     lock, and every operation completes in the worker's own calls (no deadline to miss).
     """
 
-    def __init__(self, win, bounds, hosts, dtype, n_workers: int, worker: int):
+    def __init__(self, win, bounds, hosts, dtype, n_workers: int, worker: int,
+                 inbox: bool = False):
         self.win = win
+        self.inbox = bool(inbox)
         self.bounds = tuple(bounds)
         self.hosts = tuple(hosts)
         self.dtype = np.dtype(dtype)
@@ -106,20 +159,61 @@ class ShardWindow:
                        for k in (*range(first, len(self.bounds)), *range(first))]
         self._stamp = np.zeros(1, dtype=np.float64)
         self._pushes = np.zeros(1, dtype=np.int64)
+        self._count = np.zeros(1, dtype=np.int64)
+        self._inboxes = [inbox_layout(b - a, self.dtype, n_workers)[:3] for a, b in self.bounds]
+        self._slot = [slot_bytes(b - a, self.dtype) for a, b in self.bounds]
+        self._taken = np.zeros(len(self.bounds), dtype=np.int64)
         win.Lock_all()
 
     def push(self, wire: np.ndarray) -> None:
-        """Add ``wire`` (the checked update, this dtype) into every shard's range; complete on
+        """Add ``wire`` (the checked update, this dtype) into every shard's range (with an
+        inbox: write it into this worker's next slot for the shard to step on); complete on
         every shard when this returns."""
         win, kind, me = self.win, self.mpi_type, 8 * self.worker
-        for (a, b), host, _ in self._order:
+        if self.inbox:
+            self._into_inboxes(wire)
+        for (a, b), host, _ in ([] if self.inbox else self._order):
             win.Accumulate([wire[a:b], kind], host, target=(0, b - a, kind), op=MPI.SUM)
         self._stamp[0] = time.monotonic()
         self._pushes[0] += 1
         for _, host, (heard_at, pushes_at, _) in self._order:
             win.Put([self._stamp, MPI.DOUBLE], host, target=(heard_at + me, 1, MPI.DOUBLE))
             win.Put([self._pushes, MPI.INT64_T], host, target=(pushes_at + me, 1, MPI.INT64_T))
+        if self.inbox:   # what the shards took, for the next push's look (completed below)
+            self._get_taken()
         win.Flush_all()
+
+    def _get_taken(self) -> None:
+        for k, host in enumerate(self.hosts):
+            self.win.Get([self._taken[k:k + 1], MPI.INT64_T], host,
+                         target=(self._inboxes[k][1] + 8 * self.worker, 1, MPI.INT64_T))
+
+    def _into_inboxes(self, wire: np.ndarray) -> None:
+        """Write ``wire`` into this worker's next slot on every shard, then the count (module
+        doc); first wait, while a shard has not yet taken the push that slot holds."""
+        win, kind, me = self.win, self.mpi_type, 8 * self.worker
+        pushed = int(self._pushes[0])   # before this one
+        give_up = None
+        # The counts the last push read as it completed: the shards only take more.
+        while not np.all(self._taken >= pushed - SLOTS + 1):
+            give_up = give_up or time.monotonic() + INBOX_WAIT_S
+            if time.monotonic() > give_up:
+                late = [k for k in range(len(self.hosts))
+                        if self._taken[k] < pushed - SLOTS + 1]
+                raise TimeoutError(f"PS shard(s) {late} did not take this worker's last "
+                                   f"gradient within {INBOX_WAIT_S:g}s")
+            time.sleep(INBOX_PAUSE_S)
+            self._get_taken()
+            win.Flush_all()
+        for (a, b), host, _ in self._order:
+            k = self.hosts.index(host)
+            at = self._inboxes[k][2] + (SLOTS * self.worker + pushed % SLOTS) * self._slot[k]
+            win.Put([wire[a:b], kind], host, target=(at, b - a, kind))
+        win.Flush_all()
+        self._count[0] = pushed + 1
+        for k, host in enumerate(self.hosts):
+            win.Put([self._count, MPI.INT64_T], host,
+                    target=(self._inboxes[k][0] + me, 1, MPI.INT64_T))
 
     def pull(self, out: np.ndarray) -> None:
         """Every shard's weights into ``out`` (contiguous, this dtype)."""
@@ -127,3 +221,68 @@ class ShardWindow:
         for (a, b), host, _ in self._order:
             win.Get([out[a:b], kind], host, target=(0, b - a, kind))
         win.Flush_all()
+
+
+class ShardInbox:
+    """The shard's side of its inbox (module doc): ``posted`` and ``taken`` (an int64 per
+    worker) and ``slots`` (``SLOTS`` rows per worker, each padded to ``slot_bytes``) are views
+    of its own window memory, of which a slot's first ``elements`` are the range's.  ``ready``
+    once this rank's window is in its epoch (``ShardWindow`` opened it): before that no sum is
+    taken."""
+
+    def __init__(self, posted: np.ndarray, taken: np.ndarray, slots: np.ndarray,
+                 elements: int):
+        self.posted, self.taken, self.rows = posted, taken, slots
+        self.slots = slots[:, :elements]
+        self.ready = False
+        self._sum = np.empty(elements, slots.dtype)
+
+    def compiled_form(self) -> tuple:
+        """What the shard's compiled loop takes (``_shard_loop._take_inbox``): the counts,
+        the slots as whole (padded, contiguous) rows, and a buffer for their sum."""
+        return self.posted, self.taken, self.rows, self._sum
+
+    def waiting(self) -> bool:
+        """Has a worker written a push the shard has not taken (plain reads of single-writer
+        words: one on its way is seen at the next look)?"""
+        return self.ready and bool(np.any(self.posted != self.taken))
+
+    def take(self):
+        """``(gradient, pushes, counts)``: the sum of the slots written since the last take
+        (or the one slot, where one was), how many pushes it holds, and the counts read
+        (:meth:`done` with them once the gradient is used)."""
+        counts = self.posted.copy()   # read before the slots: each slot is complete by then
+        pushes, one = sum_slots(counts, self.taken, self.rows, self._sum)
+        gradient = self._sum if one < 0 else self.slots[one]
+        return gradient, pushes, counts
+
+    def done(self, counts: np.ndarray) -> None:
+        """The slots read at ``counts`` are used: their workers may write them again."""
+        self.taken[:] = counts
+
+
+import numba  # noqa: E402
+
+
+@numba.njit(cache=True, nogil=True)
+def sum_slots(counts, taken, rows, total):
+    """The slots of the pushes ``taken[w]`` to ``counts[w]`` of every worker w (push j of
+    worker w in row ``SLOTS * w + j % SLOTS``; a row's first ``total.size`` elements):
+    ``(pushes, row)``: with one push, its row, and ``total`` is not written (the step reads
+    the slot itself: its worker writes it again only after the take); else -1, and their sum
+    in ``total``."""
+    size = total.size
+    pushes, first = 0, -1
+    for w in range(counts.size):
+        for j in range(taken[w], counts[w]):
+            row = SLOTS * w + j % SLOTS
+            if pushes == 0:
+                first = row
+            elif pushes == 1:
+                for i in range(size):
+                    total[i] = rows[first, i] + rows[row, i]
+            else:
+                for i in range(size):
+                    total[i] += rows[row, i]
+            pushes += 1
+    return pushes, first if pushes == 1 else -1

@@ -85,7 +85,8 @@ from mpsync.server.shard_server import (ACK, BYE, DATA, GONE, HEARD, INIT, LOAD,
                                         PULL, PUSH, PUSH_PULL, RESTORE, SAVE, STATE,
                                         UNHEARD, WATCH, WIRE_DTYPES,
                                         ShardServer, ShardThread, wire_code)
-from mpsync.server.shard_window import ShardWindow, unavailable_reason, window_layout
+from mpsync.server.shard_window import (SLOTS, ShardInbox, ShardWindow, inbox_layout,
+                                        unavailable_reason, window_layout)
 from mpsync.server.weights import BFLOAT16, all_finite, numpy_cast
 
 __all__ = ["ShardServer", "ShardClient", "ShardThread", "start_shards", "spin_until",
@@ -138,6 +139,8 @@ class ShardClient:
         self._window_comm = None
         self._local_shard: ShardServer | None = None
         self._read_once = False
+        # The shards run the optimizer (``start_shards``): a window has their inbox.
+        self.server_optimizer = False
 
     @property
     def count(self) -> int:
@@ -184,16 +187,27 @@ class ShardClient:
         mine = self.hosts.index(me) if me in self.hosts else None
         a, b = self.bounds[mine] if mine is not None else (0, 0)
         heard_at, pushes_at, size = window_layout(b - a, dtype, n)
+        if self.server_optimizer:
+            posted_at, taken_at, slots_at, size = inbox_layout(b - a, dtype, n)
         win = MPI.Win.Allocate(size if mine is not None else 0, 1, comm=self._window_comm)
+        inbox = None
         if mine is not None:
             memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
             memory[:] = 0
+            if self.server_optimizer:
+                inbox = ShardInbox(memory[posted_at:taken_at].view(np.int64),
+                                   memory[taken_at:taken_at + 8 * n].view(np.int64),
+                                   memory[slots_at:size].view(dtype).reshape(SLOTS * n, -1),
+                                   b - a)
             self._local_shard.pin(memory[:heard_at].view(dtype)[:b - a],
                                   memory[heard_at:pushes_at].view(np.float64),
-                                  memory[pushes_at:size].view(np.int64))
+                                  memory[pushes_at:pushes_at + 8 * n].view(np.int64), inbox)
         _OPEN_WINDOWS.append(win)   # freed with MPI at exit (a collective free could hang)
         self._window_comm.Barrier()  # every shard stores into its window before any INIT
-        self.window = ShardWindow(win, self.bounds, self.hosts, dtype, n, me)
+        self.window = ShardWindow(win, self.bounds, self.hosts, dtype, n, me,
+                                  inbox=self.server_optimizer)
+        if inbox is not None:
+            inbox.ready = True   # this rank's window is in its epoch: the shard may take
         return None
 
     def init(self, flat: np.ndarray) -> None:
@@ -398,7 +412,9 @@ class ShardClient:
         ``excluded`` workers (``ServerUpdates``)."""
         self.layout(out.size)
         self._check_lost("pull")
-        if self.window is not None and self._read_once and barrier == 0 and round_ == 0:
+        # (With an inbox a pull alone is a message: the shard steps on what is in first.)
+        if self.window is not None and not self.window.inbox and self._read_once \
+                and barrier == 0 and round_ == 0:
             self.window.pull(out)
             self.bytes_received += out.nbytes
             return
@@ -595,6 +611,7 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
                          worker_names=worker_names, startup=config.startup_timeout, cast=cast)
     client.nodes = layout.nodes
     client.one_sided_unavailable = unavailable_reason(config, workers)
+    client.server_optimizer = config.ps_optimizer == "server"
     client._window_comm = workers.Dup()
     client._local_shard = thread.server if thread is not None else None
     return client, thread, layout

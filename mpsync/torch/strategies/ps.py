@@ -124,9 +124,12 @@ class ParameterServer(LocalStepsThenAggregate):
             shards.wire = self._wire_dtype()
             two_sided = shards.open_window(self._base.dtype)   # collective
             if self.worker_rank == 0:
+                how = ("one-sided (MPI_Put of each gradient and MPI_Get on the shards' shared "
+                       "memory; the shards step on the gradients written since their last "
+                       "step)" if self.server_optimizer else
+                       "one-sided (MPI_Accumulate and MPI_Get on the shards' shared memory)")
                 print("mpsync: PS pushes and pulls " +
-                      ("one-sided (MPI_Accumulate and MPI_Get on the shards' shared memory)"
-                       if two_sided is None else f"as messages ({two_sided})"),
+                      (how if two_sided is None else f"as messages ({two_sided})"),
                       file=sys.stderr, flush=True)
         if self.worker_rank == 0:
             if self._shards_state is not None:
