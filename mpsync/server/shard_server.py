@@ -146,6 +146,7 @@ class ShardServer:
         # None: the gradient slots the workers write, stepped on by the compiled loop or, for
         # the first step and before a pull's answer, by :meth:`_take_inbox`.
         self._inbox_window = None
+        self._inbox_loaded = False
         if compiled and comm is not None:
             reason = _shard_loop.unavailable_reason()
             if reason is None:
@@ -229,7 +230,6 @@ class ShardServer:
             self._loop.warm_up()   # most models are float32; another dtype loads at its first push
             if self.updates is not None and not self.updates.per_round:
                 self._loop.warm_up(stepping=True)   # the loop that takes the optimizer's steps
-                self._loop.warm_up(stepping=True, inbox=True)   # ... from a window's inbox
         status = MPI.Status()
         probe = self.comm.Iprobe
         clock, sched_yield = time.perf_counter, os.sched_yield
@@ -320,6 +320,11 @@ class ShardServer:
             step = ((_shard_loop.HAND_BACK, None, None, None, None, 0) if form is None
                     else (*form, self.updates.optimizer.steps))
         inbox = self._inbox_window.compiled_form() if store.pinned is not None else None
+        if inbox is not None and not self._inbox_loaded:
+            # The loop that steps from an inbox, loaded once a window has one (only ASP's
+            # jobs on one node with the server's optimizer: no other job compiles it).
+            loop.warm_up(weights.dtype, stepping=True, inbox=True)
+            self._inbox_loaded = True
         outcome = loop.serve(tuple(buffers), store.scale, wire_code(weights.dtype),
                              store.version, time.monotonic() + 0.5, step, wire_code(BFLOAT16),
                              inbox)
