@@ -67,13 +67,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpsync.server._client import DeadlineExceeded
+
 __all__ = ["ShardWindow", "ShardInbox", "unavailable_reason", "window_layout", "inbox_layout",
            "slot_bytes", "sum_slots", "SLOTS"]
 
-# A worker whose shard has not taken its last gradient looks again every INBOX_PAUSE_S, for at
-# most INBOX_WAIT_S (a shard takes within milliseconds; one that stopped is named by the
-# liveness checks before this).
-INBOX_PAUSE_S, INBOX_WAIT_S = 50e-6, 60.0
+# A worker whose shard has not taken the push its next slot holds looks again every
+# INBOX_PAUSE_S, until the run's deadline (a shard takes within milliseconds).
+INBOX_PAUSE_S = 50e-6
 # Gradient slots per worker on each shard: a worker waits only when its shard is this many
 # pushes behind it.
 SLOTS = 2
@@ -139,13 +140,18 @@ class ShardWindow:
     exposing :func:`window_layout`'s bytes for its range; ``bounds[k]`` and ``hosts[k]`` as
     in ``ShardClient``; ``worker``: this worker's index.  The window stays in one passive
     epoch (``Lock_all``) for the whole run: the shards never lock it, so nothing waits on a
-    lock, and every operation completes in the worker's own calls (no deadline to miss).
+    lock, and every operation completes in the worker's own calls.  ``inbox``: pushes are
+    gradients written into the shards' inboxes (module doc); the one wait there is for a
+    shard to take a slot, named by ``names`` (the shards' labels) past ``deadline`` seconds.
     """
 
     def __init__(self, win, bounds, hosts, dtype, n_workers: int, worker: int,
-                 inbox: bool = False):
+                 inbox: bool = False, names=None, deadline: float = 60.0):
         self.win = win
         self.inbox = bool(inbox)
+        self.names = tuple(names) if names is not None else \
+            tuple(f"PS shard {k}" for k in range(len(bounds)))
+        self.deadline = float(deadline)
         self.bounds = tuple(bounds)
         self.hosts = tuple(hosts)
         self.dtype = np.dtype(dtype)
@@ -196,12 +202,13 @@ class ShardWindow:
         give_up = None
         # The counts the last push read as it completed: the shards only take more.
         while not np.all(self._taken >= pushed - SLOTS + 1):
-            give_up = give_up or time.monotonic() + INBOX_WAIT_S
+            give_up = give_up or time.monotonic() + self.deadline
             if time.monotonic() > give_up:
-                late = [k for k in range(len(self.hosts))
+                late = [self.names[k] for k in range(len(self.hosts))
                         if self._taken[k] < pushed - SLOTS + 1]
-                raise TimeoutError(f"PS shard(s) {late} did not take this worker's last "
-                                   f"gradient within {INBOX_WAIT_S:g}s")
+                raise DeadlineExceeded(f"{', '.join(late)} did not take this worker's "
+                                       f"gradients within the {self.deadline:g}s deadline "
+                                       f"(its inbox is full)", late, "push")
             time.sleep(INBOX_PAUSE_S)
             self._get_taken()
             win.Flush_all()

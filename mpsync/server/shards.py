@@ -205,7 +205,8 @@ class ShardClient:
         _OPEN_WINDOWS.append(win)   # freed with MPI at exit (a collective free could hang)
         self._window_comm.Barrier()  # every shard stores into its window before any INIT
         self.window = ShardWindow(win, self.bounds, self.hosts, dtype, n, me,
-                                  inbox=self.server_optimizer)
+                                  inbox=self.server_optimizer, names=self.names,
+                                  deadline=self.deadline)
         if inbox is not None:
             inbox.ready = True   # this rank's window is in its epoch: the shard may take
         return None
