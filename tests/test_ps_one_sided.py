@@ -112,48 +112,48 @@ def test_only_policies_whose_shards_apply_on_arrival_push_one_sided(settings, re
     assert unavailable_reason(config, MPI.COMM_SELF) == reason
 
 
+STEPS, WORKERS = 20, 2
+
+
+def _pushes_land_once(*args):
+    """``ps_one_sided_programs:pushes_land_once`` on WORKERS workers for STEPS steps: each
+    worker's result by rank, every rank's stderr, and the run (for its report)."""
+    run = run_mpi("ps_one_sided_programs:pushes_land_once", np=WORKERS + 1, timeout=180,
+                  args=[f"steps={STEPS}", *args])
+    res = {r["rank"]: r for r in run.results().values()}
+    assert len(res) == WORKERS, run.report()
+    return res, "".join(run.rank_err(r) for r in run.ranks), run
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("policy", ["asp", "ssp"])
 def test_one_sided_pushes_land_once_and_the_shards_count_and_hear_them(policy):
-    steps, workers = 20, 2
-    run = run_mpi("ps_one_sided_programs:pushes_land_once", np=workers + 1, timeout=180,
-                  args=[f"policy={policy}", f"steps={steps}"])
-    res = {r["rank"]: r for r in run.results().values()}
-    assert len(res) == workers, run.report()
+    res, text, run = _pushes_land_once(f"policy={policy}")
     assert all(r["window"] for r in res.values()), res
     assert all(r["silent"] == [] for r in res.values()), res
-    text = "".join(run.rank_err(r) for r in run.ranks)
     assert "PS pushes and pulls one-sided" in text, run.report()
     for r in res.values():   # each worker hosts a shard: every push of both, and the last
         shard = r["shard"]
-        assert shard["one_sided_pushes"] >= workers * steps, res
+        assert shard["one_sided_pushes"] >= WORKERS * STEPS, res
         assert shard["version"] >= shard["one_sided_pushes"], res
 
 
 @pytest.mark.mpi
 def test_without_the_window_the_same_pushes_come_as_messages():
-    steps, workers = 20, 2
-    run = run_mpi("ps_one_sided_programs:pushes_land_once", np=workers + 1, timeout=180,
-                  args=["policy=asp", f"steps={steps}", "one_sided=0"])
-    res = {r["rank"]: r for r in run.results().values()}
-    assert len(res) == workers and not any(r["window"] for r in res.values()), res
-    text = "".join(run.rank_err(r) for r in run.ranks)
+    res, text, run = _pushes_land_once("policy=asp", "one_sided=0")
+    assert not any(r["window"] for r in res.values()), res
     assert "PS pushes and pulls as messages (ps_one_sided is off)" in text, run.report()
     for r in res.values():
         assert r["shard"]["one_sided_pushes"] == 0, res
-        assert r["shard"]["version"] >= workers * steps, res
+        assert r["shard"]["version"] >= WORKERS * STEPS, res
 
 
 @pytest.mark.mpi
 def test_the_shards_optimizer_steps_on_every_pushed_gradient_once_through_the_inbox():
-    steps, workers = 20, 2
-    run = run_mpi("ps_one_sided_programs:pushes_land_once", np=workers + 1, timeout=180,
-                  args=["policy=asp", f"steps={steps}", "optimizer=server"])
-    res = {r["rank"]: r for r in run.results().values()}
-    assert len(res) == workers and all(r["window"] for r in res.values()), res
-    text = "".join(run.rank_err(r) for r in run.ranks)
+    res, text, run = _pushes_land_once("policy=asp", "optimizer=server")
+    assert all(r["window"] for r in res.values()), res
     assert "the shards step on the gradients written since their last step" in text, \
         run.report()
     for r in res.values():   # every push stepped on once (the program checks the weights)
         assert r["shard"]["dropped"] == 0, res
-        assert r["shard"]["version"] == workers * steps, res
+        assert r["shard"]["version"] == WORKERS * STEPS, res
