@@ -37,6 +37,11 @@ reads it while the loop runs, and the steps taken are counted in the cells.  A s
 would make state (the first) is the Python loop's, as is the optimizer applied once per
 round (BSP), whose pulls wait for the round's step: the shard serves those in Python.
 
+Where the shard's weights are in a window with an inbox (the server-side optimizer under ASP
+on one node, ``shard_window``), no push comes as a message: at every pass the loop sums the
+gradient slots the workers wrote since its last look and steps on them once, in place
+(:func:`_take_inbox`), outside the interpreter's lock, where a Python loop took them late.
+
 A float32 store (a bfloat16 model's, ``weights.BFLOAT16``) also serves pushes and pulls on a
 bfloat16 wire: a push's bits are widened into float32 (exact) and taken as above; a pull's
 reply is the weights rounded to bfloat16 into one of ``HALVES`` buffers of its own, which
