@@ -105,6 +105,11 @@ class PolicySpec:
     reports its step without waiting for the reply and collects it after its next exchange
     (``SyncClient.step_unawaited``); under ASP the state server does not wake up for those
     reports either.  Never under ``auto``, whose replies may name the policy to switch to.
+    ``ps_read_gap``: the option (one of ``options``) whose value bounds how many pushes a
+    worker's granted pull may be ahead of the slowest worker's count (SSP's ``staleness``,
+    DSSP's ``staleness_high``): a read then needs every worker's pushes only up to the
+    reader's count less that value (:meth:`read_gap`; the server-side optimizer's inbox,
+    ``mpsync.server.shard_window``).
     ``fidelity``: per topology, ``(implemented as written, departures)`` against the paper:
     the fidelity table of docs/fidelity.md (:func:`fidelity_table`).  Each departure carries
     its key in brackets, ``[dssp-allowance-left]``, and is followed, in parentheses, by the
@@ -125,6 +130,7 @@ class PolicySpec:
     ps_server_optimizer: bool = False
     ps_pull_ungated: bool = False
     steps_unawaited: bool = False
+    ps_read_gap: str = ""
     fidelity: Mapping[str, tuple[str, str]] = None
     simulation: Mapping[str, str] | None = None
 
@@ -132,6 +138,11 @@ class PolicySpec:
         """The simulator's fast model of this policy on ``topology`` (``SIMULATION_MODELS``),
         or None: ``mpsync simulate`` then drives the policy's server class event by event."""
         return (self.simulation or {}).get(topology)
+
+    def read_gap(self, config) -> int | None:
+        """The most pushes a granted pull of this policy may be ahead of the slowest
+        worker's count under ``config`` (``ps_read_gap``), or None: no such bound."""
+        return int(getattr(config, self.ps_read_gap)) if self.ps_read_gap else None
 
     @property
     def default_topology(self) -> str:
@@ -205,7 +216,7 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
              paper: str = "", fast_path: str | None = None, options: tuple[str, ...] = (),
              ps_average: bool = False, ps_server_optimizer: bool = False,
              ps_pull_ungated: bool = False, steps_unawaited: bool = False,
-             simulation: Mapping[str, str] | None = None,
+             ps_read_gap: str = "", simulation: Mapping[str, str] | None = None,
              fidelity: Mapping[str, tuple[str, str]] | None = None,
              replace: bool = False) -> PolicySpec:
     """Add a policy; returns its entry.
@@ -235,11 +246,14 @@ def register(name: str, *, description: str, server: str, strategies: Mapping[st
         if model not in SIMULATION_MODELS.get(topology, ()):
             raise PolicyError(f"policy {name!r}: simulation model {model!r} on {topology!r}; "
                               f"choose from {', '.join(SIMULATION_MODELS.get(topology, ()))}")
+    if ps_read_gap and ps_read_gap not in options:
+        raise PolicyError(f"policy {name!r}: ps_read_gap {ps_read_gap!r} must be one of its "
+                          f"options ({', '.join(options) or 'none given'})")
     spec = PolicySpec(name=name, description=description, paper=paper,
                       topologies=tuple(strategies), server=server, strategies=strategies,
                       fast_path=fast_path, options=tuple(options), ps_average=ps_average,
                       ps_server_optimizer=ps_server_optimizer, ps_pull_ungated=ps_pull_ungated,
-                      steps_unawaited=steps_unawaited,
+                      steps_unawaited=steps_unawaited, ps_read_gap=ps_read_gap,
                       simulation=dict(simulation) if simulation else None,
                       fidelity=dict(fidelity or {}))
     old = _REGISTRY.get(name)
@@ -382,6 +396,15 @@ _PS_WORKER_OPTIMIZER = ("with ps_optimizer='worker' (the default) each worker ru
                         "model for SGD under BSP only [ps-worker-optimizer] "
                         "(mpsync.torch.strategies.ps:ParameterServer)")
 
+# With the shards' optimizer on one node, pushes go through an inbox (shard_window).
+_PS_SERVER_INBOX = ("; with ps_optimizer='server' on one node a shard steps once on the "
+                    "gradients pushed since its last step, not once per push "
+                    "[ps-server-inbox] (mpsync.server.shard_window:ShardInbox)")
+_PS_SERVER_INBOX_BOUNDED = ("; with ps_optimizer='server' on one node a shard steps once on "
+                            "the gradients pushed since its last step, not once per push, and "
+                            "a read holds every worker's pushes up to the bound, not every "
+                            "push the state server counted [ps-server-inbox] "
+                            "(mpsync.server.shard_window:ShardInbox)")
 register(
     "bsp", description="every iteration (Horovod's behaviour; the baseline)", paper="DSSP §I.A",
     server=_SERVER + "BSP",
@@ -400,21 +423,19 @@ register(
     ps_server_optimizer=True, ps_pull_ungated=True, steps_unawaited=True,
     simulation={"ps": "no_wait"},
     fidelity={"ps": ("push every iteration, applied on arrival; pull whatever is current",
-                     _PS_WORKER_OPTIMIZER + "; with ps_optimizer='server' on one node a "
-                     "shard steps once on the gradients pushed since its last step, not once "
-                     "per push [ps-server-inbox] (mpsync.server.shard_window:ShardInbox)")})
+                     _PS_WORKER_OPTIMIZER + _PS_SERVER_INBOX)})
 register(
     "ssp", description="a worker may run at most `--staleness s` iterations ahead of the slowest",
     paper="DSSP §I.A", server=_SERVER + "SSP", strategies={"ps": "default"},
     fast_path="tables", options=("staleness",), ps_server_optimizer=True, steps_unawaited=True,
-    simulation={"ps": "staleness"},
+    ps_read_gap="staleness", simulation={"ps": "staleness"},
     fidelity={"ps": ("a pull waits while the worker is more than s pushes ahead of the "
-                     "slowest", _PS_WORKER_OPTIMIZER)})
+                     "slowest", _PS_WORKER_OPTIMIZER + _PS_SERVER_INBOX_BOUNDED)})
 register(
     "dssp", description="SSP whose bound moves within `[s_L, s_U]`, set per push by a controller",
     paper="DSSP Alg. 1-2", server=_SERVER + "DSSP", strategies={"ps": "default"},
     fast_path="tables", options=("staleness_low", "staleness_high"), ps_server_optimizer=True,
-    steps_unawaited=True,
+    steps_unawaited=True, ps_read_gap="staleness_high",
     simulation={"ps": "dynamic_staleness"},
     fidelity={"ps": ("Alg. 1 server and Alg. 2 synchronization controller on every push",
                      "the controller is given the allowance left, not the full r_max, so the "
@@ -423,7 +444,7 @@ register(
                      "line 3 finds from the timestamps [dssp-slowest-by-pushes]; the OK sent "
                      "with a grant of r* is the first of the r* extra iterations (r_p = r* - 1) "
                      "[dssp-first-extra-ok] (mpsync.sched.dssp:dssp_on_push); "
-                     + _PS_WORKER_OPTIMIZER)})
+                     + _PS_WORKER_OPTIMIZER + _PS_SERVER_INBOX_BOUNDED)})
 _POL = "mpsync.server.step_policies:"
 _STR = "mpsync.torch.strategies:"
 # ZipLine's search departs from the paper's text only in ways that keep its barrier.

@@ -24,14 +24,17 @@ def pushes_land_once() -> None:
     answers while training (nobody silent, nobody unheard).  ``optimizer=server``: the shards
     run SGD at lr 1 on the pushed gradients (-BASE**j), through their inbox under ASP: a pull
     may not yet hold this worker's last ``SLOTS`` pushes, never more, and never fewer than
-    the pull before."""
+    the pull before.  Under SSP (``staleness``, 2 unless given) the k-th pull holds at least
+    every worker's first k - staleness pushes: what the bound promises, through the inbox as
+    through messages."""
     from mpsync.torch import _runtime
 
     a = _args()
     policy, steps = a.get("policy", "asp"), int(a.get("steps", 20))
     server = a.get("optimizer", "worker") == "server"
+    bound = int(a.get("staleness", 2))
     mps.init(policy=policy, topology="ps", backend="mpi", server="dedicated", deadline=60,
-             ps_shards=2, staleness=2, ps_one_sided=a.get("one_sided", "1") == "1",
+             ps_shards=2, staleness=bound, ps_one_sided=a.get("one_sided", "1") == "1",
              ps_optimizer="server" if server else "worker")
     me, n = mps.rank(), mps.size()
     model, opt = counting_model()
@@ -49,6 +52,10 @@ def pushes_land_once() -> None:
             raise AssertionError(f"pull {k}: this worker's own pushes {own} (from "
                                  f"{max(k - lag, before)} to {k})")
         before = int(own.min())
+        if policy == "ssp" and np.any(counts < k - bound):
+            raise AssertionError(f"pull {k} under SSP with bound {bound} holds "
+                                 f"{counts.min(axis=0)} pushes of the workers, fewer than "
+                                 f"{k - bound}")
         if k == steps // 2:
             silent = ctx.shards.silent_workers()
     window = ctx.shards.window is not None

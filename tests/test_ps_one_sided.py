@@ -93,13 +93,49 @@ def test_a_shard_steps_in_place_on_its_inbox_in_compiled_code_or_refuses_all_of_
     assert taken.tolist() == [2, 1] and cells[_shard_loop.C_VERSION] == 2
 
 
+def test_a_bounded_read_waits_for_the_steps_its_bound_needs_and_names_a_shard_behind():
+    from mpi4py import MPI
+
+    from mpsync.server._client import DeadlineExceeded
+    from mpsync.server.shard_window import ShardWindow
+
+    n, elements = 3, 4
+    posted_at, taken_at, _, size = inbox_layout(elements, np.float64, n)
+    win = MPI.Win.Allocate(size, 1, comm=MPI.COMM_SELF)   # one shard, this process's
+    memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
+    memory[:] = 0
+    memory[:8 * elements].view(np.float64)[:] = [1, 2, 3, 4]
+    posted = memory[posted_at:taken_at].view(np.int64)
+    taken = memory[taken_at:taken_at + 8 * n].view(np.int64)
+    window = ShardWindow(win, [(0, elements)], [0], np.float64, n, worker=0, inbox=True,
+                         names=["PS shard 0 (here)"], deadline=0.2, read_gap=1)
+    try:
+        posted[:], taken[:] = [6, 5, 2], [4, 4, 2]   # worker 2 wrote its last push at 2
+        window.await_steps(4)   # each worker's first 4 taken, or all it wrote
+        with pytest.raises(DeadlineExceeded, match=r"PS shard 0 \(here\) did not step"):
+            window.await_steps(5)
+        window._pushes[0] = 6   # this worker's sixth push is written: a read needs 5 each
+        out = np.zeros(elements)
+        with pytest.raises(DeadlineExceeded):
+            window.pull(out)
+        assert out.tolist() == [0] * elements   # nothing read before the steps it needs
+        taken[:] = [5, 5, 2]
+        window.pull(out)
+        assert out.tolist() == [1, 2, 3, 4]
+    finally:
+        win.Unlock_all()
+        win.Free()
+
+
 @pytest.mark.parametrize("settings, reason", [
     (dict(policy="bsp", topology="ps"), "bsp's shards hold its rounds or barriers"),
     (dict(policy="ebsp", topology="ps"), "ebsp's shards hold its rounds or barriers"),
     (dict(policy="asp", ps_optimizer="server"), None),
-    (dict(policy="ssp", ps_optimizer="server"),
-     "the shards run the optimizer and ssp's reads must hold every push the state server "
-     "counted"),
+    (dict(policy="ssp", ps_optimizer="server"), None),
+    (dict(policy="dssp", ps_optimizer="server"), None),
+    (dict(policy="gapless", ps_optimizer="server"),
+     "the shards run the optimizer and gapless's reads must hold every push the state "
+     "server counted (no staleness bound: ps_read_gap)"),
     (dict(policy="asp", ps_one_sided=False), "ps_one_sided is off"),
     (dict(policy="asp"), None),
     (dict(policy="ssp"), None),
@@ -108,8 +144,29 @@ def test_a_shard_steps_in_place_on_its_inbox_in_compiled_code_or_refuses_all_of_
 def test_only_policies_whose_shards_apply_on_arrival_push_one_sided(settings, reason):
     from mpi4py import MPI
 
-    config = SyncConfig(**settings).validate()
-    assert unavailable_reason(config, MPI.COMM_SELF) == reason
+    from mpsync import policies
+
+    ssp = policies.get("ssp")   # "gapless": SSP's rules without a bound a read may rely on
+    policies.register("gapless", description="ssp without ps_read_gap", server=ssp.server,
+                      strategies=ssp.strategies, options=ssp.options,
+                      ps_server_optimizer=True, steps_unawaited=True)
+    try:
+        config = SyncConfig(**settings).validate()
+        assert unavailable_reason(config, MPI.COMM_SELF) == reason
+    finally:
+        policies.unregister("gapless")
+
+
+def test_a_read_gap_names_one_of_the_policys_options_and_reads_its_value():
+    from mpsync import policies
+
+    assert policies.get("ssp").read_gap(SyncConfig(staleness=5)) == 5
+    assert policies.get("dssp").read_gap(SyncConfig(staleness_low=1, staleness_high=7)) == 7
+    assert policies.get("asp").read_gap(SyncConfig()) is None
+    with pytest.raises(policies.PolicyError, match="ps_read_gap 'bound' must be one of"):
+        policies.register("nogap", description="", server="mpsync.server.policies:SSP",
+                          strategies={"ps": "default"}, options=("staleness",),
+                          ps_read_gap="bound")
 
 
 STEPS, WORKERS = 20, 2
@@ -149,8 +206,12 @@ def test_without_the_window_the_same_pushes_come_as_messages():
 
 
 @pytest.mark.mpi
-def test_the_shards_optimizer_steps_on_every_pushed_gradient_once_through_the_inbox():
-    res, text, run = _pushes_land_once("policy=asp", "optimizer=server")
+@pytest.mark.parametrize("policy", ["asp", "ssp"])
+def test_the_shards_optimizer_steps_on_every_pushed_gradient_once_through_the_inbox(policy):
+    # Under SSP at bound 0 the k-th pull must hold every worker's first k pushes, the
+    # reader's own last one too, which its shard may not have stepped on yet: the read waits
+    # for the shards (the program fails at the first pull lacking one).
+    res, text, run = _pushes_land_once(f"policy={policy}", "optimizer=server", "staleness=0")
     assert all(r["window"] for r in res.values()), res
     assert "the shards step on the gradients written since their last step" in text, \
         run.report()

@@ -129,7 +129,7 @@ class ParameterServerCalls:
         version = int(self._rep[W.R_VERSION])
         self.sure_pulls = int(self._rep[W.R_EXTRA])
         round_, left_out = self._round_told(f"push_pull {iteration}")
-        self.shards.pull(out, round_=round_, excluded=left_out)
+        self.shards.pull(out, round_=round_, excluded=left_out, granted=True)
         return version
 
     def pull(self, out: np.ndarray, iteration: int, final: bool = False,

@@ -35,7 +35,7 @@ The window also carries, per shard, when each worker last pushed (``CLOCK_MONOTO
 clock on one node) and how many pushes were applied, so the shard's liveness answers and its
 stats still count the pushes it no longer receives.
 
-The server-side optimizer under ASP (``ps_pull_ungated``) has an inbox instead: ``SLOTS``
+The server-side optimizer under ASP, SSP and DSSP has an inbox instead: ``SLOTS``
 gradient slots per worker in each shard's window.  A worker writes its gradient into its next
 slot (``MPI_Put``), then its count of pushes beside them, and reads the weights (``MPI_Get``)
 without waiting for the shard; the shard's compiled loop (``_shard_loop``), whenever it runs,
@@ -51,13 +51,25 @@ sum per shard, with MPI's atomics to take turns on it, took 14-17 ms a push: Ope
 optimizer's state, and a pull alone (the last one of a run, a message) are the shard's Python
 loop's: it steps on what is in before it answers, so the final weights hold every push.
 
+Under SSP and DSSP a read must hold what the bound promises: every worker's pushes up to the
+slowest count the state server compared with (the same paper, §I.A and Alg. 1).  A worker
+writes its count before it tells the server of a push, so a read granted under a bound of g
+(``PolicySpec.read_gap``: SSP's s, DSSP's s_U) at this worker's count c needs, on every
+shard, each worker's first c - g pushes taken, or all that worker wrote where it wrote fewer
+(one that pushed its last).  Before it reads, the worker gets the shards' counts (one
+``MPI_Get`` of 2 x workers words per shard) and waits while a shard is behind
+(:meth:`ShardWindow.await_steps`); as a shard runs at most ``SLOTS`` pushes behind each worker,
+it seldom waits, and it skips the look where the counts it last read already suffice.
+
 Departure [ps-server-inbox]: the papers' server steps once per push (DSSP, Alg. 1); through
 the inbox a shard steps once on the sum of the pushes that came since its last step (k pushes,
 one step: for SGD without momentum the same weights as k steps; with momentum or Adam, one step
 on a larger batch), and a worker's pull may not yet hold its own last ``SLOTS`` pushes.  Both
-are within ASP's reads, which are whatever is current (DSSP, §I.A); SSP's and DSSP's reads
-must hold every push the state server counted, so with the server's optimizer they stay
-messages.
+are within ASP's reads, which are whatever is current (DSSP, §I.A).  Under SSP and DSSP a read
+holds every worker's pushes up to the bound (above), not every push the state server counted
+when it granted the read: the reader's own last pushes too may be missing, as an older
+worker's within the bound may (the paper's bound counts iterations, §I.A, and says nothing of
+a worker's own reads).
 """
 
 from __future__ import annotations
@@ -97,9 +109,9 @@ def unavailable_reason(config, workers) -> str | None:
     spec = policies.get(config.policy)
     if not spec.steps_unawaited or spec.ps_average:
         return f"{config.policy}'s shards hold its rounds or barriers"
-    if config.ps_optimizer == "server" and not spec.ps_pull_ungated:
+    if config.ps_optimizer == "server" and not (spec.ps_pull_ungated or spec.ps_read_gap):
         return (f"the shards run the optimizer and {config.policy}'s reads must hold every "
-                f"push the state server counted")
+                f"push the state server counted (no staleness bound: ps_read_gap)")
     if not one_node:
         return "the workers span nodes"
     if "Open MPI" not in MPI.Get_library_version():
@@ -146,9 +158,11 @@ class ShardWindow:
     """
 
     def __init__(self, win, bounds, hosts, dtype, n_workers: int, worker: int,
-                 inbox: bool = False, names=None, deadline: float = 60.0):
+                 inbox: bool = False, names=None, deadline: float = 60.0,
+                 read_gap: int | None = None):
         self.win = win
         self.inbox = bool(inbox)
+        self.read_gap = None if read_gap is None or not inbox else int(read_gap)
         self.names = tuple(names) if names is not None else \
             tuple(f"PS shard {k}" for k in range(len(bounds)))
         self.deadline = float(deadline)
@@ -169,6 +183,10 @@ class ShardWindow:
         self._inboxes = [inbox_layout(b - a, self.dtype, n_workers)[:3] for a, b in self.bounds]
         self._slot = [slot_bytes(b - a, self.dtype) for a, b in self.bounds]
         self._taken = np.zeros(len(self.bounds), dtype=np.int64)
+        # Every shard's posted and taken counts, as a bounded read last found them, and the
+        # fewest pushes of any worker that every shard had taken then (they only grow).
+        self._counts = np.zeros((len(self.bounds), 2 * n_workers), dtype=np.int64)
+        self._all_taken = 0
         win.Lock_all()
 
     def push(self, wire: np.ndarray) -> None:
@@ -223,11 +241,46 @@ class ShardWindow:
                     target=(self._inboxes[k][0] + me, 1, MPI.INT64_T))
 
     def pull(self, out: np.ndarray) -> None:
-        """Every shard's weights into ``out`` (contiguous, this dtype)."""
+        """Every shard's weights into ``out`` (contiguous, this dtype).  Through an inbox
+        under a staleness bound (``read_gap``), once every shard has stepped on what the
+        bound requires (:meth:`await_steps`)."""
+        if self.read_gap is not None:
+            self.await_steps(int(self._pushes[0]) - self.read_gap)
         win, kind = self.win, self.mpi_type
         for (a, b), host, _ in self._order:
             win.Get([out[a:b], kind], host, target=(0, b - a, kind))
         win.Flush_all()
+
+
+    def await_steps(self, floor: int) -> None:
+        """Wait until every shard has stepped on each worker's first ``floor`` pushes, or
+        on all that worker wrote where it wrote fewer (one that pushed its last).  A pull
+        that the state server granted under a bound of g reads after this with ``floor`` =
+        this worker's pushes - g: every worker it counted then had at least that many
+        pushes written (a worker writes its count before it tells the server), so the read
+        holds what the bound promises (module doc).  Past the run's deadline:
+        ``DeadlineExceeded`` naming the shards behind."""
+        if floor <= self._all_taken:
+            return   # every shard had taken that many of everyone's when last read
+        win, n = self.win, self._counts.shape[1] // 2
+        give_up = None
+        while True:
+            for k, host in enumerate(self.hosts):
+                win.Get([self._counts[k], MPI.INT64_T], host,
+                        target=(self._inboxes[k][0], 2 * n, MPI.INT64_T))
+            win.Flush_all()
+            posted, taken = self._counts[:, :n], self._counts[:, n:]
+            behind = np.any(taken < np.minimum(posted, floor), axis=1)
+            if not behind.any():
+                self._all_taken = int(taken.min())
+                return
+            give_up = give_up or time.monotonic() + self.deadline
+            if time.monotonic() > give_up:
+                late = [self.names[k] for k in np.flatnonzero(behind)]
+                raise DeadlineExceeded(f"{', '.join(late)} did not step on the gradients "
+                                       f"this worker's read needs within the "
+                                       f"{self.deadline:g}s deadline", late, "pull")
+            time.sleep(INBOX_PAUSE_S)
 
 
 class ShardInbox:

@@ -139,8 +139,11 @@ class ShardClient:
         self._window_comm = None
         self._local_shard: ShardServer | None = None
         self._read_once = False
-        # The shards run the optimizer (``start_shards``): a window has their inbox.
+        # The shards run the optimizer (``start_shards``): a window has their inbox, and a
+        # read through it waits for the steps the policy's staleness bound requires
+        # (``PolicySpec.read_gap``; None: none, ASP's).
         self.server_optimizer = False
+        self.read_gap: int | None = None
 
     @property
     def count(self) -> int:
@@ -206,7 +209,7 @@ class ShardClient:
         self._window_comm.Barrier()  # every shard stores into its window before any INIT
         self.window = ShardWindow(win, self.bounds, self.hosts, dtype, n, me,
                                   inbox=self.server_optimizer, names=self.names,
-                                  deadline=self.deadline)
+                                  deadline=self.deadline, read_gap=self.read_gap)
         if inbox is not None:
             inbox.ready = True   # this rank's window is in its epoch: the shard may take
         return None
@@ -403,19 +406,24 @@ class ShardClient:
             raise RuntimeError(f"{what} refused by {', '.join(refused)} (see its log line)")
 
     def pull(self, out: np.ndarray, barrier: int = 0, round_: int = 0,
-             excluded=()) -> None:
+             excluded=(), granted: bool = False) -> None:
         """Every shard's slice into ``out`` (contiguous, the store's dtype).  ``barrier`` > 0:
         the pull at the ``barrier``-th barrier (ElasticBSP), which reads on every shard the
         weights that the barrier's first pull found there (``ShardServer._at_barrier``);
         ``ALL_PUSHES_IN``: every worker's pushes are in, a shard stepping once per round
         steps on every push it keeps.  ``round_`` > 0 (a shard stepping once per round): the
         pull of that round, which the state server granted leaving out the pushes of the
-        ``excluded`` workers (``ServerUpdates``)."""
+        ``excluded`` workers (``ServerUpdates``).  ``granted``: the state server granted
+        this read under its staleness bound (``SyncClient.push_then_pull``); through an
+        inbox it is then read from the window once every shard has stepped on what the
+        bound requires (``ShardWindow.pull``)."""
         self.layout(out.size)
         self._check_lost("pull")
-        # (With an inbox a pull alone is a message: the shard steps on what is in first.)
-        if self.window is not None and not self.window.inbox and self._read_once \
-                and barrier == 0 and round_ == 0:
+        # (With an inbox another pull alone is a message: the shard steps on all that is in
+        # before it answers, as the run's last read needs.)
+        window = self.window
+        if window is not None and self._read_once and barrier == 0 and round_ == 0 and (
+                not window.inbox or granted and window.read_gap is not None):
             self.window.pull(out)
             self.bytes_received += out.nbytes
             return
@@ -613,6 +621,8 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     client.nodes = layout.nodes
     client.one_sided_unavailable = unavailable_reason(config, workers)
     client.server_optimizer = config.ps_optimizer == "server"
+    if client.server_optimizer and config.policy != policies.AUTO:
+        client.read_gap = policies.get(config.policy).read_gap(config)
     client._window_comm = workers.Dup()
     client._local_shard = thread.server if thread is not None else None
     return client, thread, layout
