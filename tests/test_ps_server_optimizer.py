@@ -41,3 +41,31 @@ def test_bsp_with_adam_on_the_server_is_adam_on_the_concatenated_batch(tmp_path)
     # the last bits may differ with the order in which a round's pushes were summed.
     a, b = np.array(whole["final"]), np.array(resumed["final"])
     assert np.abs(a - b).max() <= 1e-12 * np.abs(a).max(), (a, b)
+
+
+def test_a_workers_gradients_go_into_the_push_checked_in_the_pass_that_copies_them():
+    # (ParameterServer._pack_grads_checked reads only the fusion buffer and the push's buffer)
+    import torch
+
+    from mpsync.torch.dataplane.fusion import FusionBuffer
+    from mpsync.torch.strategies.ps import ParameterServer
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)   # no gradient: zeros in the push
+    params = list(model.parameters())
+    worker = type("Worker", (), {})()
+    worker.buf = FusionBuffer(params, [f"p{i}" for i in range(len(params))])
+    worker._base = np.full(worker.buf.numel, 7.0, dtype=np.float32)
+    model(torch.ones(5, 3)).sum().backward()
+    model[0].weight.grad = model[0].weight.grad.t().contiguous().t()   # strided: torch copies
+    assert ParameterServer._pack_grads_checked(worker)
+    expected = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                          for p in params]).numpy()
+    assert np.array_equal(worker._base, expected)
+    for p in (0, 1):   # a NaN in a contiguous gradient and in the strided one
+        bad = params[p].grad.clone()
+        bad[(1,) + (0,) * (bad.dim() - 1)] = float("nan")
+        before, params[p].grad = params[p].grad, bad
+        assert not ParameterServer._pack_grads_checked(worker)
+        params[p].grad = before
+    assert ParameterServer._pack_grads_checked(worker)

@@ -17,7 +17,7 @@ from mpi_harness import REPO, run_mpi
 from mpsync.config import ConfigError, SyncConfig
 from mpsync.server.shard_plan import (SINGLE_HOST_SHARDS, place_shards, plan_layout,
                                       resolve_shard_count, shard_bounds)
-from mpsync.server.weights import all_finite, subtract_checked
+from mpsync.server.weights import all_finite, copy_checked, subtract_checked
 
 PROGRAMS = str(Path(__file__).resolve().parent / "ps_programs.py")
 
@@ -53,6 +53,24 @@ def test_a_workers_delta_is_numpys_subtraction_and_its_check_finds_every_nan_and
             assert not subtract_checked(spoiled, out), (at, bad_new, bad_base)
     with pytest.raises(ValueError, match="differ"):
         subtract_checked(new, base.astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_gradients_copy_into_the_push_is_exact_and_its_check_finds_every_nan_and_inf(dtype):
+    # (the server's optimizer: each gradient copied into the push and checked in one pass)
+    grad = np.random.default_rng(2).standard_normal(4099).astype(dtype)
+    out = np.zeros_like(grad)
+    assert copy_checked(grad, out) and np.array_equal(out, grad)
+    for at in (0, 2048, 4098):
+        for bad in (np.nan, np.inf, -np.inf):
+            spoiled = grad.copy()
+            spoiled[at] = bad
+            assert not copy_checked(spoiled, out), (at, bad)
+    out[:] = 0   # a gradient of another shape, of as many elements, lands flat
+    assert copy_checked(grad[:4096].reshape(64, 64), out[:4096])
+    assert np.array_equal(out[:4096], grad[:4096]) and not out[4096:].any()
+    with pytest.raises(ValueError, match=r"copy_checked: float16\[4099\]"):
+        copy_checked(grad.astype(np.float16), out)
 
 
 def test_torch_converts_to_and_from_a_float16_wire_as_numpy_does():

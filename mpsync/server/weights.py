@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WeightStore", "all_finite", "numpy_cast", "subtract_checked", "BFLOAT16",
+__all__ = ["WeightStore", "all_finite", "numpy_cast", "subtract_checked", "copy_checked",
+           "BFLOAT16",
            "round_to_bfloat16", "widen_bfloat16"]
 
 # bfloat16 on the wire.  numpy has no bfloat16: its values travel as their bits (the upper
@@ -75,6 +76,18 @@ def subtract_checked(new: np.ndarray, base: np.ndarray) -> bool:
         return _subtract_finite(new.reshape(-1), base.reshape(-1))
     np.subtract(new, base, out=base)
     return all_finite(base)
+
+
+def copy_checked(src: np.ndarray, dst: np.ndarray) -> bool:
+    """``dst[:] = src`` (a gradient into its range of the buffer a push sends), and whether
+    every value is finite, in one pass where a copy and :func:`all_finite` make two.  Both
+    of one float dtype, of one size, contiguous."""
+    if src.size != dst.size or src.dtype != dst.dtype:
+        raise ValueError(f"copy_checked: {src.dtype}[{src.size}] into {dst.dtype}[{dst.size}]")
+    if dst.dtype in _COMPILED and src.flags.c_contiguous and dst.flags.c_contiguous:
+        return _copy_finite(src.reshape(-1), dst.reshape(-1))
+    np.copyto(dst, src.reshape(dst.shape))
+    return all_finite(dst)
 
 
 class WeightStore:
@@ -198,6 +211,16 @@ def _subtract_finite(new, base):
         d = new[i] - base[i]
         base[i] = d
         bad |= (d - d) != 0
+    return not bad
+
+
+@_check
+def _copy_finite(src, dst):
+    bad = False
+    for i in range(dst.size):
+        x = src[i]
+        dst[i] = x
+        bad |= (x - x) != 0
     return not bad
 
 

@@ -13,7 +13,7 @@ import torch
 
 from mpsync.server.shard_optimizer import settings_of
 from mpsync.server.shard_server import ALL_PUSHES_IN
-from mpsync.server.weights import BFLOAT16, subtract_checked
+from mpsync.server.weights import BFLOAT16, all_finite, copy_checked, subtract_checked
 from mpsync.torch.strategies.base import spec_of
 from mpsync.torch.strategies.local_steps import LocalStepsThenAggregate
 
@@ -351,10 +351,28 @@ class ParameterServer(LocalStepsThenAggregate):
         if self.staged:
             self._host.copy_(_stored(self.buf.pack_grads()))
         elif flat.dtype in _NUMPY_FLOATS:
-            self.buf.pack_grads(torch.from_numpy(self._base))
+            self._delta_finite = self._pack_grads_checked()
         else:
             np.copyto(self._base, _stored(self.buf.pack_grads(torch.empty_like(flat))).numpy())
         return self._base
+
+    def _pack_grads_checked(self) -> bool:
+        """Every gradient into its range of ``_base`` (a missing one as zeros, as
+        ``FusionBuffer.pack_grads``), and whether all are finite, in the pass that copies
+        them (``weights.copy_checked``): the push need not read them again."""
+        finite, base = True, self._base
+        for slot in self.buf.slots:
+            into, grad = base[slot.offset:slot.offset + slot.numel], slot.param.grad
+            target = torch.from_numpy(into)
+            if grad is None:
+                into.fill(0)
+            elif grad.layout == torch.strided and grad.is_contiguous() \
+                    and grad.device.type == "cpu" and grad.dtype == target.dtype:
+                finite = copy_checked(grad.detach().numpy(), into) and finite
+            else:   # (a sparse or strided gradient: torch copies, then one more read)
+                target.view(slot.param.shape).copy_(grad)
+                finite = all_finite(into) and finite
+        return finite
 
     def _push_pull(self, barrier: int = 0) -> None:
         """Push Δ since the last pull, pull the current weights (as the policy allows;
