@@ -1,7 +1,8 @@
 """Rank programs for tests/test_ps_server_optimizer.py and tests/test_ps_first_pull.py: BSP
 rounds on the parameter server, the optimizer run by the shards (``ps_optimizer='server'``) or
-by the workers (``'worker'``), and every worker's starting weights, on real ranks.  Each prints one ``RESULT {...}`` line per
-worker rank (run through ``run_mpi("psopt_programs:NAME", ...)``)."""
+by the workers (``'worker'``), every worker's starting weights, and constant gradients through
+the shards' inbox, on real ranks.  Each prints one ``RESULT {...}`` line per worker rank (run
+through ``run_mpi("psopt_programs:NAME", ...)``)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,43 @@ def ps_rounds() -> None:
         "start": start, "first_pull": first_pull.get("digest"),
         "pushed_before_start": pushed_before_start,
         "vs_reference": float((final - ref).abs().max() / ref.abs().max())}),
+        flush=True)
+
+
+def constant_gradients() -> None:
+    """``policy`` (asp or ssp) on the PS, plain SGD run by the shards through their inbox, and
+    a loss whose gradient is a constant ``c`` per parameter: however a shard merges the pushes
+    it takes, the weights after every worker's last push are the starting ones less lr x the
+    pushes x c, exactly (float32, values in eighths).  The shards' ranges cut across the
+    parameters; one is frozen and one gets no gradient (zeros in each push).  Prints how many
+    pushes went straight from the gradients into the inbox's slots."""
+    a = _args()
+    mps.init(policy=a["policy"], topology="ps", backend="mpi", server="dedicated",
+             deadline=60, ps_shards=3, ps_optimizer="server")
+    params = [torch.nn.Parameter(torch.zeros(k)) for k in (5, 7, 3, 6)]
+    params[2].requires_grad_(False)
+    slopes = [torch.ones(5), torch.arange(7.0) / 4]   # params[3]: in no loss, no gradient
+    opt = mps.DistributedOptimizer(torch.optim.SGD(params, lr=0.5),
+                                   named_parameters=[(f"p{i}", p) for i, p in
+                                                     enumerate(params)])
+    into_slots, straight = [0], opt.strategy._grads_into_slots
+
+    def counted():
+        went = straight()
+        into_slots[0] += went
+        return went
+
+    opt.strategy._grads_into_slots = counted
+    for _ in range(STEPS):
+        opt.zero_grad()
+        sum((p * c).sum() for p, c in zip(params, slopes)).backward()
+        opt.step()
+    opt.synchronize()
+    local = mps.stats()["local"]
+    mps.shutdown()
+    print("RESULT " + json.dumps({
+        "rank": mps.rank(), "workers": mps.size(), "iterations": local["iterations"],
+        "into_slots": into_slots[0], "final": [p.detach().tolist() for p in params]}),
         flush=True)
 
 

@@ -101,7 +101,7 @@ def test_a_bounded_read_waits_for_the_steps_its_bound_needs_and_names_a_shard_be
 
     n, elements = 3, 4
     posted_at, taken_at, _, size = inbox_layout(elements, np.float64, n)
-    win = MPI.Win.Allocate(size, 1, comm=MPI.COMM_SELF)   # one shard, this process's
+    win = MPI.Win.Allocate_shared(size, 1, comm=MPI.COMM_SELF)   # one shard, this process's
     memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
     memory[:] = 0
     memory[:8 * elements].view(np.float64)[:] = [1, 2, 3, 4]

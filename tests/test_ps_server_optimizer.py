@@ -9,6 +9,7 @@ tests/test_shard_optimizer.py.)"""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from mpi_harness import run_mpi
 
 
@@ -69,3 +70,20 @@ def test_a_workers_gradients_go_into_the_push_checked_in_the_pass_that_copies_th
         assert not ParameterServer._pack_grads_checked(worker)
         params[p].grad = before
     assert ParameterServer._pack_grads_checked(worker)
+
+
+@pytest.mark.parametrize("policy", ["asp", "ssp"])
+def test_gradients_go_straight_into_the_inbox_and_each_is_stepped_on_once(policy):
+    # The inbox (one node, ASP/SSP/DSSP): each worker copies each parameter's gradient into
+    # its slot on every shard whose range it crosses; a constant gradient makes the end exact.
+    run = run_mpi("psopt_programs:constant_gradients", np=4, timeout=180,
+                  args=[f"policy={policy}"])
+    res = run.results()
+    assert sorted(res) == [1, 2, 3], run.report()
+    pushes = sum(r["iterations"] for r in res.values())
+    assert pushes == 3 * 20, res
+    slopes = [np.ones(5), np.arange(7.0) / 4, np.zeros(3), np.zeros(6)]
+    expected = [(-0.5 * pushes * c).tolist() for c in slopes]
+    for r in res.values():
+        assert r["into_slots"] == r["iterations"], r   # none packed into a buffer first
+        assert r["final"] == expected, (r, expected)

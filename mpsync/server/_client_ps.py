@@ -73,7 +73,7 @@ class ParameterServerCalls:
         return self.sure_pulls > 0
 
     def push_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,
-                  gated: bool = False, finite: bool = False) -> int:
+                  gated: bool = False, finite: bool = False, in_slots: bool = False) -> int:
         """Sharded PS: push ``delta`` and read the weights after it into ``out`` in one round
         trip per shard (``ShardClient.push_pull``), for a pull the state server never holds
         (ASP) or, ``gated``, one it is sure to grant (:meth:`pull_is_sure`: SSP, DSSP while
@@ -82,7 +82,8 @@ class ParameterServerCalls:
         told of the push and the pull while the shards work; ``gated``, once every shard
         has applied the push (the staleness rules count only pushes that are in on every
         shard, which the sure pulls of others rely on).  Returns the model version of the
-        latest pull reply collected.  ``finite``: as :meth:`push`'s.
+        latest pull reply collected.  ``finite``: as :meth:`push`'s; ``in_slots``: ``delta``
+        is in the inbox's slots already (``ShardClient.next_slots``).
 
         Under ASP the reply to the previous ``push_pull`` is collected after this one's
         exchange, not before it: the server need not wake up for a request whose reply
@@ -101,16 +102,16 @@ class ParameterServerCalls:
             self._post_later(W.PUSH_PULL, self._header(iteration), f"push_pull {iteration}")
 
         if gated:
-            self.shards.push_pull(wire, out, applied=tell_server)
+            self.shards.push_pull(wire, out, applied=tell_server, in_slots=in_slots)
         else:
-            self.shards.push_pull(wire, out, meanwhile=tell_server)
+            self.shards.push_pull(wire, out, meanwhile=tell_server, in_slots=in_slots)
             # The one before had this exchange's time to come; a step reported without
             # waiting (ASP's) is taken if it is in, else at the next collection.
             self._collect_later(keep=1, steps_if_in=True)
         return self._version
 
     def push_then_pull(self, delta: np.ndarray, out: np.ndarray, iteration: int,
-                       finite: bool = False) -> int:
+                       finite: bool = False, in_slots: bool = False) -> int:
         """Sharded PS, a pull the state server may hold (SSP's and DSSP's while their bound
         may bind): push ``delta`` to every shard, then one exchange with the state server
         that counts the push and grants the pull (``PUSH_PULL``, its reply held while the
@@ -118,13 +119,14 @@ class ParameterServerCalls:
         one the rule needs: the push is counted only once it is in on every shard, the pull
         is granted only once counted, and the weights are read only once granted.
         :meth:`push` and :meth:`pull` make four (a reply to the push, then the pull's
-        request).  Returns the model version of the grant.  ``finite``: as :meth:`push`'s."""
+        request).  Returns the model version of the grant.  ``finite``, ``in_slots``: as
+        :meth:`push_pull`'s."""
         if self.shards is None:
             raise ValueError("push_then_pull needs the sharded parameter server (without "
                              "shards: push, then pull)")
         if not out.flags.c_contiguous:
             raise ValueError("push_then_pull needs a contiguous array for the weights")
-        self.shards.push(np.ascontiguousarray(delta), finite)
+        self.shards.push(np.ascontiguousarray(delta), finite, in_slots)
         self._call(W.PUSH_PULL, f"push_pull {iteration}", header=self._header(iteration))
         version = int(self._rep[W.R_VERSION])
         self.sure_pulls = int(self._rep[W.R_EXTRA])

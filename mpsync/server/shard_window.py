@@ -36,28 +36,33 @@ clock on one node) and how many pushes were applied, so the shard's liveness ans
 stats still count the pushes it no longer receives.
 
 The server-side optimizer under ASP, SSP and DSSP has an inbox instead: ``SLOTS``
-gradient slots per worker in each shard's window.  A worker writes its gradient into its next
-slot (``MPI_Put``), then its count of pushes beside them, and reads the weights (``MPI_Get``)
+gradient slots per worker in each shard's window, a window on shared memory
+(``MPI_Win_allocate_shared``, each rank's part apart) that every worker reads and writes with
+plain loads and stores.  A worker copies its gradient into its next slot, checking it for NaN
+and inf in the same pass (``ShardWindow.next_slots``; the strategy copies each parameter's
+gradient straight in), then writes its count of pushes beside them, and copies the weights out
 without waiting for the shard; the shard's compiled loop (``_shard_loop``), whenever it runs,
 sums the slots written since it last looked, steps once on the sum in place, and writes back
 the count it took.  So the step is off every worker's path: answered as a message, a push
 waited 8.6-11.5 ms for a shard whose work was about 1.2 ms, as the shard threads took turns on
 cores the trainers held (bench/psopt/README.md).  A worker writes a slot again only once the
 shard took the push that was in it, so it waits only when its shard is ``SLOTS`` pushes behind.
-Each count has one writer and a slot is complete (``MPI_Win_flush``) before its count is
-written, so no push is read half-written or lost, and nothing locks.  (An accumulate into one
-sum per shard, with MPI's atomics to take turns on it, took 14-17 ms a push: Open MPI's
-``osc/sm`` serializes both on the shard's one lock.)  The first step, which makes the
-optimizer's state, and a pull alone (the last one of a run, a message) are the shard's Python
-loop's: it steps on what is in before it answers, so the final weights hold every push.
+Each count has one writer and a slot is complete before its count is written (a memory
+barrier between, ``MPI_Win_sync``), so no push is read half-written or lost, and nothing
+locks.  (An accumulate into one sum per shard, with MPI's atomics to take turns on it, took
+14-17 ms a push: Open MPI's ``osc/sm`` serializes both on the shard's one lock.  Through
+``MPI_Put`` and ``MPI_Get`` the gradient was copied twice, into a buffer and from it into the
+slot.)  The first step, which makes the optimizer's state, and a pull alone (the last one of a
+run, a message) are the shard's Python loop's: it steps on what is in before it answers, so
+the final weights hold every push.
 
 Under SSP and DSSP a read must hold what the bound promises: every worker's pushes up to the
 slowest count the state server compared with (the same paper, §I.A and Alg. 1).  A worker
 writes its count before it tells the server of a push, so a read granted under a bound of g
 (``PolicySpec.read_gap``: SSP's s, DSSP's s_U) at this worker's count c needs, on every
 shard, each worker's first c - g pushes taken, or all that worker wrote where it wrote fewer
-(one that pushed its last).  Before it reads, the worker gets the shards' counts (one
-``MPI_Get`` of 2 x workers words per shard) and waits while a shard is behind
+(one that pushed its last).  Before it reads, the worker reads the shards' counts (2 x
+workers words per shard) and waits while a shard is behind
 (:meth:`ShardWindow.await_steps`); as a shard runs at most ``SLOTS`` pushes behind each worker,
 it seldom waits, and it skips the look where the counts it last read already suffice.
 
@@ -149,12 +154,14 @@ class ShardWindow:
     """A worker's one-sided access to every shard (module doc).
 
     ``win``: the window over the workers' communicator (disp_unit 1), each shard's host
-    exposing :func:`window_layout`'s bytes for its range; ``bounds[k]`` and ``hosts[k]`` as
-    in ``ShardClient``; ``worker``: this worker's index.  The window stays in one passive
-    epoch (``Lock_all``) for the whole run: the shards never lock it, so nothing waits on a
-    lock, and every operation completes in the worker's own calls.  ``inbox``: pushes are
-    gradients written into the shards' inboxes (module doc); the one wait there is for a
-    shard to take a slot, named by ``names`` (the shards' labels) past ``deadline`` seconds.
+    exposing :func:`window_layout`'s bytes for its range (with ``inbox``,
+    :func:`inbox_layout`'s, and the window on shared memory: ``MPI_Win_allocate_shared``);
+    ``bounds[k]`` and ``hosts[k]`` as in ``ShardClient``; ``worker``: this worker's index.  The
+    window stays in one passive epoch (``Lock_all``) for the whole run: the shards never lock
+    it, so nothing waits on a lock, and every operation completes in the worker's own calls.
+    ``inbox``: pushes are gradients written into the shards' inboxes (module doc); the one wait
+    there is for a shard to take a slot, named by ``names`` (the shards' labels) past
+    ``deadline`` seconds.
     """
 
     def __init__(self, win, bounds, hosts, dtype, n_workers: int, worker: int,
@@ -179,78 +186,88 @@ class ShardWindow:
                        for k in (*range(first, len(self.bounds)), *range(first))]
         self._stamp = np.zeros(1, dtype=np.float64)
         self._pushes = np.zeros(1, dtype=np.int64)
-        self._count = np.zeros(1, dtype=np.int64)
-        self._inboxes = [inbox_layout(b - a, self.dtype, n_workers)[:3] for a, b in self.bounds]
-        self._slot = [slot_bytes(b - a, self.dtype) for a, b in self.bounds]
-        self._taken = np.zeros(len(self.bounds), dtype=np.int64)
         # Every shard's posted and taken counts, as a bounded read last found them, and the
         # fewest pushes of any worker that every shard had taken then (they only grow).
         self._counts = np.zeros((len(self.bounds), 2 * n_workers), dtype=np.int64)
         self._all_taken = 0
+        # The push whose slots :meth:`next_slots` handed out (its data is in them), or -1.
+        self._filled = -1
         win.Lock_all()
+        self._shards = [_ShardMemory(win, host, b - a, self.dtype, n_workers)
+                        for (a, b), host in zip(self.bounds, self.hosts)] if self.inbox else []
 
-    def push(self, wire: np.ndarray) -> None:
+    def push(self, wire: np.ndarray, in_slots: bool = False) -> None:
         """Add ``wire`` (the checked update, this dtype) into every shard's range (with an
-        inbox: write it into this worker's next slot for the shard to step on); complete on
-        every shard when this returns."""
-        win, kind, me = self.win, self.mpi_type, 8 * self.worker
+        inbox: write it into this worker's next slot for the shard to step on; ``in_slots``:
+        it is there already, :meth:`next_slots`); complete on every shard when this returns."""
         if self.inbox:
-            self._into_inboxes(wire)
-        for (a, b), host, _ in ([] if self.inbox else self._order):
+            self._into_inboxes(wire, in_slots)
+            return
+        win, kind, me = self.win, self.mpi_type, 8 * self.worker
+        for (a, b), host, _ in self._order:
             win.Accumulate([wire[a:b], kind], host, target=(0, b - a, kind), op=MPI.SUM)
         self._stamp[0] = time.monotonic()
         self._pushes[0] += 1
         for _, host, (heard_at, pushes_at, _) in self._order:
             win.Put([self._stamp, MPI.DOUBLE], host, target=(heard_at + me, 1, MPI.DOUBLE))
             win.Put([self._pushes, MPI.INT64_T], host, target=(pushes_at + me, 1, MPI.INT64_T))
-        if self.inbox:   # what the shards took, for the next push's look (completed below)
-            self._get_taken()
         win.Flush_all()
 
-    def _get_taken(self) -> None:
-        for k, host in enumerate(self.hosts):
-            self.win.Get([self._taken[k:k + 1], MPI.INT64_T], host,
-                         target=(self._inboxes[k][1] + 8 * self.worker, 1, MPI.INT64_T))
-
-    def _into_inboxes(self, wire: np.ndarray) -> None:
-        """Write ``wire`` into this worker's next slot on every shard, then the count (module
-        doc); first wait, while a shard has not yet taken the push that slot holds."""
-        win, kind, me = self.win, self.mpi_type, 8 * self.worker
-        pushed = int(self._pushes[0])   # before this one
-        give_up = None
-        # The counts the last push read as it completed: the shards only take more.
-        while not np.all(self._taken >= pushed - SLOTS + 1):
+    def next_slots(self) -> list[tuple[int, int, np.ndarray]]:
+        """With an inbox: ``(a, b, slot)`` per shard, the slot this worker's next push goes
+        into for the range ``[a, b)`` (shared memory), once every shard has taken the push
+        that was in it.  Whatever is written there is the next :meth:`push` with
+        ``in_slots``; a push without it writes them again."""
+        pushed = int(self._pushes[0])
+        me, give_up = self.worker, None
+        while any(shard.taken[me] < pushed - SLOTS + 1 for shard in self._shards):
             give_up = give_up or time.monotonic() + self.deadline
             if time.monotonic() > give_up:
-                late = [self.names[k] for k in range(len(self.hosts))
-                        if self._taken[k] < pushed - SLOTS + 1]
+                late = [name for name, shard in zip(self.names, self._shards)
+                        if shard.taken[me] < pushed - SLOTS + 1]
                 raise DeadlineExceeded(f"{', '.join(late)} did not take this worker's "
                                        f"gradients within the {self.deadline:g}s deadline "
                                        f"(its inbox is full)", late, "push")
             time.sleep(INBOX_PAUSE_S)
-            self._get_taken()
-            win.Flush_all()
-        for (a, b), host, _ in self._order:
-            k = self.hosts.index(host)
-            at = self._inboxes[k][2] + (SLOTS * self.worker + pushed % SLOTS) * self._slot[k]
-            win.Put([wire[a:b], kind], host, target=(at, b - a, kind))
-        win.Flush_all()
-        self._count[0] = pushed + 1
-        for k, host in enumerate(self.hosts):
-            win.Put([self._count, MPI.INT64_T], host,
-                    target=(self._inboxes[k][0] + me, 1, MPI.INT64_T))
+        self._filled = pushed
+        row = SLOTS * me + pushed % SLOTS
+        return [(a, b, shard.rows[row, :b - a])
+                for (a, b), shard in zip(self.bounds, self._shards)]
+
+    def _into_inboxes(self, wire: np.ndarray, in_slots: bool) -> None:
+        """This push's slots written (from ``wire`` unless ``in_slots``), then its count on
+        every shard (module doc), when it pushed and how many times."""
+        pushed = int(self._pushes[0])
+        if not in_slots:
+            for a, b, slot in self.next_slots():
+                np.copyto(slot, wire[a:b])
+        elif self._filled != pushed:
+            raise RuntimeError("push(in_slots=True) of slots not handed out for this push "
+                               "(ShardWindow.next_slots)")
+        self._filled = -1
+        self.win.Sync()   # the slots complete before any count says they are there
+        me, now = self.worker, time.monotonic()
+        self._pushes[0] = pushed + 1
+        for shard in self._shards:
+            shard.posted[me] = pushed + 1
+            shard.heard[me] = now
+            shard.pushes[me] = pushed + 1
+        self.win.Sync()
 
     def pull(self, out: np.ndarray) -> None:
         """Every shard's weights into ``out`` (contiguous, this dtype).  Through an inbox
         under a staleness bound (``read_gap``), once every shard has stepped on what the
         bound requires (:meth:`await_steps`)."""
-        if self.read_gap is not None:
-            self.await_steps(int(self._pushes[0]) - self.read_gap)
+        if self.inbox:
+            if self.read_gap is not None:
+                self.await_steps(int(self._pushes[0]) - self.read_gap)
+            for (a, b), shard in zip(self.bounds, self._shards):
+                np.copyto(out[a:b], shard.weights)
+            return
         win, kind = self.win, self.mpi_type
         for (a, b), host, _ in self._order:
             win.Get([out[a:b], kind], host, target=(0, b - a, kind))
         win.Flush_all()
-
 
     def await_steps(self, floor: int) -> None:
         """Wait until every shard has stepped on each worker's first ``floor`` pushes, or
@@ -262,13 +279,13 @@ class ShardWindow:
         ``DeadlineExceeded`` naming the shards behind."""
         if floor <= self._all_taken:
             return   # every shard had taken that many of everyone's when last read
-        win, n = self.win, self._counts.shape[1] // 2
+        n = self._counts.shape[1] // 2
         give_up = None
         while True:
-            for k, host in enumerate(self.hosts):
-                win.Get([self._counts[k], MPI.INT64_T], host,
-                        target=(self._inboxes[k][0], 2 * n, MPI.INT64_T))
-            win.Flush_all()
+            self.win.Sync()
+            for k, shard in enumerate(self._shards):
+                self._counts[k, :n] = shard.posted   # (first: a take between only raises taken)
+                self._counts[k, n:] = shard.taken
             posted, taken = self._counts[:, :n], self._counts[:, n:]
             behind = np.any(taken < np.minimum(posted, floor), axis=1)
             if not behind.any():
@@ -281,6 +298,23 @@ class ShardWindow:
                                        f"this worker's read needs within the "
                                        f"{self.deadline:g}s deadline", late, "pull")
             time.sleep(INBOX_PAUSE_S)
+
+
+class _ShardMemory:
+    """One shard's part of a shared window, as this process sees it (``MPI_Win_shared_query``):
+    its weights, when each worker last pushed and how often, and its inbox (the counts and
+    the slots, :func:`inbox_layout`)."""
+
+    def __init__(self, win, host: int, elements: int, dtype, n_workers: int):
+        memory = np.frombuffer(win.Shared_query(host)[0], dtype=np.uint8)
+        heard_at, pushes_at, _ = window_layout(elements, dtype, n_workers)
+        posted_at, taken_at, slots_at, size = inbox_layout(elements, dtype, n_workers)
+        self.weights = memory[:elements * dtype.itemsize].view(dtype)
+        self.heard = memory[heard_at:pushes_at].view(np.float64)
+        self.pushes = memory[pushes_at:pushes_at + 8 * n_workers].view(np.int64)
+        self.posted = memory[posted_at:taken_at].view(np.int64)
+        self.taken = memory[taken_at:taken_at + 8 * n_workers].view(np.int64)
+        self.rows = memory[slots_at:size].view(dtype).reshape(SLOTS * n_workers, -1)
 
 
 class ShardInbox:

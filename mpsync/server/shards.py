@@ -192,7 +192,14 @@ class ShardClient:
         heard_at, pushes_at, size = window_layout(b - a, dtype, n)
         if self.server_optimizer:
             posted_at, taken_at, slots_at, size = inbox_layout(b - a, dtype, n)
-        win = MPI.Win.Allocate(size if mine is not None else 0, 1, comm=self._window_comm)
+        if self.server_optimizer:   # every worker stores into the inboxes (shard_window)
+            info = MPI.Info.Create()
+            info.Set("alloc_shared_noncontig", "true")   # each shard's part on its own pages
+            win = MPI.Win.Allocate_shared(size if mine is not None else 0, 1, info=info,
+                                          comm=self._window_comm)
+            info.Free()
+        else:
+            win = MPI.Win.Allocate(size if mine is not None else 0, 1, comm=self._window_comm)
         inbox = None
         if mine is not None:
             memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
@@ -223,15 +230,27 @@ class ShardClient:
         PS from the ring, whose workers all hold ``flat``."""
         self._send_slices(LOAD, flat, flat, "load")
 
-    def push(self, delta: np.ndarray, finite: bool = False) -> None:
+    def next_slots(self) -> list | None:
+        """Where the shards have an inbox in a window (``shard_window``): the slots this
+        worker's next push goes into, ``(a, b, slot)`` per shard (``ShardWindow.next_slots``),
+        to write the gradient straight into; else None."""
+        if self.window is None or not self.window.inbox or not self._read_once:
+            return None   # (before the first read :meth:`push_pull` sends messages)
+        return self.window.next_slots()
+
+    def push(self, delta: np.ndarray, finite: bool = False, in_slots: bool = False) -> None:
         """Apply ``delta`` on every shard; returns once every shard has applied its slice.
         Empty: every shard is told of a push with nothing in it (the server's optimizer: an
         idle iteration's push, ``ServerUpdates.take``), once the layout is fixed.
-        ``finite``: as :meth:`checked_push`'s."""
+        ``finite``: as :meth:`checked_push`'s.  ``in_slots``: ``delta`` is in the slots
+        :meth:`next_slots` handed out (checked as it was written: ``finite``)."""
+        if in_slots and (self.window is None or not finite):
+            raise ValueError("a push in the inbox's slots needs the inbox and its values "
+                             "checked as they were written (finite)")
         if self.window is not None and delta.size:
             wire = self.checked_push(delta, finite)
             self.layout(wire.size)
-            self.window.push(wire)
+            self.window.push(wire, in_slots)
             self.bytes_sent += wire.nbytes
             return
         if delta.size == 0:
@@ -269,7 +288,7 @@ class ShardClient:
         return wire
 
     def push_pull(self, wire: np.ndarray, out: np.ndarray, meanwhile=None,
-                  applied=None) -> None:
+                  applied=None, in_slots: bool = False) -> None:
         """Push ``wire`` (:meth:`checked_push`'s result) and read every shard's weights after
         applying it into ``out`` (contiguous, the store's dtype, apart from the push's
         memory): one round trip per shard (``PUSH_PULL``) where :meth:`push` and
@@ -279,7 +298,7 @@ class ShardClient:
         count.  ``meanwhile()`` runs once the slices are on their way, ``applied()`` once
         every shard has applied its slice (the worker's messages to the state server).  A
         slice a shard refuses raises, as :meth:`push` does, and no weights are read from
-        that shard."""
+        that shard.  ``in_slots``: as :meth:`push`'s (``wire`` then only gives the size)."""
         self.layout(out.size)
         self._check_lost("push and pull")
         back = self._on_wire_in(out)
@@ -288,13 +307,15 @@ class ShardClient:
         if self.window is not None and self._read_once:
             if meanwhile is not None:
                 meanwhile()
-            self.window.push(wire)
+            self.window.push(wire, in_slots)
             if applied is not None:
                 applied()
             self.window.pull(out)
             self.bytes_sent += wire.nbytes
             self.bytes_received += out.nbytes
             return
+        if in_slots:
+            raise ValueError("push_pull(in_slots=True) without the inbox's window")
         tag = PUSH_PULL + wire_code(wire.dtype)
         reads = [self.replies.Irecv([back[a:b], MPI.BYTE], source=h, tag=DATA)
                  for (a, b), h in zip(self.bounds, self.hosts)]
@@ -448,9 +469,9 @@ class ShardClient:
     def silent_workers(self) -> list[tuple[int, float]]:
         """Ask every shard how long since it heard from each worker: ``(worker, seconds)``
         for each worker that no shard has heard from for longer than the deadline (never
-        heard from: for longer than the start-up time) and that has not said goodbye.  Every push goes to every shard, so a worker that trains is
-        heard by all of them; one that waits for the others (``join``) asks this, and is
-        heard that way."""
+        heard from: for longer than the start-up time) and that has not said goodbye.
+        Every push goes to every shard, so a worker that trains is heard by all of them; one
+        that waits for the others (``join``) asks this, and is heard that way."""
         n = len(self.worker_names)
         self._check_lost("a liveness check")
         heard = np.empty((self.count, 2, n))

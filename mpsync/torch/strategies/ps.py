@@ -124,9 +124,9 @@ class ParameterServer(LocalStepsThenAggregate):
             shards.wire = self._wire_dtype()
             two_sided = shards.open_window(self._base.dtype)   # collective
             if self.worker_rank == 0:
-                how = ("one-sided (MPI_Put of each gradient and MPI_Get on the shards' shared "
-                       "memory; the shards step on the gradients written since their last "
-                       "step)" if self.server_optimizer else
+                how = ("one-sided (each gradient copied into the shards' shared memory and "
+                       "the weights out of it; the shards step on the gradients written since "
+                       "their last step)" if self.server_optimizer else
                        "one-sided (MPI_Accumulate and MPI_Get on the shards' shared memory)")
                 print("mpsync: PS pushes and pulls " +
                       (how if two_sided is None else f"as messages ({two_sided})"),
@@ -319,14 +319,15 @@ class ParameterServer(LocalStepsThenAggregate):
         else:
             self.optimizer.step()
 
-    def _delta_into_base(self) -> np.ndarray:
+    def _delta_into_base(self, into_slots: bool = False) -> np.ndarray:
         """Δ = w_local - base, written over ``_base``, in the store's dtype (with the server's
         optimizer: the gradient, :meth:`_gradient_into_base`).  ``_delta_finite``: every value
         of Δ was found finite in the pass that computed it (the push need not read it again:
-        ``ShardClient.checked_push``)."""
-        self._delta_finite = False
+        ``ShardClient.checked_push``).  ``into_slots``: the gradient may go straight into the
+        inbox's slots instead (``_in_slots`` says whether it did)."""
+        self._delta_finite = self._in_slots = False
         if self.server_optimizer:
-            return self._gradient_into_base()
+            return self._gradient_into_base(into_slots)
         if self.staged:   # on the device, then one copy to the host
             self._host.copy_(torch.sub(_stored(self.buf.pack_params()), self._base_dev))
             return self._base
@@ -334,11 +335,13 @@ class ParameterServer(LocalStepsThenAggregate):
         self._delta_finite = subtract_checked(local.numpy(), self._base)
         return self._base
 
-    def _gradient_into_base(self) -> np.ndarray:
+    def _gradient_into_base(self, into_slots: bool = False) -> np.ndarray:
         """ps_optimizer='server': this iteration's gradient, written over ``_base``, after the
         optimizer's settings if they changed (the first push, a learning-rate schedule); empty
         when no gradient is new since the last push (the last push of ``join``), which the
-        shards then have nothing of to apply."""
+        shards then have nothing of to apply.  ``into_slots``: where the shards have an inbox
+        in shared memory, written straight into this worker's next slots instead
+        (:meth:`_grads_into_slots`); ``_base`` then only gives the push its size."""
         if not self._fresh_gradient:
             return self._base[:0]
         self._fresh_gradient = False
@@ -348,13 +351,54 @@ class ParameterServer(LocalStepsThenAggregate):
             self.client.shards.configure(settings)
             self._sent_settings = settings
         flat = self.buf.flat
-        if self.staged:
+        if into_slots and not self.staged and self._grads_into_slots():
+            self._in_slots = True
+        elif self.staged:
             self._host.copy_(_stored(self.buf.pack_grads()))
         elif flat.dtype in _NUMPY_FLOATS:
             self._delta_finite = self._pack_grads_checked()
         else:
             np.copyto(self._base, _stored(self.buf.pack_grads(torch.empty_like(flat))).numpy())
         return self._base
+
+    def _grads_into_slots(self) -> bool:
+        """Every gradient straight into this worker's next slot on each shard (its range of
+        the flat layout; a missing one as zeros), checked for NaN and inf in the pass that
+        copies it (``weights.copy_checked``): one pass over the gradients, where a copy into
+        ``_base`` and then into the slots made two.  False, with nothing written, where the
+        shards have no such inbox or a gradient is not a contiguous host array of the
+        model's dtype (the caller packs into ``_base``)."""
+        shards = self.client.shards
+        if shards is None or self.buf.flat.dtype not in _NUMPY_FLOATS:
+            return False
+        grads = []
+        for slot in self.buf.slots:
+            grad = slot.param.grad
+            if grad is not None and not (grad.layout == torch.strided and grad.is_contiguous()
+                                         and grad.device.type == "cpu"
+                                         and grad.dtype == self.buf.flat.dtype):
+                return False
+            grads.append(None if grad is None else grad.detach().view(-1).numpy())
+        targets = shards.next_slots()
+        if targets is None:
+            return False
+        finite = True
+        for slot, grad in zip(self.buf.slots, grads):
+            start, end = slot.offset, slot.offset + slot.numel
+            for a, b, into in targets:
+                lo, hi = max(a, start), min(b, end)
+                if lo >= hi:
+                    continue
+                if grad is None:
+                    into[lo - a:hi - a] = 0
+                else:
+                    finite = copy_checked(grad[lo - start:hi - start], into[lo - a:hi - a]) \
+                        and finite
+        if not finite:   # (its slots are not posted: the next push writes them again)
+            raise FloatingPointError("push with NaN or inf: the local model diverged (no "
+                                     "shard was sent any of it)")
+        self._delta_finite = True
+        return True
 
     def _pack_grads_checked(self) -> bool:
         """Every gradient into its range of ``_base`` (a missing one as zeros, as
@@ -383,8 +427,9 @@ class ParameterServer(LocalStepsThenAggregate):
         the fusion buffer) and copied to the base; else, sharded, the push is counted and
         the pull granted in one exchange with the state server
         (``SyncClient.push_then_pull``)."""
-        flat, delta = self.buf.flat, self._delta_into_base()
-        finite = self._delta_finite
+        direct = not barrier and self._shards_direct and not self.code
+        flat, delta = self.buf.flat, self._delta_into_base(into_slots=direct)
+        finite, in_slots = self._delta_finite, self._in_slots
         one = (not barrier and self._shards_direct and not self.code and delta.size
                and flat.dtype in _NUMPY_FLOATS)
         gated = one and not self._one_exchange
@@ -398,8 +443,8 @@ class ParameterServer(LocalStepsThenAggregate):
             # them while the push is on its way.
             bound = self._params_bound()
             into = (self._weights if bound else flat).numpy()
-            self.version = self.client.push_pull(delta, into, self.iteration,
-                                                 gated=gated, finite=finite)
+            self.version = self.client.push_pull(delta, into, self.iteration, gated=gated,
+                                                 finite=finite, in_slots=in_slots)
             if not self.server_optimizer:   # the shards' optimizer: the base holds gradients
                 np.copyto(self._base, into)
             if not bound:
@@ -410,7 +455,7 @@ class ParameterServer(LocalStepsThenAggregate):
             self._land(self._base)
         else:   # a pull the bound may hold: push, the grant, the pull in three round trips
             self.version = self.client.push_then_pull(delta, self._base, self.iteration,
-                                                      finite=finite)
+                                                      finite=finite, in_slots=in_slots)
             self._land(self._base)
         self._delay()
 
