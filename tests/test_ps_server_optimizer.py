@@ -45,7 +45,8 @@ def test_bsp_with_adam_on_the_server_is_adam_on_the_concatenated_batch(tmp_path)
 
 
 def test_a_workers_gradients_go_into_the_push_checked_in_the_pass_that_copies_them():
-    # (ParameterServer._pack_grads_checked reads only the fusion buffer and the push's buffer)
+    # (ParameterServer._pack_grads_checked reads only the fusion buffer and the push's buffer,
+    # through _grads_into)
     import torch
 
     from mpsync.torch.dataplane.fusion import FusionBuffer
@@ -54,7 +55,7 @@ def test_a_workers_gradients_go_into_the_push_checked_in_the_pass_that_copies_th
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     model[1].bias.requires_grad_(False)   # no gradient: zeros in the push
     params = list(model.parameters())
-    worker = type("Worker", (), {})()
+    worker = type("Worker", (), {"_grads_into": ParameterServer._grads_into})()
     worker.buf = FusionBuffer(params, [f"p{i}" for i in range(len(params))])
     worker._base = np.full(worker.buf.numel, 7.0, dtype=np.float32)
     model(torch.ones(5, 3)).sum().backward()

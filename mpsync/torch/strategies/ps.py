@@ -13,7 +13,7 @@ import torch
 
 from mpsync.server.shard_optimizer import settings_of
 from mpsync.server.shard_server import ALL_PUSHES_IN
-from mpsync.server.weights import BFLOAT16, all_finite, copy_checked, subtract_checked
+from mpsync.server.weights import BFLOAT16, copy_checked, subtract_checked
 from mpsync.torch.strategies.base import spec_of
 from mpsync.torch.strategies.local_steps import LocalStepsThenAggregate
 
@@ -363,28 +363,42 @@ class ParameterServer(LocalStepsThenAggregate):
 
     def _grads_into_slots(self) -> bool:
         """Every gradient straight into this worker's next slot on each shard (its range of
-        the flat layout; a missing one as zeros), checked for NaN and inf in the pass that
-        copies it (``weights.copy_checked``): one pass over the gradients, where a copy into
-        ``_base`` and then into the slots made two.  False, with nothing written, where the
-        shards have no such inbox or a gradient is not a contiguous host array of the
-        model's dtype (the caller packs into ``_base``)."""
+        the flat layout), checked as it is copied (:meth:`_grads_into`): one pass over the
+        gradients, where a copy into ``_base`` and then into the slots made two.  False, with
+        nothing written, where the shards have no such inbox (the caller packs into
+        ``_base``); a value not finite raises, and the slots are not posted."""
         shards = self.client.shards
-        if shards is None or self.buf.flat.dtype not in _NUMPY_FLOATS:
-            return False
-        grads = []
-        for slot in self.buf.slots:
-            grad = slot.param.grad
-            if grad is not None and not (grad.layout == torch.strided and grad.is_contiguous()
-                                         and grad.device.type == "cpu"
-                                         and grad.dtype == self.buf.flat.dtype):
-                return False
-            grads.append(None if grad is None else grad.detach().view(-1).numpy())
-        targets = shards.next_slots()
+        targets = None if shards is None or self.buf.flat.dtype not in _NUMPY_FLOATS \
+            else shards.next_slots()
         if targets is None:
             return False
-        finite = True
-        for slot, grad in zip(self.buf.slots, grads):
-            start, end = slot.offset, slot.offset + slot.numel
+        if not self._grads_into(targets):   # (the next push writes the slots again)
+            raise FloatingPointError("push with NaN or inf: the local model diverged (no "
+                                     "shard was sent any of it)")
+        self._delta_finite = True
+        return True
+
+    def _pack_grads_checked(self) -> bool:
+        """Every gradient into its range of ``_base``, and whether all are finite, in the
+        pass that copies them (:meth:`_grads_into`): the push need not read them again."""
+        return self._grads_into([(0, self._base.size, self._base)])
+
+    def _grads_into(self, targets) -> bool:
+        """Every gradient into its range of the flat layout, cut over ``targets`` (``(a, b,
+        array)``: the layout's elements [a, b) go into ``array``), a missing one as zeros (as
+        ``FusionBuffer.pack_grads``), and whether all are finite, found in the pass that
+        copies them (``weights.copy_checked``).  A sparse or strided gradient, or one on
+        another device or of another dtype, is made a contiguous host array first."""
+        finite, dtype = True, torch.from_numpy(targets[0][2][:0]).dtype
+        for slot in self.buf.slots:
+            start, end, grad = slot.offset, slot.offset + slot.numel, slot.param.grad
+            if grad is not None:
+                grad = grad.detach()
+                if not (grad.layout == torch.strided and grad.is_contiguous()
+                        and grad.device.type == "cpu" and grad.dtype == dtype):
+                    grad = (grad.to_dense() if grad.is_sparse else grad).to(
+                        "cpu", dtype).contiguous()
+                grad = grad.view(-1).numpy()
             for a, b, into in targets:
                 lo, hi = max(a, start), min(b, end)
                 if lo >= hi:
@@ -394,28 +408,6 @@ class ParameterServer(LocalStepsThenAggregate):
                 else:
                     finite = copy_checked(grad[lo - start:hi - start], into[lo - a:hi - a]) \
                         and finite
-        if not finite:   # (its slots are not posted: the next push writes them again)
-            raise FloatingPointError("push with NaN or inf: the local model diverged (no "
-                                     "shard was sent any of it)")
-        self._delta_finite = True
-        return True
-
-    def _pack_grads_checked(self) -> bool:
-        """Every gradient into its range of ``_base`` (a missing one as zeros, as
-        ``FusionBuffer.pack_grads``), and whether all are finite, in the pass that copies
-        them (``weights.copy_checked``): the push need not read them again."""
-        finite, base = True, self._base
-        for slot in self.buf.slots:
-            into, grad = base[slot.offset:slot.offset + slot.numel], slot.param.grad
-            target = torch.from_numpy(into)
-            if grad is None:
-                into.fill(0)
-            elif grad.layout == torch.strided and grad.is_contiguous() \
-                    and grad.device.type == "cpu" and grad.dtype == target.dtype:
-                finite = copy_checked(grad.detach().numpy(), into) and finite
-            else:   # (a sparse or strided gradient: torch copies, then one more read)
-                target.view(slot.param.shape).copy_(grad)
-                finite = all_finite(into) and finite
         return finite
 
     def _push_pull(self, barrier: int = 0) -> None:
