@@ -21,11 +21,11 @@ ITER_TIME = 0.01
 
 def _run(case, out):
     policy, flags, _ = case
-    # Evaluations every 0.05 s: worker 0 spends a good part of the budget evaluating, which
+    # Evaluations every 0.02 s: worker 0 spends a good part of the budget evaluating, which
     # its clock leaves out and the others' (held by the bound meanwhile) count.
     return run_mpi(TRAIN, np=3, timeout=180, check=False, args=[
         "--policy", policy, *flags, "--ps-optimizer", "server", "--lr", "0.02",
-        "--time-budget", "3", "--eval-every", "0.05", "--iter-time", str(ITER_TIME),
+        "--time-budget", "3", "--eval-every", "0.02", "--iter-time", str(ITER_TIME),
         "--batch-size", "16", "--out", str(out), "--no-progress", "--no-plots"])
 
 
@@ -38,8 +38,9 @@ def test_the_bound_holds_to_the_last_iteration(tmp_path):
         m = json.loads((tmp_path / policy / "metrics.json").read_text())
         # The premise: worker 0 evaluated for longer than twice the iterations the bound
         # allows between the workers (alone for that long, it would break the checks below).
-        # Not a fixed time: on an idle machine 30 evaluations took 0.08 s, under load 0.2+.
-        assert m["eval_s"] > 2 * (bound + 1) * ITER_TIME, m["eval_s"]
+        # Not a fixed time: one evaluation took 1-8 ms here, so at one every 0.05 s a CI run
+        # on an idle machine fell short (0.062 s); at one every 0.02 s, some 140 are made.
+        assert m["eval_s"] > 2 * (bound + 1) * ITER_TIME, (m["eval_s"], len(m["evals"]))
         assert m["server"]["max_staleness_gap"] <= bound, (policy, m["server"])
         iterations = [w["iterations"] for w in m["workers"].values()]
         # The workers stop together: after worker 0 stops, another takes at most the step
