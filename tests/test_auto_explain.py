@@ -74,7 +74,18 @@ def test_explain_reads_a_train_run(tmp_path, capsys):
 def test_explain_on_a_fixed_policy_run_says_it_made_no_decisions(tmp_path, capsys):
     report.write_metrics(_metrics("bsp", 5.0), tmp_path)
     assert main([str(tmp_path)]) == 0
-    assert "no decisions in this run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no decisions in this run" in out and "time to 0.9 accuracy 5.0 s" in out, out
+
+
+def test_explain_of_a_run_without_a_target_says_none_was_given(tmp_path, capsys):
+    metrics = _metrics("bsp", None)
+    metrics["config"]["target_acc"] = None
+    report.write_metrics(metrics, tmp_path)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "workers: no target accuracy given (--target-acc), final accuracy 0.800" in out, out
+    assert "None" not in out, out
 
 
 def test_explain_reads_a_comparison_without_repeats(tmp_path, capsys):

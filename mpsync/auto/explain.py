@@ -245,9 +245,11 @@ def run_table(out) -> str:
     if "workers" not in m or not c:
         raise ValueError("metrics.json has no 'config'/'workers' section (is this an "
                          "mpsync train output?)")
+    target = c.get("target_acc")
+    reached = "no target accuracy given (--target-acc)" if target is None else \
+        f"time to {target} accuracy {_ms(m.get('time_to_target_s'))}"
     lines = [f"{c.get('policy', '?')}/{c.get('topology', '?')} on {len(m['workers'])} "
-             f"workers: time to {c.get('target_acc')} accuracy {_ms(m.get('time_to_target_s'))}"
-             f", final accuracy {m.get('final_acc', float('nan')):.3f}, "
+             f"workers: {reached}, final accuracy {m.get('final_acc', float('nan')):.3f}, "
              f"{m.get('samples_per_s', 0):.0f} samples/s, wall {_ms(m.get('wall_s'))}"]
     decisions = m.get("decisions") or []
     if not decisions:
