@@ -199,6 +199,21 @@ def test_measurements_from_a_finished_run_and_back():
         Measurements.from_metrics({"config": {}})
 
 
+def test_an_auto_runs_metrics_carry_the_gain_it_measured_in_place_of_the_constant():
+    worker = {"compute_s": 1.0, "iterations": 100, "aggregation_s": 0.1, "rounds": 100}
+    metrics = {"config": {"policy": "auto"}, "workers": {"0": worker, "1": worker}}
+    assert Measurements.from_metrics(metrics).ps_gain is None   # no measurement: the constant
+    metrics["auto_gradient_noise"] = {"gain": 1.62, "sd": 0.23, "measured": 2.26,
+                                      "note": "measured 2.26 +- 0.38 from the noise scale"}
+    m = Measurements.from_metrics(metrics)
+    assert (m.ps_gain, m.ps_gain_sd, m.ps_gain_capped) == (1.62, 0.23, True)
+    assert m.ps_gain_note == "as that run measured it: measured 2.26 +- 0.38 from the noise scale"
+    metrics["auto_adaptive_workers"] = [0, 1]   # Adam: the gain ranked uncapped, as it ran
+    assert not Measurements.from_metrics(metrics).ps_gain_capped
+    metrics["auto_gradient_noise"]["measured"] = None   # too few pairs: the prior alone
+    assert Measurements.from_metrics(metrics).ps_gain is None
+
+
 def test_the_live_window_reads_medians():
     w = Window(2, size=4)
     for t in (0.1, 0.1, 5.0, 0.1):       # one scheduler hiccup

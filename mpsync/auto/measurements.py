@@ -241,7 +241,11 @@ class Measurements:
         """A finished run's ``metrics.json`` (a path or the loaded dict): each worker's
         compute per iteration, the aggregation per round of the worker that waited least
         (under a synchronous policy the slowest waits for nobody, so its figure is the
-        aggregation itself), the samples at which it reached its target accuracy."""
+        aggregation itself), the samples at which it reached its target accuracy; from an
+        ``auto`` run, the full-update gain it measured by its end (``auto_gradient_noise``:
+        the noise scale with the fitted constant as its prior) in place of the constant, not
+        capped where its workers stepped with an adaptive optimizer, as the run ranked it (its
+        step test and progress bracket are not carried over: they describe moments of it)."""
         if not isinstance(metrics, dict):
             path = Path(metrics)
             try:
@@ -276,6 +280,12 @@ class Measurements:
                       target_samples=target or DEFAULT_TARGET_SAMPLES,
                       source=f"metrics of a {config.get('policy', '?')} run",
                       notes=tuple(notes))
+        noise = metrics.get("auto_gradient_noise") or {}
+        if noise.get("measured") is not None and noise.get("gain"):
+            values.update(ps_gain=float(noise["gain"]), ps_gain_sd=float(noise.get("sd", 0)),
+                          ps_gain_note=f"as that run measured it: {noise.get('note', '')}")
+        if metrics.get("auto_adaptive_workers"):
+            values["ps_gain_capped"] = False
         values.update(kw)
         return cls(**values)
 
