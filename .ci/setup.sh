@@ -10,6 +10,8 @@
 #   4. Horovod 0.28.1 from its PyPI source, patched to C++17 (see build_horovod below).
 #   5. mpsync itself, editable, with --no-deps and only after Horovod: registered any earlier,
 #      every later pip install would report its unmet horovod==0.28.1 pin as an ERROR.
+#   6. Numba's cache filled with every policy's kernels (mpsync doctor --warm), so that no
+#      first run compiles them; again after mpsync's sources or Numba change.
 # A final check fails loudly unless Horovod reports PyTorch, MPI and Gloo support.
 set -euo pipefail
 
@@ -122,3 +124,21 @@ if [ ! -x "$VENV/bin/mpsync" ] || [ "$(cat "$STAMP_DIR/self" 2>/dev/null)" != "$
   echo "$req_hash" > "$STAMP_DIR/self"
 fi
 log "ok: $("$VENV/bin/python" -c 'import horovod, torch, mpi4py, numba; print("horovod", horovod.__version__, "torch", torch.__version__, "mpi4py", mpi4py.__version__, "numba", numba.__version__)')"
+
+# -- 6. Numba's cache filled with every policy's kernels ------------------------------------
+# One short `mpsync train` per policy (`mpsync doctor --warm`, about 90 s the first time), so
+# that a user's first run loads its compiled kernels instead of compiling them, some of them
+# while it trains.  Again whenever mpsync's sources or Numba changed (the cache is keyed on
+# both).  A failure is reported, not fatal: the install itself is complete, and the doctor's
+# lines say what broke.
+warm_hash=$(cd "$ROOT" && { find mpsync -name '*.py' -print0 | sort -z | xargs -0 cat;
+                            "$VENV/bin/python" -c 'import numba; print(numba.__version__)'; } \
+            | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP_DIR/warm" 2>/dev/null)" != "$warm_hash" ]; then
+  log "filling Numba's cache: one short run per policy (mpsync doctor --warm)"
+  if (cd "$ROOT" && "$VENV/bin/python" -m mpsync.cli doctor --warm); then
+    echo "$warm_hash" > "$STAMP_DIR/warm"
+  else
+    log "WARNING: mpsync doctor --warm failed (above); a first run will compile its kernels"
+  fi
+fi

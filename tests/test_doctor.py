@@ -43,3 +43,16 @@ def test_doctor_fails_with_one_line_reason_when_mpirun_is_missing():
     assert all(line.startswith("mpsync doctor: ") for line in reasons), reasons
     assert "BAD  mpirun -np 2" in res.stdout
     assert "ok   numba kernel" in res.stdout
+
+
+def test_the_cache_warm_up_runs_every_policy_and_names_a_job_that_failed(monkeypatch):
+    from mpsync import doctor, policies
+
+    warmed = {flags[flags.index("--policy") + 1] for flags in doctor.WARM_JOBS}
+    assert warmed == {s.name for s in policies.specs()}, warmed   # a new policy is warmed too
+    monkeypatch.setattr(doctor, "WARM_JOBS", (("--policy", "bsp", "--staleness", "-1"),))
+    lines = []
+    checks = doctor.warm_cache(timeout=120, log=lines.append)
+    assert [(c.name, c.ok) for c in checks] == [("warm bsp", False)], checks
+    assert "exit 2: " in checks[0].detail and "staleness" in checks[0].detail, checks
+    assert lines == [f"BAD  warm bsp  {checks[0].detail}"]
