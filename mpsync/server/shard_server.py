@@ -98,7 +98,8 @@ class ShardServer:
 
     def __init__(self, comm, replies, index: int, n_workers: int, scale: float, *,
                  deadline: float = 20.0, startup: float = 120.0, worker_names=None, log=None,
-                 updates: ServerUpdates | None = None, cast=numpy_cast, compiled: bool = True):
+                 updates: ServerUpdates | None = None, cast=numpy_cast, compiled: bool = True,
+                 inbox_expected: bool = False):
         self.comm = comm
         self.replies = replies
         self.index = index
@@ -147,6 +148,9 @@ class ShardServer:
         # the first step and before a pull's answer, by :meth:`_take_inbox`.
         self._inbox_window = None
         self._inbox_loaded = False
+        # The workers will write into an inbox (``start_shards``: the server's optimizer, one
+        # node): its loop is loaded before the first push, not at the first take.
+        self._inbox_expected = bool(inbox_expected)
         if compiled and comm is not None:
             reason = _shard_loop.unavailable_reason()
             if reason is None:
@@ -230,6 +234,8 @@ class ShardServer:
             self._loop.warm_up()   # most models are float32; another dtype loads at its first push
             if self.updates is not None and not self.updates.per_round:
                 self._loop.warm_up(stepping=True)   # the loop that takes the optimizer's steps
+            if self._inbox_expected:   # (for float32; another dtype loads at its first take)
+                self._loop.warm_up(stepping=True, inbox=True)
         status = MPI.Status()
         probe = self.comm.Iprobe
         clock, sched_yield = time.perf_counter, os.sched_yield
@@ -321,8 +327,8 @@ class ShardServer:
                     else (*form, self.updates.optimizer.steps))
         inbox = self._inbox_window.compiled_form() if store.pinned is not None else None
         if inbox is not None and not self._inbox_loaded:
-            # The loop that steps from an inbox, loaded once a window has one (only ASP's
-            # jobs on one node with the server's optimizer: no other job compiles it).
+            # The loop that steps from an inbox, for the store's dtype (only jobs on one node
+            # with the server's optimizer have one; ``serve`` loaded it for float32).
             loop.warm_up(weights.dtype, stepping=True, inbox=True)
             self._inbox_loaded = True
         outcome = loop.serve(tuple(buffers), store.scale, wire_code(weights.dtype),

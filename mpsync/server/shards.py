@@ -619,6 +619,7 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     worker_names = [f"worker {w} (world rank {world_ranks[w]} on {names[w]})"
                     for w in range(n)]
     thread = None
+    one_sided_unavailable = unavailable_reason(config, workers)   # (collective)
     if me in layout.hosts:
         spec = policies.get(config.policy)
         # A round's step divides by the n workers, as the workers' own deltas are scaled
@@ -632,7 +633,10 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
                                          deadline=config.deadline,
                                          startup=config.startup_timeout,
                                          worker_names=worker_names, log=log, updates=updates,
-                                         cast=cast, compiled=config.server_fast_path))
+                                         cast=cast, compiled=config.server_fast_path,
+                                         inbox_expected=updates is not None
+                                         and not updates.per_round
+                                         and one_sided_unavailable is None))
     if me == 0:
         (log or (lambda t: print(t, file=sys.stderr, flush=True)))(
             f"mpsync: parameter server in {layout.count} shard(s) over {layout.nodes} "
@@ -640,7 +644,7 @@ def start_shards(workers, config, world_ranks, *, log=None, cast=numpy_cast):
     client = ShardClient(requests, replies, layout.hosts, labels, config.deadline,
                          worker_names=worker_names, startup=config.startup_timeout, cast=cast)
     client.nodes = layout.nodes
-    client.one_sided_unavailable = unavailable_reason(config, workers)
+    client.one_sided_unavailable = one_sided_unavailable
     client.server_optimizer = config.ps_optimizer == "server"
     if client.server_optimizer and config.policy != policies.AUTO:
         client.read_gap = policies.get(config.policy).read_gap(config)
