@@ -191,8 +191,9 @@ def _mpirun_two_ranks(timeout: float) -> Check:
 # Numba compiles a kernel at its first call and keeps it in its on-disk cache (``__pycache__``
 # beside the source, mpsync.sched._numba): a job that finds it there loads it in
 # milliseconds.  One that does not compiles at its start, or, for a kernel first called while
-# it trains, in the middle of its timings: on this project's 2-core machines the first run
-# of the shards' optimizer after an install trained at 1,119 samples/s, the next at 4,619.
+# it trains, in the middle of its timings: on a 2-core machine the first run of the shards'
+# optimizer after an install trained at 1,119 samples/s, the next at 4,619
+# (bench/startup/README.md).
 WARM_JOBS: tuple[tuple[str, ...], ...] = (
     *(("--policy", p) for p in ("bsp", "asp", "ssp", "dssp", "ebsp", "esync", "osp")),
     ("--policy", "asp", "--ps-optimizer", "server", "--lr", "0.0125"),
@@ -247,7 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not start mpirun (e.g. on a login node)")
     parser.add_argument("--warm", action="store_true",
                         help="then fill Numba's cache with the kernels of every policy's "
-                             "job (one short mpsync train each, about 2 minutes the first "
+                             "job (one short mpsync train each, about 90 s the first "
                              "time), so that no first run compiles; make setup does this")
 
 
