@@ -6,7 +6,7 @@ transports this machine has: gloo, NCCL, CUDA-aware MPI, Horovod's NCCL ops), co
 trivial Numba kernel, and starts ``mpirun -np 2`` to exchange one message.  Exits non-zero with
 one line per broken item, so it doubles as a support checklist and as a CI smoke test.
 ``--warm`` then fills Numba's cache with the kernels of every policy's job (``make setup``
-runs it), so that no first run compiles them (:data:`WARM_JOBS`).
+runs it), so that no first run compiles them (:func:`warm_jobs`).
 """
 
 from __future__ import annotations
@@ -186,30 +186,36 @@ def _mpirun_two_ranks(timeout: float) -> Check:
     return Check("mpirun -np 2", True, f"two ranks exchanged a message in {res.elapsed:.1f}s")
 
 
-# ``--warm``: one short ``mpsync train`` per kind of job, each policy on its own topology, the
-# shards' optimizer where it steps in compiled code, and auto (which ranks with the simulator).
-# Numba compiles a kernel at its first call and keeps it in its on-disk cache (``__pycache__``
-# beside the source, mpsync.sched._numba): a job that finds it there loads it in
-# milliseconds.  One that does not compiles at its start, or, for a kernel first called while
-# it trains, in the middle of its timings: on a 2-core machine the first run of the shards'
-# optimizer after an install trained at 1,119 samples/s, the next at 4,619
-# (bench/startup/README.md).
-WARM_JOBS: tuple[tuple[str, ...], ...] = (
-    *(("--policy", p) for p in ("bsp", "asp", "ssp", "dssp", "ebsp", "esync", "osp")),
-    ("--policy", "asp", "--ps-optimizer", "server", "--lr", "0.0125"),
-    ("--policy", "ssp", "--ps-optimizer", "server", "--lr", "0.0125"),
-    ("--policy", "auto", "--time-budget", "3"),
-)
+# ``--warm``: one short ``mpsync train`` per kind of job (:func:`warm_jobs`).  Numba compiles a
+# kernel at its first call and keeps it in its on-disk cache (``__pycache__`` beside the
+# source, mpsync.sched._numba): a job that finds it there loads it in milliseconds.  One that
+# does not compiles at its start, or, for a kernel first called while it trains, in the
+# middle of its timings: on a 2-core machine the first run of the shards' optimizer after an
+# install trained at 1,119 samples/s, the next at 4,619 (bench/startup/README.md).
+def warm_jobs() -> list[tuple[str, ...]]:
+    """The ``mpsync train`` flags of each warm-up job: every registered policy on its own
+    topology (auto for 3 s: it ranks with the simulator after its first second), and the
+    shards' optimizer under each policy whose shards step from an inbox on one node (the
+    policies whose shards apply every push on arrival, ``shard_window``)."""
+    from mpsync import policies
+
+    jobs = [("--policy", s.name) + (("--time-budget", "3") if s.name == policies.AUTO else ())
+            for s in policies.specs()]
+    jobs += [("--policy", s.name, "--ps-optimizer", "server", "--lr", "0.0125")
+             for s in policies.specs()
+             if s.name != policies.AUTO and s.steps_unawaited and not s.ps_average]
+    return jobs
 
 
-def warm_cache(timeout: float = 180.0, log=print) -> list[Check]:
-    """Run :data:`WARM_JOBS` (2 workers, 1 s of training each unless a job says otherwise)
-    so that Numba's cache holds every kernel they call; one check per job."""
+def warm_cache(timeout: float = 180.0, log=print, jobs=None) -> list[Check]:
+    """Run ``jobs`` (:func:`warm_jobs` by default; 2 workers, 1 s of training each unless a
+    job says otherwise) so that Numba's cache holds every kernel they call; one check per
+    job."""
     import tempfile
 
     checks = []
     with tempfile.TemporaryDirectory(prefix="mpsync-warm-") as tmp:
-        for k, flags in enumerate(WARM_JOBS):
+        for k, flags in enumerate(warm_jobs() if jobs is None else jobs):
             name = "warm " + flags[flags.index("--policy") + 1]
             if "--ps-optimizer" in flags:
                 name += " (shards' optimizer)"

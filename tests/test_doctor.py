@@ -45,14 +45,19 @@ def test_doctor_fails_with_one_line_reason_when_mpirun_is_missing():
     assert "ok   numba kernel" in res.stdout
 
 
-def test_the_cache_warm_up_runs_every_policy_and_names_a_job_that_failed(monkeypatch):
+def test_the_cache_warm_up_runs_every_policy_and_names_a_job_that_failed():
     from mpsync import doctor, policies
 
-    warmed = {flags[flags.index("--policy") + 1] for flags in doctor.WARM_JOBS}
-    assert warmed == {s.name for s in policies.specs()}, warmed   # a new policy is warmed too
-    monkeypatch.setattr(doctor, "WARM_JOBS", (("--policy", "bsp", "--staleness", "-1"),))
+    jobs = doctor.warm_jobs()
+    warmed = {flags[flags.index("--policy") + 1] for flags in jobs}
+    assert warmed == set(policies.names()), warmed   # a new policy is warmed too
+    inbox = {flags[1] for flags in jobs if "--ps-optimizer" in flags}
+    assert inbox == {s.name for s in policies.specs() if s.steps_unawaited
+                     and not s.ps_average and s.name != policies.AUTO} and inbox, inbox
     lines = []
-    checks = doctor.warm_cache(timeout=120, log=lines.append)
-    assert [(c.name, c.ok) for c in checks] == [("warm bsp", False)], checks
+    checks = doctor.warm_cache(timeout=120, log=lines.append,
+                               jobs=[("--policy", jobs[0][1], "--staleness", "-1")])
+    name = f"warm {jobs[0][1]}"
+    assert [(c.name, c.ok) for c in checks] == [(name, False)], checks
     assert "exit 2: " in checks[0].detail and "staleness" in checks[0].detail, checks
-    assert lines == [f"BAD  warm bsp  {checks[0].detail}"]
+    assert lines == [f"BAD  {name}  {checks[0].detail}"]
