@@ -10,7 +10,11 @@ transport), each the median over repeats of the slowest worker's time:
   out, applied and answered with the shard's weights, the state server told of the push and
   the pull meanwhile (its replies collected at the next call); under a policy whose pulls
   wait, ``push`` (acknowledged by every shard, then counted by the state server) + ``pull``
-  (granted by it, then every slice back);
+  (granted by it, then every slice back).  As in training, the delta comes known to be
+  finite: a trainer finds that in the pass that computes it (``weights.subtract_checked``,
+  which costs what the subtraction alone does), so the push does not read it again;
+* ``ps_check_ms``: that check as a pass of its own (``weights.all_finite``), what a push of
+  a delta not so computed adds (earlier rows timed it inside the exchange);
 * ``ps_shard_ms``: the shard exchange alone (``ShardClient.push_pull``, or ``push`` +
   ``pull``), without the state server: what the shards add to the wire;
 * ``ps_raw_ms``: the baseline, after them in the same job: each worker sends every shard's
@@ -50,6 +54,7 @@ import numpy as np
 
 from mpsync import policies as registry
 from mpsync.bench._timing import timed
+from mpsync.server.weights import all_finite
 
 __all__ = ["ps_child", "PACE_S"]
 
@@ -72,24 +77,26 @@ def ps_child(sizes, max_repeats, budget, pace: str = "compute") -> None:
             continue
         one_exchange = registry.get(_ps_policy()).ps_pull_ungated
         client, shards, delta, weights, it = ps.client, ps.shards, ps.delta, ps.weights, [0]
+        finite = ps.delta_finite
 
         def exchange():   # as ParameterServer._push_pull
             it[0] += 1
             if one_exchange:
-                client.push_pull(delta, weights, it[0])
+                client.push_pull(delta, weights, it[0], finite=finite)
             else:
-                client.push(delta, it[0])
+                client.push(delta, it[0], finite=finite)
                 client.pull(weights, it[0])
 
         def shard_exchange():
             if one_exchange:
-                shards.push_pull(shards.checked_push(delta), weights)
+                shards.push_pull(shards.checked_push(delta, finite), weights)
             else:
-                shards.push(delta)
+                shards.push(delta, finite)
                 shards.pull(weights)
 
         moved, calls = shards.bytes_sent + shards.bytes_received, it[0]
-        row.update(timed(workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange},
+        row.update(timed(workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange,
+                                   "ps_check_ms": lambda: all_finite(delta)},
                          max_repeats, budget))
         per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / (2 * (it[0] - calls))
         # One loop each: every worker then pushes once per PACE_S and a bit, as in training.
@@ -144,6 +151,9 @@ class _Session:
         if workers.Get_rank() == 0:
             self.client.ps_init(self.weights)
         self.delta = np.full(n, 1e-6, dtype=np.float32)
+        # As in training, the pass that computes a worker's delta finds it finite
+        # (``weights.subtract_checked``), so the push does not read it again (module doc).
+        self.delta_finite = all_finite(self.delta)
         self.client.pull(self.weights, 0)
 
     def stop(self, idle_after: bool = True) -> None:
@@ -166,7 +176,7 @@ def _bounded_exchange(ps: _Session, max_repeats, budget, pace: str) -> dict:
     as ``ParameterServer._push_pull`` runs it).  Each paced too."""
     if ps.client is None:
         return {}
-    client, delta, weights = ps.client, ps.delta, ps.weights
+    client, delta, weights, finite = ps.client, ps.delta, ps.weights, ps.delta_finite
     it, tried, sure = [0], [0], [0]
 
     def exchange():
@@ -174,13 +184,13 @@ def _bounded_exchange(ps: _Session, max_repeats, budget, pace: str) -> dict:
         tried[0] += 1
         if client.pull_is_sure():
             sure[0] += 1
-            client.push_pull(delta, weights, it[0], gated=True)
+            client.push_pull(delta, weights, it[0], gated=True, finite=finite)
         else:
-            client.push_then_pull(delta, weights, it[0])
+            client.push_then_pull(delta, weights, it[0], finite=finite)
 
     def asked():
         it[0] += 1
-        client.push_then_pull(delta, weights, it[0])
+        client.push_then_pull(delta, weights, it[0], finite=finite)
 
     row = timed(ps.workers, {"ps_ssp_ms": exchange, "ps_ssp_asked_ms": asked},
                 max_repeats, budget)

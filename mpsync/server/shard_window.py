@@ -1,10 +1,10 @@
 """One-sided pushes and pulls for shards on the workers' own node: the worker adds its slice
-into each shard's weights itself (``MPI_Accumulate``) and reads them (``MPI_Get``), through an
-RMA window over the shards' memory, and the shard's thread is not involved at all.
+into each shard's weights itself (``MPI_Accumulate``) and copies them out, through an RMA
+window on the shards' shared memory, and the shard's thread is not involved at all.
 
 Why: on one node Open MPI's shared-memory window (``osc/sm``) maps every shard's memory into
 every worker, so an accumulate is the worker's own add into the shard's range (per element
-atomic with respect to the other workers' accumulates) and a get its own copy out.  The
+atomic with respect to the other workers' accumulates) and a read its own copy out.  The
 two-sided exchange needs the shard's thread to be scheduled, receive the slice into a buffer,
 add it in a second pass, and send the result back; on a node whose cores all train, that is
 where the time went (a push + pull of 8.7 MB with 2 workers on 2 cores took 1.2-2.1x a plain
@@ -36,8 +36,9 @@ clock on one node) and how many pushes were applied, so the shard's liveness ans
 stats still count the pushes it no longer receives.
 
 The server-side optimizer under ASP, SSP and DSSP has an inbox instead: ``SLOTS`` gradient slots
-per worker in each shard's window, a window on shared memory (``MPI_Win_allocate_shared``, each
-rank's part apart) that every worker reads and writes with plain loads and stores.  A worker
+per worker in each shard's window (on shared memory, ``MPI_Win_allocate_shared``, each rank's
+part apart, as every window here) that every worker reads and writes with plain loads and
+stores.  A worker
 copies its gradient into its next slot (the training strategy straight from each parameter's
 gradient, checking it for NaN and inf in the same pass: ``ShardWindow.next_slots``), then writes
 its count of pushes beside them, and copies the weights out without waiting for the shard; the
@@ -152,9 +153,9 @@ def slot_bytes(elements: int, dtype) -> int:
 class ShardWindow:
     """A worker's one-sided access to every shard (module doc).
 
-    ``win``: the window over the workers' communicator (disp_unit 1), each shard's host
-    exposing :func:`window_layout`'s bytes for its range (with ``inbox``,
-    :func:`inbox_layout`'s, and the window on shared memory: ``MPI_Win_allocate_shared``);
+    ``win``: the window over the workers' communicator on shared memory
+    (``MPI_Win_allocate_shared``, disp_unit 1), each shard's host exposing
+    :func:`window_layout`'s bytes for its range (with ``inbox``, :func:`inbox_layout`'s);
     ``bounds[k]`` and ``hosts[k]`` as in ``ShardClient``; ``worker``: this worker's index.  The
     window stays in one passive epoch (``Lock_all``) for the whole run: the shards never lock
     it, so nothing waits on a lock, and every operation completes in the worker's own calls.
@@ -181,8 +182,8 @@ class ShardWindow:
         # Each worker starts on another shard: accumulates into one shard take turns (its
         # lock), so workers that push at once would otherwise queue on the first shard.
         first = self.worker % len(self.bounds)
-        self._order = [(self.bounds[k], self.hosts[k], self._at[k])
-                       for k in (*range(first, len(self.bounds)), *range(first))]
+        self._pull_order = (*range(first, len(self.bounds)), *range(first))
+        self._order = [(self.bounds[k], self.hosts[k], self._at[k]) for k in self._pull_order]
         self._stamp = np.zeros(1, dtype=np.float64)
         self._pushes = np.zeros(1, dtype=np.int64)
         # Every shard's posted and taken counts, as a bounded read last found them, and the
@@ -192,8 +193,8 @@ class ShardWindow:
         # The push whose slots :meth:`next_slots` handed out (its data is in them), or -1.
         self._filled = -1
         win.Lock_all()
-        self._shards = [_ShardMemory(win, host, b - a, self.dtype, n_workers)
-                        for (a, b), host in zip(self.bounds, self.hosts)] if self.inbox else []
+        self._shards = [_ShardMemory(win, host, b - a, self.dtype, n_workers, self.inbox)
+                        for (a, b), host in zip(self.bounds, self.hosts)]
 
     def push(self, wire: np.ndarray, in_slots: bool = False) -> None:
         """Add ``wire`` (the checked update, this dtype) into every shard's range (with an
@@ -254,19 +255,20 @@ class ShardWindow:
         self.win.Sync()
 
     def pull(self, out: np.ndarray) -> None:
-        """Every shard's weights into ``out`` (contiguous, this dtype).  Through an inbox
-        under a staleness bound (``read_gap``), once every shard has stepped on what the
-        bound requires (:meth:`await_steps`)."""
-        if self.inbox:
-            if self.read_gap is not None:
-                self.await_steps(int(self._pushes[0]) - self.read_gap)
-            for (a, b), shard in zip(self.bounds, self._shards):
-                np.copyto(out[a:b], shard.weights)
-            return
-        win, kind = self.win, self.mpi_type
-        for (a, b), host, _ in self._order:
-            win.Get([out[a:b], kind], host, target=(0, b - a, kind))
-        win.Flush_all()
+        """Every shard's weights into ``out`` (contiguous, this dtype), copied out of the
+        shared memory.  Through an inbox under a staleness bound (``read_gap``), once every
+        shard has stepped on what the bound requires (:meth:`await_steps`)."""
+        if self.inbox and self.read_gap is not None:
+            self.await_steps(int(self._pushes[0]) - self.read_gap)
+        # Our own copy, not ``MPI_Get``: Open MPI's slows 2-3x where the destination lies a
+        # few bytes past the source modulo 4 KiB (AMD EPYC, 2 workers: a 4.35 MB slice
+        # 0.92-1.30 ms at 16 and 20 bytes past, 0.42-0.50 ms elsewhere; numpy's copy
+        # 0.44-0.59 ms at every offset), and where that falls depends on where each array
+        # happened to be allocated (bench/allreduce/README.md).
+        self.win.Sync()   # the pushes flushed before this read are seen
+        for k in self._pull_order:
+            a, b = self.bounds[k]
+            np.copyto(out[a:b], self._shards[k].weights)
 
     def await_steps(self, floor: int) -> None:
         """Wait until every shard has stepped on each worker's first ``floor`` pushes, or
@@ -304,13 +306,16 @@ class _ShardMemory:
     its weights, when each worker last pushed and how often, and its inbox (the counts and
     the slots, :func:`inbox_layout`)."""
 
-    def __init__(self, win, host: int, elements: int, dtype, n_workers: int):
+    def __init__(self, win, host: int, elements: int, dtype, n_workers: int,
+                 inbox: bool = True):
         memory = np.frombuffer(win.Shared_query(host)[0], dtype=np.uint8)
         heard_at, pushes_at, _ = window_layout(elements, dtype, n_workers)
-        posted_at, taken_at, slots_at, size = inbox_layout(elements, dtype, n_workers)
         self.weights = memory[:elements * dtype.itemsize].view(dtype)
         self.heard = memory[heard_at:pushes_at].view(np.float64)
         self.pushes = memory[pushes_at:pushes_at + 8 * n_workers].view(np.int64)
+        if not inbox:
+            return
+        posted_at, taken_at, slots_at, size = inbox_layout(elements, dtype, n_workers)
         self.posted = memory[posted_at:taken_at].view(np.int64)
         self.taken = memory[taken_at:taken_at + 8 * n_workers].view(np.int64)
         self.rows = memory[slots_at:size].view(dtype).reshape(SLOTS * n_workers, -1)

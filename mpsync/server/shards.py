@@ -192,14 +192,13 @@ class ShardClient:
         heard_at, pushes_at, size = window_layout(b - a, dtype, n)
         if self.server_optimizer:
             posted_at, taken_at, slots_at, size = inbox_layout(b - a, dtype, n)
-        if self.server_optimizer:   # every worker stores into the inboxes (shard_window)
-            info = MPI.Info.Create()
-            info.Set("alloc_shared_noncontig", "true")   # each shard's part on its own pages
-            win = MPI.Win.Allocate_shared(size if mine is not None else 0, 1, info=info,
-                                          comm=self._window_comm)
-            info.Free()
-        else:
-            win = MPI.Win.Allocate(size if mine is not None else 0, 1, comm=self._window_comm)
+        # On shared memory: every worker maps each shard's part (shard_window: the inbox's
+        # stores, and the pulls' copies out of the weights).
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")   # each shard's part on its own pages
+        win = MPI.Win.Allocate_shared(size if mine is not None else 0, 1, info=info,
+                                      comm=self._window_comm)
+        info.Free()
         inbox = None
         if mine is not None:
             memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
