@@ -40,20 +40,21 @@ per worker in each shard's window (on shared memory, ``MPI_Win_allocate_shared``
 part apart, as every window here) that every worker reads and writes with plain loads and
 stores.  A worker copies its gradient into its next slot (the training strategy straight from
 each parameter's gradient, checking it for NaN and inf in the same pass:
-``ShardWindow.next_slots``), then writes its count of pushes beside them, and copies the
-weights out without waiting for the shard; the shard's compiled loop (``_shard_loop``),
-whenever it runs, sums the slots written since it last looked, steps once on the sum in place,
-and writes back the count it took.  So the step is off every worker's path: answered as a message, a push waited 8.6-11.5 ms for a shard whose work was
-about 1.2 ms, as the shard threads took turns on cores the trainers held
-(bench/psopt/README.md).  A worker writes a slot again only once the shard took the push that
-was in it, so it waits only when its shard is ``SLOTS`` pushes behind.  Each count has one
-writer and a slot is complete before its count is written (a memory barrier between,
-``MPI_Win_sync``), so no push is read half-written or lost, and nothing locks.  (An accumulate
-into one sum per shard, with MPI's atomics to take turns on it, took 14-17 ms a push: Open MPI's
-``osc/sm`` serializes both on the shard's one lock.  Through ``MPI_Put`` and ``MPI_Get`` the
-gradient was copied twice, into a buffer and from it into the slot.)  The first step, which makes
-the optimizer's state, and a pull alone (the last one of a run, a message) are the shard's
-Python loop's: it steps on what is in before it answers, so the final weights hold every push.
+``ShardWindow.next_slots``), then writes its count of pushes beside them, and copies the weights
+out without waiting for the shard; the shard's compiled loop (``_shard_loop``), whenever it
+runs, sums the slots written since it last looked, steps once on the sum in place, and writes
+back the count it took.  So the step is off every worker's path: answered as a message, a push
+waited 8.6-11.5 ms for a shard whose work was about 1.2 ms, as the shard threads took turns on
+cores the trainers held (bench/psopt/README.md).  A worker writes a slot again only once the
+shard took the push that was in it, so it waits only when its shard is ``SLOTS`` pushes behind.
+Each count has one writer and a slot is complete before its count is written (a memory barrier
+between, ``MPI_Win_sync``), so no push is read half-written or lost, and nothing locks.  (An
+accumulate into one sum per shard, with MPI's atomics to take turns on it, took 14-17 ms a push:
+Open MPI's ``osc/sm`` serializes both on the shard's one lock.  Through ``MPI_Put`` and
+``MPI_Get`` the gradient was copied twice, into a buffer and from it into the slot.)  The first
+step, which makes the optimizer's state, and a pull alone (the last one of a run, a message) are
+the shard's Python loop's: it steps on what is in before it answers, so the final weights hold
+every push.
 
 Under SSP and DSSP a read must hold what the bound promises: every worker's pushes up to the
 slowest count the state server compared with (the same paper, §I.A and Alg. 1).  A worker
