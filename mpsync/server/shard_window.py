@@ -303,11 +303,10 @@ class ShardWindow:
 
 class _ShardMemory:
     """One shard's part of a shared window, as this process sees it (``MPI_Win_shared_query``):
-    its weights, when each worker last pushed and how often, and its inbox (the counts and
-    the slots, :func:`inbox_layout`)."""
+    its weights, when each worker last pushed and how often, and, with ``inbox``, its inbox
+    (the counts and the slots, :func:`inbox_layout`)."""
 
-    def __init__(self, win, host: int, elements: int, dtype, n_workers: int,
-                 inbox: bool = True):
+    def __init__(self, win, host: int, elements: int, dtype, n_workers: int, inbox: bool):
         memory = np.frombuffer(win.Shared_query(host)[0], dtype=np.uint8)
         heard_at, pushes_at, _ = window_layout(elements, dtype, n_workers)
         self.weights = memory[:elements * dtype.itemsize].view(dtype)
