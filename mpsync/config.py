@@ -135,7 +135,8 @@ class SyncConfig:
     ps_optimizer: str = "worker"
     # Parameter server, workers on one node under ASP, SSP or DSSP: each worker adds its
     # pushes into the shards' weights and reads them itself through an RMA window on shared
-    # memory (MPI_Accumulate, then a copy out), with no message to the shard's thread
+    # memory (a compiled add under each shard's lock word, copying the sums out in the same
+    # pass), with no message to the shard's thread
     # (mpsync.server.shard_window).  Off: every push and pull is a message.
     ps_one_sided: bool = True
     # Emulated network latency (seconds) added to every aggregation: each model/gradient

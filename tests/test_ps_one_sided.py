@@ -3,20 +3,88 @@ the shards store and count through them, and the same answers as the messages gi
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 from mpi_harness import run_mpi
 from mpsync.config import SyncConfig
-from mpsync.server.shard_window import (SLOTS, ShardInbox, inbox_layout, slot_bytes,
-                                        unavailable_reason, window_layout)
+from numba import typed
+
+from mpsync.server.shard_window import (SLOTS, ShardInbox, add_into_shards, inbox_layout,
+                                        slot_bytes, unavailable_reason, window_layout)
 from mpsync.server.weights import WeightStore
 
 
-def test_a_shards_window_holds_its_weights_then_aligned_times_and_counts_per_worker():
-    assert window_layout(5, np.float32, 3) == (24, 48, 72)   # 20 bytes of weights -> 24
-    assert window_layout(4, np.float64, 2) == (32, 48, 64)
-    assert window_layout(0, np.float32, 1) == (0, 8, 16)
+def test_a_shards_window_holds_its_weights_then_aligned_times_counts_and_a_lock_line():
+    # 20 bytes of weights -> 24; times and counts 24 each -> 72; the lock on the next line.
+    assert window_layout(5, np.float32, 3) == (24, 48, 128, 192)
+    assert window_layout(4, np.float64, 2) == (32, 48, 64, 128)
+    assert window_layout(0, np.float32, 1) == (0, 8, 64, 128)
+
+
+def _shards(*sizes):
+    weights = typed.List([np.zeros(size, np.float32) for size in sizes])
+    locks = typed.List([np.zeros(1, np.int64) for _ in sizes])
+    starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+    return weights, locks, starts
+
+
+def test_a_push_passes_over_a_locked_shard_and_comes_back_to_it_adding_each_once():
+    weights, locks, starts = _shards(3, 2)
+    delta, out = np.arange(1, 6, dtype=np.float32), np.zeros(5, np.float32)
+    visit, done = np.array([0, 1]), np.zeros(2, np.bool_)
+    locks[0][0] = 2   # worker 1 is adding into shard 0
+    assert add_into_shards(weights, locks, visit, starts, delta, out, 1, done, 5) == 1
+    assert done.tolist() == [False, True] and locks[1][0] == 0   # taken, added, let go
+    assert weights[0].tolist() == [0, 0, 0] and weights[1].tolist() == [4, 5]
+    assert out.tolist() == [0, 0, 0, 4, 5]   # each range copied out as this add left it
+    weights[1][:] += 10   # another worker's push into shard 1 meanwhile
+    locks[0][0] = 0
+    assert add_into_shards(weights, locks, visit, starts, delta, out, 1, done, 5) == 0
+    assert weights[0].tolist() == [1, 2, 3] and weights[1].tolist() == [14, 15]
+    assert out.tolist() == [1, 2, 3, 4, 5] and locks[0][0] == 0
+    done[:] = False   # a push alone: added, nothing copied
+    none = np.empty(0, np.float32)
+    assert add_into_shards(weights, locks, visit, starts, delta, none, 1, done, 5) == 0
+    assert weights[0].tolist() == [2, 4, 6] and weights[1].tolist() == [18, 20]
+
+
+@contextlib.contextmanager
+def _one_shard_here(elements: int, size: int, dtype, n: int, **options):
+    """A one-shard window of ``size`` bytes in this process (zeroed) and this worker's
+    ``ShardWindow`` on it: a model of ``elements``, worker 0 of ``n``, the shard named
+    "PS shard 0 (here)"."""
+    from mpi4py import MPI
+
+    from mpsync.server.shard_window import ShardWindow
+
+    win = MPI.Win.Allocate_shared(size, 1, comm=MPI.COMM_SELF)
+    memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
+    memory[:] = 0
+    try:
+        yield memory, ShardWindow(win, [(0, elements)], [0], dtype, n, worker=0,
+                                  names=["PS shard 0 (here)"], deadline=0.2, **options)
+    finally:
+        win.Unlock_all()
+        win.Free()
+
+
+def test_a_shard_locked_past_the_deadline_names_the_shard_and_its_holder():
+    from mpsync.server._client import DeadlineExceeded
+
+    _, _, lock_at, size = window_layout(4, np.float32, 2)
+    with _one_shard_here(4, size, np.float32, 2) as (memory, window):
+        delta, out = np.ones(4, np.float32), np.zeros(4, np.float32)
+        window.push_pull(delta, out)
+        assert out.tolist() == [1] * 4 and memory[lock_at] == 0
+        memory[lock_at:lock_at + 8].view(np.int64)[0] = 2   # worker 1 stopped inside its add
+        with pytest.raises(DeadlineExceeded, match=r"PS shard 0 \(here\) stayed locked by "
+                                                   r"worker\(s\) \[1\]"):
+            window.push(delta)
+        weights = memory[:16].view(np.float32)
+        assert weights.tolist() == [1] * 4   # nothing added where it could not lock
 
 
 def test_a_pinned_store_keeps_its_weights_in_the_window_through_init_apply_and_detach():
@@ -36,8 +104,8 @@ def test_a_pinned_store_keeps_its_weights_in_the_window_through_init_apply_and_d
 def test_an_inbox_follows_the_window_with_counts_then_aligned_slots_per_worker():
     assert slot_bytes(5, np.float32) == 64 and slot_bytes(16, np.float32) == 64
     assert slot_bytes(17, np.float32) == 128
-    # 3 workers: weights 24 B, heard 24, pushes 24 -> 72; posted 72, taken 96, slots at 128.
-    assert inbox_layout(5, np.float32, 3) == (72, 96, 128, 128 + SLOTS * 3 * 64)
+    # 3 workers: the window's 192 B (above); posted 192, taken 216, slots at 256.
+    assert inbox_layout(5, np.float32, 3) == (192, 216, 256, 256 + SLOTS * 3 * 64)
 
 
 def _inbox(workers=2, elements=3):
@@ -94,22 +162,14 @@ def test_a_shard_steps_in_place_on_its_inbox_in_compiled_code_or_refuses_all_of_
 
 
 def test_a_bounded_read_waits_for_the_steps_its_bound_needs_and_names_a_shard_behind():
-    from mpi4py import MPI
-
     from mpsync.server._client import DeadlineExceeded
-    from mpsync.server.shard_window import ShardWindow
 
     n, elements = 3, 4
     posted_at, taken_at, _, size = inbox_layout(elements, np.float64, n)
-    win = MPI.Win.Allocate_shared(size, 1, comm=MPI.COMM_SELF)   # one shard, this process's
-    memory = np.frombuffer(win.tomemory(), dtype=np.uint8)
-    memory[:] = 0
-    memory[:8 * elements].view(np.float64)[:] = [1, 2, 3, 4]
-    posted = memory[posted_at:taken_at].view(np.int64)
-    taken = memory[taken_at:taken_at + 8 * n].view(np.int64)
-    window = ShardWindow(win, [(0, elements)], [0], np.float64, n, worker=0, inbox=True,
-                         names=["PS shard 0 (here)"], deadline=0.2, read_gap=1)
-    try:
+    with _one_shard_here(elements, size, np.float64, n, inbox=True, read_gap=1) as (memory, window):
+        memory[:8 * elements].view(np.float64)[:] = [1, 2, 3, 4]
+        posted = memory[posted_at:taken_at].view(np.int64)
+        taken = memory[taken_at:taken_at + 8 * n].view(np.int64)
         posted[:], taken[:] = [6, 5, 2], [4, 4, 2]   # worker 2 wrote its last push at 2
         window.await_steps(4)   # each worker's first 4 taken, or all it wrote
         with pytest.raises(DeadlineExceeded, match=r"PS shard 0 \(here\) did not step"):
@@ -122,9 +182,6 @@ def test_a_bounded_read_waits_for_the_steps_its_bound_needs_and_names_a_shard_be
         taken[:] = [5, 5, 2]
         window.pull(out)
         assert out.tolist() == [1, 2, 3, 4]
-    finally:
-        win.Unlock_all()
-        win.Free()
 
 
 @pytest.mark.parametrize("settings, reason", [

@@ -1,35 +1,51 @@
 """One-sided pushes and pulls for shards on the workers' own node: the worker adds its slice
-into each shard's weights itself (``MPI_Accumulate``) and copies them out, through an RMA
-window on the shards' shared memory, and the shard's thread is not involved at all.
+into each shard's weights itself, in compiled code under the shard's lock word, and copies
+them out, through an MPI window on the shards' shared memory, and the shard's thread is not
+involved at all.
 
-Why: on one node Open MPI's shared-memory window (``osc/sm``) maps every shard's memory into
-every worker, so an accumulate is the worker's own add into the shard's range (per element
-atomic with respect to the other workers' accumulates) and a read its own copy out.  The
-two-sided exchange needs the shard's thread to be scheduled, receive the slice into a buffer,
-add it in a second pass, and send the result back; on a node whose cores all train, that is
-where the time went (a push + pull of 8.7 MB with 2 workers on 2 cores took 1.2-2.1x a plain
-program echoing the same slices, bench/allreduce/README.md, where the one-sided numbers are).
+Why: on one node an MPI window on shared memory (``MPI_Win_allocate_shared``) maps every
+shard's memory into every worker, so a push is the worker's own add into the shard's range
+and a read its own copy out.  The two-sided exchange needs the shard's thread to be
+scheduled, receive the slice into a buffer, add it in a second pass, and send the result
+back; on a node whose cores all train, that is where the time went (a push + pull of 8.7 MB
+with 2 workers on 2 cores took 1.2-2.1x a plain program echoing the same slices,
+bench/allreduce/README.md, where the one-sided numbers are).
+
+How a push adds (:func:`add_into_shards`): per shard, take its lock word (an atomic
+compare-and-swap on the int64 in the window), add the slice in one vectorized pass, let the
+lock go; a shard whose lock another worker holds is passed over and come back to, and each
+worker starts on another shard, so workers that push at once seldom wait.  A push and a pull
+together (``push_pull``, ASP's and a sure SSP or DSSP pull) copy each range out in the same
+pass as the add: the shard's memory is read once, while this worker's core holds it.  (The
+earlier form, ``MPI_Accumulate`` into the shards, then a copy of every range after all of
+them, read every range a second time, mostly after the other workers' adds had taken it into
+their cores: with 2 workers at 8.7 MB, 1.9-2.8 ms an exchange against 1.5-1.7 ms now, on a
+machine whose two cores were at times far apart in its cache hierarchy,
+bench/allreduce/README.md.)
 
 Which policies: those whose shards apply every push on arrival and never hold or freeze a
 read (``PolicySpec.steps_unawaited`` without ``ps_average``: ASP, SSP, DSSP; the state server
 decides when a pull may happen, the shards only store).  Their guarantees carry over:
 
-* a push is complete on every shard (``MPI_Win_flush_all``) before the worker tells the state
-  server of it, so a pull the server grants reads at least every push it counted (SSP's and
-  DSSP's bound, "Dynamic Stale Synchronous Parallel Distributed Training for Deep Learning",
-  §I.A and Alg. 1: a lower bound on what a read contains, as in the two-sided path);
+* a push is complete on every shard (each lock let go after its add, then a memory barrier,
+  ``MPI_Win_sync``) before the worker tells the state server of it, so a pull the server
+  grants reads at least every push it counted (SSP's and DSSP's bound, "Dynamic Stale
+  Synchronous Parallel Distributed Training for Deep Learning", §I.A and Alg. 1: a lower
+  bound on what a read contains, as in the two-sided path);
 * a refused push never reaches a shard: the worker checks it before anything is sent
   (``ShardClient.checked_push``), as it already did for the two-sided path.
 
-What differs: a read may see another worker's concurrent push applied to part of a slice
-(never part of an element).  ASP's reads are unsynchronised by design (the same paper, §I.A:
-a worker reads whatever is current), and the two-sided path already lets a pull see newer
-pushes on one shard than on another.  BSP, ESync and ElasticBSP read a round's or a
-barrier's frozen weights, and the server-side optimizer steps on the shard: those stay
-two-sided, as do a compressed wire, a job whose workers span nodes, ``auto`` (a switch
-reloads the shards), and an MPI other than Open MPI (:func:`unavailable_reason` names which;
-``ShardClient.open_window`` adds a wire in another dtype than the model's, and a dtype other
-than float32 and float64).
+What differs: a pull alone may see another worker's concurrent push applied to part of a
+slice (never part of an element), and a push and pull together read each shard as this
+worker's add leaves it, so another worker's push that takes a shard after this one shows in
+the next read (the earlier form's copy after all the adds could hold it already).  ASP's reads
+are unsynchronised by design (the same paper, §I.A: a worker reads whatever is current), and
+the two-sided path already lets a pull see newer pushes on one shard than on another.  BSP,
+ESync and ElasticBSP read a round's or a barrier's frozen weights, and the server-side
+optimizer steps on the shard: those stay two-sided, as do a compressed wire, a job whose
+workers span nodes, ``auto`` (a switch reloads the shards), and an MPI other than Open MPI
+(:func:`unavailable_reason` names which; ``ShardClient.open_window`` adds a wire in another
+dtype than the model's, and a dtype other than float32 and float64).
 
 The window also carries, per shard, when each worker last pushed (``CLOCK_MONOTONIC``, one
 clock on one node) and how many pushes were applied, so the shard's liveness answers and its
@@ -87,7 +103,7 @@ from mpi4py import MPI
 from mpsync.server._client import DeadlineExceeded
 
 __all__ = ["ShardWindow", "ShardInbox", "unavailable_reason", "window_layout", "inbox_layout",
-           "slot_bytes", "sum_slots", "SLOTS"]
+           "slot_bytes", "add_into_shards", "sum_slots", "SLOTS"]
 
 # A worker whose shard has not taken the push its next slot holds looks again every
 # INBOX_PAUSE_S, until the run's deadline (a shard takes within milliseconds).
@@ -96,7 +112,9 @@ INBOX_PAUSE_S = 50e-6
 # pushes behind it.
 SLOTS = 2
 
-_MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
+# Rounds over the shards left that the compiled add spins through, every one locked by another
+# worker, before it lets go of the core once (an add of a 4 MB range takes about 0.3 ms).
+LOCK_TRIES = 2000
 
 
 def unavailable_reason(config, workers) -> str | None:
@@ -124,13 +142,16 @@ def unavailable_reason(config, workers) -> str | None:
     return None
 
 
-def window_layout(elements: int, dtype, n_workers: int) -> tuple[int, int, int]:
-    """A shard's window in bytes: ``(heard_at, pushes_at, size)``: its weights at 0, then
-    (8-byte aligned) a float64 per worker (when it last pushed), then an int64 per worker
-    (its pushes so far): each worker writes only its own, so no write there waits."""
+def window_layout(elements: int, dtype, n_workers: int) -> tuple[int, int, int, int]:
+    """A shard's window in bytes: ``(heard_at, pushes_at, lock_at, size)``: its weights at 0,
+    then (8-byte aligned) a float64 per worker (when it last pushed), then an int64 per worker
+    (its pushes so far): each worker writes only its own, so no write there waits; then, on a
+    cache line of its own, the int64 a worker holds while it adds into the weights (0: free,
+    else the holder's index + 1; :func:`add_into_shards`)."""
     heard_at = -(-elements * np.dtype(dtype).itemsize // 8) * 8
     pushes_at = heard_at + 8 * n_workers
-    return heard_at, pushes_at, pushes_at + 8 * n_workers
+    lock_at = -(-(pushes_at + 8 * n_workers) // 64) * 64
+    return heard_at, pushes_at, lock_at, lock_at + 64
 
 
 def inbox_layout(elements: int, dtype, n_workers: int) -> tuple[int, int, int, int]:
@@ -138,7 +159,7 @@ def inbox_layout(elements: int, dtype, n_workers: int) -> tuple[int, int, int, i
     taken_at, slots_at, size)``: an int64 per worker (the pushes it wrote), an int64 per worker
     (the pushes the shard took), then a gradient slot of the shard's range per worker, each
     64-byte aligned (``slot_bytes`` apart)."""
-    posted_at = window_layout(elements, dtype, n_workers)[2]
+    posted_at = window_layout(elements, dtype, n_workers)[3]
     taken_at = posted_at + 8 * n_workers
     slots_at = -(-(taken_at + 8 * n_workers) // 64) * 64
     return posted_at, taken_at, slots_at, slots_at + SLOTS * n_workers * slot_bytes(elements,
@@ -176,15 +197,11 @@ class ShardWindow:
         self.bounds = tuple(bounds)
         self.hosts = tuple(hosts)
         self.dtype = np.dtype(dtype)
-        self.mpi_type = _MPI_TYPES[self.dtype]
         self.worker = int(worker)
-        self._at = [window_layout(b - a, self.dtype, n_workers) for a, b in self.bounds]
-        # Each worker starts on another shard: accumulates into one shard take turns (its
-        # lock), so workers that push at once would otherwise queue on the first shard.
+        # Each worker starts on another shard, so that workers pushing at once seldom find
+        # a shard's lock taken (and one that does goes on to the next shard meanwhile).
         first = self.worker % len(self.bounds)
         self._pull_order = (*range(first, len(self.bounds)), *range(first))
-        self._order = [(self.bounds[k], self.hosts[k], self._at[k]) for k in self._pull_order]
-        self._stamp = np.zeros(1, dtype=np.float64)
         self._pushes = np.zeros(1, dtype=np.int64)
         # Every shard's posted and taken counts, as a bounded read last found them, and the
         # fewest pushes of any worker that every shard had taken then (they only grow).
@@ -195,6 +212,14 @@ class ShardWindow:
         win.Lock_all()
         self._shards = [_ShardMemory(win, host, b - a, self.dtype, n_workers, self.inbox)
                         for (a, b), host in zip(self.bounds, self.hosts)]
+        # What the compiled add takes (add_into_shards): the shards' weights and lock words,
+        # the order to visit them in, where each range starts, and which it has done.
+        self._weights = typed.List([shard.weights for shard in self._shards])
+        self._locks = typed.List([shard.lock for shard in self._shards])
+        self._visit = np.array(self._pull_order, dtype=np.int64)
+        self._starts = np.array([a for a, _ in self.bounds], dtype=np.int64)
+        self._done = np.zeros(len(self.bounds), dtype=np.bool_)
+        self._no_copy = np.empty(0, dtype=self.dtype)
 
     def push(self, wire: np.ndarray, in_slots: bool = False) -> None:
         """Add ``wire`` (the checked update, this dtype) into every shard's range (with an
@@ -203,15 +228,45 @@ class ShardWindow:
         if self.inbox:
             self._into_inboxes(wire, in_slots)
             return
-        win, kind, me = self.win, self.mpi_type, 8 * self.worker
-        for (a, b), host, _ in self._order:
-            win.Accumulate([wire[a:b], kind], host, target=(0, b - a, kind), op=MPI.SUM)
-        self._stamp[0] = time.monotonic()
+        self._add(wire, self._no_copy)
+
+    def push_pull(self, wire: np.ndarray, out: np.ndarray) -> None:
+        """:meth:`push`, and every shard's weights into ``out`` (as :meth:`pull`'s) in the
+        same pass: each shard's range is copied out as this worker's slice is added into it,
+        under its lock, so it holds every push that was in before this one (module doc).
+        Not with an inbox, whose shards step on the pushes themselves: there a push, then a
+        pull."""
+        if self.inbox:
+            raise ValueError("push_pull through an inbox: push, then pull (the shards step)")
+        self._add(wire, out)
+
+    def _add(self, wire: np.ndarray, out: np.ndarray) -> None:
+        """``wire`` added into every shard's range, each under its lock, shards whose lock
+        another worker holds visited after the others (``out``, unless empty: each range
+        copied out as it is added); then when this worker pushed and how many times, all
+        seen by any reader after this returns.  A lock held past the deadline (its holder
+        stopped inside an add): ``DeadlineExceeded`` naming the shard and the holder."""
+        self._done[:] = False
+        give_up, holder = None, self.worker + 1
+        while add_into_shards(self._weights, self._locks, self._visit, self._starts, wire,
+                              out, holder, self._done, LOCK_TRIES):
+            # Every shard left is being added into by another worker: let it run (on a node
+            # with fewer cores than ranks, it may be waiting for this one's).
+            give_up = give_up or time.monotonic() + self.deadline
+            if time.monotonic() > give_up:
+                held = [int(k) for k, done in zip(self._visit, self._done) if not done]
+                names = [self.names[k] for k in held]
+                by = sorted({int(self._shards[k].lock[0]) - 1 for k in held} - {-1})
+                raise DeadlineExceeded(f"{', '.join(names)} stayed locked by worker(s) "
+                                       f"{by} for the {self.deadline:g}s deadline (a worker "
+                                       f"stopped while adding its push)", names, "push")
+            time.sleep(0)
+        now, me = time.monotonic(), self.worker
         self._pushes[0] += 1
-        for _, host, (heard_at, pushes_at, _) in self._order:
-            win.Put([self._stamp, MPI.DOUBLE], host, target=(heard_at + me, 1, MPI.DOUBLE))
-            win.Put([self._pushes, MPI.INT64_T], host, target=(pushes_at + me, 1, MPI.INT64_T))
-        win.Flush_all()
+        for shard in self._shards:
+            shard.heard[me] = now
+            shard.pushes[me] = self._pushes[0]
+        self.win.Sync()
 
     def next_slots(self) -> list[tuple[int, int, np.ndarray]]:
         """With an inbox: ``(a, b, slot)`` per shard, the slot this worker's next push goes
@@ -308,10 +363,11 @@ class _ShardMemory:
 
     def __init__(self, win, host: int, elements: int, dtype, n_workers: int, inbox: bool):
         memory = np.frombuffer(win.Shared_query(host)[0], dtype=np.uint8)
-        heard_at, pushes_at, _ = window_layout(elements, dtype, n_workers)
+        heard_at, pushes_at, lock_at, _ = window_layout(elements, dtype, n_workers)
         self.weights = memory[:elements * dtype.itemsize].view(dtype)
         self.heard = memory[heard_at:pushes_at].view(np.float64)
         self.pushes = memory[pushes_at:pushes_at + 8 * n_workers].view(np.int64)
+        self.lock = memory[lock_at:lock_at + 8].view(np.int64)
         if not inbox:
             return
         posted_at, taken_at, slots_at, size = inbox_layout(elements, dtype, n_workers)
@@ -359,6 +415,73 @@ class ShardInbox:
 
 
 import numba  # noqa: E402
+from numba import typed, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+
+@intrinsic
+def _compare_and_swap(typingctx, words, index, expected, desired):
+    """``words[index]``'s value before an atomic compare-and-swap (sequentially consistent)
+    that stores ``desired`` where it held ``expected``: the lock words' one primitive, the
+    same instruction whichever process maps the memory."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int64):
+        return None
+    signature = types.int64(words, types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        array, at, old, new = args
+        view = context.make_array(sig.args[0])(context, builder, array)
+        pointer = cgutils.get_item_pointer(context, builder, sig.args[0], view, [at])
+        pair = builder.cmpxchg(pointer, old, new, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return signature, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def add_into_shards(weights, locks, visit, starts, delta, out, holder, done, tries):
+    """Add ``delta`` into each shard's range ``weights[k]`` (starting at ``starts[k]`` of the
+    model), shards in the order ``visit``, each while holding its lock word ``locks[k][0]``
+    (0 free, taken by storing ``holder``); a shard whose lock is taken is passed over and come
+    back to.  ``out`` (unless empty): each range copied out in the same pass, its sum as this
+    add left it.  ``done[j]``: ``visit[j]`` added (kept across calls).  Returns how many shards
+    are left after at most ``tries`` rounds over them (0: all added)."""
+    left = 0
+    for j in range(visit.size):
+        left += not done[j]
+    for _ in range(tries):
+        for j in range(visit.size):
+            if done[j]:
+                continue
+            k = visit[j]
+            if _compare_and_swap(locks[k], 0, 0, holder) != 0:
+                continue
+            a, shard = starts[k], weights[k]
+            if out.size:
+                _add_and_copy(shard, delta[a:a + shard.size], out[a:a + shard.size])
+            else:
+                _add(shard, delta[a:a + shard.size])
+            _compare_and_swap(locks[k], 0, holder, 0)   # a full barrier: the sums before it
+            done[j] = True
+            left -= 1
+        if left == 0:
+            break
+    return left
+
+
+@numba.njit(cache=True, nogil=True)
+def _add(weights, delta):
+    for i in range(weights.size):
+        weights[i] += delta[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_and_copy(weights, delta, out):
+    for i in range(weights.size):
+        total = weights[i] + delta[i]
+        weights[i] = total
+        out[i] = total
 
 
 @numba.njit(cache=True, nogil=True)

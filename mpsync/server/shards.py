@@ -189,7 +189,7 @@ class ShardClient:
         n, me = len(self.worker_names), self.comm.Get_rank()
         mine = self.hosts.index(me) if me in self.hosts else None
         a, b = self.bounds[mine] if mine is not None else (0, 0)
-        heard_at, pushes_at, size = window_layout(b - a, dtype, n)
+        heard_at, pushes_at, _, size = window_layout(b - a, dtype, n)
         if self.server_optimizer:
             posted_at, taken_at, slots_at, size = inbox_layout(b - a, dtype, n)
         # On shared memory: every worker maps each shard's part (shard_window: the inbox's
@@ -306,10 +306,15 @@ class ShardClient:
         if self.window is not None and self._read_once:
             if meanwhile is not None:
                 meanwhile()
-            self.window.push(wire, in_slots)
-            if applied is not None:
-                applied()
-            self.window.pull(out)
+            if self.window.inbox:
+                self.window.push(wire, in_slots)
+                if applied is not None:
+                    applied()
+                self.window.pull(out)
+            else:   # each shard's weights read as the slice is added (ShardWindow.push_pull)
+                self.window.push_pull(wire, out)
+                if applied is not None:
+                    applied()
             self.bytes_sent += wire.nbytes
             self.bytes_received += out.nbytes
             return

@@ -127,8 +127,8 @@ class ParameterServer(LocalStepsThenAggregate):
                 how = ("one-sided (each gradient copied into the shards' shared memory and "
                        "the weights out of it; the shards step on the gradients written since "
                        "their last step)" if self.server_optimizer else
-                       "one-sided (MPI_Accumulate into the shards' shared memory, the weights "
-                       "copied out of it)")
+                       "one-sided (each delta added into the shards' shared memory under their "
+                       "locks, the weights copied out as it is added)")
                 print("mpsync: PS pushes and pulls " +
                       (how if two_sided is None else f"as messages ({two_sided})"),
                       file=sys.stderr, flush=True)
