@@ -178,11 +178,12 @@ class ShardWindow:
     (``MPI_Win_allocate_shared``, disp_unit 1), each shard's host exposing
     :func:`window_layout`'s bytes for its range (with ``inbox``, :func:`inbox_layout`'s);
     ``bounds[k]`` and ``hosts[k]`` as in ``ShardClient``; ``worker``: this worker's index.  The
-    window stays in one passive epoch (``Lock_all``) for the whole run: the shards never lock
-    it, so nothing waits on a lock, and every operation completes in the worker's own calls.
-    ``inbox``: pushes are gradients written into the shards' inboxes (module doc); the one wait
-    there is for a shard to take a slot, named by ``names`` (the shards' labels) past
-    ``deadline`` seconds.
+    window stays in one passive epoch (``Lock_all``) for the whole run: nothing waits on an MPI
+    lock, and every operation completes in the worker's own calls.  A push waits only where
+    another worker is adding into every shard it has left (their lock words, module doc), a
+    shard named by ``names`` (the shards' labels) past ``deadline`` seconds.  ``inbox``:
+    pushes are gradients written into the shards' inboxes (module doc); the one wait there is
+    for a shard to take a slot, named the same way.
     """
 
     def __init__(self, win, bounds, hosts, dtype, n_workers: int, worker: int,
