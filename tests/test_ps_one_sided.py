@@ -10,8 +10,6 @@ import pytest
 
 from mpi_harness import run_mpi
 from mpsync.config import SyncConfig
-from numba import typed
-
 from mpsync.server.shard_window import (SLOTS, ShardInbox, add_into_shards, inbox_layout,
                                         slot_bytes, unavailable_reason, window_layout)
 from mpsync.server.weights import WeightStore
@@ -24,30 +22,30 @@ def test_a_shards_window_holds_its_weights_then_aligned_times_counts_and_a_lock_
     assert window_layout(0, np.float32, 1) == (0, 8, 64, 128)
 
 
-def _shards(*sizes):
-    weights = typed.List([np.zeros(size, np.float32) for size in sizes])
-    locks = typed.List([np.zeros(1, np.int64) for _ in sizes])
-    starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
-    return weights, locks, starts
-
-
 def test_a_push_passes_over_a_locked_shard_and_comes_back_to_it_adding_each_once():
-    weights, locks, starts = _shards(3, 2)
+    weights = [np.zeros(3, np.float32), np.zeros(2, np.float32)]
+    locks = np.zeros((2, 8), np.int64)   # a cache line each
+    at = np.array([w.ctypes.data for w in weights])
+    locks_at = np.array([locks[0].ctypes.data, locks[1].ctypes.data])
+    sizes, starts = np.array([3, 2]), np.array([0, 3])
     delta, out = np.arange(1, 6, dtype=np.float32), np.zeros(5, np.float32)
     visit, done = np.array([0, 1]), np.zeros(2, np.bool_)
-    locks[0][0] = 2   # worker 1 is adding into shard 0
-    assert add_into_shards(weights, locks, visit, starts, delta, out, 1, done, 5) == 1
-    assert done.tolist() == [False, True] and locks[1][0] == 0   # taken, added, let go
+
+    def push(into):
+        return add_into_shards(at, sizes, locks_at, visit, starts, delta, into, 1, done, 5)
+
+    locks[0, 0] = 2   # worker 1 is adding into shard 0
+    assert push(out) == 1
+    assert done.tolist() == [False, True] and locks[1, 0] == 0   # taken, added, let go
     assert weights[0].tolist() == [0, 0, 0] and weights[1].tolist() == [4, 5]
     assert out.tolist() == [0, 0, 0, 4, 5]   # each range copied out as this add left it
     weights[1][:] += 10   # another worker's push into shard 1 meanwhile
-    locks[0][0] = 0
-    assert add_into_shards(weights, locks, visit, starts, delta, out, 1, done, 5) == 0
+    locks[0, 0] = 0
+    assert push(out) == 0
     assert weights[0].tolist() == [1, 2, 3] and weights[1].tolist() == [14, 15]
-    assert out.tolist() == [1, 2, 3, 4, 5] and locks[0][0] == 0
+    assert out.tolist() == [1, 2, 3, 4, 5] and locks[0, 0] == 0
     done[:] = False   # a push alone: added, nothing copied
-    none = np.empty(0, np.float32)
-    assert add_into_shards(weights, locks, visit, starts, delta, none, 1, done, 5) == 0
+    assert push(np.empty(0, np.float32)) == 0
     assert weights[0].tolist() == [2, 4, 6] and weights[1].tolist() == [18, 20]
 
 

@@ -213,10 +213,13 @@ class ShardWindow:
         win.Lock_all()
         self._shards = [_ShardMemory(win, host, b - a, self.dtype, n_workers, self.inbox)
                         for (a, b), host in zip(self.bounds, self.hosts)]
-        # What the compiled add takes (add_into_shards): the shards' weights and lock words,
-        # the order to visit them in, where each range starts, and which it has done.
-        self._weights = typed.List([shard.weights for shard in self._shards])
-        self._locks = typed.List([shard.lock for shard in self._shards])
+        # What the compiled add takes (add_into_shards): where the shards' weights and lock
+        # words are, the order to visit them in, where each range starts, which it has done.
+        self._weights_at = np.array([shard.weights.ctypes.data for shard in self._shards],
+                                    dtype=np.int64)
+        self._sizes = np.array([b - a for a, b in self.bounds], dtype=np.int64)
+        self._locks_at = np.array([shard.lock.ctypes.data for shard in self._shards],
+                                  dtype=np.int64)
         self._visit = np.array(self._pull_order, dtype=np.int64)
         self._starts = np.array([a for a, _ in self.bounds], dtype=np.int64)
         self._done = np.zeros(len(self.bounds), dtype=np.bool_)
@@ -249,8 +252,8 @@ class ShardWindow:
         stopped inside an add): ``DeadlineExceeded`` naming the shard and the holder."""
         self._done[:] = False
         give_up, holder = None, self.worker + 1
-        while add_into_shards(self._weights, self._locks, self._visit, self._starts, wire,
-                              out, holder, self._done, LOCK_TRIES):
+        while add_into_shards(self._weights_at, self._sizes, self._locks_at, self._visit,
+                              self._starts, wire, out, holder, self._done, LOCK_TRIES):
             # Every shard left is being added into by another worker: let it run (on a node
             # with fewer cores than ranks, it may be waiting for this one's).
             give_up = give_up or time.monotonic() + self.deadline
@@ -416,38 +419,46 @@ class ShardInbox:
 
 
 import numba  # noqa: E402
-from numba import typed, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
+from numba import types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 
 @intrinsic
-def _compare_and_swap(typingctx, words, index, expected, desired):
-    """``words[index]``'s value before an atomic compare-and-swap (sequentially consistent)
-    that stores ``desired`` where it held ``expected``: the lock words' one primitive, the
-    same instruction whichever process maps the memory."""
-    if not (isinstance(words, types.Array) and words.dtype == types.int64):
-        return None
-    signature = types.int64(words, types.intp, types.int64, types.int64)
+def _compare_and_swap(typingctx, address, expected, desired):
+    """The int64 at ``address``'s value before an atomic compare-and-swap (sequentially
+    consistent) that stores ``desired`` where it held ``expected``: the lock words' one
+    primitive, the same instruction whichever process maps the memory."""
+    signature = types.int64(types.int64, types.int64, types.int64)
 
     def codegen(context, builder, sig, args):
-        array, at, old, new = args
-        view = context.make_array(sig.args[0])(context, builder, array)
-        pointer = cgutils.get_item_pointer(context, builder, sig.args[0], view, [at])
+        at, old, new = args
+        pointer = builder.inttoptr(at, context.get_value_type(types.CPointer(types.int64)))
         pair = builder.cmpxchg(pointer, old, new, "seq_cst", "seq_cst")
         return builder.extract_value(pair, 0)
 
     return signature, codegen
 
 
+@intrinsic
+def _pointer_like(typingctx, address, like):
+    """An integer address as a pointer to ``like``'s element type (for ``numba.carray``)."""
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(like.dtype)(types.int64, like), codegen
+
+
 @numba.njit(cache=True, nogil=True)
-def add_into_shards(weights, locks, visit, starts, delta, out, holder, done, tries):
-    """Add ``delta`` into each shard's range ``weights[k]`` (starting at ``starts[k]`` of the
-    model), shards in the order ``visit``, each while holding its lock word ``locks[k][0]``
-    (0 free, taken by storing ``holder``); a shard whose lock is taken is passed over and come
-    back to.  ``out`` (unless empty): each range copied out in the same pass, its sum as this
-    add left it.  ``done[j]``: ``visit[j]`` added (kept across calls).  Returns how many shards
-    are left after at most ``tries`` rounds over them (0: all added)."""
+def add_into_shards(weights_at, sizes, locks_at, visit, starts, delta, out, holder, done,
+                    tries):
+    """Add ``delta`` into each shard's range: ``sizes[k]`` elements of ``delta``'s dtype at
+    address ``weights_at[k]``, starting at ``starts[k]`` of the model; shards in the order
+    ``visit``, each while holding its lock word, the int64 at ``locks_at[k]`` (0 free, taken
+    by storing ``holder``); a shard whose lock is taken is passed over and come back to.
+    ``out`` (unless empty): each range copied out in the same pass, its sum as this add left
+    it.  ``done[j]``: ``visit[j]`` added (kept across calls).  Returns how many shards are
+    left after at most ``tries`` rounds over them (0: all added).  Addresses, not arrays: a
+    list of arrays would cost every process a compile at its start."""
     left = 0
     for j in range(visit.size):
         left += not done[j]
@@ -456,14 +467,15 @@ def add_into_shards(weights, locks, visit, starts, delta, out, holder, done, tri
             if done[j]:
                 continue
             k = visit[j]
-            if _compare_and_swap(locks[k], 0, 0, holder) != 0:
+            if _compare_and_swap(locks_at[k], 0, holder) != 0:
                 continue
-            a, shard = starts[k], weights[k]
+            a, b = starts[k], starts[k] + sizes[k]
+            shard = numba.carray(_pointer_like(weights_at[k], delta), sizes[k])
             if out.size:
-                _add_and_copy(shard, delta[a:a + shard.size], out[a:a + shard.size])
+                _add_and_copy(shard, delta[a:b], out[a:b])
             else:
-                _add(shard, delta[a:a + shard.size])
-            _compare_and_swap(locks[k], 0, holder, 0)   # a full barrier: the sums before it
+                _add(shard, delta[a:b])
+            _compare_and_swap(locks_at[k], holder, 0)   # a full barrier: the sums before it
             done[j] = True
             left -= 1
         if left == 0:
