@@ -77,6 +77,9 @@ def test_a_shard_locked_past_the_deadline_names_the_shard_and_its_holder():
         delta, out = np.ones(4, np.float32), np.zeros(4, np.float32)
         window.push_pull(delta, out)
         assert out.tolist() == [1] * 4 and memory[lock_at] == 0
+        for wrong in (np.ones(5, np.float32), np.ones(4, np.float64), np.ones(8, np.float32)[::2]):
+            with pytest.raises(ValueError, match="contiguous float32 arrays of the model's 4"):
+                window.push_pull(wrong, out)
         memory[lock_at:lock_at + 8].view(np.int64)[0] = 2   # worker 1 stopped inside its add
         with pytest.raises(DeadlineExceeded, match=r"PS shard 0 \(here\) stayed locked by "
                                                    r"worker\(s\) \[1\]"):

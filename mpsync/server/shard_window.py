@@ -250,6 +250,14 @@ class ShardWindow:
         copied out as it is added); then when this worker pushed and how many times, all
         seen by any reader after this returns.  A lock held past the deadline (its holder
         stopped inside an add): ``DeadlineExceeded`` naming the shard and the holder."""
+        # The compiled add trusts its arrays (no bounds checks): a wrong one is refused here.
+        model = (self.bounds[-1][1],)
+        if wire.dtype != self.dtype or wire.shape != model or not wire.flags.c_contiguous or \
+                out.size and (out.dtype != self.dtype or out.shape != model
+                              or not out.flags.c_contiguous):
+            raise ValueError(f"a one-sided push takes contiguous {self.dtype} arrays of the "
+                             f"model's {model[0]} elements, got {wire.dtype}{wire.shape}"
+                             + (f" and {out.dtype}{out.shape}" if out.size else ""))
         self._done[:] = False
         give_up, holder = None, self.worker + 1
         while add_into_shards(self._weights_at, self._sizes, self._locks_at, self._visit,
