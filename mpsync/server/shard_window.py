@@ -202,7 +202,7 @@ class ShardWindow:
         # Each worker starts on another shard, so that workers pushing at once seldom find
         # a shard's lock taken (and one that does goes on to the next shard meanwhile).
         first = self.worker % len(self.bounds)
-        self._pull_order = (*range(first, len(self.bounds)), *range(first))
+        self._visit = np.array([*range(first, len(self.bounds)), *range(first)], dtype=np.int64)
         self._pushes = np.zeros(1, dtype=np.int64)
         # Every shard's posted and taken counts, as a bounded read last found them, and the
         # fewest pushes of any worker that every shard had taken then (they only grow).
@@ -214,13 +214,12 @@ class ShardWindow:
         self._shards = [_ShardMemory(win, host, b - a, self.dtype, n_workers, self.inbox)
                         for (a, b), host in zip(self.bounds, self.hosts)]
         # What the compiled add takes (add_into_shards): where the shards' weights and lock
-        # words are, the order to visit them in, where each range starts, which it has done.
+        # words are, where each range starts, which it has done (the order is _visit).
         self._weights_at = np.array([shard.weights.ctypes.data for shard in self._shards],
                                     dtype=np.int64)
         self._sizes = np.array([b - a for a, b in self.bounds], dtype=np.int64)
         self._locks_at = np.array([shard.lock.ctypes.data for shard in self._shards],
                                   dtype=np.int64)
-        self._visit = np.array(self._pull_order, dtype=np.int64)
         self._starts = np.array([a for a, _ in self.bounds], dtype=np.int64)
         self._done = np.zeros(len(self.bounds), dtype=np.bool_)
         self._no_copy = np.empty(0, dtype=self.dtype)
@@ -333,7 +332,7 @@ class ShardWindow:
         # 0.44-0.59 ms at every offset), and where that falls depends on where each array
         # happened to be allocated (bench/allreduce/README.md).
         self.win.Sync()   # the pushes flushed before this read are seen
-        for k in self._pull_order:
+        for k in self._visit:
             a, b = self.bounds[k]
             np.copyto(out[a:b], self._shards[k].weights)
 
