@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mpsync.bench.memory import CASES
 
 ROW_KEYS = ("bytes", "mpsync_ms", "horovod_ms", "mpi_ms", "ps_ms", "ps_shard_ms", "ps_raw_ms",
             "ps_paced_ms", "ps_raw_paced_ms", "ps_ssp_ms", "ps_ssp_asked_ms", "ps_ssp_paced_ms",
-            "ps_raw_apply_ms", "ps_raw_apply_paced_ms", "ps_vs_raw_apply")
+            "ps_raw_apply_ms", "ps_raw_apply_paced_ms", "ps_vs_raw_apply", "ps_ssp_raw_ms",
+            "ps_ssp_raw_paced_ms", "ps_ssp_asked_vs_raw")
 
 
 def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -47,6 +50,33 @@ def test_the_paced_exchanges_wait_by_sleeping_or_by_computing_on_the_callers_thr
         # this thread's CPU time: most of the pace computing (a loaded machine may take
         # some of its core), almost none sleeping
         assert (cpu > 0.3 * wall) if computes else (cpu < 0.1 * wall), (pace, wall, cpu)
+
+
+def test_interleaved_timing_takes_turns_in_blocks_and_leaves_out_the_settling_calls():
+    from mpi4py import MPI
+
+    from mpsync.bench._timing import interleaved
+
+    calls, befores, slow = [], [0], 0.02
+
+    def method(name):
+        def call():
+            calls.append(name)
+            # the first two calls of each turn are slow, as after another method's turn
+            if calls[-3:-1] != [name, name]:
+                time.sleep(slow)
+        return call
+
+    ms = interleaved(MPI.COMM_SELF, {"a": method("a"), "b": method("b")}, repeats=5,
+                     before=lambda: befores.__setitem__(0, befores[0] + 1), block=4, settle=2)
+    assert befores[0] == len(calls) == 24
+    # 5 counted calls of each at 2 a turn: 3 turns of 4 calls each, a's before b's
+    assert calls == (["a"] * 4 + ["b"] * 4) * 3, calls
+    assert set(ms) == {"a", "b"} and all(0 <= v < 1e3 * slow / 4 for v in ms.values()), ms
+    counted = interleaved(MPI.COMM_SELF, {"c": method("c")}, repeats=3, block=1)
+    assert counted["c"] >= 1e3 * slow, counted   # without settling, the slow calls count
+    with pytest.raises(ValueError, match="settle"):
+        interleaved(MPI.COMM_SELF, {"c": method("c")}, repeats=3, block=2, settle=2)
 
 
 def test_bench_memory_rows_per_policy():

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-__all__ = ["byte_sizes", "timed", "report_json"]
+__all__ = ["byte_sizes", "timed", "interleaved", "report_json"]
 
 
 def report_json(result: dict, out: str | None, filename: str, as_json: bool) -> bool:
@@ -32,16 +32,15 @@ def byte_sizes(text: str | None, default: tuple[int, ...]) -> list[int]:
     return sizes
 
 
-def timed(comm, methods: dict, max_repeats: int, budget: float) -> dict:
+def timed(comm, methods: dict, max_repeats: int, budget: float, block: int = 1,
+          settle: int = 0) -> dict:
     """Median over repeats of the slowest rank's time for each ``methods[name]()``, in ms.
 
-    The methods are interleaved (one call of each per repeat, a barrier before each call), so
-    background activity hits all of them alike.  One warm-up round sizes the number of repeats
-    (rank 0's estimate, so all ranks agree).
+    The methods are interleaved (a barrier before each call), so background activity hits all
+    of them alike: one call of each per round, or with ``block`` > 1 that many calls of each
+    in turn, the first ``settle`` of each block run but not counted (``interleaved``).  One
+    warm-up round sizes the number of repeats (rank 0's estimate, so all ranks agree).
     """
-    import numpy as np  # the parent process that parses arguments needs neither
-    from mpi4py import MPI
-
     names = list(methods)
     comm.Barrier()
     t0 = time.perf_counter()
@@ -49,12 +48,37 @@ def timed(comm, methods: dict, max_repeats: int, budget: float) -> dict:
         methods[name]()
     once = time.perf_counter() - t0
     repeats = comm.bcast(int(min(max_repeats, max(3, budget / max(once, 1e-6)))), root=0)
-    times = np.zeros((len(names), repeats))
-    for i in range(repeats):
+    return interleaved(comm, methods, repeats, block=block, settle=settle)
+
+
+def interleaved(comm, methods: dict, repeats: int, before=None, block: int = 1,
+                settle: int = 0) -> dict:
+    """``{name: median ms}`` over ``repeats`` counted calls of each method, each call timed on
+    every rank after a barrier and ``before()`` (untimed), the slowest rank's time counted.
+
+    The methods take turns in blocks of ``block`` calls, of which the first ``settle`` run but
+    are not counted: a method whose peer adapts to the rhythm of its calls (a state server
+    that sleeps until a worker's next report is due) is then timed at that rhythm, not on the
+    first call after the other methods' turns; the turns still catch a background that
+    changes within the run, alike for every method.
+    """
+    import numpy as np  # the parent process that parses arguments needs neither
+    from mpi4py import MPI
+
+    if not 0 <= settle < block:
+        raise ValueError(f"settle: need 0 <= settle < block ({block}), got {settle}")
+    names, counted = list(methods), block - settle
+    rounds = -(-repeats // counted)
+    times = np.zeros((len(names), rounds * counted))
+    for r in range(rounds):
         for j, name in enumerate(names):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            methods[name]()
-            times[j, i] = time.perf_counter() - t0
+            for c in range(block):
+                comm.Barrier()
+                if before is not None:
+                    before()
+                t0 = time.perf_counter()
+                methods[name]()
+                if c >= settle:
+                    times[j, r * counted + c - settle] = time.perf_counter() - t0
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}

@@ -43,7 +43,7 @@ of the delta + ``pull`` of the weights over the shard servers, policy asp, float
 sizes, next to the ring's ``mpsync_ms`` (ring vs PS); ``ps_shard_ms``, the shard exchange
 without the state server's round trips; their baseline ``ps_raw_ms``, a plain mpi4py program
 sending the same slices between the same ranks to echo threads (the faster of a blocking
-and a polling receiver), in the same job
+and a polling receiver), taking turns with the PS's calls in the same session
 (``ps_vs_raw``, ``ps_shard_vs_raw``); the same after 20 ms of computing, as a trainer does
 between exchanges (``*_paced_ms``; ``--pace idle``: of sleeping); and the data bytes
 one worker's exchange moved (``ps_wire_bytes``) beside the analytic minima (``ps_min_bytes``,
@@ -192,7 +192,7 @@ def _print_table(table: list[dict]) -> None:
             "ps_paced_vs_raw", "ps_shard_paced_vs_raw", "ps_ssp_ms", "ps_ssp_asked_ms",
             "ps_ssp_vs_raw", "ps_ssp_asked_vs_raw", "ps_ssp_paced_ms", "ps_ssp_asked_paced_ms",
             "ps_ssp_paced_vs_raw", "ps_ssp_asked_paced_vs_raw", "ps_ssp_sure_share",
-            "ps_raw_apply_ms", "ps_vs_raw_apply", "ps_ssp_vs_raw_apply",
+            "ps_raw_apply_ms", "ps_ssp_raw_ms", "ps_vs_raw_apply", "ps_ssp_vs_raw_apply",
             "ps_ssp_asked_vs_raw_apply",
             "ps_vs_ring", "ps_shards", "ps_pace",
             "ps_wire_bytes",

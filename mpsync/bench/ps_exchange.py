@@ -17,10 +17,12 @@ transport), each the median over repeats of the slowest worker's time:
   a delta not so computed adds (earlier rows timed it inside the exchange);
 * ``ps_shard_ms``: the shard exchange alone (``ShardClient.push_pull``, or ``push`` +
   ``pull``), without the state server: what the shards add to the wire;
-* ``ps_raw_ms``: the baseline, after them in the same job: each worker sends every shard's
-  slice to the rank hosting it and gets a slice back, answered there by a thread with
-  blocking ``Probe``/``Recv``/``Send`` (no control plane, no apply, no acks);
-* ``ps_ssp_ms``: the same under ssp, whose bound never binds here (the workers are in
+* ``ps_raw_ms``: the baseline (``_PlainProgram``), timed in the same session as the PS, the
+  two taking turns: each worker sends every shard's slice to the rank hosting it and gets a
+  slice back, answered there by an echo thread with ``Probe``/``Recv``/``Send`` (no control
+  plane, no apply, no acks); ``ps_ssp_raw_ms``, the same beside the ssp rows, whose ratios
+  are to it;
+* ``ps_ssp_ms``: ``ps_ms``'s exchange under ssp, whose bound never binds here (the workers are in
   step): one exchange per shard while the state server's last reply says the pull is sure
   (``SyncClient.pull_is_sure``; ``ps_ssp_sure_share``: how often it was); beside it
   ``ps_ssp_asked_ms``, the path of a pull the bound may hold: the push to the shards, the
@@ -37,6 +39,15 @@ transport), each the median over repeats of the slowest worker's time:
   on 2 cores, that add is work the plain program does not do: 8.7 MB with 2 workers, 1.4-1.6
   ms plain against 2.1-3.1 ms with the add).
 
+Turns: ``BLOCK`` calls of each method, of which the first ``SETTLE`` are run but not counted.
+One call each in turn was tried first: the state server, which sleeps until a worker's next
+report is due (``server._loop``), then saw a rhythm no training job has (another method's
+calls between each of the worker's) and slept through the asked path's queries (64 KB, 2
+workers: 0.77 ms back to back and 2.5 ms paced, against 0.12 and 0.28 ms in turns of 6).
+Turns still put every method under the same background: on a 2-vCPU machine the cores'
+placement can change within seconds and move a whole exchange's time by 2x, so a baseline
+timed after the PS, as before, gave ratios that depended on when each ran.
+
 Ratios: ``ps_vs_raw``, ``ps_shard_vs_raw``, ``ps_ssp_vs_raw``, ``ps_ssp_asked_vs_raw`` and
 their paced forms; each also against the applying baseline (``*_vs_raw_apply``).  With the
 data bytes one worker's exchange moved, counted message by message (``ps_wire_bytes``), beside
@@ -47,18 +58,23 @@ allreduce (``ring_min_bytes`` = 2(n-1)/n·B).
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 
 import numpy as np
 
 from mpsync import policies as registry
-from mpsync.bench._timing import timed
+from mpsync.bench._timing import interleaved, timed
 from mpsync.server.weights import all_finite
 
 __all__ = ["ps_child", "PACE_S"]
 
 PACE_S = 0.02   # time before each paced exchange (an iteration's compute)
+BLOCK, SETTLE = 6, 2   # calls per turn of each method, of which the first are not counted
+# A loop's methods and the baseline's four variants share one budget of this many times the
+# per-point one (the job's length stays near what separate loops took: 12 against 14).
+SHARED_BUDGET = 3
 
 
 def ps_child(sizes, max_repeats, budget, pace: str = "compute") -> None:
@@ -95,28 +111,30 @@ def ps_child(sizes, max_repeats, budget, pace: str = "compute") -> None:
                 shards.pull(weights)
 
         moved, calls = shards.bytes_sent + shards.bytes_received, it[0]
-        row.update(timed(workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange,
-                                   "ps_check_ms": lambda: all_finite(delta)},
-                         max_repeats, budget))
+        raw = _PlainProgram(workers, ps.layout.hosts, weights.size)
+        row.update(raw.beside(timed, workers, {"ps_ms": exchange, "ps_shard_ms": shard_exchange,
+                                               "ps_check_ms": lambda: all_finite(delta)},
+                              "ps_raw", "", max_repeats, SHARED_BUDGET * budget))
         per_exchange = (shards.bytes_sent + shards.bytes_received - moved) / (2 * (it[0] - calls))
-        # One loop each: every worker then pushes once per PACE_S and a bit, as in training.
-        row.update(paced(workers, {"ps_paced_ms": exchange}, max_repeats, budget, pace))
-        row.update(paced(workers, {"ps_shard_paced_ms": shard_exchange}, max_repeats, budget,
-                         pace))
-        ps.stop(idle_after=False)
-        row.update(_raw_slices(workers, ps.layout.hosts, weights.size, max_repeats, budget,
-                               pace))
+        row.update(raw.beside(paced, workers, {"ps_paced_ms": exchange,
+                                               "ps_shard_paced_ms": shard_exchange},
+                              "ps_raw", "_paced", max_repeats, SHARED_BUDGET * budget, pace))
+        raw.close()
+        ps.stop(idle_after=False)   # the server's rank meets the workers after the row
         if workers.Get_rank() == 0:
             size = workers.Get_size()
             row.update({"bytes": nbytes, "ps_shards": ps.layout.count, "ps_pace": pace,
                         "ps_one_sided": ps.one_sided,
                         "ps_wire_bytes": per_exchange, "ps_min_bytes": 2 * weights.nbytes,
                         "ring_min_bytes": 2 * (size - 1) * weights.nbytes // size})
-            for subject in ("ps", "ps_shard", "ps_ssp", "ps_ssp_asked"):
+            # Each against the plain program timed beside it, in the same session.
+            for subject, beside in (("ps", "ps"), ("ps_shard", "ps"), ("ps_ssp", "ps_ssp"),
+                                    ("ps_ssp_asked", "ps_ssp")):
                 for paced_ in ("", "_paced"):
                     ms = row[f"{subject}{paced_}_ms"]
-                    for raw in ("raw", "raw_apply"):
-                        row[f"{subject}{paced_}_vs_{raw}"] = ms / row[f"ps_{raw}{paced_}_ms"]
+                    for base in ("raw", "raw_apply"):
+                        baseline = row[f"{beside}_{base}{paced_}_ms"]
+                        row[f"{subject}{paced_}_vs_{base}"] = ms / baseline
             print("ROW " + json.dumps(row), flush=True)
         _idle_barrier(world)
 
@@ -192,11 +210,14 @@ def _bounded_exchange(ps: _Session, max_repeats, budget, pace: str) -> dict:
         it[0] += 1
         client.push_then_pull(delta, weights, it[0], finite=finite)
 
-    row = timed(ps.workers, {"ps_ssp_ms": exchange, "ps_ssp_asked_ms": asked},
-                max_repeats, budget)
-    row.update(paced(ps.workers, {"ps_ssp_paced_ms": exchange}, max_repeats, budget, pace))
-    row.update(paced(ps.workers, {"ps_ssp_asked_paced_ms": asked}, max_repeats, budget, pace))
+    raw = _PlainProgram(ps.workers, ps.layout.hosts, weights.size)
+    row = raw.beside(timed, ps.workers, {"ps_ssp_ms": exchange, "ps_ssp_asked_ms": asked},
+                     "ps_ssp_raw", "", max_repeats, SHARED_BUDGET * budget)
+    row.update(raw.beside(paced, ps.workers, {"ps_ssp_paced_ms": exchange,
+                                              "ps_ssp_asked_paced_ms": asked},
+                          "ps_ssp_raw", "_paced", max_repeats, SHARED_BUDGET * budget, pace))
     row["ps_ssp_sure_share"] = sure[0] / tried[0]
+    raw.close()
     ps.stop()
     return row
 
@@ -221,106 +242,114 @@ def _compute(seconds: float) -> None:
 PACES = {"idle": time.sleep, "compute": _compute}
 
 
-def paced(comm, methods: dict, max_repeats: int, budget: float, pace: str = "compute") -> dict:
+def paced(comm, methods: dict, max_repeats: int, budget: float, pace: str = "compute",
+          block: int = 1, settle: int = 0) -> dict:
     """Like :func:`~mpsync.bench._timing.timed`, each call after ``PACE_S`` of ``pace`` on
     every rank after the barrier (``"idle"``: sleeping; ``"compute"``: computing on the
-    caller's thread, as a trainer does), then times the call: ``{name: median ms}``."""
-    from mpi4py import MPI
-
-    names, wait = list(methods), PACES[pace]
-    repeats = comm.bcast(int(min(max_repeats, max(3, budget / (len(names) * PACE_S * 1.5)))),
-                         root=0)
-    times = np.zeros((len(names), repeats))
-    for i in range(repeats):
-        for j, name in enumerate(names):
-            comm.Barrier()
-            wait(PACE_S)
-            t0 = time.perf_counter()
-            methods[name]()
-            times[j, i] = time.perf_counter() - t0
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return {name: 1e3 * float(np.median(times[j])) for j, name in enumerate(names)}
+    caller's thread, as a trainer does), then times the call: ``{name: median ms}``, the
+    methods taking turns as ``interleaved`` says (``block``, ``settle``)."""
+    wait = PACES[pace]
+    repeats = comm.bcast(int(min(max_repeats,
+                                 max(3, budget / (len(methods) * PACE_S * 1.5)))), root=0)
+    return interleaved(comm, methods, repeats, lambda: wait(PACE_S), block=block, settle=settle)
 
 
-def _raw_slices(workers, hosts, n: int, max_repeats: int, budget: float, pace: str) -> dict:
-    """The PS exchange's baseline (module doc): ``ps_raw_ms`` and ``ps_raw_paced_ms``, each the
-    faster of two plain programs (``_raw_program``): the echo thread in a blocking ``Probe``
-    (it wakes at once after a pause) or polling ``Iprobe`` (it never spins inside Open MPI
-    against the exchange on its rank); both under ``ps_raw_variants``."""
-    variants = {probe: _raw_program(workers, hosts, n, max_repeats, budget, probe, pace)
-                for probe in ("blocking", "polled")}
-    applying = [_raw_program(workers, hosts, n, max_repeats, budget, probe, pace, apply=True)
-                for probe in ("blocking", "polled")]
-    return {**{key: min(v[key] for v in variants.values()) for key in variants["polled"]},
-            "ps_raw_apply_ms": min(v["ps_raw_ms"] for v in applying),
-            "ps_raw_apply_paced_ms": min(v["ps_raw_paced_ms"] for v in applying),
-            "ps_raw_variants": variants}
+class _PlainProgram:
+    """The PS exchange's baseline (module doc), set up beside a session so that its calls
+    interleave with the parameter server's, call by call (``beside``): each worker sends every
+    shard's slice to the rank hosting it and gets a slice back, answered there by an echo
+    thread.  The echo thread sleeps on a queue between calls (a worker's call wakes its rank's
+    echo before posting), so it never polls against the exchange it is compared with; while
+    woken it serves that call's slice from every worker (tagged with the call's number: a
+    worker already in its next call, as in a warm-up without barriers, waits for the echo's
+    next wake-up rather than taking this one's place) with a blocking ``Probe`` (it wakes at
+    once) or polling ``Iprobe`` (it never spins inside Open MPI against the exchange on its
+    rank) -- both timed, the faster is the baseline; with ``apply`` it adds each slice into its
+    own weights with numpy and replies with the sum, the least a parameter server does with a
+    push.  The exchange's requests are tested with ``time.sleep(0)`` between tests, which lets
+    go of the interpreter's lock for the echo thread.  (A blocking ``Waitall`` there took 8 ms
+    per exchange at 64 KB back to back on 2 cores, 0.3 ms paced: the echo thread on the same
+    rank could not run.)"""
 
+    PROBES = ("blocking", "polled")
 
-def _raw_program(workers, hosts, n: int, max_repeats: int, budget: float, probe: str,
-                 pace: str, apply: bool = False) -> dict:
-    """Each worker sends every shard's slice to the rank hosting it and gets a slice back,
-    answered there by an echo thread (``probe``: ``"blocking"`` or ``"polled"``; ``apply``:
-    the thread adds each slice into its own with numpy and replies with the sum, the least a
-    parameter server does with a push, else it replies with what it received); the
-    exchange's requests are tested with ``time.sleep(0)`` between tests, which lets go of the
-    interpreter's lock for the echo thread.  (A blocking ``Waitall`` there took 8 ms per
-    exchange at 64 KB back to back on 2 cores, 0.3 ms paced: the echo thread on the same rank
-    could not run.)"""
-    from mpi4py import MPI
+    def __init__(self, workers, hosts, n: int):
+        from mpsync.server.shard_plan import shard_bounds
 
-    from mpsync.server.shard_plan import shard_bounds
+        self.comm, self.replies = workers.Dup(), workers.Dup()   # the echo probes requests only
+        self.hosts, self.bounds = list(hosts), shard_bounds(n, len(hosts))
+        self.out = np.full(n, 1e-6, dtype=np.float32)
+        self.back = np.empty(n, dtype=np.float32)
+        self.orders: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread, self.calls = None, 0
+        if self.comm.Get_rank() in self.hosts:
+            self.thread = threading.Thread(target=self._echo, daemon=True)
+            self.thread.start()
 
-    slice_tag, stop_tag = 1, 2
-    comm, replies = workers.Dup(), workers.Dup()   # the echo probes requests only
-    me, size = comm.Get_rank(), comm.Get_size()
+    def _echo(self) -> None:
+        from mpi4py import MPI
 
-    def echo():
-        status, buf, left = MPI.Status(), np.empty(0, dtype=np.uint8), size
+        comm, status, buf = self.comm, MPI.Status(), np.empty(0, dtype=np.uint8)
         store = np.empty(0, dtype=np.float32)   # the shard's weights, with ``apply``
-        while left:
-            if probe == "blocking":
-                comm.Probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            else:
-                while not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                    time.sleep(0)
-            src, tag, count = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
-            if buf.size < count:
-                buf = np.empty(count, dtype=np.uint8)
-            comm.Recv([buf[:count], MPI.BYTE], source=src, tag=tag)
-            if tag == stop_tag:
-                left -= 1
-            elif apply:
-                if store.nbytes != count:
-                    store = np.zeros(count // 4, dtype=np.float32)
-                np.add(store, buf[:count].view(np.float32), out=store)
-                replies.Send([store, MPI.BYTE], dest=src, tag=slice_tag)
-            else:
-                replies.Send([buf[:count], MPI.BYTE], dest=src, tag=slice_tag)
+        while (order := self.orders.get()) is not None:
+            probe, apply, tag = order
+            for _ in range(comm.Get_size()):
+                if probe == "blocking":
+                    comm.Probe(MPI.ANY_SOURCE, tag, status)
+                else:
+                    while not comm.Iprobe(MPI.ANY_SOURCE, tag, status):
+                        time.sleep(0)
+                src, count = status.Get_source(), status.Get_count(MPI.BYTE)
+                if buf.size < count:
+                    buf = np.empty(count, dtype=np.uint8)
+                comm.Recv([buf[:count], MPI.BYTE], source=src, tag=tag)
+                if apply:
+                    if store.nbytes != count:
+                        store = np.zeros(count // 4, dtype=np.float32)
+                    np.add(store, buf[:count].view(np.float32), out=store)
+                    self.replies.Send([store, MPI.BYTE], dest=src, tag=1)
+                else:
+                    self.replies.Send([buf[:count], MPI.BYTE], dest=src, tag=1)
 
-    thread = threading.Thread(target=echo, daemon=True) if me in hosts else None
-    if thread is not None:
-        thread.start()
-    bounds = shard_bounds(n, len(hosts))
-    out, back = np.full(n, 1e-6, dtype=np.float32), np.empty(n, dtype=np.float32)
+    def exchange(self, probe: str, apply: bool):
+        """One call of the plain program (``probe``, ``apply``: see the class doc)."""
+        from mpi4py import MPI
 
-    def exchange():
-        reqs = [replies.Irecv([back[a:b], MPI.FLOAT], source=h, tag=slice_tag)
-                for (a, b), h in zip(bounds, hosts)]
-        reqs += [comm.Isend([out[a:b], MPI.FLOAT], dest=h, tag=slice_tag)
-                 for (a, b), h in zip(bounds, hosts)]
-        while not MPI.Request.Testall(reqs):
-            time.sleep(0)
+        comm, replies, hosts = self.comm, self.replies, self.hosts
 
-    row = timed(replies, {"ps_raw_ms": exchange}, max_repeats, budget)
-    row.update(paced(replies, {"ps_raw_paced_ms": exchange}, max_repeats, budget, pace))
-    for h in hosts:
-        comm.Send([np.zeros(1, dtype=np.uint8), MPI.BYTE], dest=h, tag=stop_tag)
-    if thread is not None:
-        thread.join()
-    comm.Free()
-    replies.Free()
-    return row
+        def call():
+            self.calls += 1   # every worker makes the same calls, so their numbers agree
+            tag = 1 + self.calls % 30000   # MPI's tags reach at least 32767
+            if self.thread is not None:
+                self.orders.put((probe, apply, tag))
+            reqs = [replies.Irecv([self.back[a:b], MPI.FLOAT], source=h, tag=1)
+                    for (a, b), h in zip(self.bounds, hosts)]
+            reqs += [comm.Isend([self.out[a:b], MPI.FLOAT], dest=h, tag=tag)
+                     for (a, b), h in zip(self.bounds, hosts)]
+            while not MPI.Request.Testall(reqs):
+                time.sleep(0)
+        return call
+
+    def beside(self, timer, workers, methods: dict, key: str, paced_: str, *args) -> dict:
+        """``timer(workers, methods + this program's variants, *args)``, taking turns in
+        blocks (``BLOCK``, ``SETTLE``: module doc); the variants folded into
+        ``{key}{paced_}_ms`` (the faster echo) and ``{key}_apply{paced_}_ms``, each kept under
+        ``{key}{paced_}_variants``."""
+        variants = {f"{probe}{'_apply' if apply else ''}": self.exchange(probe, apply)
+                    for apply in (False, True) for probe in self.PROBES}
+        row = timer(workers, {**methods, **{f"{key}:{v}": f for v, f in variants.items()}},
+                    *args, block=BLOCK, settle=SETTLE)
+        ms = {v: row.pop(f"{key}:{v}") for v in variants}
+        return {**row, f"{key}{paced_}_ms": min(ms[p] for p in self.PROBES),
+                f"{key}_apply{paced_}_ms": min(ms[f"{p}_apply"] for p in self.PROBES),
+                f"{key}{paced_}_variants": ms}
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.orders.put(None)
+            self.thread.join()
+        self.comm.Free()
+        self.replies.Free()
 
 
 def _quiet(_text: str) -> None:
