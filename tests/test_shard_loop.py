@@ -275,6 +275,24 @@ def test_without_the_compiled_loop_a_shard_says_so_in_one_line(monkeypatch):
     requests.Free()
 
 
+def test_a_warm_up_long_enough_to_be_a_compile_says_so_and_either_way_marks_the_shard_warm(
+        monkeypatch):
+    from mpsync.server import shard_server
+
+    requests = MPI.COMM_SELF.Dup()
+    for note_s, lines in ((60.0, 0), (0.0, 1)):   # a load from the cache; as if a compile
+        monkeypatch.setattr(shard_server, "COMPILE_NOTE_S", note_s)
+        logs: list[str] = []
+        server = ShardServer(requests, requests, 2, 1, 1.0, log=logs.append)
+        assert not server.warmed.is_set()
+        took = server.warm_up()
+        assert server.warmed.is_set() and took >= 0
+        assert len(logs) == lines, logs
+    assert logs[0].startswith("mpsync PS shard 2: compiled its loop in ") and \
+        "mpsync doctor --warm" in logs[0], logs
+    requests.Free()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_in_place_add_refuses_a_bad_value_anywhere_and_adds_numpys_bits_otherwise(dtype):
     # The check reads the whole delta before the add (no early exit, so that it vectorizes):

@@ -85,6 +85,13 @@ def test_ps_applies_every_pushed_update_exactly_once(policy):
     assert len({r["digest"] for r in res.values()}) == 1
 
 
+def test_ps_init_returns_once_every_shard_loaded_its_compiled_loop():
+    run = run_mpi("torch_programs:ps_init_waits_for_warm_shards", np=3, timeout=120)
+    res = run.results()
+    assert len(res) == 2 and any(r["hosts_a_shard"] for r in res.values()), run.report()
+    assert all(r["warmed"] for r in res.values()), res
+
+
 @pytest.mark.parametrize("backend", ["mpi"])
 def test_osp_with_an_empty_ics_set_equals_bsp(backend):
     run = run_mpi("torch_programs:osp_run", np=4, timeout=120, args=["ics=0", f"backend={backend}"])

@@ -272,6 +272,27 @@ def ps_updates_applied_once() -> None:
         raise AssertionError(f"global model moved by something else than the pushed updates: {err}")
 
 
+def ps_init_waits_for_warm_shards() -> None:
+    """PS: ``mps.init`` returns on every worker once every shard has loaded its compiled loop,
+    here made to take 1.5 s (as a compile does, longer), so no trainer's clock runs while it
+    loads."""
+    from mpsync.server import shard_server
+    from mpsync.torch import _runtime
+
+    warm_up = shard_server.ShardServer.warm_up
+
+    def slow_warm_up(self):
+        time.sleep(1.5)
+        return warm_up(self)
+
+    shard_server.ShardServer.warm_up = slow_warm_up
+    mps.init(policy="asp", topology="ps", backend="mpi", server="dedicated", deadline=30)
+    thread = _runtime.context().shard_thread
+    warmed = thread is None or thread.server.warmed.is_set()
+    _result(rank=mps.rank(), hosts_a_shard=thread is not None, warmed=warmed)
+    mps.shutdown()
+
+
 # -- OSP --------------------------------------------------------------------------------------
 def osp_run() -> None:
     """OSP on the ring.  ``ics=0``: the ICS share is 0 and OSP must equal BSP.  Otherwise the

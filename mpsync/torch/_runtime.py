@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import importlib.util
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -210,8 +211,23 @@ def init(policy: str | None = None, topology: str | None = None, backend: str | 
             workers, config, world_ranks, cast=torch_cast)
         ctx.shards.waiter = engine().wait   # the one way a worker waits on bytes in flight
     _start_control_plane(ctx)
+    if ctx.shards is not None:
+        _await_warm_shards(ctx, config.startup_timeout)
     atexit.register(_shutdown_at_exit)
     return ctx
+
+
+def _await_warm_shards(ctx, timeout: float) -> None:
+    """Every worker leaves ``init`` once every shard's compiled loop is loaded
+    (``ShardServer.warm_up``, on its thread since ``start_shards``, beside the control
+    plane's start): where that load is a compile, it comes before any trainer's clock starts
+    and not inside its first pushes.  The wait sleeps: a polling barrier would take the cores
+    the compile needs."""
+    if ctx.shard_thread is not None:
+        ctx.shard_thread.server.warmed.wait(timeout)
+    request = ctx.workers.Ibarrier()
+    while not request.Test():
+        time.sleep(1e-3)
 
 
 def ring_only_without_threads(config: SyncConfig, thread_level: int) -> SyncConfig:
