@@ -256,7 +256,7 @@ def paced(comm, methods: dict, max_repeats: int, budget: float, pace: str = "com
 
 class _PlainProgram:
     """The PS exchange's baseline (module doc), set up beside a session so that its calls
-    interleave with the parameter server's, call by call (``beside``): each worker sends every
+    take turns with the parameter server's (``beside``; ``BLOCK``): each worker sends every
     shard's slice to the rank hosting it and gets a slice back, answered there by an echo
     thread.  The echo thread sleeps on a queue between calls (a worker's call wakes its rank's
     echo before posting), so it never polls against the exchange it is compared with; while
